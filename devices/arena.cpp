@@ -1,0 +1,144 @@
+#include "bspflow/arena.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+#include "bspflow/error.hpp"
+#include "bspflow/topology.hpp"
+#include "bspflow/tunables.hpp"
+
+namespace bspflow {
+
+namespace {
+constexpr std::size_t kAlign = tunables::kArenaAlignment;
+std::size_t round_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+}  // namespace
+
+Arena::Arena(std::size_t bytes, int numa_node, std::string owner)
+    : owner_(std::move(owner)), capacity_(bytes / kAlign * kAlign),
+      base_(static_cast<std::byte*>(Topology::get().allocate(capacity_, numa_node))) {
+  if (capacity_ > 0) free_.emplace(0, capacity_);
+}
+
+Arena::~Arena() { Topology::get().release(base_, capacity_); }
+
+void* Arena::allocate(std::size_t bytes, std::string_view what) {
+  const std::size_t need = round_up(std::max<std::size_t>(bytes, 1));
+  std::lock_guard lock(mutex_);
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    if (it->second < need) continue;
+    const std::size_t offset = it->first;
+    const std::size_t rest = it->second - need;
+    free_.erase(it);
+    if (rest > 0) free_.emplace(offset + need, rest);
+    allocations_.emplace(offset, Allocation{std::string(what), offset, need});
+    used_ += need;
+    return base_ + offset;
+  }
+  const std::size_t free_now = capacity_ - used_;
+  std::ostringstream os;
+  os << owner_ << ": out of memory allocating " << detail::format_bytes(bytes) << " for '"
+     << what << "': " << detail::format_bytes(free_now) << " free of "
+     << detail::format_bytes(capacity_);
+  if (free_now >= need) {
+    os << " (but fragmented: largest free block " << detail::format_bytes(largest_free_locked())
+       << ")";
+  }
+  os << ". " << report_locked()
+     << ". Raise tiles or bytes_per_tile, or shrink what holds the memory.";
+  throw OutOfMemoryError(os.str(), bytes, free_now);
+}
+
+void Arena::release(void* ptr) noexcept {
+  if (ptr == nullptr) return;
+  const auto* p = static_cast<std::byte*>(ptr);
+  if (p < base_ || p >= base_ + capacity_) return;
+  const auto offset = static_cast<std::size_t>(p - base_);
+  std::lock_guard lock(mutex_);
+  auto a = allocations_.find(offset);
+  if (a == allocations_.end()) return;
+  std::size_t start = offset;
+  std::size_t size = a->second.bytes;
+  used_ -= size;
+  allocations_.erase(a);
+  // Coalesce with the free neighbours on either side.
+  auto next = free_.lower_bound(start);
+  if (next != free_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == start) {
+      start = prev->first;
+      size += prev->second;
+      free_.erase(prev);
+    }
+  }
+  next = free_.lower_bound(start);
+  if (next != free_.end() && start + size == next->first) {
+    size += next->second;
+    free_.erase(next);
+  }
+  free_.emplace(start, size);
+}
+
+std::size_t Arena::used() const {
+  std::lock_guard lock(mutex_);
+  return used_;
+}
+
+std::size_t Arena::free_bytes() const {
+  std::lock_guard lock(mutex_);
+  return capacity_ - used_;
+}
+
+std::size_t Arena::largest_free_block() const {
+  std::lock_guard lock(mutex_);
+  return largest_free_locked();
+}
+
+std::size_t Arena::largest_free_locked() const {
+  std::size_t best = 0;
+  for (const auto& [offset, size] : free_) best = std::max(best, size);
+  return best;
+}
+
+std::vector<Arena::Allocation> Arena::allocations() const {
+  std::vector<Allocation> out;
+  {
+    std::lock_guard lock(mutex_);
+    for (const auto& [offset, a] : allocations_) out.push_back(a);
+  }
+  std::stable_sort(out.begin(), out.end(),
+                   [](const Allocation& a, const Allocation& b) { return a.bytes > b.bytes; });
+  return out;
+}
+
+std::string Arena::report() const {
+  std::lock_guard lock(mutex_);
+  return report_locked();
+}
+
+std::string Arena::report_locked() const {
+  // Group by name, largest first: ten 1 MiB 'activations' read better as one 10 MiB line.
+  std::map<std::string, std::pair<std::size_t, std::size_t>> by_name;  // bytes, count
+  for (const auto& [offset, a] : allocations_) {
+    auto& entry = by_name[a.name];
+    entry.first += a.bytes;
+    entry.second += 1;
+  }
+  std::vector<std::pair<std::string, std::pair<std::size_t, std::size_t>>> rows(by_name.begin(),
+                                                                               by_name.end());
+  std::stable_sort(rows.begin(), rows.end(),
+                   [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
+  std::ostringstream os;
+  os << detail::format_bytes(used_) << " used of " << detail::format_bytes(capacity_);
+  if (rows.empty()) return os.str() + ", nothing allocated";
+  os << ", held by:";
+  constexpr std::size_t kShown = 8;
+  for (std::size_t i = 0; i < rows.size() && i < kShown; ++i) {
+    os << (i == 0 ? " '" : ", '") << rows[i].first << "' " << detail::format_bytes(rows[i].second.first);
+    if (rows[i].second.second > 1) os << " (" << rows[i].second.second << " allocations)";
+  }
+  if (rows.size() > kShown) os << ", and " << rows.size() - kShown << " more names";
+  return os.str();
+}
+
+}  // namespace bspflow

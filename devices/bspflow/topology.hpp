@@ -1,0 +1,71 @@
+// Topology: the machine's cores and NUMA nodes, discovered once with hwloc, and the
+// placement policy for emulated devices. The only file in bspflow that includes hwloc.
+//
+// Placement policy: device i goes on its own physical core, taken from the highest core
+// down (core 0 is where the host's main thread and the OS usually run). When devices
+// outnumber cores they share cores round-robin, a warning is logged, and because every wait
+// in bspflow spins only briefly before parking, nothing livelocks.
+// Without hwloc (built with -Dhwloc=disabled, or discovery failed) devices run unpinned.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace bspflow {
+
+struct CoreInfo {
+  std::uint32_t index = 0;     // logical core index 0..cores()-1
+  std::uint32_t first_pu = 0;  // OS index of the core's first hardware thread
+  std::uint32_t pus = 1;       // hardware threads on the core
+  int numa_node = 0;
+};
+
+struct Placement {
+  std::uint32_t device = 0;
+  std::optional<std::uint32_t> core;  // nullopt: unpinned
+  int numa_node = 0;
+  std::uint32_t sharing = 1;  // devices placed on this core (1 = a core of its own)
+};
+
+class Topology {
+ public:
+  // Any thread. Discovers the topology on first call (thread-safe), then returns it.
+  static const Topology& get();
+
+  bool has_hwloc() const noexcept { return hwloc_ != nullptr; }
+  std::uint32_t cores() const noexcept { return static_cast<std::uint32_t>(cores_.size()); }
+  std::uint32_t pus() const noexcept { return pus_; }
+  std::uint32_t numa_nodes() const noexcept { return numa_nodes_; }
+  const std::vector<CoreInfo>& core_list() const noexcept { return cores_; }
+
+  // Where `devices` devices would be placed (see the policy above). Pure; logs nothing.
+  std::vector<Placement> place(std::uint32_t devices, bool pin = true) const;
+
+  // Any thread: binds the calling thread to `core`'s first hardware thread. Returns false
+  // (and leaves the thread unpinned) without hwloc or if the OS refuses.
+  bool pin_current_thread(std::uint32_t core) const;
+
+  // Setup path: `bytes` of memory bound to `numa_node` (plain anonymous memory without
+  // hwloc). Pages are committed on first touch. Throws std::bad_alloc on failure.
+  void* allocate(std::size_t bytes, int numa_node) const;
+  void release(void* ptr, std::size_t bytes) const noexcept;
+
+  // "2 cores (2 hardware threads), 1 NUMA node, hwloc 2.9.0" plus one line per core.
+  std::string describe() const;
+
+  ~Topology();
+  Topology(const Topology&) = delete;
+  Topology& operator=(const Topology&) = delete;
+
+ private:
+  Topology();
+  void* hwloc_ = nullptr;  // hwloc_topology_t, kept opaque so hwloc stays in topology.cpp
+  std::vector<CoreInfo> cores_;
+  std::uint32_t pus_ = 1;
+  std::uint32_t numa_nodes_ = 1;
+};
+
+}  // namespace bspflow

@@ -1,0 +1,129 @@
+#include "bspflow/device.hpp"
+
+#include <sstream>
+
+#include "bspflow/error.hpp"
+#include "bspflow/log.hpp"
+
+namespace bspflow {
+
+void DeviceConfig::validate() const {
+  if (tiles < 1 || tiles > tunables::kMaxTiles) {
+    detail::throw_bad_value("tiles", tiles, "must be in 1.." + std::to_string(tunables::kMaxTiles));
+  }
+  if (bytes_per_tile < tunables::kArenaAlignment || bytes_per_tile > tunables::kMaxBytesPerTile) {
+    detail::throw_bad_value("bytes_per_tile", bytes_per_tile,
+                            "must be in " + std::to_string(tunables::kArenaAlignment) + ".." +
+                                std::to_string(tunables::kMaxBytesPerTile));
+  }
+}
+
+namespace {
+const DeviceConfig& validated(const DeviceConfig& c) {
+  c.validate();
+  return c;
+}
+Placement placement_for(std::uint32_t id, const DeviceConfig& config,
+                        const std::optional<Placement>& given) {
+  if (given) return *given;
+  Placement p = Topology::get().place(id + 1, config.pin)[id];
+  p.sharing = 1;  // alone, as far as this device knows
+  return p;
+}
+}  // namespace
+
+Device::Device(std::uint32_t id, DeviceConfig config, std::optional<Placement> placement)
+    : id_(id), config_(validated(config)), placement_(placement_for(id, config_, placement)),
+      arena_(config_.memory_bytes(), placement_.numa_node, "device " + std::to_string(id)) {
+  thread_ = std::thread([this] { thread_main(); });
+}
+
+Device::~Device() {
+  {
+    std::lock_guard lock(mutex_);
+    stopping_ = true;
+    if (running_ != nullptr && running_->cancel) running_->cancel();
+    for (DeviceJob& job : jobs_) {
+      if (job.cancel) job.cancel();
+    }
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void Device::submit(DeviceJob job) {
+  {
+    std::lock_guard lock(mutex_);
+    if (stopping_) throw Error("device " + std::to_string(id_) + " is shutting down");
+    jobs_.push_back(std::move(job));
+  }
+  cv_.notify_one();
+}
+
+bool Device::pinned() const {
+  std::unique_lock lock(mutex_);
+  cv_.wait(lock, [&] { return started_; });
+  return pinned_;
+}
+
+void Device::thread_main() {
+  bool pinned = false;
+  if (config_.pin && placement_.core) pinned = Topology::get().pin_current_thread(*placement_.core);
+  {
+    std::lock_guard lock(mutex_);
+    started_ = true;
+    pinned_ = pinned;
+  }
+  cv_.notify_all();
+  if (config_.pin && placement_.core && !pinned) {
+    log(LogLevel::kWarning, "device " + std::to_string(id_) + ": could not pin to core " +
+                                std::to_string(*placement_.core) + "; running unpinned");
+  }
+  // Jobs are host-submitted and few (one per host call), so a condition variable is the
+  // right wait here; the spin-then-park waits are inside the jobs' hot loops.
+  std::unique_lock lock(mutex_);
+  for (;;) {
+    cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
+    if (jobs_.empty()) return;  // stopping, nothing left
+    DeviceJob job = std::move(jobs_.front());
+    jobs_.pop_front();
+    running_ = &job;
+    lock.unlock();
+    // A job's own errors are its business (a loop records them for its host caller);
+    // anything escaping is a bug in the job, reported rather than terminating.
+    try {
+      job.run();
+    } catch (const std::exception& e) {
+      log(LogLevel::kError, "device " + std::to_string(id_) + ": job threw: " + e.what());
+    } catch (...) {
+      log(LogLevel::kError, "device " + std::to_string(id_) + ": job threw a non-exception");
+    }
+    lock.lock();
+    running_ = nullptr;
+  }
+}
+
+DeviceGroup::DeviceGroup(std::uint32_t count, DeviceConfig config) {
+  if (count < 1 || count > tunables::kMaxReplicas) {
+    detail::throw_bad_value("device count", count,
+                            "must be in 1.." + std::to_string(tunables::kMaxReplicas));
+  }
+  config.validate();
+  const Topology& topo = Topology::get();
+  const std::vector<Placement> placements = topo.place(count, config.pin);
+  for (const Placement& p : placements) max_sharing_ = std::max(max_sharing_, p.sharing);
+  if (count > topo.cores()) {
+    std::ostringstream os;
+    os << count << " devices on " << topo.cores() << (topo.cores() == 1 ? " core" : " cores")
+       << ": devices share cores (up to " << max_sharing_
+       << " per core); waits park after a short spin, so this works, but expect lower "
+          "throughput than with a core per device";
+    log(LogLevel::kWarning, os.str());
+  }
+  devices_.reserve(count);
+  for (std::uint32_t i = 0; i < count; ++i) {
+    devices_.push_back(std::make_unique<Device>(i, config, placements[i]));
+  }
+}
+
+}  // namespace bspflow

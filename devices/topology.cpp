@@ -1,0 +1,171 @@
+// Topology discovery and thread/memory binding. hwloc is included here and nowhere else.
+#include "bspflow/topology.hpp"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <new>
+#include <sstream>
+#include <thread>
+
+#include "bspflow/log.hpp"
+
+#if BSPFLOW_HAVE_HWLOC
+#include <hwloc.h>
+#endif
+
+namespace bspflow {
+
+#if BSPFLOW_HAVE_HWLOC
+namespace {
+hwloc_topology_t as_topo(void* p) { return static_cast<hwloc_topology_t>(p); }
+}  // namespace
+#endif
+
+Topology::Topology() {
+#if BSPFLOW_HAVE_HWLOC
+  hwloc_topology_t topo = nullptr;
+  if (hwloc_topology_init(&topo) == 0 && hwloc_topology_load(topo) == 0) {
+    hwloc_ = topo;
+    const int ncores = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_CORE);
+    const int npus = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_PU);
+    const int nnuma = hwloc_get_nbobjs_by_type(topo, HWLOC_OBJ_NUMANODE);
+    pus_ = npus > 0 ? static_cast<std::uint32_t>(npus) : 1;
+    numa_nodes_ = nnuma > 0 ? static_cast<std::uint32_t>(nnuma) : 1;
+    for (int i = 0; i < ncores; ++i) {
+      hwloc_obj_t core = hwloc_get_obj_by_type(topo, HWLOC_OBJ_CORE, static_cast<unsigned>(i));
+      CoreInfo info;
+      info.index = static_cast<std::uint32_t>(i);
+      const int first = hwloc_bitmap_first(core->cpuset);
+      info.first_pu = first >= 0 ? static_cast<std::uint32_t>(first) : 0;
+      const int weight = hwloc_bitmap_weight(core->cpuset);
+      info.pus = weight > 0 ? static_cast<std::uint32_t>(weight) : 1;
+      // The NUMA node whose cpuset contains this core (nodes hang off non-leaf objects).
+      for (int n = 0; n < nnuma; ++n) {
+        hwloc_obj_t node =
+            hwloc_get_obj_by_type(topo, HWLOC_OBJ_NUMANODE, static_cast<unsigned>(n));
+        if (node->cpuset != nullptr && hwloc_bitmap_isincluded(core->cpuset, node->cpuset)) {
+          info.numa_node = static_cast<int>(node->os_index);
+          break;
+        }
+      }
+      cores_.push_back(info);
+    }
+    if (!cores_.empty()) return;
+    hwloc_topology_destroy(topo);
+    hwloc_ = nullptr;
+    log(LogLevel::kWarning, "hwloc found no cores; devices will run unpinned");
+  } else {
+    if (topo != nullptr) hwloc_topology_destroy(topo);
+    log(LogLevel::kWarning, "hwloc topology discovery failed; devices will run unpinned");
+  }
+#endif
+  const unsigned n = std::max(1u, std::thread::hardware_concurrency());
+  pus_ = n;
+  numa_nodes_ = 1;
+  for (unsigned i = 0; i < n; ++i) cores_.push_back(CoreInfo{i, i, 1, 0});
+}
+
+Topology::~Topology() {
+#if BSPFLOW_HAVE_HWLOC
+  if (hwloc_ != nullptr) hwloc_topology_destroy(as_topo(hwloc_));
+#endif
+}
+
+const Topology& Topology::get() {
+  static const Topology topology;
+  return topology;
+}
+
+std::vector<Placement> Topology::place(std::uint32_t devices, bool pin) const {
+  std::vector<Placement> out;
+  out.reserve(devices);
+  const auto ncores = static_cast<std::uint32_t>(cores_.size());
+  for (std::uint32_t d = 0; d < devices; ++d) {
+    const CoreInfo& core = cores_[ncores - 1 - (d % ncores)];
+    Placement p;
+    p.device = d;
+    if (pin && has_hwloc()) p.core = core.index;
+    p.numa_node = core.numa_node;
+    // Devices sharing this core: those with the same d % ncores.
+    p.sharing = devices / ncores + ((d % ncores) < (devices % ncores) ? 1 : 0);
+    out.push_back(p);
+  }
+  return out;
+}
+
+bool Topology::pin_current_thread(std::uint32_t core) const {
+#if BSPFLOW_HAVE_HWLOC
+  if (hwloc_ == nullptr || core >= cores_.size()) return false;
+  hwloc_bitmap_t set = hwloc_bitmap_alloc();
+  if (set == nullptr) return false;
+  hwloc_bitmap_only(set, cores_[core].first_pu);
+  const int rc = hwloc_set_cpubind(as_topo(hwloc_), set, HWLOC_CPUBIND_THREAD);
+  hwloc_bitmap_free(set);
+  return rc == 0;
+#else
+  (void)core;
+  return false;
+#endif
+}
+
+void* Topology::allocate(std::size_t bytes, int numa_node) const {
+  if (bytes == 0) bytes = 1;
+#if BSPFLOW_HAVE_HWLOC
+  if (hwloc_ != nullptr) {
+    hwloc_obj_t node = hwloc_get_numanode_obj_by_os_index(as_topo(hwloc_),
+                                                          static_cast<unsigned>(numa_node));
+    if (node != nullptr) {
+      void* p = hwloc_alloc_membind(as_topo(hwloc_), bytes, node->nodeset, HWLOC_MEMBIND_BIND,
+                                    HWLOC_MEMBIND_BYNODESET);
+      if (p != nullptr) return p;
+    }
+  }
+#else
+  (void)numa_node;
+#endif
+  // No hwloc (or binding refused): plain anonymous memory. MAP_NORESERVE because an arena
+  // reserves the device's whole budget but touches only what it hands out.
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+                   -1, 0);
+  if (p == MAP_FAILED) throw std::bad_alloc();
+  return p;
+}
+
+void Topology::release(void* ptr, std::size_t bytes) const noexcept {
+  if (ptr == nullptr) return;
+  if (bytes == 0) bytes = 1;
+#if BSPFLOW_HAVE_HWLOC
+  if (hwloc_ != nullptr) {
+    // hwloc_alloc_membind and the mmap fallback below both map anonymous memory, which
+    // hwloc_free unmaps.
+    hwloc_free(as_topo(hwloc_), ptr, bytes);
+    return;
+  }
+#endif
+  ::munmap(ptr, bytes);
+}
+
+std::string Topology::describe() const {
+  std::ostringstream os;
+  os << cores() << (cores() == 1 ? " core" : " cores") << " (" << pus_ << " hardware threads), "
+     << numa_nodes_ << (numa_nodes_ == 1 ? " NUMA node" : " NUMA nodes");
+#if BSPFLOW_HAVE_HWLOC
+  if (has_hwloc()) {
+    const unsigned v = hwloc_get_api_version();
+    os << ", hwloc API " << (v >> 16) << '.' << ((v >> 8) & 0xff) << '.' << (v & 0xff);
+  } else {
+    os << ", hwloc discovery failed (devices unpinned)";
+  }
+#else
+  os << ", built without hwloc (devices unpinned)";
+#endif
+  os << '\n';
+  for (const CoreInfo& c : cores_) {
+    os << "  core " << c.index << ": first hardware thread " << c.first_pu << ", " << c.pus
+       << (c.pus == 1 ? " thread" : " threads") << ", NUMA node " << c.numa_node << '\n';
+  }
+  return os.str();
+}
+
+}  // namespace bspflow

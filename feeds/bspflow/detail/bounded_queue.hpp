@@ -1,0 +1,239 @@
+// BoundedQueue<T>: the one queue under every infeed lane and every outfeed.
+//
+// moodycamel::ConcurrentQueue stores the elements (lock-free, per-producer sub-queues, bulk
+// operations). Around it this adds what a feed needs and moodycamel leaves out:
+//  - a bound: producers reserve a slot before enqueueing, so at most `capacity` elements
+//    are ever reserved-but-not-popped (0 = unbounded). moodycamel's explicit producers
+//    reuse emptied blocks, so memory stays bounded by capacity plus one block per producer;
+//  - close(): end of data. Reservations and the closed flag share one atomic word, so no
+//    element can slip in after close() and be lost or half-counted;
+//  - blocking push/pop that spin briefly and then park (WaitPoint), and can be stopped.
+//
+// Ordering: FIFO per producer token (moodycamel's guarantee); no order across producers.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <new>
+#include <thread>
+#include <utility>
+
+#include "bspflow/detail/moodycamel.hpp"
+#include "bspflow/detail/wait.hpp"
+#include "bspflow/tunables.hpp"
+
+namespace bspflow {
+
+// Result of a non-blocking push.
+enum class PushResult { kOk, kFull, kClosed };
+
+namespace detail {
+
+template <class T>
+class BoundedQueue {
+ public:
+  using Token = moodycamel::ProducerToken;
+
+  // capacity 0 = unbounded.
+  explicit BoundedQueue(std::size_t capacity)
+      : queue_(initial_slots(capacity)), capacity_(capacity) {}
+
+  BoundedQueue(const BoundedQueue&) = delete;
+  BoundedQueue& operator=(const BoundedQueue&) = delete;
+
+  // Any thread, setup path: allocates. The token must not outlive the queue.
+  Token make_token() { return Token(queue_); }
+
+  std::size_t capacity() const noexcept { return capacity_; }
+
+  // Producer (holder of `token`). Never blocks. Moves from `value` only on kOk.
+  PushResult try_push(Token& token, T&& value) {
+    const PushResult r = try_reserve(1);
+    if (r != PushResult::kOk) return r;
+    commit(token, std::move(value));
+    return PushResult::kOk;
+  }
+
+  // Producer. Blocks while full. Returns false (value untouched) if the queue is closed,
+  // or `stop` was set, before a slot was free.
+  bool push(Token& token, T&& value, const StopFlag* stop = nullptr) {
+    for (;;) {
+      const PushResult r = try_reserve(1);
+      if (r == PushResult::kOk) break;
+      if (r == PushResult::kClosed) return false;
+      if (stop != nullptr && stop->requested()) return false;
+      not_full_.wait([&] { return has_room(1) || is_closed() || stopped(stop); });
+    }
+    commit(token, std::move(value));
+    return true;
+  }
+
+  // Producer. Moves n elements from `first`, in order, reserving as many as fit at a time
+  // (one moodycamel bulk enqueue per reservation). Blocks while full. Returns how many were
+  // pushed: n, or fewer if the queue closed or `stop` was set first.
+  template <class It>
+  std::size_t push_bulk(Token& token, It first, std::size_t n, const StopFlag* stop = nullptr) {
+    std::size_t done = 0;
+    while (done < n) {
+      std::size_t want = n - done;
+      if (capacity_ != 0 && want > capacity_) want = capacity_;
+      PushResult r = try_reserve(want);
+      if (r == PushResult::kFull) {
+        const std::size_t room = free_slots();
+        if (room > 0) {
+          want = room;
+          r = try_reserve(want);
+        }
+      }
+      if (r == PushResult::kClosed) return done;
+      if (r == PushResult::kFull) {
+        if (stop != nullptr && stop->requested()) return done;
+        not_full_.wait([&] { return has_room(1) || is_closed() || stopped(stop); });
+        continue;
+      }
+      if (!queue_.enqueue_bulk(token, std::make_move_iterator(first), want)) {
+        unreserve(want);
+        throw std::bad_alloc();
+      }
+      std::advance(first, static_cast<std::ptrdiff_t>(want));
+      done += want;
+      not_empty_.notify();
+    }
+    return done;
+  }
+
+  // Consumer. Never blocks. Moves up to `max` elements into out[0..). Returns the count.
+  std::size_t try_pop_bulk(T* out, std::size_t max) {
+    const std::size_t n = queue_.try_dequeue_bulk(out, max);
+    if (n != 0) {
+      popped_.fetch_add(n, std::memory_order_acq_rel);
+      not_full_.notify();
+    }
+    return n;
+  }
+
+  // Consumer. Blocks until at least one element is available and returns how many it
+  // moved (1..max); returns 0 when the queue is closed and drained (end of data) or `stop`
+  // was set.
+  std::size_t pop_bulk(T* out, std::size_t max, const StopFlag* stop = nullptr) {
+    for (;;) {
+      const std::size_t n = try_pop_bulk(out, max);
+      if (n != 0) return n;
+      if (drained() || stopped(stop)) return 0;
+      // Reserved-but-not-yet-enqueued elements make pending() true for a moment; the
+      // producer is mid-enqueue, so give it the core rather than spin on it.
+      if (pending()) {
+        std::this_thread::yield();
+        continue;
+      }
+      not_empty_.wait([&] { return pending() || is_closed() || stopped(stop); });
+    }
+  }
+
+  // Any thread. End of data: pushes fail from now on; consumers drain what is left, then
+  // see end of data. Wakes everybody parked. Idempotent.
+  void close() noexcept {
+    reserved_.fetch_or(kClosedBit, std::memory_order_acq_rel);
+    not_empty_.notify();
+    not_full_.notify();
+  }
+
+  // Any thread, when no producer is active: accept pushes again (outfeeds between runs).
+  void reopen() noexcept { reserved_.fetch_and(~kClosedBit, std::memory_order_acq_rel); }
+
+  // Any thread. Wakes parked producers and consumers so they re-check their stop flag.
+  void wake_all() noexcept {
+    not_empty_.notify();
+    not_full_.notify();
+  }
+
+  bool is_closed() const noexcept {
+    return (reserved_.load(std::memory_order_acquire) & kClosedBit) != 0;
+  }
+  // Closed and every reserved element popped.
+  bool drained() const noexcept {
+    const std::uint64_t r = reserved_.load(std::memory_order_acquire);
+    return (r & kClosedBit) != 0 && (r & kCountMask) == popped_.load(std::memory_order_acquire);
+  }
+  // Elements reserved but not popped (approximate while producers run).
+  std::size_t size_approx() const noexcept {
+    const std::uint64_t r = reserved_.load(std::memory_order_acquire) & kCountMask;
+    const std::uint64_t p = popped_.load(std::memory_order_acquire);
+    return r > p ? static_cast<std::size_t>(r - p) : 0;
+  }
+  std::uint64_t total_pushed() const noexcept {
+    return reserved_.load(std::memory_order_acquire) & kCountMask;
+  }
+  std::uint64_t total_popped() const noexcept { return popped_.load(std::memory_order_acquire); }
+
+ private:
+  static constexpr std::uint64_t kClosedBit = std::uint64_t{1} << 63;
+  static constexpr std::uint64_t kCountMask = kClosedBit - 1;
+
+  static std::size_t initial_slots(std::size_t capacity) {
+    // Preallocate up to the bound (at most 64 blocks); beyond that moodycamel grows and
+    // then reuses blocks.
+    constexpr std::size_t kBlock = moodycamel::ConcurrentQueueDefaultTraits::BLOCK_SIZE;
+    const std::size_t want = capacity == 0 ? 6 * kBlock : capacity;
+    return want < 64 * kBlock ? want : 64 * kBlock;
+  }
+
+  static bool stopped(const StopFlag* stop) noexcept {
+    return stop != nullptr && stop->requested();
+  }
+
+  bool pending() const noexcept {
+    return (reserved_.load(std::memory_order_acquire) & kCountMask) !=
+           popped_.load(std::memory_order_acquire);
+  }
+
+  std::size_t free_slots() const noexcept {
+    if (capacity_ == 0) return SIZE_MAX;
+    const std::size_t used = size_approx();
+    return used >= capacity_ ? 0 : capacity_ - used;
+  }
+  bool has_room(std::size_t n) const noexcept { return free_slots() >= n; }
+
+  PushResult try_reserve(std::size_t n) noexcept {
+    std::uint64_t r = reserved_.load(std::memory_order_relaxed);  // relaxed: CAS re-checks
+    for (;;) {
+      if ((r & kClosedBit) != 0) return PushResult::kClosed;
+      if (capacity_ != 0) {
+        const std::uint64_t p = popped_.load(std::memory_order_acquire);
+        if ((r & kCountMask) + n - p > capacity_) return PushResult::kFull;
+      }
+      if (reserved_.compare_exchange_weak(r, r + n, std::memory_order_acq_rel,
+                                          std::memory_order_relaxed)) {
+        return PushResult::kOk;
+      }
+    }
+  }
+
+  void unreserve(std::size_t n) noexcept {
+    reserved_.fetch_sub(n, std::memory_order_acq_rel);
+    not_full_.notify();
+    not_empty_.notify();
+  }
+
+  void commit(Token& token, T&& value) {
+    if (!queue_.enqueue(token, std::move(value))) {
+      unreserve(1);
+      throw std::bad_alloc();
+    }
+    not_empty_.notify();
+  }
+
+  moodycamel::ConcurrentQueue<T> queue_;
+  const std::size_t capacity_;
+  // Written by producers (CAS) and close(); read by consumers when they find nothing.
+  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> reserved_{0};
+  // Written by consumers; read by producers only to check the bound.
+  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> popped_{0};
+  WaitPoint not_empty_;
+  WaitPoint not_full_;
+};
+
+}  // namespace detail
+}  // namespace bspflow

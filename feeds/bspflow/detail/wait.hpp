@@ -1,0 +1,105 @@
+// Spin-then-park waiting, shared by every queue and by run completion.
+//
+// A waiter spins for tunables::kSpinBudget with a CPU pause hint, then parks on a futex
+// (std::atomic<uint32_t>::wait). A notifier pays one fence and one load when nobody is
+// parked, and a futex wake when somebody is. Spinning alone would livelock when threads
+// outnumber cores (4 emulated devices on 2 cores); parking alone would add tens of
+// microseconds to every hand-off.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <thread>
+
+#include "bspflow/tunables.hpp"
+
+namespace bspflow::detail {
+
+inline void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield" ::: "memory");
+#else
+  std::atomic_signal_fence(std::memory_order_seq_cst);
+#endif
+}
+
+// Spins while !ready() for at most `budget`. Returns true as soon as ready() holds.
+template <class Ready>
+bool spin_until(Ready&& ready, std::chrono::nanoseconds budget = tunables::kSpinBudget) {
+  if (ready()) return true;
+  const auto deadline = std::chrono::steady_clock::now() + budget;
+  for (unsigned i = 1;; ++i) {
+    cpu_relax();
+    if (ready()) return true;
+    // Reading the clock costs ~20 ns; once every 64 pauses keeps it off the fast path.
+    if ((i & 63u) == 0 && std::chrono::steady_clock::now() >= deadline) return false;
+  }
+}
+
+// One parking spot. Waiters call wait(ready); whoever changes what ready() reads calls
+// notify() afterwards. Correct for any number of waiters and notifiers.
+class alignas(tunables::kCacheLine) WaitPoint {
+ public:
+  // Any thread. Never blocks, never allocates. Call after making the state change visible.
+  void notify() noexcept {
+    // Pairs with the fence in wait(): either the waiter's ready() sees our state change,
+    // or we see its waiters_ increment and wake it (a Dekker pair; no lost wake-up).
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    // relaxed: ordered by the fence above.
+    if (waiters_.load(std::memory_order_relaxed) != 0) {
+      epoch_.fetch_add(1, std::memory_order_release);
+      epoch_.notify_all();
+    }
+  }
+
+  // Any thread. Blocks (spin, then park) until ready() returns true. ready() must be
+  // cheap and must read state whose writers call notify() after writing it.
+  template <class Ready>
+  void wait(Ready&& ready) {
+    if (spin_until(ready)) return;
+    waiters_.fetch_add(1, std::memory_order_seq_cst);
+    std::atomic_thread_fence(std::memory_order_seq_cst);
+    for (;;) {
+      const std::uint32_t seen = epoch_.load(std::memory_order_acquire);
+      if (ready()) break;
+      epoch_.wait(seen, std::memory_order_acquire);
+    }
+    // relaxed: only a hint for notifiers; a stale non-zero costs one spurious wake.
+    waiters_.fetch_sub(1, std::memory_order_relaxed);
+  }
+
+  // Like wait(), but gives up at `deadline`. Returns ready().
+  template <class Ready, class Clock, class Duration>
+  bool wait_until(Ready&& ready, std::chrono::time_point<Clock, Duration> deadline) {
+    if (spin_until(ready)) return true;
+    // Parking with a timeout: libstdc++'s atomic wait has no timed form, so poll with a
+    // short sleep that doubles up to 1 ms. Only used by host-side timed waits.
+    auto nap = std::chrono::microseconds(50);
+    while (!ready()) {
+      if (Clock::now() >= deadline) return ready();
+      std::this_thread::sleep_for(nap);
+      if (nap < std::chrono::milliseconds(1)) nap *= 2;
+    }
+    return true;
+  }
+
+ private:
+  std::atomic<std::uint32_t> epoch_{0};
+  std::atomic<std::uint32_t> waiters_{0};
+};
+
+// A stop request that parked waiters can observe: set() flips the flag; callers then
+// notify the WaitPoints the stopped work may be parked on.
+class StopFlag {
+ public:
+  bool requested() const noexcept { return flag_.load(std::memory_order_acquire); }
+  void set() noexcept { flag_.store(true, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> flag_{false};
+};
+
+}  // namespace bspflow::detail

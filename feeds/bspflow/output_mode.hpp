@@ -1,0 +1,59 @@
+// OutputMode: what the host sees of a value the device writes to an outfeed every
+// iteration (TF-IPU IPUOutfeedMode / PopTorch OutputMode, same meanings):
+//   all()        one entry per iteration (and, with gradient accumulation, per accumulation
+//                step) per replica;
+//   final()      the last iteration's entry, per replica;
+//   sum()        the element-wise sum over all iterations, per replica;
+//   every_n(n)   iterations n-1, 2n-1, ... (10 iterations, every_n(5): iterations 4 and 9).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+namespace bspflow {
+
+class OutputMode {
+ public:
+  enum class Kind { kAll, kFinal, kSum, kEveryN };
+
+  static constexpr OutputMode all() noexcept { return OutputMode(Kind::kAll, 1); }
+  static constexpr OutputMode final() noexcept { return OutputMode(Kind::kFinal, 1); }
+  static constexpr OutputMode sum() noexcept { return OutputMode(Kind::kSum, 1); }
+  // Throws bspflow::Error if n == 0.
+  static OutputMode every_n(std::uint64_t n);
+  // Parses "all", "final", "sum", "every_n:N" (as the examples' --output-mode takes it).
+  // Throws bspflow::Error naming the text and the accepted forms.
+  static OutputMode parse(std::string_view text);
+
+  constexpr Kind kind() const noexcept { return kind_; }
+  constexpr std::uint64_t n() const noexcept { return n_; }
+
+  // Does iteration `i` (0-based) of a loop produce a host-visible entry right away?
+  // (final and sum produce theirs once, when the loop ends.)
+  constexpr bool emits_at(std::uint64_t i) const noexcept {
+    switch (kind_) {
+      case Kind::kAll: return true;
+      case Kind::kEveryN: return (i + 1) % n_ == 0;
+      default: return false;
+    }
+  }
+  // Entries one replica delivers for a loop of `iterations` iterations.
+  constexpr std::uint64_t entries_for(std::uint64_t iterations) const noexcept {
+    switch (kind_) {
+      case Kind::kAll: return iterations;
+      case Kind::kEveryN: return iterations / n_;
+      default: return iterations == 0 ? 0 : 1;
+    }
+  }
+
+  std::string to_string() const;
+  friend constexpr bool operator==(OutputMode, OutputMode) noexcept = default;
+
+ private:
+  constexpr OutputMode(Kind kind, std::uint64_t n) noexcept : kind_(kind), n_(n) {}
+  Kind kind_;
+  std::uint64_t n_;
+};
+
+}  // namespace bspflow

@@ -1,0 +1,45 @@
+// Every tunable of bspflow in one place, with its limits. Options and configs validate
+// against these; change a default here and it changes everywhere.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+
+namespace bspflow::tunables {
+
+// Size of a cache line; hot counters written by different threads sit this far apart.
+inline constexpr std::size_t kCacheLine = 64;
+
+// Prefetch depth: how many elements per replica are moved toward the device ahead of use
+// (TF-IPU's prefetch_depth). The device takes up to this many in one bulk dequeue.
+inline constexpr std::uint32_t kMinPrefetchDepth = 1;
+inline constexpr std::uint32_t kMaxPrefetchDepth = 255;
+inline constexpr std::uint32_t kDefaultPrefetchDepth = 1;
+
+// Infeed capacity in elements per replica lane. A producer that finds its lane full blocks
+// (push) or gets Full (try_push): memory never grows past capacity per lane.
+inline constexpr std::size_t kDefaultInfeedCapacity = 256;
+inline constexpr std::size_t kMaxQueueCapacity = std::size_t{1} << 30;
+
+// Outfeed capacity in entries. 0 = unbounded (host memory, as on the IPU, where the host
+// side of an outfeed is a host buffer). Set a bound to give the device backpressure when
+// the host reads while the loop runs.
+inline constexpr std::size_t kDefaultOutfeedCapacity = 0;
+
+// Replicas per feed / devices per group.
+inline constexpr std::uint32_t kMaxReplicas = 1024;
+
+// Device memory: tiles x bytes per tile (IPU Mk2: 1472 tiles of 624 KiB).
+inline constexpr std::uint32_t kDefaultTiles = 1472;
+inline constexpr std::uint32_t kMaxTiles = 1u << 20;
+inline constexpr std::size_t kDefaultBytesPerTile = 624 * 1024;
+inline constexpr std::size_t kMaxBytesPerTile = std::size_t{64} << 20;
+inline constexpr std::size_t kArenaAlignment = 64;
+
+// Waiting: spin this long (with a CPU pause hint) before parking on a futex. Long enough to
+// catch a partner thread that answers within a few microseconds, short enough that a
+// thread sharing its core with another (4 devices on 2 cores) gives the core up quickly.
+inline constexpr std::chrono::nanoseconds kSpinBudget{20'000};
+
+}  // namespace bspflow::tunables

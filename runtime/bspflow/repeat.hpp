@@ -1,0 +1,379 @@
+// loops::repeat: run n device iterations of a body on a device (or one replica per device
+// of a group) without returning to the host (TF-IPU loops.repeat, PopTorch
+// deviceIterations).
+//
+//   InfeedQueue<Pair> infeed;  OutfeedQueue<Result> outfeed;  Device device(0);
+//   auto r = loops::repeat(device, 10, [](int& counter, Pair& x) {
+//     ++counter;
+//     return Result{x.a + x.b};
+//   }, 0, infeed, outfeed);
+//   // r.state() == 10, outfeed holds 10 entries
+//
+// The body is called as body(State&, In&) with an infeed, body(State&) without one, each
+// optionally with a trailing `const Iteration&`. With an outfeed its return value is the
+// iteration's output, shaped by the outfeed's OutputMode. Each replica gets its own copy of
+// the body and of the initial state.
+//
+// Ending: after n iterations (kCompleted); when a replica reads past a closed, drained
+// infeed (kEndOfData — TF-IPU aborts the process here, bspflow ends the loop and says so);
+// on cancel (kCancelled). A body exception stops every replica and reaches the host as
+// DeviceError with device, replica and iteration; outfeed entries written before it are
+// still delivered. Every device thread is left idle and joinable; nothing hangs.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <new>
+#include <optional>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "bspflow/device.hpp"
+#include "bspflow/error.hpp"
+#include "bspflow/infeed_queue.hpp"
+#include "bspflow/log.hpp"
+#include "bspflow/outfeed_queue.hpp"
+#include "bspflow/run.hpp"
+
+namespace bspflow::loops {
+
+// What a loop runs on: one Device, or every device of a DeviceGroup (one replica each).
+class Devices {
+ public:
+  Devices(Device& device) : list_{&device} {}  // NOLINT: implicit by design
+  Devices(DeviceGroup& group) {               // NOLINT: implicit by design
+    for (auto& d : group) list_.push_back(d.get());
+  }
+  std::uint32_t size() const noexcept { return static_cast<std::uint32_t>(list_.size()); }
+  Device& operator[](std::uint32_t i) const noexcept { return *list_[i]; }
+
+ private:
+  std::vector<Device*> list_;
+};
+
+namespace detail {
+
+using bspflow::detail::RunControl;
+using bspflow::detail::RunState;
+
+struct NoFeed {};
+
+template <class>
+inline constexpr bool kAlwaysFalse = false;
+
+template <class Body, class State, class In>
+decltype(auto) call_body(Body& body, State& state, In* input, const Iteration& it) {
+  if constexpr (std::is_same_v<In, NoFeed>) {
+    if constexpr (std::is_invocable_v<Body&, State&, const Iteration&>) {
+      return body(state, it);
+    } else if constexpr (std::is_invocable_v<Body&, State&>) {
+      return body(state);
+    } else {
+      static_assert(kAlwaysFalse<Body>,
+                    "loop body without an infeed must be callable as body(State&) or "
+                    "body(State&, const bspflow::Iteration&)");
+    }
+  } else {
+    if constexpr (std::is_invocable_v<Body&, State&, In&, const Iteration&>) {
+      return body(state, *input, it);
+    } else if constexpr (std::is_invocable_v<Body&, State&, In&>) {
+      return body(state, *input);
+    } else {
+      static_assert(kAlwaysFalse<Body>,
+                    "loop body with an infeed must be callable as body(State&, In&) or "
+                    "body(State&, In&, const bspflow::Iteration&)");
+    }
+  }
+}
+
+// The prefetch buffer of one replica's infeed reader, placed in the device's arena so the
+// device's memory budget accounts for it.
+template <class T>
+class ArenaBuffer {
+ public:
+  ArenaBuffer(Arena& arena, std::size_t n, const std::string& name) : arena_(&arena), n_(n) {
+    void* raw = arena.allocate(n * sizeof(T) + alignof(T), name);
+    auto addr = reinterpret_cast<std::uintptr_t>(raw);
+    addr = (addr + alignof(T) - 1) / alignof(T) * alignof(T);
+    raw_ = raw;
+    data_ = reinterpret_cast<T*>(addr);
+    std::size_t built = 0;
+    try {
+      for (; built < n; ++built) new (data_ + built) T();
+    } catch (...) {
+      for (std::size_t i = 0; i < built; ++i) data_[i].~T();
+      arena.release(raw);
+      throw;
+    }
+  }
+  ArenaBuffer(const ArenaBuffer&) = delete;
+  ArenaBuffer& operator=(const ArenaBuffer&) = delete;
+  ~ArenaBuffer() {
+    for (std::size_t i = 0; i < n_; ++i) data_[i].~T();
+    arena_->release(raw_);
+  }
+  std::span<T> span() noexcept { return {data_, n_}; }
+
+ private:
+  Arena* arena_;
+  std::size_t n_;
+  void* raw_ = nullptr;
+  T* data_ = nullptr;
+};
+
+template <class InQ>
+struct InfeedSide {  // no infeed
+  using Value = NoFeed;
+  InfeedSide(InQ*, Device&, std::uint32_t) {}
+  bool pop(NoFeed*&, const bspflow::detail::StopFlag*) { return true; }
+  bool end_of_data() const { return false; }
+  NoFeed* slot() { return nullptr; }
+};
+
+template <class T>
+struct InfeedSide<InfeedQueue<T>> {
+  using Value = T;
+  InfeedSide(InfeedQueue<T>* q, Device& device, std::uint32_t replica)
+      : buffer(std::make_unique<ArenaBuffer<T>>(
+            device.arena(), q->prefetch_depth(),
+            "infeed prefetch buffer (replica " + std::to_string(replica) + ")")),
+        reader(q->reader(replica, buffer->span())) {}
+  bool pop(T*& out, const bspflow::detail::StopFlag* stop) {
+    out = &value;
+    return reader->pop(value, stop);
+  }
+  bool end_of_data() const { return reader->end_of_data(); }
+  // Order matters: the reader (which uses the buffer) is destroyed first.
+  std::unique_ptr<ArenaBuffer<T>> buffer;
+  std::optional<typename InfeedQueue<T>::Reader> reader;
+  T value{};
+};
+
+template <class OutQ>
+struct OutfeedSide {  // no outfeed
+  template <class V>
+  bool write(std::uint64_t, V&&, const bspflow::detail::StopFlag*) {
+    return true;
+  }
+  void finish(bool, const bspflow::detail::StopFlag*) {}
+};
+
+template <class T>
+struct OutfeedSide<OutfeedQueue<T>> {
+  explicit OutfeedSide(typename OutfeedQueue<T>::Writer w) : writer(std::move(w)) {}
+  template <class V>
+  bool write(std::uint64_t i, V&& v, const bspflow::detail::StopFlag* stop) {
+    return writer.write(i, T(std::forward<V>(v)), stop);
+  }
+  void finish(bool deliver, const bspflow::detail::StopFlag* stop) { writer.finish(deliver, stop); }
+  typename OutfeedQueue<T>::Writer writer;
+};
+
+template <class State, class Body, class InQ, class OutQ>
+struct Replica {
+  Replica(Body b, State s, InfeedSide<InQ> in, OutfeedSide<OutQ> out)
+      : body(std::move(b)), state(std::move(s)), infeed(std::move(in)), outfeed(std::move(out)) {}
+  Body body;
+  State state;
+  std::optional<InfeedSide<InQ>> infeed;
+  std::optional<OutfeedSide<OutQ>> outfeed;
+};
+
+// The device-thread side of one replica: the loop itself.
+template <class State, class Body, class InQ, class OutQ>
+void run_replica(RunState<State>& run, Replica<State, Body, InQ, OutQ>& rep, std::uint32_t device,
+                 std::uint32_t replica, std::uint64_t n) {
+  using In = typename InfeedSide<InQ>::Value;
+  constexpr bool kHasOutfeed = !std::is_same_v<OutQ, NoFeed>;
+  const auto* stop = &run.control.stop();
+  RunStatus status = RunStatus::kCompleted;
+  bool failed = false;
+  std::uint64_t i = 0;
+  try {
+    for (; i < n; ++i) {
+      if (stop->requested()) {
+        status = RunStatus::kCancelled;
+        break;
+      }
+      In* input = nullptr;
+      if (!rep.infeed->pop(input, stop)) {
+        status = rep.infeed->end_of_data() ? RunStatus::kEndOfData : RunStatus::kCancelled;
+        break;
+      }
+      const Iteration it{device, replica, i, n};
+      if constexpr (kHasOutfeed) {
+        using Ret = decltype(call_body(rep.body, rep.state, input, it));
+        static_assert(!std::is_void_v<Ret>,
+                      "with an outfeed, the loop body must return the iteration's output");
+        if (!rep.outfeed->write(i, call_body(rep.body, rep.state, input, it), stop)) {
+          status = RunStatus::kCancelled;  // stopped while waiting for outfeed room
+          ++i;
+          break;
+        }
+      } else {
+        call_body(rep.body, rep.state, input, it);
+      }
+    }
+  } catch (...) {
+    failed = true;
+    run.control.fail(RunControl::Failure{device, replica, i, std::current_exception()});
+  }
+  // final()/sum() are delivered after a full run or end of data, not after a failure or
+  // cancellation (a partial result would be mistaken for the real one).
+  const bool deliver = !failed && status != RunStatus::kCancelled;
+  try {
+    rep.outfeed->finish(deliver, stop);
+  } catch (...) {
+    if (!failed) run.control.fail(RunControl::Failure{device, replica, i, std::current_exception()});
+    failed = true;
+  }
+  rep.outfeed.reset();
+  rep.infeed.reset();  // releases the lane and the arena buffer before the host hears "done"
+  run.states[replica].emplace(std::move(rep.state));
+  run.control.replica_done(replica, RunControl::ReplicaEnd{device, i, status, failed});
+}
+
+template <class State, class Body, class InQ, class OutQ>
+Run<State> launch(const Devices& devices, std::uint64_t n, Body body, State init, InQ* infeed,
+                  OutQ* outfeed) {
+  const std::uint32_t replicas = devices.size();
+  if (replicas == 0) throw Error("loops::repeat needs at least one device");
+  if constexpr (!std::is_same_v<InQ, NoFeed>) {
+    if (infeed->replicas() != replicas) {
+      throw Error("infeed has " + std::to_string(infeed->replicas()) +
+                  " replica lane(s) but the loop runs on " + std::to_string(replicas) +
+                  " device(s); each replica needs its own lane (InfeedConfig::replicas = " +
+                  std::to_string(replicas) + ")");
+    }
+  }
+  if constexpr (!std::is_same_v<OutQ, NoFeed>) {
+    if (outfeed->replicas() != replicas) {
+      throw Error("outfeed has " + std::to_string(outfeed->replicas()) +
+                  " replica(s) but the loop runs on " + std::to_string(replicas) +
+                  " device(s) (OutfeedConfig::replicas = " + std::to_string(replicas) + ")");
+    }
+    const OutputMode mode = outfeed->mode();
+    if (mode.kind() == OutputMode::Kind::kEveryN && mode.n() > n) {
+      log(LogLevel::kWarning, "outfeed mode " + mode.to_string() + " with " + std::to_string(n) +
+                                  " iterations delivers no entries");
+    }
+  }
+
+  auto run = std::make_shared<RunState<State>>(replicas, n);
+  using Rep = Replica<State, Body, InQ, OutQ>;
+  std::vector<std::shared_ptr<Rep>> reps;
+  reps.reserve(replicas);
+  {
+    // Readers (which claim the infeed lanes) first, then outfeed writers (which attach the
+    // run): if anything throws, everything built so far is released again.
+    std::vector<std::optional<InfeedSide<InQ>>> ins(replicas);
+    for (std::uint32_t r = 0; r < replicas; ++r) ins[r].emplace(infeed, devices[r], r);
+    std::vector<OutfeedSide<OutQ>> outs;
+    if constexpr (!std::is_same_v<OutQ, NoFeed>) {
+      for (auto& w : outfeed->begin_run()) outs.emplace_back(std::move(w));
+    } else {
+      outs.resize(replicas);
+    }
+    for (std::uint32_t r = 0; r < replicas; ++r) {
+      reps.push_back(std::make_shared<Rep>(body, init, std::move(*ins[r]), std::move(outs[r])));
+    }
+  }
+  run->control.set_waker([infeed, outfeed] {
+    if constexpr (!std::is_same_v<InQ, NoFeed>) infeed->wake_all();
+    if constexpr (!std::is_same_v<OutQ, NoFeed>) outfeed->wake_all();
+  });
+
+  for (std::uint32_t r = 0; r < replicas; ++r) {
+    Device& device = devices[r];
+    const std::uint32_t id = device.id();
+    std::shared_ptr<Rep> rep = reps[r];
+    try {
+      device.submit(DeviceJob{
+          [run, rep, id, r, n] { run_replica(*run, *rep, id, r, n); },
+          [run] { run->control.cancel(); },
+      });
+    } catch (...) {
+      // This device refused the job: stop the replicas already submitted, and finish this
+      // one and the rest here so the run still completes.
+      run->control.fail(RunControl::Failure{id, r, 0, std::current_exception()});
+      for (std::uint32_t k = r; k < replicas; ++k) {
+        run_replica(*run, *reps[k], devices[k].id(), k, 0);
+      }
+      break;
+    }
+  }
+  return Run<State>(std::move(run));
+}
+
+// Sync calls with a bounded outfeed would deadlock if the run produces more entries than fit
+// (nobody reads until the call returns): refuse them up front.
+template <class OutQ>
+void check_sync_outfeed(const OutQ* outfeed, std::uint64_t n) {
+  if constexpr (!std::is_same_v<OutQ, NoFeed>) {
+    const std::uint64_t entries = outfeed->mode().entries_for(n) * outfeed->replicas();
+    if (outfeed->capacity() != 0 && entries > outfeed->capacity()) {
+      throw Error("outfeed capacity " + std::to_string(outfeed->capacity()) + " < " +
+                  std::to_string(entries) +
+                  " entries this run delivers, and loops::repeat reads nothing until the loop "
+                  "ends: use loops::repeat_async and read the outfeed while it runs, or raise "
+                  "the capacity (0 = unbounded)");
+    }
+  }
+}
+
+}  // namespace detail
+
+// ---- asynchronous: returns at once with a Run handle ----
+
+template <class State, class Body, class In, class Out>
+Run<State> repeat_async(Devices devices, std::uint64_t n, Body body, State init,
+                        InfeedQueue<In>& infeed, OutfeedQueue<Out>& outfeed) {
+  return detail::launch(devices, n, std::move(body), std::move(init), &infeed, &outfeed);
+}
+template <class State, class Body, class In>
+Run<State> repeat_async(Devices devices, std::uint64_t n, Body body, State init,
+                        InfeedQueue<In>& infeed) {
+  return detail::launch(devices, n, std::move(body), std::move(init), &infeed,
+                        static_cast<detail::NoFeed*>(nullptr));
+}
+template <class State, class Body, class Out>
+Run<State> repeat_async(Devices devices, std::uint64_t n, Body body, State init,
+                        OutfeedQueue<Out>& outfeed) {
+  return detail::launch(devices, n, std::move(body), std::move(init),
+                        static_cast<detail::NoFeed*>(nullptr), &outfeed);
+}
+template <class State, class Body>
+Run<State> repeat_async(Devices devices, std::uint64_t n, Body body, State init) {
+  return detail::launch(devices, n, std::move(body), std::move(init),
+                        static_cast<detail::NoFeed*>(nullptr),
+                        static_cast<detail::NoFeed*>(nullptr));
+}
+
+// ---- synchronous: returns the result when every replica has ended ----
+
+template <class State, class Body, class In, class Out>
+RepeatResult<State> repeat(Devices devices, std::uint64_t n, Body body, State init,
+                           InfeedQueue<In>& infeed, OutfeedQueue<Out>& outfeed) {
+  detail::check_sync_outfeed(&outfeed, n);
+  return repeat_async(devices, n, std::move(body), std::move(init), infeed, outfeed).get();
+}
+template <class State, class Body, class In>
+RepeatResult<State> repeat(Devices devices, std::uint64_t n, Body body, State init,
+                           InfeedQueue<In>& infeed) {
+  return repeat_async(devices, n, std::move(body), std::move(init), infeed).get();
+}
+template <class State, class Body, class Out>
+RepeatResult<State> repeat(Devices devices, std::uint64_t n, Body body, State init,
+                           OutfeedQueue<Out>& outfeed) {
+  detail::check_sync_outfeed(&outfeed, n);
+  return repeat_async(devices, n, std::move(body), std::move(init), outfeed).get();
+}
+template <class State, class Body>
+RepeatResult<State> repeat(Devices devices, std::uint64_t n, Body body, State init) {
+  return repeat_async(devices, n, std::move(body), std::move(init)).get();
+}
+
+}  // namespace bspflow::loops

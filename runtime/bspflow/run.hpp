@@ -1,0 +1,178 @@
+// Run<State>: the host's handle on a loop launched with loops::repeat_async, and
+// RepeatResult<State>: what the loop returns.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bspflow/detail/wait.hpp"
+#include "bspflow/error.hpp"
+
+namespace bspflow {
+
+// How a loop ended (when it did not fail: a failure is thrown as DeviceError).
+enum class RunStatus {
+  kCompleted,  // every replica ran all requested iterations
+  kEndOfData,  // an infeed was closed and drained before the requested iterations
+  kCancelled,  // Run::cancel(), the Run handle or a device was destroyed mid-run
+};
+const char* to_string(RunStatus s) noexcept;
+
+// Where one loop iteration runs; an optional last argument of a loop body.
+struct Iteration {
+  std::uint32_t device = 0;
+  std::uint32_t replica = 0;
+  std::uint64_t index = 0;  // 0-based iteration
+  std::uint64_t count = 0;  // iterations requested
+};
+
+template <class State>
+struct RepeatResult {
+  RunStatus status = RunStatus::kCompleted;
+  std::uint64_t requested = 0;             // iterations asked for, per replica
+  std::vector<std::uint64_t> iterations;   // iterations completed, per replica
+  std::vector<State> states;               // final loop state, per replica
+  std::string message;                     // one line saying how the run ended
+
+  bool completed() const noexcept { return status == RunStatus::kCompleted; }
+  bool end_of_data() const noexcept { return status == RunStatus::kEndOfData; }
+  const State& state(std::uint32_t replica = 0) const { return states.at(replica); }
+};
+
+namespace detail {
+
+// The non-template part of a run's shared state: stop flag, completion, first failure.
+class RunControl {
+ public:
+  struct Failure {
+    std::uint32_t device = 0;
+    std::uint32_t replica = 0;
+    std::uint64_t iteration = 0;
+    std::exception_ptr cause;
+  };
+  struct ReplicaEnd {
+    std::uint32_t device = 0;
+    std::uint64_t iterations = 0;
+    RunStatus status = RunStatus::kCompleted;
+    bool failed = false;
+  };
+
+  RunControl(std::uint32_t replicas, std::uint64_t requested);
+
+  // Any thread. Stops every replica at its next iteration or wait, and wakes feeds.
+  void cancel() noexcept;
+  // Device thread. Records a body failure (first one wins) and cancels the rest.
+  void fail(Failure f) noexcept;
+  // Device thread, once per replica, after it released its feeds.
+  void replica_done(std::uint32_t replica, ReplicaEnd end) noexcept;
+
+  const StopFlag& stop() const noexcept { return stop_; }
+  std::uint64_t requested() const noexcept { return requested_; }
+  bool done() const noexcept { return done_.load(std::memory_order_acquire); }
+  void wait() {
+    done_point_.wait([&] { return done(); });
+  }
+  bool wait_for(std::chrono::nanoseconds d) {
+    return done_point_.wait_until([&] { return done(); }, std::chrono::steady_clock::now() + d);
+  }
+  // Set once, before the run starts: wakes whatever the replicas may be parked on.
+  void set_waker(std::function<void()> waker) { waker_ = std::move(waker); }
+
+  // After done(): throws DeviceError if a replica failed; else the overall status and
+  // message. Per-replica iterations are written to `iterations`.
+  RunStatus finish(std::vector<std::uint64_t>& iterations, std::string& message) const;
+
+ private:
+  StopFlag stop_;
+  std::function<void()> waker_;
+  std::uint64_t requested_;
+  std::vector<ReplicaEnd> ends_;
+  std::atomic<std::uint32_t> remaining_;
+  std::atomic<bool> done_{false};
+  WaitPoint done_point_;
+  mutable std::mutex mutex_;
+  std::optional<Failure> failure_;
+  std::uint32_t more_failures_ = 0;
+};
+
+template <class State>
+struct RunState {
+  RunState(std::uint32_t replicas, std::uint64_t requested)
+      : control(replicas, requested), states(replicas) {}
+  RunControl control;
+  std::vector<std::optional<State>> states;  // written by replica r's device thread only
+};
+
+}  // namespace detail
+
+// Handle on a running loop. Destroying it before the loop ends cancels the loop and waits
+// for it (like std::jthread), so the feeds the loop uses are never left dangling.
+template <class State>
+class Run {
+ public:
+  Run() = default;
+  explicit Run(std::shared_ptr<detail::RunState<State>> s) : state_(std::move(s)) {}
+  Run(Run&&) noexcept = default;
+  Run& operator=(Run&& o) noexcept {
+    if (this != &o) {
+      stop_and_wait();
+      state_ = std::move(o.state_);
+    }
+    return *this;
+  }
+  ~Run() { stop_and_wait(); }
+
+  bool valid() const noexcept { return state_ != nullptr; }
+  // Any thread. Never blocks.
+  bool ready() const noexcept { return state_ && state_->control.done(); }
+  // Blocks (spin, then park) until every replica has ended.
+  void wait() const { checked().control.wait(); }
+  // Waits at most `d`; returns ready().
+  template <class Rep, class Period>
+  bool wait_for(std::chrono::duration<Rep, Period> d) const {
+    return checked().control.wait_for(std::chrono::duration_cast<std::chrono::nanoseconds>(d));
+  }
+  // Any thread. Stops the loop at each replica's next iteration or wait.
+  void cancel() noexcept {
+    if (state_) state_->control.cancel();
+  }
+
+  // Waits, then returns the result (once: the handle is empty afterwards). Throws
+  // DeviceError (device, replica, iteration, cause) if a replica's body threw.
+  RepeatResult<State> get() {
+    auto s = std::move(state_);
+    if (!s) throw Error("Run::get() on an empty Run (get() was already called, or it was moved)");
+    s->control.wait();
+    RepeatResult<State> r;
+    r.status = s->control.finish(r.iterations, r.message);
+    r.requested = s->control.requested();
+    r.states.reserve(s->states.size());
+    for (auto& st : s->states) r.states.push_back(std::move(*st));
+    return r;
+  }
+
+ private:
+  detail::RunState<State>& checked() const {
+    if (!state_) throw Error("Run: empty handle (get() was already called, or it was moved)");
+    return *state_;
+  }
+  void stop_and_wait() noexcept {
+    if (!state_) return;
+    if (!state_->control.done()) {
+      state_->control.cancel();
+      state_->control.wait();
+    }
+    state_.reset();
+  }
+  std::shared_ptr<detail::RunState<State>> state_;
+};
+
+}  // namespace bspflow

@@ -1,0 +1,164 @@
+#include "bspflow/options.hpp"
+
+#include <limits>
+#include <sstream>
+
+#include "bspflow/error.hpp"
+
+namespace bspflow {
+
+namespace {
+std::string range(std::uint64_t lo, std::uint64_t hi) {
+  return "must be in " + std::to_string(lo) + ".." + std::to_string(hi);
+}
+}  // namespace
+
+Options& Options::device_iterations(std::uint64_t n) {
+  if (n < 1) detail::throw_bad_value("device_iterations", n, "must be at least 1");
+  device_iterations_ = n;
+  return *this;
+}
+
+Options& Options::replication_factor(std::uint32_t n) {
+  if (n < 1 || n > tunables::kMaxReplicas) {
+    detail::throw_bad_value("replication_factor", n, range(1, tunables::kMaxReplicas));
+  }
+  replication_factor_ = n;
+  return *this;
+}
+
+Options& Options::gradient_accumulation(std::uint32_t n) {
+  if (n < 1) detail::throw_bad_value("gradient_accumulation", n, "must be at least 1");
+  gradient_accumulation_ = n;
+  return *this;
+}
+
+Options& Options::output_mode(OutputMode mode) noexcept {
+  output_mode_ = mode;
+  return *this;
+}
+
+Options& Options::prefetch_depth(std::uint32_t depth) {
+  if (depth < tunables::kMinPrefetchDepth || depth > tunables::kMaxPrefetchDepth) {
+    detail::throw_bad_value("prefetch_depth", depth,
+                            range(tunables::kMinPrefetchDepth, tunables::kMaxPrefetchDepth));
+  }
+  prefetch_depth_ = depth;
+  return *this;
+}
+
+Options& Options::infeed_capacity(std::size_t elements) {
+  if (elements < 1 || elements > tunables::kMaxQueueCapacity) {
+    detail::throw_bad_value("infeed_capacity", elements, range(1, tunables::kMaxQueueCapacity));
+  }
+  infeed_capacity_ = elements;
+  return *this;
+}
+
+Options& Options::outfeed_capacity(std::size_t entries) {
+  if (entries > tunables::kMaxQueueCapacity) {
+    detail::throw_bad_value("outfeed_capacity", entries,
+                            "must be 0 (unbounded) or at most " +
+                                std::to_string(tunables::kMaxQueueCapacity));
+  }
+  outfeed_capacity_ = entries;
+  return *this;
+}
+
+Options& Options::io_tiles(std::uint32_t tiles) {
+  if (tiles % 2 != 0) {
+    detail::throw_bad_value("io_tiles", tiles, "must be 0 or an even number (e.g. " +
+                                                   std::to_string(tiles + 1) + ")");
+  }
+  io_tiles_ = tiles;
+  return *this;
+}
+
+Options& Options::synthetic_data(bool on) noexcept {
+  synthetic_data_ = on;
+  return *this;
+}
+
+Options& Options::tiles_per_device(std::uint32_t tiles) {
+  if (tiles < 1 || tiles > tunables::kMaxTiles) {
+    detail::throw_bad_value("tiles_per_device", tiles, range(1, tunables::kMaxTiles));
+  }
+  tiles_per_device_ = tiles;
+  return *this;
+}
+
+Options& Options::bytes_per_tile(std::size_t bytes) {
+  if (bytes < tunables::kArenaAlignment || bytes > tunables::kMaxBytesPerTile) {
+    detail::throw_bad_value("bytes_per_tile", bytes,
+                            range(tunables::kArenaAlignment, tunables::kMaxBytesPerTile));
+  }
+  bytes_per_tile_ = bytes;
+  return *this;
+}
+
+Options& Options::pin_devices(bool on) noexcept {
+  pin_devices_ = on;
+  return *this;
+}
+
+void Options::validate() const {
+  if (io_tiles_ >= tiles_per_device_) {
+    detail::throw_bad_value("io_tiles", io_tiles_,
+                            "must be below tiles_per_device (" + std::to_string(tiles_per_device_) +
+                                "), leaving tiles for compute");
+  }
+  if (infeed_capacity_ < prefetch_depth_) {
+    detail::throw_bad_value("infeed_capacity", infeed_capacity_,
+                            "must be at least prefetch_depth (" + std::to_string(prefetch_depth_) +
+                                ")");
+  }
+}
+
+std::uint64_t Options::samples_per_step(std::uint64_t micro_batch) const {
+  if (micro_batch < 1) detail::throw_bad_value("micro_batch", micro_batch, "must be at least 1");
+  std::uint64_t out = micro_batch;
+  for (std::uint64_t f : {device_iterations_, std::uint64_t{gradient_accumulation_},
+                          std::uint64_t{replication_factor_}}) {
+    if (out > std::numeric_limits<std::uint64_t>::max() / f) {
+      throw Error("samples per step overflows 64 bits: micro_batch x device_iterations x "
+                  "gradient_accumulation x replication_factor is too large");
+    }
+    out *= f;
+  }
+  return out;
+}
+
+InfeedConfig Options::infeed_config() const {
+  validate();
+  return InfeedConfig{replication_factor_, infeed_capacity_, prefetch_depth_};
+}
+
+OutfeedConfig Options::outfeed_config() const {
+  validate();
+  return OutfeedConfig{replication_factor_, output_mode_, outfeed_capacity_};
+}
+
+DeviceConfig Options::device_config() const {
+  validate();
+  return DeviceConfig{tiles_per_device_, bytes_per_tile_, pin_devices_};
+}
+
+std::string Options::describe() const {
+  std::ostringstream os;
+  os << "device_iterations = " << device_iterations_ << '\n'
+     << "replication_factor = " << replication_factor_ << '\n'
+     << "gradient_accumulation = " << gradient_accumulation_ << '\n'
+     << "output_mode = " << output_mode_.to_string() << '\n'
+     << "prefetch_depth = " << prefetch_depth_ << '\n'
+     << "infeed_capacity = " << infeed_capacity_ << '\n'
+     << "outfeed_capacity = " << outfeed_capacity_ << (outfeed_capacity_ == 0 ? " (unbounded)" : "")
+     << '\n'
+     << "io_tiles = " << io_tiles_ << '\n'
+     << "synthetic_data = " << (synthetic_data_ ? "true" : "false") << '\n'
+     << "tiles_per_device = " << tiles_per_device_ << '\n'
+     << "bytes_per_tile = " << bytes_per_tile_ << '\n'
+     << "pin_devices = " << (pin_devices_ ? "true" : "false") << '\n';
+  return os.str();
+}
+
+}  // namespace bspflow

@@ -1,0 +1,98 @@
+#include "bspflow/run.hpp"
+
+#include <sstream>
+
+namespace bspflow {
+
+const char* to_string(RunStatus s) noexcept {
+  switch (s) {
+    case RunStatus::kCompleted: return "completed";
+    case RunStatus::kEndOfData: return "end of data";
+    case RunStatus::kCancelled: return "cancelled";
+  }
+  return "?";
+}
+
+namespace detail {
+
+RunControl::RunControl(std::uint32_t replicas, std::uint64_t requested)
+    : requested_(requested), ends_(replicas), remaining_(replicas) {}
+
+void RunControl::cancel() noexcept {
+  stop_.set();
+  if (waker_) waker_();
+}
+
+void RunControl::fail(Failure f) noexcept {
+  {
+    std::lock_guard lock(mutex_);
+    if (!failure_) {
+      failure_ = std::move(f);
+    } else {
+      ++more_failures_;
+    }
+  }
+  cancel();
+}
+
+void RunControl::replica_done(std::uint32_t replica, ReplicaEnd end) noexcept {
+  ends_[replica] = end;  // each replica writes only its own slot
+  if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    done_.store(true, std::memory_order_release);
+    done_point_.notify();
+  }
+}
+
+RunStatus RunControl::finish(std::vector<std::uint64_t>& iterations, std::string& message) const {
+  iterations.clear();
+  for (const ReplicaEnd& e : ends_) iterations.push_back(e.iterations);
+  {
+    std::lock_guard lock(mutex_);
+    if (failure_) {
+      std::ostringstream os;
+      os << "device " << failure_->device << " (replica " << failure_->replica
+         << ") failed at iteration " << failure_->iteration << " of " << requested_ << ": "
+         << describe_exception(failure_->cause);
+      if (more_failures_ > 0) {
+        os << " (and " << more_failures_ << " more replica" << (more_failures_ == 1 ? "" : "s")
+           << " failed)";
+      }
+      throw DeviceError(os.str(), failure_->device, failure_->replica, failure_->iteration,
+                        failure_->cause);
+    }
+  }
+  RunStatus status = RunStatus::kCompleted;
+  for (const ReplicaEnd& e : ends_) {
+    if (e.status == RunStatus::kCancelled) status = RunStatus::kCancelled;
+    if (e.status == RunStatus::kEndOfData && status == RunStatus::kCompleted) {
+      status = RunStatus::kEndOfData;
+    }
+  }
+  std::ostringstream os;
+  const auto n = ends_.size();
+  switch (status) {
+    case RunStatus::kCompleted:
+      os << "completed " << requested_ << " iteration" << (requested_ == 1 ? "" : "s") << " on "
+         << n << " replica" << (n == 1 ? "" : "s");
+      break;
+    case RunStatus::kEndOfData:
+    case RunStatus::kCancelled: {
+      os << (status == RunStatus::kEndOfData ? "end of data: infeed closed and drained"
+                                             : "cancelled");
+      const char* sep = " (";
+      for (std::size_t r = 0; r < n; ++r) {
+        os << sep << "replica " << r << " on device " << ends_[r].device << ": "
+           << ends_[r].iterations << " of " << requested_ << " iterations";
+        if (ends_[r].status != status) os << ", " << to_string(ends_[r].status);
+        sep = "; ";
+      }
+      os << ")";
+      break;
+    }
+  }
+  message = os.str();
+  return status;
+}
+
+}  // namespace detail
+}  // namespace bspflow

@@ -1,0 +1,212 @@
+// Feed benchmark. Every figure is a ratio against a reference measured in the same run:
+//  - feed_throughput_vs_moodycamel: elements/s through infeed -> loops::repeat (empty body,
+//    8-byte elements, 1000 device iterations per host call) -> outfeed, over raw moodycamel
+//    ConcurrentQueue one-producer-one-consumer (tokens, one element per call). Both use two
+//    threads on the same two cores: for bspflow the host thread pushes a step's 1000
+//    elements and then reads its 1000 outfeed entries while the device thread loops.
+//  - roundtrip_p50/p99_vs_pingpong: one element host -> device -> host, against an atomic
+//    ping-pong between two threads pinned to the same two cores.
+//
+//   feed_bench [--json FILE] [--quick]
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+#include <bspflow/bspflow.hpp>
+
+#include "bench_util.hpp"
+
+namespace {
+
+using bench::Clock;
+using bench::seconds_since;
+
+struct Cores {
+  std::uint32_t host = 0;
+  std::uint32_t device = 0;
+};
+
+Cores pick_cores() {
+  const auto& topo = bspflow::Topology::get();
+  const auto placement = topo.place(1);
+  Cores c;
+  c.device = placement[0].core.value_or(0);
+  c.host = 0;
+  return c;
+}
+
+void pin(std::uint32_t core) { bspflow::Topology::get().pin_current_thread(core); }
+
+// Raw moodycamel, one producer and one consumer thread, one element per call.
+double moodycamel_rate(std::uint64_t n, const Cores& cores) {
+  moodycamel::ConcurrentQueue<std::uint64_t> q;
+  std::atomic<bool> go{false};
+  std::uint64_t sum = 0;
+  std::thread consumer([&] {
+    pin(cores.device);
+    moodycamel::ConsumerToken tok(q);
+    while (!go.load(std::memory_order_acquire)) {
+    }
+    std::uint64_t v = 0;
+    for (std::uint64_t got = 0; got < n;) {
+      if (q.try_dequeue(tok, v)) {
+        sum += v;
+        ++got;
+      }
+    }
+  });
+  pin(cores.host);
+  moodycamel::ProducerToken tok(q);
+  const auto t0 = Clock::now();
+  go.store(true, std::memory_order_release);
+  for (std::uint64_t i = 0; i < n; ++i) q.enqueue(tok, i);
+  consumer.join();
+  const double t = seconds_since(t0);
+  if (sum != n * (n - 1) / 2) std::fprintf(stderr, "moodycamel reference lost elements\n");
+  return static_cast<double>(n) / t;
+}
+
+// infeed -> repeat(1000, empty body) -> outfeed; host pushes a step, then drains it.
+double bspflow_rate(std::uint64_t steps, bool bulk, std::uint32_t prefetch, const Cores& cores,
+                    bspflow::Device& device) {
+  constexpr std::uint64_t kIterations = 1000;
+  bspflow::InfeedQueue<std::uint64_t> infeed(bspflow::InfeedConfig{1, 1024, prefetch});
+  bspflow::OutfeedQueue<std::uint64_t> outfeed;
+  auto producer = infeed.make_producer();
+  pin(cores.host);
+  std::vector<std::uint64_t> batch(kIterations);
+  std::uint64_t sum = 0;
+  std::uint64_t received = 0;
+  auto body = [](int&, std::uint64_t& x) { return x; };
+  const auto t0 = Clock::now();
+  for (std::uint64_t s = 0; s < steps; ++s) {
+    auto run = bspflow::loops::repeat_async(device, kIterations, body, 0, infeed, outfeed);
+    const std::uint64_t base = s * kIterations;
+    if (bulk) {
+      for (std::uint64_t i = 0; i < kIterations; ++i) batch[i] = base + i;
+      producer.push_bulk(0, batch);
+    } else {
+      for (std::uint64_t i = 0; i < kIterations; ++i) producer.push(base + i);
+    }
+    for (auto& e : outfeed) {
+      sum += e.value;
+      ++received;
+    }
+    run.get();
+  }
+  const double t = seconds_since(t0);
+  const std::uint64_t n = steps * kIterations;
+  if (received != n || sum != n * (n - 1) / 2) std::fprintf(stderr, "bspflow feed lost elements\n");
+  return static_cast<double>(n) / t;
+}
+
+// Atomic ping-pong round trips (ns each).
+std::vector<double> pingpong(std::uint64_t n, const Cores& cores) {
+  alignas(64) std::atomic<std::uint64_t> ping{0};
+  alignas(64) std::atomic<std::uint64_t> pong{0};
+  std::thread peer([&] {
+    pin(cores.device);
+    for (std::uint64_t i = 1; i <= n; ++i) {
+      while (ping.load(std::memory_order_acquire) != i) bspflow::detail::cpu_relax();
+      pong.store(i, std::memory_order_release);
+    }
+  });
+  pin(cores.host);
+  std::vector<double> rtt;
+  rtt.reserve(n);
+  for (std::uint64_t i = 1; i <= n; ++i) {
+    const auto t0 = Clock::now();
+    ping.store(i, std::memory_order_release);
+    while (pong.load(std::memory_order_acquire) != i) bspflow::detail::cpu_relax();
+    rtt.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
+  }
+  peer.join();
+  return rtt;
+}
+
+// One element host -> device -> host through infeed, a running loop and outfeed (ns each).
+std::vector<double> roundtrip(std::uint64_t n, const Cores& cores, bspflow::Device& device) {
+  bspflow::InfeedQueue<std::uint64_t> infeed;
+  bspflow::OutfeedQueue<std::uint64_t> outfeed;
+  auto run = bspflow::loops::repeat_async(device, n, [](int&, std::uint64_t& x) { return x; }, 0,
+                                          infeed, outfeed);
+  auto producer = infeed.make_producer();
+  pin(cores.host);
+  std::vector<double> rtt;
+  rtt.reserve(n);
+  for (std::uint64_t i = 0; i < n; ++i) {
+    const auto t0 = Clock::now();
+    producer.push(i);
+    const auto e = outfeed.pop();
+    rtt.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
+    if (!e || e->value != i) {
+      std::fprintf(stderr, "round trip lost element %llu\n", static_cast<unsigned long long>(i));
+      break;
+    }
+  }
+  run.get();
+  return rtt;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bspflow feed benchmark"};
+  std::string json_path;
+  bool quick = false;
+  app.add_option("--json", json_path, "also write the figures to this JSON file");
+  app.add_flag("--quick", quick, "smaller runs (for a smoke test; figures are noisier)");
+  CLI11_PARSE(app, argc, argv);
+
+  const Cores cores = pick_cores();
+  const std::uint64_t elements = quick ? 200'000 : 4'000'000;
+  const std::uint64_t steps = elements / 1000;
+  const std::uint64_t trips = quick ? 20'000 : 200'000;
+  constexpr int kRepeats = 5;
+
+  bench::Report report("feed");
+  report.note("machine", bspflow::Topology::get().describe().substr(
+                             0, bspflow::Topology::get().describe().find('\n')));
+  report.note("cores_used", "host core " + std::to_string(cores.host) + ", device core " +
+                                std::to_string(cores.device));
+
+  bspflow::Device device(0, bspflow::DeviceConfig{64, 64 * 1024},
+                         bspflow::Topology::get().place(1)[0]);
+
+  // Interleave reference and subject runs so drift on a shared machine hits both alike.
+  std::vector<double> raw, elementwise, bulk;
+  for (int r = 0; r < kRepeats; ++r) {
+    raw.push_back(moodycamel_rate(elements, cores));
+    elementwise.push_back(bspflow_rate(steps, false, 1, cores, device));
+    bulk.push_back(bspflow_rate(steps, true, 32, cores, device));
+  }
+  const double raw_rate = bench::median(raw);
+  const double elem_rate = bench::median(elementwise);
+  const double bulk_rate = bench::median(bulk);
+  report.figure("moodycamel_1p1c_elements_per_s", raw_rate);
+  report.figure("feed_elements_per_s", elem_rate);
+  report.figure("feed_bulk_prefetch32_elements_per_s", bulk_rate);
+  report.ratio("feed_throughput_vs_moodycamel", elem_rate / raw_rate, ">= 0.5",
+               elem_rate / raw_rate >= 0.5);
+  report.ratio("feed_bulk_throughput_vs_moodycamel", bulk_rate / raw_rate, ">= 0.5",
+               bulk_rate / raw_rate >= 0.5);
+
+  std::vector<double> pp = pingpong(trips, cores);
+  std::vector<double> rt = roundtrip(trips, cores, device);
+  const double pp50 = bench::quantile(pp, 0.5), pp99 = bench::quantile(pp, 0.99);
+  const double rt50 = bench::quantile(rt, 0.5), rt99 = bench::quantile(rt, 0.99);
+  report.figure("pingpong_p50_ns", pp50);
+  report.figure("pingpong_p99_ns", pp99);
+  report.figure("roundtrip_p50_ns", rt50);
+  report.figure("roundtrip_p99_ns", rt99);
+  report.ratio("roundtrip_p50_vs_pingpong", rt50 / pp50, "<= 3", rt50 / pp50 <= 3.0);
+  report.ratio("roundtrip_p99_vs_pingpong", rt99 / pp99, "(no target)", true);
+
+  if (!report.write(json_path)) {
+    std::fprintf(stderr, "could not write %s\n", json_path.c_str());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,364 @@
+// feeds/: InfeedQueue, OutfeedQueue, OutputMode, BoundedQueue behaviour.
+#include <doctest/doctest.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <thread>
+#include <vector>
+
+#include <bspflow/infeed_queue.hpp>
+#include <bspflow/outfeed_queue.hpp>
+#include <bspflow/output_mode.hpp>
+
+#include "test_util.hpp"
+
+using namespace bspflow;
+using test::contains;
+using test::error_of;
+
+TEST_SUITE("feeds") {
+
+TEST_CASE("prefetch depth outside 1..255 is an error naming the option and the range") {
+  for (std::uint32_t bad : {0u, 256u, 1000u}) {
+    const std::string msg = error_of([&] { InfeedQueue<int> q(InfeedConfig{1, 1024, bad}); });
+    CHECK(contains(msg, "prefetch_depth = " + std::to_string(bad)));
+    CHECK(contains(msg, "1..255"));
+  }
+  CHECK(error_of([] { InfeedQueue<int> q(InfeedConfig{1, 300, 255}); }) == "<no error>");
+  CHECK(error_of([] { InfeedQueue<int> q(InfeedConfig{1, 256, 1}); }) == "<no error>");
+}
+
+TEST_CASE("infeed capacity and replica count are validated") {
+  const std::string small = error_of([] { InfeedQueue<int> q(InfeedConfig{1, 3, 4}); });
+  CHECK(contains(small, "infeed capacity = 3"));
+  CHECK(contains(small, "prefetch_depth (4)"));
+  const std::string reps = error_of([] { InfeedQueue<int> q(InfeedConfig{0, 16, 1}); });
+  CHECK(contains(reps, "replicas = 0"));
+  CHECK(contains(reps, "1..1024"));
+  CHECK(contains(error_of([] { OutfeedQueue<int> q(OutfeedConfig{0}); }), "replicas = 0"));
+}
+
+TEST_CASE("round-robin routing gives every replica different elements, in order") {
+  constexpr std::uint32_t kReplicas = 3;
+  InfeedQueue<int> q(InfeedConfig{kReplicas, 64, 2});
+  auto p = q.make_producer();
+  for (int i = 0; i < 30; ++i) REQUIRE(p.push(i));
+  q.close();
+  for (std::uint32_t r = 0; r < kReplicas; ++r) {
+    auto reader = q.reader(r);
+    std::vector<int> got;
+    int v = 0;
+    while (reader.pop(v)) got.push_back(v);
+    CHECK(reader.end_of_data());
+    REQUIRE(got.size() == 10);
+    for (std::size_t k = 0; k < got.size(); ++k) CHECK(got[k] == static_cast<int>(k * kReplicas + r));
+  }
+}
+
+TEST_CASE("try_push reports Full without consuming the value, and push_to routes explicitly") {
+  InfeedQueue<std::vector<int>> q(InfeedConfig{2, 2, 1});
+  auto p = q.make_producer();
+  CHECK(p.push_to(1, {1}));
+  CHECK(p.push_to(1, {2}));
+  std::vector<int> v{42, 43};
+  // Replica 0 has room: round-robin starts there.
+  CHECK(p.try_push(std::vector<int>{7}) == PushResult::kOk);
+  CHECK(p.try_push(std::move(v)) == PushResult::kFull);  // replica 1 is full
+  CHECK(v == std::vector<int>{42, 43});
+  CHECK(q.size_approx(1) == 2);
+  auto r1 = q.reader(1);
+  std::vector<int> out;
+  REQUIRE(r1.pop(out));
+  CHECK(out == std::vector<int>{1});
+  CHECK(p.try_push(std::move(v)) == PushResult::kOk);  // retried at the same replica
+  q.close();
+  std::vector<std::vector<int>> rest;
+  while (r1.pop(out)) rest.push_back(out);
+  CHECK(rest == std::vector<std::vector<int>>{{2}, {42, 43}});
+  CHECK(p.try_push(std::vector<int>{9}) == PushResult::kClosed);
+  CHECK_FALSE(p.push(std::vector<int>{9}));
+  CHECK(contains(error_of([&] { p.push_to(2, {}); }), "replica = 2"));
+}
+
+TEST_CASE("end of data: a closed infeed drains, then reports end of data") {
+  InfeedQueue<int> q;
+  auto p = q.make_producer();
+  for (int i = 0; i < 5; ++i) p.push(i);
+  q.close();
+  CHECK_FALSE(p.push(99));
+  auto reader = q.reader(0);
+  int v = -1;
+  for (int i = 0; i < 5; ++i) {
+    REQUIRE(reader.pop(v));
+    CHECK(v == i);
+  }
+  CHECK_FALSE(reader.pop(v));
+  CHECK(reader.end_of_data());
+  CHECK_FALSE(reader.pop(v));  // stays ended
+}
+
+TEST_CASE("a lane has one reader at a time") {
+  InfeedQueue<int> q(InfeedConfig{2, 8, 1});
+  {
+    auto a = q.reader(0);
+    CHECK(contains(error_of([&] { auto b = q.reader(0); }), "already has a reader"));
+    auto c = q.reader(1);  // another lane is fine
+  }
+  auto again = q.reader(0);  // released when the first reader went away
+  CHECK(contains(error_of([&] { auto d = q.reader(5); }), "replica = 5"));
+}
+
+TEST_CASE("prefetch moves up to prefetch_depth elements off the lane at once") {
+  InfeedQueue<int> q(InfeedConfig{1, 64, 4});
+  auto p = q.make_producer();
+  for (int i = 0; i < 10; ++i) p.push(i);
+  auto reader = q.reader(0);
+  int v = 0;
+  REQUIRE(reader.pop(v));
+  CHECK(reader.prefetched() == 3);
+  CHECK(q.size_approx(0) == 6);
+}
+
+TEST_CASE("backpressure: a fast producer never holds more than capacity in a lane") {
+  constexpr std::size_t kCapacity = 8;
+  const std::uint64_t n = test::scaled(3000, 200);
+  InfeedQueue<std::uint64_t> q(InfeedConfig{1, kCapacity, 2});
+  std::atomic<std::size_t> peak{0};
+  auto note = [&] {
+    const std::size_t s = q.size_approx(0);
+    std::size_t prev = peak.load();
+    while (s > prev && !peak.compare_exchange_weak(prev, s)) {
+    }
+  };
+  std::thread producer([&] {
+    auto p = q.make_producer();
+    for (std::uint64_t i = 0; i < n; ++i) {
+      CHECK(p.push(i));
+      note();
+    }
+    q.close();
+  });
+  auto reader = q.reader(0);
+  std::uint64_t v = 0;
+  std::uint64_t expect = 0;
+  while (reader.pop(v)) {
+    CHECK(v == expect++);
+    note();
+    if (expect % 64 == 0) std::this_thread::sleep_for(std::chrono::microseconds(200));  // slow
+  }
+  producer.join();
+  CHECK(expect == n);
+  CHECK(peak.load() <= kCapacity);
+  CHECK(peak.load() >= 1);
+}
+
+TEST_CASE("many producers into one lane: nothing lost, per-producer order kept") {
+  constexpr int kProducers = 4;
+  const std::uint64_t per = test::scaled(50000, 500);
+  InfeedQueue<std::pair<int, std::uint64_t>> q(InfeedConfig{1, 128, 16});
+  std::vector<std::thread> producers;
+  for (int id = 0; id < kProducers; ++id) {
+    producers.emplace_back([&, id] {
+      auto p = q.make_producer();
+      for (std::uint64_t s = 0; s < per; ++s) CHECK(p.push({id, s}));
+    });
+  }
+  std::thread closer([&] {
+    for (auto& t : producers) t.join();
+    q.close();
+  });
+  auto reader = q.reader(0);
+  std::vector<std::uint64_t> next(kProducers, 0);
+  std::pair<int, std::uint64_t> e;
+  std::uint64_t count = 0;
+  bool ordered = true;
+  while (reader.pop(e)) {
+    ordered = ordered && e.second == next[e.first];
+    next[e.first] = e.second + 1;
+    ++count;
+  }
+  closer.join();
+  CHECK(ordered);
+  CHECK(count == per * kProducers);
+}
+
+TEST_CASE("push_bulk keeps order and respects the bound") {
+  InfeedQueue<int> q(InfeedConfig{2, 16, 4});
+  std::vector<int> values(100);
+  for (int i = 0; i < 100; ++i) values[i] = i;
+  std::thread producer([&] {
+    auto p = q.make_producer();
+    CHECK(p.push_bulk(1, values) == 100);
+    q.close();
+  });
+  auto reader = q.reader(1);
+  int v = 0;
+  int expect = 0;
+  while (reader.pop(v)) {
+    CHECK(v == expect++);
+    CHECK(q.size_approx(1) <= 16);
+  }
+  producer.join();
+  CHECK(expect == 100);
+}
+
+TEST_CASE("a stop request wakes a reader parked on an empty lane") {
+  InfeedQueue<int> q;
+  detail::StopFlag stop;
+  std::atomic<bool> returned{false};
+  bool popped = true;
+  bool eod = true;
+  std::thread t([&] {
+    auto reader = q.reader(0);
+    int v = 0;
+    popped = reader.pop(v, &stop);
+    eod = reader.end_of_data();
+    returned = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // let it park
+  CHECK_FALSE(returned.load());
+  stop.set();
+  q.wake_all();
+  t.join();
+  CHECK_FALSE(popped);
+  CHECK_FALSE(eod);  // stopped, not end of data
+}
+
+TEST_CASE("close wakes a producer blocked on a full lane") {
+  InfeedQueue<int> q(InfeedConfig{1, 1, 1});
+  auto p = q.make_producer();
+  REQUIRE(p.push(1));
+  bool result = true;
+  std::thread t([&] { result = p.push(2); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  q.close();
+  t.join();
+  CHECK_FALSE(result);
+}
+
+TEST_CASE("output modes: which iterations emit, and parsing") {
+  const OutputMode every5 = OutputMode::every_n(5);
+  std::vector<std::uint64_t> hits;
+  for (std::uint64_t i = 0; i < 10; ++i) {
+    if (every5.emits_at(i)) hits.push_back(i);
+  }
+  CHECK(hits == std::vector<std::uint64_t>{4, 9});
+  CHECK(every5.entries_for(10) == 2);
+  CHECK(OutputMode::all().entries_for(10) == 10);
+  CHECK(OutputMode::final().entries_for(10) == 1);
+  CHECK(OutputMode::sum().entries_for(0) == 0);
+  CHECK(OutputMode::parse("every_n:5") == every5);
+  CHECK(OutputMode::parse("sum") == OutputMode::sum());
+  CHECK(OutputMode::parse("final").to_string() == "final");
+  const std::string bad = error_of([] { OutputMode::parse("every_n:0"); });
+  CHECK(contains(bad, "n = 0"));
+  const std::string junk = error_of([] { OutputMode::parse("most"); });
+  CHECK(contains(junk, "'most'"));
+  CHECK(contains(junk, "all, final, sum or every_n:N"));
+}
+
+// Writes iterations 0..n-1 (value = iteration + 1) through one writer per replica.
+template <class T, class Make>
+std::vector<OutfeedEntry<T>> run_writers(OutfeedQueue<T>& q, std::uint64_t n, Make make) {
+  auto writers = q.begin_run();
+  for (std::uint32_t r = 0; r < writers.size(); ++r) {
+    for (std::uint64_t i = 0; i < n; ++i) writers[r].write(i, make(r, i));
+    writers[r].finish(true);
+  }
+  std::vector<OutfeedEntry<T>> out;
+  for (auto& e : q) out.push_back(e);
+  return out;
+}
+
+TEST_CASE("outfeed modes shape what the host sees, per replica") {
+  auto value = [](std::uint32_t r, std::uint64_t i) { return static_cast<int>(100 * r + i + 1); };
+  SUBCASE("all") {
+    OutfeedQueue<int> q(OutfeedConfig{2, OutputMode::all()});
+    auto got = run_writers(q, 10, value);
+    CHECK(got.size() == 20);
+  }
+  SUBCASE("every_n(5) with 10 iterations: iterations 4 and 9") {
+    OutfeedQueue<int> q(OutfeedConfig{2, OutputMode::every_n(5)});
+    auto got = run_writers(q, 10, value);
+    REQUIRE(got.size() == 4);
+    for (auto& e : got) {
+      CHECK((e.iteration == 4 || e.iteration == 9));
+      CHECK(e.value == value(e.replica, e.iteration));
+    }
+  }
+  SUBCASE("final: the last iteration's entry per replica") {
+    OutfeedQueue<int> q(OutfeedConfig{2, OutputMode::final()});
+    auto got = run_writers(q, 10, value);
+    REQUIRE(got.size() == 2);
+    for (auto& e : got) {
+      CHECK(e.iteration == 9);
+      CHECK(e.value == value(e.replica, 9));
+    }
+  }
+  SUBCASE("sum: element-wise over iterations, per replica") {
+    OutfeedQueue<std::array<double, 3>> q(OutfeedConfig{2, OutputMode::sum()});
+    auto got = run_writers(q, 10, [](std::uint32_t r, std::uint64_t i) {
+      return std::array<double, 3>{double(i), 1.0, double(r)};
+    });
+    REQUIRE(got.size() == 2);
+    for (auto& e : got) {
+      CHECK(e.value[0] == 45.0);
+      CHECK(e.value[1] == 10.0);
+      CHECK(e.value[2] == 10.0 * e.replica);
+    }
+  }
+}
+
+TEST_CASE("sum() needs a summable type") {
+  struct Opaque {
+    int x = 0;
+  };
+  const std::string msg =
+      error_of([] { OutfeedQueue<Opaque> q(OutfeedConfig{1, OutputMode::sum()}); });
+  CHECK(contains(msg, "sum()"));
+}
+
+TEST_CASE("outfeed runs: reading before a run ends at once; one run at a time") {
+  OutfeedQueue<int> q;
+  int seen = 0;
+  for (auto& e : q) seen += e.value;  // no run attached: must not hang
+  CHECK(seen == 0);
+  auto writers = q.begin_run();
+  CHECK(q.running());
+  CHECK(contains(error_of([&] { q.begin_run(); }), "already attached"));
+  writers[0].write(0, 5);
+  CHECK(q.try_pop()->value == 5);
+  CHECK_FALSE(q.try_pop().has_value());
+  writers.clear();  // a writer destroyed unfinished ends its part of the run
+  CHECK_FALSE(q.running());
+  CHECK_FALSE(q.pop().has_value());
+  auto again = q.begin_run();  // a second run on the same outfeed
+  again[0].write(0, 7);
+  again[0].finish(true);
+  auto all = q.drain();
+  REQUIRE(all.size() == 1);
+  CHECK(all[0].value == 7);
+}
+
+TEST_CASE("a reader on another thread sees entries while writers run, then the end") {
+  OutfeedQueue<int> q(OutfeedConfig{1, OutputMode::all(), 4});  // bounded: writer waits
+  auto writers = q.begin_run();
+  const int n = static_cast<int>(test::scaled(10000, 100));
+  std::thread device([&] {
+    for (int i = 0; i < n; ++i) CHECK(writers[0].write(static_cast<std::uint64_t>(i), int(i)));
+    writers[0].finish(true);
+  });
+  int expect = 0;
+  bool ordered = true;
+  for (auto& e : q) {
+    ordered = ordered && e.value == expect;
+    ++expect;
+    CHECK(q.size_approx() <= 4);
+  }
+  device.join();
+  CHECK(ordered);
+  CHECK(expect == n);
+}
+
+}  // TEST_SUITE

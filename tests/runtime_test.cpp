@@ -1,0 +1,386 @@
+// runtime/: Options and loops::repeat end to end (feeds -> devices -> outfeeds).
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <limits>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include <bspflow/bspflow.hpp>
+
+#include "test_util.hpp"
+
+using namespace bspflow;
+using namespace std::chrono_literals;
+using test::contains;
+using test::error_of;
+
+namespace {
+// Small devices: tests do not need 897 MiB of address space each.
+const DeviceConfig kSmall{64, 16 * 1024};
+constexpr std::uint64_t kForever = std::numeric_limits<std::uint64_t>::max();
+}  // namespace
+
+TEST_SUITE("runtime") {
+
+TEST_CASE("options: each bad value is an error naming the option, the value and what is allowed") {
+  Options o;
+  CHECK(contains(error_of([&] { o.device_iterations(0); }), "device_iterations = 0"));
+  CHECK(contains(error_of([&] { o.replication_factor(0); }), "replication_factor = 0 is not allowed: must be in 1..1024"));
+  CHECK(contains(error_of([&] { o.gradient_accumulation(0); }), "gradient_accumulation = 0"));
+  CHECK(contains(error_of([&] { o.prefetch_depth(0); }), "prefetch_depth = 0 is not allowed: must be in 1..255"));
+  CHECK(contains(error_of([&] { o.prefetch_depth(256); }), "1..255"));
+  CHECK(contains(error_of([&] { o.io_tiles(3); }), "io_tiles = 3"));
+  CHECK(contains(error_of([&] { o.tiles_per_device(0); }), "tiles_per_device = 0"));
+  CHECK(contains(error_of([&] { o.bytes_per_tile(1); }), "bytes_per_tile = 1"));
+  CHECK(contains(error_of([&] { o.infeed_capacity(0); }), "infeed_capacity = 0"));
+  // Cross-option rules are checked by validate() and by the config getters.
+  o.tiles_per_device(32).io_tiles(32);
+  CHECK(contains(error_of([&] { o.validate(); }), "io_tiles = 32 is not allowed: must be below tiles_per_device (32)"));
+  o.io_tiles(16);
+  o.prefetch_depth(8).infeed_capacity(4);
+  CHECK(contains(error_of([&] { (void)o.infeed_config(); }), "infeed_capacity = 4"));
+  o.infeed_capacity(8);
+  CHECK(error_of([&] { o.validate(); }) == "<no error>");
+  CHECK(contains(o.describe(), "prefetch_depth = 8"));
+}
+
+TEST_CASE("options: samples per step = micro-batch x iterations x accumulation x replicas") {
+  Options o;
+  o.device_iterations(10).gradient_accumulation(4).replication_factor(2);
+  CHECK(o.samples_per_step(16) == 16 * 10 * 4 * 2);
+  CHECK(contains(error_of([&] { (void)o.samples_per_step(0); }), "micro_batch = 0"));
+  o.device_iterations(std::numeric_limits<std::uint64_t>::max() / 2);
+  CHECK(contains(error_of([&] { (void)o.samples_per_step(16); }), "overflows"));
+  const InfeedConfig in = Options().replication_factor(3).prefetch_depth(2).infeed_config();
+  CHECK(in.replicas == 3);
+  CHECK(in.prefetch_depth == 2);
+  const OutfeedConfig out = Options().output_mode(OutputMode::every_n(5)).outfeed_config();
+  CHECK(out.mode == OutputMode::every_n(5));
+}
+
+TEST_CASE("repeat runs n iterations on the device and returns the loop state") {
+  Device device(0, kSmall);
+  InfeedQueue<int> infeed;
+  OutfeedQueue<int> outfeed;
+  std::thread producer([&] {
+    auto p = infeed.make_producer();
+    for (int i = 0; i < 10; ++i) p.push(i);
+  });
+  std::atomic<bool> on_device{true};
+  auto r = loops::repeat(device, 10,
+                         [&](int& counter, int& x, const Iteration& it) {
+                           on_device = on_device && device.on_device_thread();
+                           CHECK(it.index == static_cast<std::uint64_t>(x));
+                           ++counter;
+                           return x * x;
+                         },
+                         0, infeed, outfeed);
+  producer.join();
+  CHECK(r.completed());
+  CHECK(r.state() == 10);
+  CHECK(r.iterations == std::vector<std::uint64_t>{10});
+  CHECK(on_device.load());
+  auto entries = outfeed.drain();
+  REQUIRE(entries.size() == 10);
+  for (int i = 0; i < 10; ++i) CHECK(entries[i].value == i * i);
+  // The lane and the outfeed are free again for the next host call.
+  std::thread producer2([&] {
+    auto p = infeed.make_producer();
+    for (int i = 0; i < 5; ++i) p.push(i);
+  });
+  auto r2 = loops::repeat(device, 5, [](int& c, int& x) { c += x; return x; }, 0, infeed, outfeed);
+  producer2.join();
+  CHECK(r2.state() == 0 + 1 + 2 + 3 + 4);
+  CHECK(outfeed.drain().size() == 5);
+}
+
+TEST_CASE("repeat without feeds, and with only an outfeed") {
+  Device device(0, kSmall);
+  CHECK(loops::repeat(device, 1000, [](std::uint64_t& s) { s += 2; }, std::uint64_t{0}).state() == 2000);
+  OutfeedQueue<int> out(OutfeedConfig{1, OutputMode::final()});
+  auto r = loops::repeat(device, 7, [](int& s, const Iteration& it) { s = int(it.index); return s * 10; }, 0, out);
+  CHECK(r.state() == 6);
+  auto e = out.drain();
+  REQUIRE(e.size() == 1);
+  CHECK(e[0].value == 60);
+  CHECK(e[0].iteration == 6);
+}
+
+TEST_CASE("reading past a closed, drained infeed ends the loop with an end-of-data status") {
+  Device device(0, kSmall);
+  InfeedQueue<int> infeed;
+  OutfeedQueue<int> outfeed(OutfeedConfig{1, OutputMode::sum()});
+  auto p = infeed.make_producer();
+  for (int i = 1; i <= 7; ++i) p.push(i);
+  infeed.close();
+  auto r = loops::repeat(device, 10, [](int& c, int& x) { ++c; return x; }, 0, infeed, outfeed);
+  CHECK(r.status == RunStatus::kEndOfData);
+  CHECK(r.end_of_data());
+  CHECK(r.state() == 7);
+  CHECK(r.iterations == std::vector<std::uint64_t>{7});
+  CHECK(contains(r.message, "end of data"));
+  CHECK(contains(r.message, "7 of 10 iterations"));
+  auto sum = outfeed.drain();  // sum() of the iterations that ran
+  REQUIRE(sum.size() == 1);
+  CHECK(sum[0].value == 28);
+}
+
+TEST_CASE("a body exception reaches the host with device, replica and iteration") {
+  DeviceGroup group(2, kSmall);
+  InfeedQueue<int> infeed(InfeedConfig{2, 8, 1});
+  OutfeedQueue<int> outfeed(OutfeedConfig{2});
+  std::atomic<bool> producer_done{false};
+  std::thread producer([&] {
+    auto p = infeed.make_producer();
+    // Far more than the loop takes: once the run fails, this producer blocks on a full
+    // lane until the host closes the infeed.
+    for (int i = 0; i < 100000 && p.push(i); ++i) {
+    }
+    producer_done = true;
+  });
+  auto body = [](int& c, int& x, const Iteration& it) {
+    if (it.replica == 1 && it.index == 7) throw std::runtime_error("bad sample " + std::to_string(x));
+    ++c;
+    return x;
+  };
+  try {
+    loops::repeat(group, 1000, body, 0, infeed, outfeed);
+    FAIL("expected DeviceError");
+  } catch (const DeviceError& e) {
+    CHECK(e.device() == 1);
+    CHECK(e.replica() == 1);
+    CHECK(e.iteration() == 7);
+    CHECK(contains(e.what(), "device 1 (replica 1) failed at iteration 7 of 1000: bad sample 15"));
+    CHECK_THROWS_AS(e.rethrow_cause(), std::runtime_error);
+  }
+  infeed.close();  // releases the blocked producer
+  producer.join();
+  CHECK(producer_done.load());
+  // Entries written before the failure are delivered: replica 1's iterations 0..6.
+  std::vector<std::uint64_t> r1;
+  for (auto& e : outfeed.drain()) {
+    if (e.replica == 1) r1.push_back(e.iteration);
+  }
+  CHECK(r1 == std::vector<std::uint64_t>{0, 1, 2, 3, 4, 5, 6});
+}
+
+TEST_CASE("exactly once under load: M producers x R replicas, counted and checksummed") {
+  constexpr int kProducers = 4;
+  for (std::uint32_t replicas : {2u, 3u}) {
+    CAPTURE(replicas);
+    // Per producer a multiple of the replica count, so the round-robin split is exact.
+    const std::uint64_t per = test::scaled(600000, 3000) / 6 * 6;
+    const std::uint64_t total = per * kProducers;
+    DeviceGroup group(replicas, kSmall);
+    InfeedQueue<std::uint64_t> infeed(InfeedConfig{replicas, 512, 32});
+    OutfeedQueue<std::uint64_t> outfeed(OutfeedConfig{replicas, OutputMode::all(), 4096});
+    auto run = loops::repeat_async(group, kForever,
+                                   [](std::uint64_t& sum, std::uint64_t& x) {
+                                     sum += x;
+                                     return x;
+                                   },
+                                   std::uint64_t{0}, infeed, outfeed);
+    std::vector<std::thread> producers;
+    for (int id = 0; id < kProducers; ++id) {
+      producers.emplace_back([&, id] {
+        auto p = infeed.make_producer();
+        for (std::uint64_t s = 0; s < per; ++s) CHECK(p.push((std::uint64_t(id) << 40) | s));
+      });
+    }
+    std::thread closer([&] {
+      for (auto& t : producers) t.join();
+      infeed.close();
+    });
+    // Host reads the outfeed while the devices run.
+    std::vector<std::vector<bool>> seen(kProducers, std::vector<bool>(per, false));
+    std::vector<std::vector<std::uint64_t>> next(replicas, std::vector<std::uint64_t>(kProducers, 0));
+    std::uint64_t count = 0, dupes = 0, misrouted = 0, disordered = 0, checksum = 0;
+    for (auto& e : outfeed) {
+      const auto id = static_cast<int>(e.value >> 40);
+      const std::uint64_t s = e.value & ((std::uint64_t{1} << 40) - 1);
+      if (seen[id][s]) ++dupes;
+      seen[id][s] = true;
+      if (s % replicas != e.replica) ++misrouted;  // round-robin: element s -> replica s % R
+      if (s < next[e.replica][id]) ++disordered;   // per producer, per replica order
+      next[e.replica][id] = s + 1;
+      checksum += e.value;
+      ++count;
+    }
+    closer.join();
+    auto r = run.get();
+    std::uint64_t expect_sum = 0;
+    for (std::uint64_t id = 0; id < kProducers; ++id) expect_sum += id * per * (std::uint64_t{1} << 40) + per * (per - 1) / 2;
+    CHECK(r.status == RunStatus::kEndOfData);
+    CHECK(count == total);
+    CHECK(dupes == 0);
+    CHECK(misrouted == 0);
+    CHECK(disordered == 0);
+    CHECK(checksum == expect_sum);
+    std::uint64_t iters = 0, state_sum = 0;
+    for (std::uint32_t k = 0; k < replicas; ++k) {
+      CHECK(r.iterations[k] == total / replicas);
+      iters += r.iterations[k];
+      state_sum += r.state(k);
+    }
+    CHECK(iters == total);
+    CHECK(state_sum == expect_sum);
+  }
+}
+
+TEST_CASE("output modes through repeat on 2 replicas") {
+  DeviceGroup group(2, kSmall);
+  auto body = [](int& s, const Iteration& it) { s += 1; return int(it.replica * 100 + it.index); };
+  SUBCASE("every_n(5), 10 iterations: iterations 4 and 9 of each replica") {
+    OutfeedQueue<int> out(OutfeedConfig{2, OutputMode::every_n(5)});
+    loops::repeat(group, 10, body, 0, out);
+    auto e = out.drain();
+    std::sort(e.begin(), e.end(), [](auto& a, auto& b) { return a.value < b.value; });
+    REQUIRE(e.size() == 4);
+    CHECK(e[0].value == 4);
+    CHECK(e[1].value == 9);
+    CHECK(e[2].value == 104);
+    CHECK(e[3].value == 109);
+  }
+  SUBCASE("final") {
+    OutfeedQueue<int> out(OutfeedConfig{2, OutputMode::final()});
+    loops::repeat(group, 10, body, 0, out);
+    auto e = out.drain();
+    REQUIRE(e.size() == 2);
+    CHECK(e[0].value % 100 == 9);
+    CHECK(e[1].value % 100 == 9);
+  }
+  SUBCASE("sum") {
+    OutfeedQueue<int> out(OutfeedConfig{2, OutputMode::sum()});
+    loops::repeat(group, 10, body, 0, out);
+    auto e = out.drain();
+    REQUIRE(e.size() == 2);
+    for (auto& x : e) CHECK(x.value == int(x.replica) * 1000 + 45);
+  }
+  SUBCASE("all") {
+    OutfeedQueue<int> out(OutfeedConfig{2});
+    loops::repeat(group, 10, body, 0, out);
+    CHECK(out.drain().size() == 20);
+  }
+}
+
+TEST_CASE("backpressure through a run: fast producer, slow device, bounded lane") {
+  Device device(0, kSmall);
+  constexpr std::size_t kCapacity = 16;
+  const std::uint64_t n = test::scaled(2000, 200);
+  InfeedQueue<std::vector<char>> infeed(InfeedConfig{1, kCapacity, 4});
+  std::size_t peak = 0;
+  std::thread producer([&] {
+    auto p = infeed.make_producer();
+    for (std::uint64_t i = 0; i < n; ++i) {
+      CHECK(p.push(std::vector<char>(1024, 'x')));
+      peak = std::max(peak, infeed.size_approx(0));
+    }
+    infeed.close();
+  });
+  auto r = loops::repeat(device, kForever,
+                         [](std::uint64_t& bytes, std::vector<char>& v) {
+                           std::this_thread::sleep_for(20us);  // slow device
+                           bytes += v.size();
+                         },
+                         std::uint64_t{0}, infeed);
+  producer.join();
+  CHECK(r.end_of_data());
+  CHECK(r.state() == n * 1024);
+  CHECK(peak <= kCapacity);
+}
+
+TEST_CASE("4 devices on 2 cores (oversubscribed) complete") {
+  constexpr std::uint32_t kDevices = 4;
+  DeviceGroup group(kDevices, kSmall);
+  const std::uint64_t per_replica = test::scaled(20000, 500);
+  InfeedQueue<std::uint64_t> infeed(InfeedConfig{kDevices, 64, 4});
+  OutfeedQueue<std::uint64_t> outfeed(OutfeedConfig{kDevices, OutputMode::sum()});
+  auto run = loops::repeat_async(group, per_replica,
+                                 [](std::uint64_t& c, std::uint64_t& x) { ++c; return x; },
+                                 std::uint64_t{0}, infeed, outfeed);
+  std::thread producer([&] {
+    auto p = infeed.make_producer();
+    for (std::uint64_t i = 0; i < per_replica * kDevices; ++i) CHECK(p.push(i));
+  });
+  const bool finished = run.wait_for(120s);
+  CHECK(finished);
+  if (!finished) infeed.close();
+  producer.join();
+  auto r = run.get();
+  CHECK(r.completed());
+  std::uint64_t total = 0;
+  for (auto& e : outfeed.drain()) total += e.value;
+  const std::uint64_t n = per_replica * kDevices;
+  CHECK(total == n * (n - 1) / 2);
+}
+
+TEST_CASE("bad launches are clear errors, before anything runs") {
+  Device device(0, kSmall);
+  InfeedQueue<int> two(InfeedConfig{2, 8, 1});
+  CHECK(contains(error_of([&] { loops::repeat(device, 1, [](int&, int&) {}, 0, two); }),
+                 "infeed has 2 replica lane(s) but the loop runs on 1 device(s)"));
+  OutfeedQueue<int> out2(OutfeedConfig{2});
+  CHECK(contains(error_of([&] { loops::repeat(device, 1, [](int& s) { return s; }, 0, out2); }),
+                 "outfeed has 2 replica(s)"));
+  OutfeedQueue<int> small(OutfeedConfig{1, OutputMode::all(), 5});
+  CHECK(contains(error_of([&] { loops::repeat(device, 10, [](int& s) { return s; }, 0, small); }),
+                 "outfeed capacity 5 < 10 entries"));
+  // A lane can feed one loop at a time.
+  InfeedQueue<int> in;
+  auto first = loops::repeat_async(device, 1, [](int&, int&) {}, 0, in);
+  CHECK(contains(error_of([&] { loops::repeat_async(device, 1, [](int&, int&) {}, 0, in); }),
+                 "already has a reader"));
+  first.cancel();
+  CHECK(first.get().status == RunStatus::kCancelled);
+  Run<int> empty;
+  CHECK(contains(error_of([&] { empty.get(); }), "empty Run"));
+}
+
+TEST_CASE("a prefetch buffer that does not fit the device memory is an out-of-memory error") {
+  Device device(0, DeviceConfig{4, 1024});  // 4 KiB
+  InfeedQueue<std::array<char, 512>> infeed(InfeedConfig{1, 64, 16});  // 8 KiB of prefetch
+  try {
+    loops::repeat(device, 1, [](int&, std::array<char, 512>&) {}, 0, infeed);
+    FAIL("expected OutOfMemoryError");
+  } catch (const OutOfMemoryError& e) {
+    CHECK(contains(e.what(), "infeed prefetch buffer (replica 0)"));
+    CHECK(contains(e.what(), "device 0"));
+  }
+  CHECK(device.arena().used() == 0);
+  // ...and the lane was released: a loop that fits can use it.
+  InfeedQueue<std::array<char, 512>> fits(InfeedConfig{1, 64, 2});
+  fits.close();
+  CHECK(loops::repeat(device, 3, [](int&, std::array<char, 512>&) {}, 0, fits).end_of_data());
+}
+
+TEST_CASE("cancel, dropping the Run handle, or destroying the device never hangs") {
+  InfeedQueue<int> in;  // never fed: the loop waits on it
+  SUBCASE("cancel") {
+    Device device(0, kSmall);
+    auto run = loops::repeat_async(device, 10, [](int&, int&) {}, 0, in);
+    CHECK_FALSE(run.wait_for(5ms));
+    run.cancel();
+    auto r = run.get();
+    CHECK(r.status == RunStatus::kCancelled);
+    CHECK(contains(r.message, "cancelled"));
+  }
+  SUBCASE("dropping the handle cancels and waits") {
+    Device device(0, kSmall);
+    { auto run = loops::repeat_async(device, 10, [](int&, int&) {}, 0, in); }
+    CHECK(device.arena().used() == 0);
+  }
+  SUBCASE("destroying the device cancels its run") {
+    Run<int> run;
+    {
+      Device device(0, kSmall);
+      run = loops::repeat_async(device, 10, [](int&, int&) {}, 0, in);
+    }
+    CHECK(run.get().status == RunStatus::kCancelled);
+  }
+}
+
+}  // TEST_SUITE
