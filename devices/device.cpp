@@ -47,7 +47,8 @@ Device::~Device() {
       if (job.cancel) job.cancel();
     }
   }
-  cv_.notify_all();
+  submitted_.fetch_add(1, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
+  mailbox_.notify();
   thread_.join();
 }
 
@@ -57,49 +58,50 @@ void Device::submit(DeviceJob job) {
     if (stopping_) throw Error("device " + std::to_string(id_) + " is shutting down");
     jobs_.push_back(std::move(job));
   }
-  cv_.notify_one();
+  submitted_.fetch_add(1, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
+  mailbox_.notify();
 }
 
 bool Device::pinned() const {
-  std::unique_lock lock(mutex_);
-  cv_.wait(lock, [&] { return started_; });
-  return pinned_;
+  started_.wait([&] { return pin_state_.load() != 0; });
+  return pin_state_.load() == 1;
 }
 
 void Device::thread_main() {
   bool pinned = false;
   if (config_.pin && placement_.core) pinned = Topology::get().pin_current_thread(*placement_.core);
-  {
-    std::lock_guard lock(mutex_);
-    started_ = true;
-    pinned_ = pinned;
-  }
-  cv_.notify_all();
+  pin_state_.store(pinned ? 1 : 2);  // seq_cst: see WaitPoint::notify()
+  started_.notify();
   if (config_.pin && placement_.core && !pinned) {
     log(LogLevel::kWarning, "device " + std::to_string(id_) + ": could not pin to core " +
                                 std::to_string(*placement_.core) + "; running unpinned");
   }
-  // Jobs are host-submitted and few (one per host call), so a condition variable is the
-  // right wait here; the spin-then-park waits are inside the jobs' hot loops.
-  std::unique_lock lock(mutex_);
+  std::uint64_t seen = 0;  // submissions (and stop requests) already looked at
   for (;;) {
-    cv_.wait(lock, [&] { return stopping_ || !jobs_.empty(); });
-    if (jobs_.empty()) return;  // stopping, nothing left
-    DeviceJob job = std::move(jobs_.front());
-    jobs_.pop_front();
-    running_ = &job;
-    lock.unlock();
-    // A job's own errors are its business (a loop records them for its host caller);
-    // anything escaping is a bug in the job, reported rather than terminating.
-    try {
-      job.run();
-    } catch (const std::exception& e) {
-      log(LogLevel::kError, "device " + std::to_string(id_) + ": job threw: " + e.what());
-    } catch (...) {
-      log(LogLevel::kError, "device " + std::to_string(id_) + ": job threw a non-exception");
+    mailbox_.wait([&] { return submitted_.load() != seen; });
+    seen = submitted_.load();
+    for (;;) {
+      std::unique_lock lock(mutex_);
+      if (jobs_.empty()) {
+        if (stopping_) return;
+        break;
+      }
+      DeviceJob job = std::move(jobs_.front());
+      jobs_.pop_front();
+      running_ = &job;
+      lock.unlock();
+      // A job's own errors are its business (a loop records them for its host caller);
+      // anything escaping is a bug in the job, reported rather than terminating.
+      try {
+        job.run();
+      } catch (const std::exception& e) {
+        log(LogLevel::kError, "device " + std::to_string(id_) + ": job threw: " + e.what());
+      } catch (...) {
+        log(LogLevel::kError, "device " + std::to_string(id_) + ": job threw a non-exception");
+      }
+      lock.lock();
+      running_ = nullptr;
     }
-    lock.lock();
-    running_ = nullptr;
   }
 }
 

@@ -38,7 +38,7 @@ void RunControl::fail(Failure f) noexcept {
 void RunControl::replica_done(std::uint32_t replica, ReplicaEnd end) noexcept {
   ends_[replica] = end;  // each replica writes only its own slot
   if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-    done_.store(true, std::memory_order_release);
+    done_.store(true, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
     done_point_.notify();
   }
 }

@@ -6,7 +6,7 @@
 // over a group runs one replica per device.
 #pragma once
 
-#include <condition_variable>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "bspflow/arena.hpp"
+#include "bspflow/detail/wait.hpp"
 #include "bspflow/topology.hpp"
 #include "bspflow/tunables.hpp"
 
@@ -75,13 +76,17 @@ class Device {
   const Placement placement_;
   Arena arena_;
 
+  // The mailbox: jobs under a mutex (submitted once per host call, never contended on a hot
+  // path), plus a seq_cst count the device thread waits on with spin-then-park, so a host
+  // that launches loop after loop finds the device still spinning, not asleep.
   mutable std::mutex mutex_;
-  mutable std::condition_variable cv_;
   std::deque<DeviceJob> jobs_;
   DeviceJob* running_ = nullptr;
   bool stopping_ = false;
-  bool started_ = false;
-  bool pinned_ = false;
+  std::atomic<std::uint64_t> submitted_{0};  // jobs submitted, or stop requests
+  detail::WaitPoint mailbox_;
+  std::atomic<int> pin_state_{0};  // 0 = not tried yet, 1 = pinned, 2 = unpinned
+  mutable detail::WaitPoint started_;
   std::thread thread_;
 };
 

@@ -133,7 +133,7 @@ class InfeedQueue {
     // then true) or when `stop` is set.
     bool pop(T& out, const detail::StopFlag* stop = nullptr) {
       if (pos_ == count_) {
-        count_ = lane_->queue.pop_bulk(buffer_.data(), buffer_.size(), stop);
+        count_ = lane_->queue.pop_bulk(buffer_.data(), buffer_.size(), stop, &lane_->consumer);
         pos_ = 0;
         if (count_ == 0) {
           end_of_data_ = lane_->queue.drained();
@@ -215,8 +215,9 @@ class InfeedQueue {
 
  private:
   struct LaneSlot {
-    explicit LaneSlot(std::size_t capacity) : queue(capacity) {}
+    explicit LaneSlot(std::size_t capacity) : queue(capacity), consumer(queue.make_consumer_token()) {}
     Lane queue;
+    typename Lane::ConsumerToken consumer;  // used by the lane's one active Reader
     std::atomic<bool> reader_active{false};
   };
   Lane& lane(std::uint32_t r) noexcept { return lanes_[r]->queue; }

@@ -113,36 +113,47 @@ class OutfeedQueue {
   // Never blocks: every entry available now.
   std::vector<Entry> drain() {
     std::vector<Entry> out;
-    Entry buf[64];
     for (;;) {
-      const std::size_t n = queue_.try_pop_bulk(buf, 64);
-      for (std::size_t i = 0; i < n; ++i) out.push_back(std::move(buf[i]));
-      if (n < 64) return out;
+      const std::size_t have = out.size();
+      out.resize(have + 64);
+      const std::size_t n = queue_.try_pop_bulk(out.data() + have, 64);
+      out.resize(have + n);
+      if (n == 0) return out;
     }
   }
 
   // Range-for over the outfeed: pops until the attached run ends and the queue is empty.
+  // Reads in batches of up to kBatch entries (whatever is available; it never waits for a
+  // full batch), so entries it has taken but not yet yielded are invisible to other readers.
   class Iterator {
    public:
+    static constexpr std::size_t kBatch = 32;
     using value_type = Entry;
     using difference_type = std::ptrdiff_t;
-    Iterator() = default;
-    Entry& operator*() const { return *current_; }
-    Entry* operator->() const { return &*current_; }
+    Entry& operator*() const { return buffer_[pos_]; }
+    Entry* operator->() const { return &buffer_[pos_]; }
     Iterator& operator++() {
-      current_ = q_->pop();
+      if (++pos_ == count_) refill();
       return *this;
     }
     void operator++(int) { ++*this; }
-    friend bool operator==(const Iterator& it, std::default_sentinel_t) {
-      return !it.current_.has_value();
-    }
+    friend bool operator==(const Iterator& it, std::default_sentinel_t) { return it.count_ == 0; }
 
    private:
     friend class OutfeedQueue;
-    explicit Iterator(OutfeedQueue* q) : q_(q), current_(q->pop()) {}
-    OutfeedQueue* q_ = nullptr;
-    mutable std::optional<Entry> current_;
+    explicit Iterator(OutfeedQueue* q)
+        : q_(q), consumer_(q->queue_.make_consumer_token()), buffer_(kBatch) {
+      refill();
+    }
+    void refill() {
+      pos_ = 0;
+      count_ = q_->queue_.pop_bulk(buffer_.data(), kBatch, nullptr, &consumer_);
+    }
+    OutfeedQueue* q_;
+    typename Queue::ConsumerToken consumer_;
+    mutable std::vector<Entry> buffer_;
+    std::size_t pos_ = 0;
+    std::size_t count_ = 0;
   };
   Iterator begin() { return Iterator(this); }
   std::default_sentinel_t end() const noexcept { return {}; }

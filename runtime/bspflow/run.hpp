@@ -76,7 +76,7 @@ class RunControl {
 
   const StopFlag& stop() const noexcept { return stop_; }
   std::uint64_t requested() const noexcept { return requested_; }
-  bool done() const noexcept { return done_.load(std::memory_order_acquire); }
+  bool done() const noexcept { return done_.load(std::memory_order_seq_cst); }
   void wait() {
     done_point_.wait([&] { return done(); });
   }

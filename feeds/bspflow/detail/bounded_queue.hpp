@@ -34,7 +34,14 @@ namespace detail {
 template <class T>
 class BoundedQueue {
  public:
-  using Token = moodycamel::ProducerToken;
+  // A producer's handle: its moodycamel sub-queue, and the last consumer count it saw (so
+  // the bound is checked against the shared counter only when the lane looks full).
+  struct Token {
+    explicit Token(moodycamel::ConcurrentQueue<T>& q) : token(q) {}
+    moodycamel::ProducerToken token;
+    std::uint64_t popped_seen = 0;
+  };
+  using ConsumerToken = moodycamel::ConsumerToken;
 
   // capacity 0 = unbounded.
   explicit BoundedQueue(std::size_t capacity)
@@ -45,12 +52,14 @@ class BoundedQueue {
 
   // Any thread, setup path: allocates. The token must not outlive the queue.
   Token make_token() { return Token(queue_); }
+  // Setup path: a consumer token (faster dequeues for a consumer that keeps one).
+  ConsumerToken make_consumer_token() { return ConsumerToken(queue_); }
 
   std::size_t capacity() const noexcept { return capacity_; }
 
   // Producer (holder of `token`). Never blocks. Moves from `value` only on kOk.
   PushResult try_push(Token& token, T&& value) {
-    const PushResult r = try_reserve(1);
+    const PushResult r = try_reserve(token, 1);
     if (r != PushResult::kOk) return r;
     commit(token, std::move(value));
     return PushResult::kOk;
@@ -60,11 +69,11 @@ class BoundedQueue {
   // or `stop` was set, before a slot was free.
   bool push(Token& token, T&& value, const StopFlag* stop = nullptr) {
     for (;;) {
-      const PushResult r = try_reserve(1);
+      const PushResult r = try_reserve(token, 1);
       if (r == PushResult::kOk) break;
       if (r == PushResult::kClosed) return false;
       if (stop != nullptr && stop->requested()) return false;
-      not_full_.wait([&] { return has_room(1) || is_closed() || stopped(stop); });
+      wait_for_room(stop);
     }
     commit(token, std::move(value));
     return true;
@@ -79,21 +88,21 @@ class BoundedQueue {
     while (done < n) {
       std::size_t want = n - done;
       if (capacity_ != 0 && want > capacity_) want = capacity_;
-      PushResult r = try_reserve(want);
+      PushResult r = try_reserve(token, want);
       if (r == PushResult::kFull) {
         const std::size_t room = free_slots();
         if (room > 0) {
-          want = room;
-          r = try_reserve(want);
+          want = room < want ? room : want;
+          r = try_reserve(token, want);
         }
       }
       if (r == PushResult::kClosed) return done;
       if (r == PushResult::kFull) {
         if (stop != nullptr && stop->requested()) return done;
-        not_full_.wait([&] { return has_room(1) || is_closed() || stopped(stop); });
+        wait_for_room(stop);
         continue;
       }
-      if (!queue_.enqueue_bulk(token, std::make_move_iterator(first), want)) {
+      if (!queue_.enqueue_bulk(token.token, std::make_move_iterator(first), want)) {
         unreserve(want);
         throw std::bad_alloc();
       }
@@ -105,10 +114,12 @@ class BoundedQueue {
   }
 
   // Consumer. Never blocks. Moves up to `max` elements into out[0..). Returns the count.
-  std::size_t try_pop_bulk(T* out, std::size_t max) {
-    const std::size_t n = queue_.try_dequeue_bulk(out, max);
+  // `ctok`, if given, is this consumer's own token (not shared with a concurrent consumer).
+  std::size_t try_pop_bulk(T* out, std::size_t max, ConsumerToken* ctok = nullptr) {
+    const std::size_t n =
+        ctok != nullptr ? queue_.try_dequeue_bulk(*ctok, out, max) : queue_.try_dequeue_bulk(out, max);
     if (n != 0) {
-      popped_.fetch_add(n, std::memory_order_acq_rel);
+      popped_.fetch_add(n, std::memory_order_seq_cst);  // seq_cst: pairs with not_full_ waiters
       not_full_.notify();
     }
     return n;
@@ -117,31 +128,46 @@ class BoundedQueue {
   // Consumer. Blocks until at least one element is available and returns how many it
   // moved (1..max); returns 0 when the queue is closed and drained (end of data) or `stop`
   // was set.
-  std::size_t pop_bulk(T* out, std::size_t max, const StopFlag* stop = nullptr) {
+  std::size_t pop_bulk(T* out, std::size_t max, const StopFlag* stop = nullptr,
+                       ConsumerToken* ctok = nullptr) {
+    std::size_t n = try_pop_bulk(out, max, ctok);
+    if (n != 0) return n;
+    // Spin on dequeue attempts first: a producer mid-enqueue (slot reserved, element not yet
+    // visible) finishes within the spin, without a syscall.
+    // End of data and stop are checked every 64th try only: reading reserved_ on every spin
+    // would pull the producers' hot cache line away from them.
+    bool ended = false;
+    unsigned tries = 0;
+    spin_until([&] {
+      n = try_pop_bulk(out, max, ctok);
+      if (n != 0) return true;
+      ended = (++tries & 63u) == 0 && (drained() || stopped(stop));
+      return ended;
+    });
     for (;;) {
-      const std::size_t n = try_pop_bulk(out, max);
       if (n != 0) return n;
-      if (drained() || stopped(stop)) return 0;
-      // Reserved-but-not-yet-enqueued elements make pending() true for a moment; the
-      // producer is mid-enqueue, so give it the core rather than spin on it.
+      if (ended || drained() || stopped(stop)) return 0;
       if (pending()) {
+        // Still mid-enqueue after a whole spin budget: the producer was descheduled
+        // (oversubscribed cores); give it the core.
         std::this_thread::yield();
-        continue;
+      } else {
+        not_empty_.wait([&] { return pending() || is_closed() || stopped(stop); });
       }
-      not_empty_.wait([&] { return pending() || is_closed() || stopped(stop); });
+      n = try_pop_bulk(out, max, ctok);
     }
   }
 
   // Any thread. End of data: pushes fail from now on; consumers drain what is left, then
   // see end of data. Wakes everybody parked. Idempotent.
   void close() noexcept {
-    reserved_.fetch_or(kClosedBit, std::memory_order_acq_rel);
+    reserved_.fetch_or(kClosedBit, std::memory_order_seq_cst);
     not_empty_.notify();
     not_full_.notify();
   }
 
   // Any thread, when no producer is active: accept pushes again (outfeeds between runs).
-  void reopen() noexcept { reserved_.fetch_and(~kClosedBit, std::memory_order_acq_rel); }
+  void reopen() noexcept { reserved_.fetch_and(~kClosedBit, std::memory_order_seq_cst); }
 
   // Any thread. Wakes parked producers and consumers so they re-check their stop flag.
   void wake_all() noexcept {
@@ -150,12 +176,12 @@ class BoundedQueue {
   }
 
   bool is_closed() const noexcept {
-    return (reserved_.load(std::memory_order_acquire) & kClosedBit) != 0;
+    return (reserved_.load(std::memory_order_seq_cst) & kClosedBit) != 0;
   }
   // Closed and every reserved element popped.
   bool drained() const noexcept {
-    const std::uint64_t r = reserved_.load(std::memory_order_acquire);
-    return (r & kClosedBit) != 0 && (r & kCountMask) == popped_.load(std::memory_order_acquire);
+    const std::uint64_t r = reserved_.load(std::memory_order_seq_cst);
+    return (r & kClosedBit) != 0 && (r & kCountMask) == popped_.load(std::memory_order_seq_cst);
   }
   // Elements reserved but not popped (approximate while producers run).
   std::size_t size_approx() const noexcept {
@@ -184,27 +210,43 @@ class BoundedQueue {
     return stop != nullptr && stop->requested();
   }
 
+  // Wait predicates read with seq_cst loads: see WaitPoint::notify().
   bool pending() const noexcept {
-    return (reserved_.load(std::memory_order_acquire) & kCountMask) !=
-           popped_.load(std::memory_order_acquire);
+    return (reserved_.load(std::memory_order_seq_cst) & kCountMask) !=
+           popped_.load(std::memory_order_seq_cst);
   }
 
   std::size_t free_slots() const noexcept {
     if (capacity_ == 0) return SIZE_MAX;
-    const std::size_t used = size_approx();
-    return used >= capacity_ ? 0 : capacity_ - used;
+    const std::uint64_t r = reserved_.load(std::memory_order_seq_cst) & kCountMask;
+    const std::uint64_t p = popped_.load(std::memory_order_seq_cst);
+    const std::uint64_t used = r > p ? r - p : 0;
+    return used >= capacity_ ? 0 : static_cast<std::size_t>(capacity_ - used);
   }
   bool has_room(std::size_t n) const noexcept { return free_slots() >= n; }
 
-  PushResult try_reserve(std::size_t n) noexcept {
-    std::uint64_t r = reserved_.load(std::memory_order_relaxed);  // relaxed: CAS re-checks
+  // A producer that found the queue full waits for a chunk of room (an eighth of the
+  // capacity), not one slot, and polls with backoff: otherwise producer and consumer trade
+  // the consumer's counter line on every element and both slow down several times over.
+  void wait_for_room(const StopFlag* stop) {
+    const std::size_t low_water = capacity_ / 8 > 1 ? capacity_ / 8 : 1;
+    not_full_.wait([&] { return has_room(low_water) || is_closed() || stopped(stop); },
+                   Spin::kBackoff);
+  }
+
+  // Claims n slots (seq_cst CAS: the ordering point WaitPoint::notify() relies on). Checks
+  // the bound against the producer's cached consumer count first and reloads the shared
+  // one only when that says full, so a producer that is not near the bound never reads the
+  // consumer's cache line.
+  PushResult try_reserve(Token& token, std::size_t n) noexcept {
+    std::uint64_t r = reserved_.load(std::memory_order_relaxed);  // relaxed: the CAS re-checks
     for (;;) {
       if ((r & kClosedBit) != 0) return PushResult::kClosed;
-      if (capacity_ != 0) {
-        const std::uint64_t p = popped_.load(std::memory_order_acquire);
-        if ((r & kCountMask) + n - p > capacity_) return PushResult::kFull;
+      if (capacity_ != 0 && (r & kCountMask) + n - token.popped_seen > capacity_) {
+        token.popped_seen = popped_.load(std::memory_order_seq_cst);
+        if ((r & kCountMask) + n - token.popped_seen > capacity_) return PushResult::kFull;
       }
-      if (reserved_.compare_exchange_weak(r, r + n, std::memory_order_acq_rel,
+      if (reserved_.compare_exchange_weak(r, r + n, std::memory_order_seq_cst,
                                           std::memory_order_relaxed)) {
         return PushResult::kOk;
       }
@@ -212,13 +254,13 @@ class BoundedQueue {
   }
 
   void unreserve(std::size_t n) noexcept {
-    reserved_.fetch_sub(n, std::memory_order_acq_rel);
+    reserved_.fetch_sub(n, std::memory_order_seq_cst);
     not_full_.notify();
     not_empty_.notify();
   }
 
   void commit(Token& token, T&& value) {
-    if (!queue_.enqueue(token, std::move(value))) {
+    if (!queue_.enqueue(token.token, std::move(value))) {
       unreserve(1);
       throw std::bad_alloc();
     }

@@ -26,15 +26,24 @@ inline void cpu_relax() noexcept {
 #endif
 }
 
+// How a spin polls. kTight re-checks after every pause: for waits whose end is latency
+// (data arriving). kBackoff doubles the pauses between checks up to 64: for waits whose
+// end is someone else's progress (room in a full queue), so that polling a counter does not
+// keep stealing its cache line from the thread that must advance it.
+enum class Spin { kTight, kBackoff };
+
 // Spins while !ready() for at most `budget`. Returns true as soon as ready() holds.
 template <class Ready>
-bool spin_until(Ready&& ready, std::chrono::nanoseconds budget = tunables::kSpinBudget) {
+bool spin_until(Ready&& ready, Spin mode = Spin::kTight,
+                std::chrono::nanoseconds budget = tunables::kSpinBudget) {
   if (ready()) return true;
   const auto deadline = std::chrono::steady_clock::now() + budget;
+  unsigned pauses = 1;
   for (unsigned i = 1;; ++i) {
-    cpu_relax();
+    for (unsigned k = 0; k < pauses; ++k) cpu_relax();
     if (ready()) return true;
-    // Reading the clock costs ~20 ns; once every 64 pauses keeps it off the fast path.
+    if (mode == Spin::kBackoff && pauses < 64) pauses *= 2;
+    // Reading the clock costs ~20 ns; once every 64 checks keeps it off the fast path.
     if ((i & 63u) == 0 && std::chrono::steady_clock::now() >= deadline) return false;
   }
 }
@@ -43,25 +52,25 @@ bool spin_until(Ready&& ready, std::chrono::nanoseconds budget = tunables::kSpin
 // notify() afterwards. Correct for any number of waiters and notifiers.
 class alignas(tunables::kCacheLine) WaitPoint {
  public:
-  // Any thread. Never blocks, never allocates. Call after making the state change visible.
+  // Any thread. Never blocks, never allocates. Call after changing what ready() reads, and
+  // make that change a seq_cst atomic operation (an RMW such as fetch_add or a CAS, or a
+  // seq_cst store): with the seq_cst load below and the waiter's seq_cst increment before it
+  // re-reads the state, either the waiter sees the change or we see the waiter (a Dekker
+  // pair; no lost wake-up) without a separate fence on this hot path.
   void notify() noexcept {
-    // Pairs with the fence in wait(): either the waiter's ready() sees our state change,
-    // or we see its waiters_ increment and wake it (a Dekker pair; no lost wake-up).
-    std::atomic_thread_fence(std::memory_order_seq_cst);
-    // relaxed: ordered by the fence above.
-    if (waiters_.load(std::memory_order_relaxed) != 0) {
+    if (waiters_.load(std::memory_order_seq_cst) != 0) {
       epoch_.fetch_add(1, std::memory_order_release);
       epoch_.notify_all();
     }
   }
 
   // Any thread. Blocks (spin, then park) until ready() returns true. ready() must be
-  // cheap and must read state whose writers call notify() after writing it.
+  // cheap, read the state with seq_cst loads, and that state's writers must call notify()
+  // after their seq_cst write.
   template <class Ready>
-  void wait(Ready&& ready) {
-    if (spin_until(ready)) return;
+  void wait(Ready&& ready, Spin mode = Spin::kTight) {
+    if (spin_until(ready, mode)) return;
     waiters_.fetch_add(1, std::memory_order_seq_cst);
-    std::atomic_thread_fence(std::memory_order_seq_cst);
     for (;;) {
       const std::uint32_t seen = epoch_.load(std::memory_order_acquire);
       if (ready()) break;
@@ -95,8 +104,8 @@ class alignas(tunables::kCacheLine) WaitPoint {
 // notify the WaitPoints the stopped work may be parked on.
 class StopFlag {
  public:
-  bool requested() const noexcept { return flag_.load(std::memory_order_acquire); }
-  void set() noexcept { flag_.store(true, std::memory_order_release); }
+  bool requested() const noexcept { return flag_.load(std::memory_order_seq_cst); }
+  void set() noexcept { flag_.store(true, std::memory_order_seq_cst); }
 
  private:
   std::atomic<bool> flag_{false};
