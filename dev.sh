@@ -6,6 +6,7 @@
 #   ./dev.sh test [ARGS]   build and run every test suite (meson test; ARGS go to it)
 #   ./dev.sh bench         build and run the benchmarks (opt-in; prints key: value figures)
 #   ./dev.sh tsan          build under ThreadSanitizer (build-tsan/) and run the thread tests
+#   ./dev.sh asan          the same with AddressSanitizer + UBSan (build-asan/)
 #   ./dev.sh deps          only install the packages
 #
 # Environment: BUILD_DIR (default build), MESON_ARGS (extra `meson setup` options for a new
@@ -82,8 +83,15 @@ case "$what" in
     meson test -C "${BUILD_DIR:-build-tsan}" --print-errorlogs \
       --suite feeds --suite devices --suite runtime "$@"
     ;;
+  asan)
+    install_deps
+    configure "${BUILD_DIR:-build-asan}" -Db_sanitize=address,undefined -Db_lundef=false \
+      -Dexamples=false
+    UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 meson test -C "${BUILD_DIR:-build-asan}" \
+      --print-errorlogs --suite feeds --suite devices --suite runtime "$@"
+    ;;
   *)
-    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
     [ -z "$what" ] || { echo "dev.sh: unknown command '$what'" >&2; exit 2; }
     ;;
 esac

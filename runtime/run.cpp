@@ -20,7 +20,8 @@ RunControl::RunControl(std::uint32_t replicas, std::uint64_t requested)
 
 void RunControl::cancel() noexcept {
   stop_.set();
-  if (waker_) waker_();
+  std::lock_guard lock(wake_mutex_);
+  if (waker_ && !done()) waker_();
 }
 
 void RunControl::fail(Failure f) noexcept {
@@ -38,12 +39,15 @@ void RunControl::fail(Failure f) noexcept {
 void RunControl::replica_done(std::uint32_t replica, ReplicaEnd end) noexcept {
   ends_[replica] = end;  // each replica writes only its own slot
   if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-    done_.store(true, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
+    {
+      std::lock_guard lock(wake_mutex_);
+      done_.store(true, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
+    }
     done_point_.notify();
   }
 }
 
-RunStatus RunControl::finish(std::vector<std::uint64_t>& iterations, std::string& message) const {
+RunStatus RunControl::finish(std::vector<std::uint64_t>& iterations, std::string& message) {
   iterations.clear();
   for (const ReplicaEnd& e : ends_) iterations.push_back(e.iterations);
   {
@@ -57,8 +61,9 @@ RunStatus RunControl::finish(std::vector<std::uint64_t>& iterations, std::string
         os << " (and " << more_failures_ << " more replica" << (more_failures_ == 1 ? "" : "s")
            << " failed)";
       }
-      throw DeviceError(os.str(), failure_->device, failure_->replica, failure_->iteration,
-                        failure_->cause);
+      Failure f = std::move(*failure_);
+      failure_.reset();
+      throw DeviceError(os.str(), f.device, f.replica, f.iteration, std::move(f.cause));
     }
   }
   RunStatus status = RunStatus::kCompleted;

@@ -86,13 +86,20 @@ class RunControl {
   // Set once, before the run starts: wakes whatever the replicas may be parked on.
   void set_waker(std::function<void()> waker) { waker_ = std::move(waker); }
 
-  // After done(): throws DeviceError if a replica failed; else the overall status and
-  // message. Per-replica iterations are written to `iterations`.
-  RunStatus finish(std::vector<std::uint64_t>& iterations, std::string& message) const;
+  // Once, by the host, after done(): throws DeviceError if a replica failed; else the
+  // overall status and message. Per-replica iterations are written to `iterations`. The
+  // failure's exception moves into the DeviceError, so the host thread that reads it also
+  // frees it (a device thread dropping the last reference would race with that read as far
+  // as ThreadSanitizer can tell: exception_ptr counts references inside libsupc++).
+  RunStatus finish(std::vector<std::uint64_t>& iterations, std::string& message);
 
  private:
   StopFlag stop_;
-  std::function<void()> waker_;
+  std::function<void()> waker_;  // touches the run's feeds: only while !done_
+  // Orders waker_ calls against the end of the run: the last replica_done() sets done_ under
+  // it, so a cancel() after the end (a device destructor, a late Run::cancel) never wakes
+  // feeds the host may already have destroyed, and one during a wake keeps the run open.
+  std::mutex wake_mutex_;
   std::uint64_t requested_;
   std::vector<ReplicaEnd> ends_;
   std::atomic<std::uint32_t> remaining_;
