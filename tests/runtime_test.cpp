@@ -357,6 +357,57 @@ TEST_CASE("a prefetch buffer that does not fit the device memory is an out-of-me
   CHECK(loops::repeat(device, 3, [](int&, std::array<char, 512>&) {}, 0, fits).end_of_data());
 }
 
+TEST_CASE("outfeed write-combining never holds entries back while the device waits for input") {
+  // Fast iterations stage their entries; the device must hand them over before it waits for
+  // more input, or a host that reads before pushing more would wait forever.
+  Device device(0, kSmall);
+  InfeedQueue<int> infeed(InfeedConfig{1, 64, 4});
+  OutfeedQueue<int> outfeed;
+  auto run = loops::repeat_async(device, 20, [](int& s, int& x) { ++s; return x * 3; }, 0,
+                                 infeed, outfeed);
+  auto producer = infeed.make_producer();
+  int expect = 0;
+  for (int round = 0; round < 4; ++round) {
+    for (int k = 0; k < 5; ++k) producer.push(round * 5 + k);
+    for (int k = 0; k < 5; ++k) {  // readable now, with the device parked on the infeed
+      std::optional<OutfeedEntry<int>> e;
+      const auto deadline = std::chrono::steady_clock::now() + 10s;
+      while (!(e = outfeed.try_pop()) && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(100us);
+      }
+      if (!e) run.cancel();  // fail, do not hang
+      REQUIRE_MESSAGE(e.has_value(), "entry " << expect << " was held back");
+      CHECK(e->value == expect * 3);
+      CHECK(e->iteration == static_cast<std::uint64_t>(expect));
+      ++expect;
+    }
+  }
+  const auto r = run.get();
+  CHECK(r.completed());
+  CHECK(r.state() == 20);
+  CHECK_FALSE(outfeed.pop().has_value());
+}
+
+TEST_CASE("outfeed write-combining keeps every entry, in order, across batch boundaries") {
+  Device device(0, kSmall);
+  InfeedQueue<int> infeed(InfeedConfig{1, 1024, 32});
+  OutfeedQueue<int> outfeed;
+  constexpr int kN = 1000;  // not a multiple of the combining batch
+  std::vector<int> values(kN);
+  for (int i = 0; i < kN; ++i) values[i] = i;
+  auto producer = infeed.make_producer();
+  producer.push_bulk(0, values);
+  const auto r = loops::repeat(device, kN, [](int&, int& x) { return x; }, 0, infeed, outfeed);
+  CHECK(r.completed());
+  int next = 0;
+  for (auto& e : outfeed) {
+    CHECK(e.value == next);
+    CHECK(e.iteration == static_cast<std::uint64_t>(next));
+    ++next;
+  }
+  CHECK(next == kN);
+}
+
 TEST_CASE("cancel, dropping the Run handle, or destroying the device never hangs") {
   InfeedQueue<int> in;  // never fed: the loop waits on it
   SUBCASE("cancel") {

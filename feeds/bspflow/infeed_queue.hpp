@@ -144,6 +144,18 @@ class InfeedQueue {
       return true;
     }
 
+    // Device thread. Never blocks: moves the next element into `out` if one is ready (in
+    // the prefetch buffer or on the lane) and returns true; else false.
+    bool try_pop(T& out) {
+      if (pos_ == count_) {
+        count_ = lane_->queue.try_pop_bulk(buffer_.data(), buffer_.size(), &lane_->consumer);
+        pos_ = 0;
+        if (count_ == 0) return false;
+      }
+      out = std::move(buffer_[pos_++]);
+      return true;
+    }
+
     bool end_of_data() const noexcept { return end_of_data_; }
     // Elements already moved off the lane into the prefetch buffer, not yet popped.
     std::size_t prefetched() const noexcept { return count_ - pos_; }

@@ -15,6 +15,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -171,18 +172,26 @@ class OutfeedQueue {
    public:
     Writer(Writer&& o) noexcept
         : q_(std::exchange(o.q_, nullptr)), replica_(o.replica_), token_(std::move(o.token_)),
-          held_(std::move(o.held_)) {}
+          staged_(std::move(o.staged_)), last_write_(o.last_write_), held_(std::move(o.held_)) {}
     Writer& operator=(Writer&&) = delete;
     ~Writer() {
       if (q_ != nullptr) finish(false);
     }
 
-    // Device thread. Applies the output mode to iteration `i`'s value. Blocks while a
-    // bounded outfeed is full; returns false if `stop` was set first (value dropped and
-    // counted in dropped()).
+    // Device thread. Applies the output mode to iteration `i`'s value. Entries of fast
+    // iterations are staged and handed over in bulk (see tunables::kOutfeedCombine). Blocks
+    // while a bounded outfeed is full; returns false if `stop` was set first (the entries
+    // not handed over are dropped).
     bool write(std::uint64_t i, T&& value, const detail::StopFlag* stop = nullptr) {
       const OutputMode mode = q_->config_.mode;
-      if (mode.emits_at(i)) return deliver(Entry{replica_, i, std::move(value)}, stop);
+      if (mode.emits_at(i)) {
+        staged_.push_back(Entry{replica_, i, std::move(value)});
+        const auto now = std::chrono::steady_clock::now();
+        const bool fast = now - last_write_ < tunables::kOutfeedCombineBelow;
+        last_write_ = now;
+        if (fast && staged_.size() < tunables::kOutfeedCombine) return true;
+        return flush(stop);
+      }
       if (mode.kind() == OutputMode::Kind::kFinal) {
         held_ = Entry{replica_, i, std::move(value)};
       } else if (mode.kind() == OutputMode::Kind::kSum) {
@@ -198,11 +207,22 @@ class OutfeedQueue {
       return true;
     }
 
+    // Device thread. Hands every staged entry to the host now (the runtime calls it before
+    // the device waits for input). Returns false if `stop` was set first.
+    bool flush(const detail::StopFlag* stop = nullptr) {
+      if (staged_.empty()) return true;
+      const std::size_t n = staged_.size();
+      const std::size_t pushed = q_->queue_.push_bulk(token_, staged_.begin(), n, stop);
+      staged_.clear();
+      return pushed == n;
+    }
+
     // Device thread. Ends this replica's part of the run, delivering the final()/sum()
     // value when `deliver_held` (false after a failure: a partial sum is no result). The
     // last writer of the run to finish ends it, which ends the host's range-for.
     void finish(bool deliver_held, const detail::StopFlag* stop = nullptr) {
       if (q_ == nullptr) return;
+      flush(stop);
       if (deliver_held && held_) deliver(std::move(*held_), stop);
       held_.reset();
       OutfeedQueue* q = std::exchange(q_, nullptr);
@@ -212,7 +232,9 @@ class OutfeedQueue {
    private:
     friend class OutfeedQueue;
     Writer(OutfeedQueue& q, std::uint32_t replica)
-        : q_(&q), replica_(replica), token_(q.queue_.make_token()) {}
+        : q_(&q), replica_(replica), token_(q.queue_.make_token()) {
+      staged_.reserve(tunables::kOutfeedCombine);
+    }
     bool deliver(Entry&& e, const detail::StopFlag* stop) {
       return q_->queue_.push(token_, std::move(e), stop);
     }
@@ -220,6 +242,8 @@ class OutfeedQueue {
     OutfeedQueue* q_;
     std::uint32_t replica_;
     typename Queue::Token token_;
+    std::vector<Entry> staged_;  // write-combining: entries not yet handed over
+    std::chrono::steady_clock::time_point last_write_{};
     std::optional<Entry> held_;
   };
 

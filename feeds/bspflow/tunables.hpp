@@ -27,6 +27,15 @@ inline constexpr std::size_t kMaxQueueCapacity = std::size_t{1} << 30;
 // the host reads while the loop runs.
 inline constexpr std::size_t kDefaultOutfeedCapacity = 0;
 
+// Outfeed write-combining. After an iteration shorter than kOutfeedCombineBelow, a device
+// stages its entry instead of enqueueing it, and hands staged entries over in one bulk
+// enqueue when kOutfeedCombine are staged, when an iteration takes longer, when its infeed
+// has nothing ready (before it would wait), and when the loop ends. Fast loops then touch
+// the host-shared queue once per batch instead of once per entry; an entry is held back by
+// at most the next iteration.
+inline constexpr std::size_t kOutfeedCombine = 32;
+inline constexpr std::chrono::nanoseconds kOutfeedCombineBelow{2'000};
+
 // Replicas per feed / devices per group.
 inline constexpr std::uint32_t kMaxReplicas = 1024;
 

@@ -128,6 +128,7 @@ template <class InQ>
 struct InfeedSide {  // no infeed
   using Value = NoFeed;
   InfeedSide(InQ*, Device&, std::uint32_t) {}
+  bool try_pop(NoFeed*&) { return true; }
   bool pop(NoFeed*&, const bspflow::detail::StopFlag*) { return true; }
   bool end_of_data() const { return false; }
   NoFeed* slot() { return nullptr; }
@@ -141,6 +142,10 @@ struct InfeedSide<InfeedQueue<T>> {
             device.arena(), q->prefetch_depth(),
             "infeed prefetch buffer (replica " + std::to_string(replica) + ")")),
         reader(q->reader(replica, buffer->span())) {}
+  bool try_pop(T*& out) {
+    out = &value;
+    return reader->try_pop(value);
+  }
   bool pop(T*& out, const bspflow::detail::StopFlag* stop) {
     out = &value;
     return reader->pop(value, stop);
@@ -158,6 +163,7 @@ struct OutfeedSide {  // no outfeed
   bool write(std::uint64_t, V&&, const bspflow::detail::StopFlag*) {
     return true;
   }
+  bool flush(const bspflow::detail::StopFlag*) { return true; }
   void finish(bool, const bspflow::detail::StopFlag*) {}
 };
 
@@ -168,6 +174,7 @@ struct OutfeedSide<OutfeedQueue<T>> {
   bool write(std::uint64_t i, V&& v, const bspflow::detail::StopFlag* stop) {
     return writer.write(i, T(std::forward<V>(v)), stop);
   }
+  bool flush(const bspflow::detail::StopFlag* stop) { return writer.flush(stop); }
   void finish(bool deliver, const bspflow::detail::StopFlag* stop) { writer.finish(deliver, stop); }
   typename OutfeedQueue<T>::Writer writer;
 };
@@ -199,7 +206,8 @@ void run_replica(RunState<State>& run, Replica<State, Body, InQ, OutQ>& rep, std
         break;
       }
       In* input = nullptr;
-      if (!rep.infeed->pop(input, stop)) {
+      // Nothing ready: hand staged outfeed entries to the host before waiting for input.
+      if (!rep.infeed->try_pop(input) && (!rep.outfeed->flush(stop) || !rep.infeed->pop(input, stop))) {
         status = rep.infeed->end_of_data() ? RunStatus::kEndOfData : RunStatus::kCancelled;
         break;
       }

@@ -102,7 +102,17 @@ class BoundedQueue {
         wait_for_room(stop);
         continue;
       }
-      if (!queue_.enqueue_bulk(token.token, std::make_move_iterator(first), want)) {
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12 reports a bogus -Wstringop-overflow inside moodycamel's enqueue_bulk once it is
+// inlined here (a load from a block it cannot prove non-null); the code path is sound.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
+#endif
+      const bool enqueued = queue_.enqueue_bulk(token.token, std::make_move_iterator(first), want);
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+      if (!enqueued) {
         unreserve(want);
         throw std::bad_alloc();
       }
@@ -116,8 +126,13 @@ class BoundedQueue {
   // Consumer. Never blocks. Moves up to `max` elements into out[0..). Returns the count.
   // `ctok`, if given, is this consumer's own token (not shared with a concurrent consumer).
   std::size_t try_pop_bulk(T* out, std::size_t max, ConsumerToken* ctok = nullptr) {
-    const std::size_t n =
-        ctok != nullptr ? queue_.try_dequeue_bulk(*ctok, out, max) : queue_.try_dequeue_bulk(out, max);
+    std::size_t n = 0;
+    if (max == 1) {  // moodycamel's single dequeue is markedly cheaper than a bulk of one
+      n = (ctok != nullptr ? queue_.try_dequeue(*ctok, *out) : queue_.try_dequeue(*out)) ? 1 : 0;
+    } else {
+      n = ctok != nullptr ? queue_.try_dequeue_bulk(*ctok, out, max)
+                          : queue_.try_dequeue_bulk(out, max);
+    }
     if (n != 0) {
       popped_.fetch_add(n, std::memory_order_seq_cst);  // seq_cst: pairs with not_full_ waiters
       not_full_.notify();
