@@ -15,7 +15,7 @@ set -eu
 cd "$(dirname "$0")"
 
 PACKAGES="g++ meson ninja-build pkg-config cmake libconcurrentqueue-dev libboost-dev \
-libhwloc-dev doctest-dev libcli11-dev nlohmann-json3-dev"
+libhwloc-dev doctest-dev libcli11-dev nlohmann-json3-dev zlib1g-dev dataset-fashion-mnist"
 
 install_deps() {
   missing=""
@@ -88,7 +88,7 @@ case "$what" in
     configure "${BUILD_DIR:-build-asan}" -Db_sanitize=address,undefined -Db_lundef=false \
       -Dexamples=false
     UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 meson test -C "${BUILD_DIR:-build-asan}" \
-      --print-errorlogs --suite feeds --suite devices --suite runtime "$@"
+      --print-errorlogs --suite feeds --suite devices --suite runtime --suite data "$@"
     ;;
   *)
     sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'

@@ -4,6 +4,7 @@
 #include "bspflow/arena.hpp"
 #include "bspflow/device.hpp"
 #include "bspflow/error.hpp"
+#include "bspflow/idx.hpp"
 #include "bspflow/infeed_queue.hpp"
 #include "bspflow/log.hpp"
 #include "bspflow/options.hpp"
