@@ -123,14 +123,10 @@ Array read(const std::filesystem::path& file) {
     fail(file, "truncated: shorter than the 4-byte IDX header");
   }
   if (magic[0] != 0 || magic[1] != 0) {
-    fail(file, "bad magic number: an IDX file starts with two zero bytes (got 0x" +
-                   [&] {
-                     char buf[16];
-                     std::snprintf(buf, sizeof buf, "%02x%02x%02x%02x", magic[0], magic[1],
-                                   magic[2], magic[3]);
-                     return std::string(buf);
-                   }() +
-                   ")");
+    char got[16];
+    std::snprintf(got, sizeof got, "0x%02x%02x%02x%02x", magic[0], magic[1], magic[2], magic[3]);
+    fail(file, std::string("bad magic number: an IDX file starts with two zero bytes (got ") +
+                   got + ")");
   }
   if (!known_type(magic[2])) {
     char buf[8];
@@ -152,20 +148,17 @@ Array read(const std::filesystem::path& file) {
     fail(file, "truncated: the header says " + std::to_string(ndims) +
                    " dimensions but the file ends inside them");
   }
-  std::uint64_t elements = 1;
+  // Count in bytes as we go, so a corrupt header can neither overflow nor ask for an
+  // absurd allocation.
+  std::uint64_t bytes = element_size(a.type);
   for (int d = 0; d < ndims; ++d) {
     const std::uint32_t n = big_endian_u32(raw_dims.data() + 4 * d);
     a.dims.push_back(n);
-    if (n != 0 && elements > kMaxDataBytes / n) {
+    if (n != 0 && bytes > kMaxDataBytes / n) {
       fail(file, "dimensions too large (over " + std::to_string(kMaxDataBytes >> 30) +
                      " GiB of data): the header is probably corrupt");
     }
-    elements *= n;
-  }
-  const std::uint64_t bytes = elements * element_size(a.type);
-  if (bytes > kMaxDataBytes) {
-    fail(file, "dimensions too large (over " + std::to_string(kMaxDataBytes >> 30) +
-                   " GiB of data): the header is probably corrupt");
+    bytes *= n;
   }
   a.data.resize(static_cast<std::size_t>(bytes));
   if (!read_exact(f.get(), file, a.data.data(), a.data.size())) {
@@ -198,7 +191,7 @@ void write(const std::filesystem::path& file, const Array& a) {
                 std::to_string(elements * element_size(a.type)) + " bytes)");
   }
   Gz f(gzopen(file.c_str(), "wb"));
-  if (!f) throw Error("IDX file " + file.string() + ": cannot create: " + std::strerror(errno));
+  if (!f) fail(file, std::string("cannot create: ") + std::strerror(errno));
   std::vector<unsigned char> header{0, 0, static_cast<unsigned char>(a.type),
                                     static_cast<unsigned char>(a.dims.size())};
   for (std::uint32_t d : a.dims) {
@@ -207,16 +200,23 @@ void write(const std::filesystem::path& file, const Array& a) {
     header.push_back(static_cast<unsigned char>(d >> 8));
     header.push_back(static_cast<unsigned char>(d));
   }
-  Array big = a;  // elements go to the file big-endian
-  swap_to_host(big);  // the same byte swap converts host -> big-endian
+  // Elements go to the file big-endian; the byte swap that reads them converts back. Only
+  // multi-byte elements on a little-endian host need the copy.
+  const std::vector<std::byte>* bytes = &a.data;
+  Array swapped;
+  if (element_size(a.type) > 1 && std::endian::native == std::endian::little) {
+    swapped = a;
+    swap_to_host(swapped);
+    bytes = &swapped.data;
+  }
   const auto put = [&](const void* p, std::size_t n) {
     if (n != 0 && gzwrite(f.get(), p, static_cast<unsigned>(n)) != static_cast<int>(n)) {
-      throw Error("IDX file " + file.string() + ": write failed");
+      fail(file, "write failed");
     }
   };
   put(header.data(), header.size());
-  put(big.data.data(), big.data.size());
-  if (gzclose(f.release()) != Z_OK) throw Error("IDX file " + file.string() + ": write failed");
+  put(bytes->data(), bytes->size());
+  if (gzclose(f.release()) != Z_OK) fail(file, "write failed");
 }
 
 LabeledImages load_mnist(const std::filesystem::path& dir, std::string_view split) {

@@ -132,13 +132,10 @@ class InfeedQueue {
     // lane is empty. Returns false at end of data (closed and drained: end_of_data() is
     // then true) or when `stop` is set.
     bool pop(T& out, const detail::StopFlag* stop = nullptr) {
-      if (pos_ == count_) {
-        count_ = lane_->queue.pop_bulk(buffer_.data(), buffer_.size(), stop, &lane_->consumer);
-        pos_ = 0;
-        if (count_ == 0) {
-          end_of_data_ = lane_->queue.drained();
-          return false;
-        }
+      if (pos_ == count_ &&
+          !refilled(lane_->queue.pop_bulk(buffer_.data(), buffer_.size(), stop, &lane_->consumer))) {
+        end_of_data_ = lane_->queue.drained();
+        return false;
       }
       out = std::move(buffer_[pos_++]);
       return true;
@@ -147,10 +144,9 @@ class InfeedQueue {
     // Device thread. Never blocks: moves the next element into `out` if one is ready (in
     // the prefetch buffer or on the lane) and returns true; else false.
     bool try_pop(T& out) {
-      if (pos_ == count_) {
-        count_ = lane_->queue.try_pop_bulk(buffer_.data(), buffer_.size(), &lane_->consumer);
-        pos_ = 0;
-        if (count_ == 0) return false;
+      if (pos_ == count_ &&
+          !refilled(lane_->queue.try_pop_bulk(buffer_.data(), buffer_.size(), &lane_->consumer))) {
+        return false;
       }
       out = std::move(buffer_[pos_++]);
       return true;
@@ -162,6 +158,12 @@ class InfeedQueue {
 
    private:
     friend class InfeedQueue;
+    // The prefetch buffer now holds n fresh elements; false if n is 0.
+    bool refilled(std::size_t n) noexcept {
+      count_ = n;
+      pos_ = 0;
+      return n != 0;
+    }
     Reader(typename InfeedQueue::LaneSlot& lane, std::span<T> buffer,
            std::unique_ptr<T[]> owned)
         : lane_(&lane), owned_(std::move(owned)), buffer_(buffer) {}

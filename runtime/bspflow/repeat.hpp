@@ -206,10 +206,12 @@ void run_replica(RunState<State>& run, Replica<State, Body, InQ, OutQ>& rep, std
         break;
       }
       In* input = nullptr;
-      // Nothing ready: hand staged outfeed entries to the host before waiting for input.
-      if (!rep.infeed->try_pop(input) && (!rep.outfeed->flush(stop) || !rep.infeed->pop(input, stop))) {
-        status = rep.infeed->end_of_data() ? RunStatus::kEndOfData : RunStatus::kCancelled;
-        break;
+      if (!rep.infeed->try_pop(input)) {
+        // Nothing ready: hand staged outfeed entries to the host before waiting for input.
+        if (!rep.outfeed->flush(stop) || !rep.infeed->pop(input, stop)) {
+          status = rep.infeed->end_of_data() ? RunStatus::kEndOfData : RunStatus::kCancelled;
+          break;
+        }
       }
       const Iteration it{device, replica, i, n};
       if constexpr (kHasOutfeed) {
