@@ -39,6 +39,12 @@ inline constexpr std::chrono::nanoseconds kOutfeedCombineBelow{2'000};
 // Replicas per feed / devices per group.
 inline constexpr std::uint32_t kMaxReplicas = 1024;
 
+// DataLoader: worker threads (kAsync needs at least one) and steps loaded ahead in kAsync
+// mode (PopTorch's AsynchronousDataAccessor buffer_size, default 3).
+inline constexpr std::uint32_t kMaxLoaderWorkers = 256;
+inline constexpr std::uint32_t kDefaultLoaderBuffer = 3;
+inline constexpr std::uint32_t kMaxLoaderBuffer = 1024;
+
 // Device memory: tiles x bytes per tile (IPU Mk2: 1472 tiles of 624 KiB).
 inline constexpr std::uint32_t kDefaultTiles = 1472;
 inline constexpr std::uint32_t kMaxTiles = 1u << 20;

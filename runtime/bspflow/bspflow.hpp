@@ -2,6 +2,8 @@
 #pragma once
 
 #include "bspflow/arena.hpp"
+#include "bspflow/data_loader.hpp"
+#include "bspflow/dataset.hpp"
 #include "bspflow/device.hpp"
 #include "bspflow/error.hpp"
 #include "bspflow/idx.hpp"
@@ -12,5 +14,6 @@
 #include "bspflow/output_mode.hpp"
 #include "bspflow/repeat.hpp"
 #include "bspflow/run.hpp"
+#include "bspflow/tensor.hpp"
 #include "bspflow/topology.hpp"
 #include "bspflow/tunables.hpp"
