@@ -135,6 +135,7 @@ Figures measure(const Settings& st, const bspflow::TensorDataset& data, std::uin
   // (c) together: the loader feeds step s + 1 while the devices run step s.
   {
     bspflow::InfeedQueue<bspflow::Batch> infeed(opts.infeed_config());
+    auto producer = infeed.make_producer();
     std::int64_t labels = 0;
     std::uint64_t ran = 0;
     const auto body = [model = DeviceModel(st.work, elements)](std::int64_t& sum,
@@ -142,11 +143,11 @@ Figures measure(const Settings& st, const bspflow::TensorDataset& data, std::uin
       sum += model.consume(b);
     };
     const auto t0 = Clock::now();
-    bool more = loader.feed_next(infeed);
+    bool more = loader.feed_next(producer);
     while (more) {
       auto run = bspflow::loops::repeat_async(devices, st.device_iterations, body,
                                               std::int64_t{0}, infeed);
-      more = loader.feed_next(infeed);
+      more = loader.feed_next(producer);
       const auto r = run.get();
       if (!r.completed()) ++failures;
       for (std::uint32_t i = 0; i < replicas; ++i) labels += r.state(i);

@@ -595,12 +595,13 @@ TEST_CASE("the loader feeds a replicated loop: each replica its own samples, all
   DataLoader loader(opts, data, c);
   REQUIRE(loader.steps() == 5);
   InfeedQueue<Batch> infeed(opts.infeed_config());
+  auto producer = infeed.make_producer();
   OutfeedQueue<std::vector<std::uint64_t>> outfeed(opts.outfeed_config());
   DeviceGroup devices(2, opts.device_config());
   std::multiset<std::uint64_t> seen;
   std::set<std::uint64_t> per_replica[2];
   const std::uint64_t iterations = opts.device_iterations() * opts.gradient_accumulation();
-  while (loader.feed_next(infeed)) {
+  while (loader.feed_next(producer)) {
     auto r = loops::repeat(devices, iterations,
                            [](int&, Batch& b, const Iteration& it) {
                              if (b.replica != it.replica) throw std::runtime_error("wrong lane");
@@ -621,7 +622,8 @@ TEST_CASE("the loader feeds a replicated loop: each replica its own samples, all
   for (std::uint64_t i : per_replica[0]) CHECK(per_replica[1].count(i) == 0);
   CHECK(contains(error_of([&] {
           InfeedQueue<Batch> wrong(InfeedConfig{3, 16, 1});
-          loader.feed_next(wrong);
+          auto p = wrong.make_producer();
+          loader.feed_next(p);
         }),
         "the infeed has 3 replica lanes but the loader fills 2 replicas"));
 }

@@ -6,7 +6,8 @@
 //   bspflow::DataLoader loader(opts, data, {.batch_size = 16, .shuffle = true,
 //                                           .num_workers = 4, .mode = bspflow::LoaderMode::kAsync});
 //   bspflow::InfeedQueue<bspflow::Batch> infeed(opts.infeed_config());
-//   while (loader.feed_next(infeed)) { ... run opts.device_iterations() iterations ... }
+//   auto producer = infeed.make_producer();
+//   while (loader.feed_next(producer)) { ... run opts.device_iterations() iterations ... }
 //
 // One host step is a combined batch of batch_size x device iterations x gradient
 // accumulation x replicas samples. Within a step, micro-batch m (0 ..) holds the epoch's
@@ -354,24 +355,22 @@ class DataLoader : public detail::LoaderCore {
   std::default_sentinel_t end() const noexcept { return {}; }
 
   // Consumer thread. Takes the next step and moves replica r's micro-batches into lane r
-  // of `infeed` (no copy of sample data), blocking while a lane is full. Returns false at
-  // the end of the epoch. Throws LoaderError (a sample failed) or bspflow::Error (the
+  // of the producer's infeed (no copy of sample data), blocking while a lane is full.
+  // `producer` is the calling thread's handle on the infeed (InfeedQueue::make_producer();
+  // keep one for the whole epoch: elements of one producer keep their order). Returns false
+  // at the end of the epoch. Throws LoaderError (a sample failed) or bspflow::Error (the
   // infeed has a different replica count, or was closed while feeding).
-  bool feed_next(InfeedQueue<Batch>& infeed) {
-    if (infeed.replicas() != plan().replicas()) {
-      throw Error("DataLoader::feed_next: the infeed has " + std::to_string(infeed.replicas()) +
+  bool feed_next(typename InfeedQueue<Batch>::Producer& producer) {
+    if (producer.replicas() != plan().replicas()) {
+      throw Error("DataLoader::feed_next: the infeed has " + std::to_string(producer.replicas()) +
                   " replica lanes but the loader fills " + std::to_string(plan().replicas()) +
                   " replicas; build the infeed from the same options");
-    }
-    if (producer_queue_ != &infeed) {
-      producer_.emplace(infeed.make_producer());
-      producer_queue_ = &infeed;
     }
     std::optional<Step> step = next();
     if (!step) return false;
     for (std::uint32_t r = 0; r < plan().replicas(); ++r) {
       const std::span<Batch> mine = step->replica(r);
-      if (producer_->push_bulk(r, mine) != mine.size()) {
+      if (producer.push_bulk(r, mine) != mine.size()) {
         throw Error("DataLoader::feed_next: the infeed was closed while step " +
                     std::to_string(step->index()) + " was being fed to replica " +
                     std::to_string(r));
@@ -478,8 +477,6 @@ class DataLoader : public detail::LoaderCore {
 
   D& dataset_;
   const SampleSpec in_spec_;
-  std::optional<typename InfeedQueue<Batch>::Producer> producer_;
-  InfeedQueue<Batch>* producer_queue_ = nullptr;
   bool stream_started_ = false;
   std::uint64_t stream_epoch_ = 0;
   std::uint64_t stream_pos_ = 0;

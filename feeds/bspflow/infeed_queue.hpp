@@ -85,6 +85,8 @@ class InfeedQueue {
       return queue_->lane(replica).push_bulk(tokens_[replica], values.begin(), values.size());
     }
 
+    std::uint32_t replicas() const noexcept { return static_cast<std::uint32_t>(tokens_.size()); }
+
     std::uint32_t next_replica() {
       const std::uint32_t r = cursor_;
       advance();
@@ -229,7 +231,11 @@ class InfeedQueue {
 
  private:
   struct LaneSlot {
-    explicit LaneSlot(std::size_t capacity) : queue(capacity), consumer(queue.make_consumer_token()) {}
+    // Single consumer (one Reader at a time, handed over through reader_active) and a
+    // biased first producer: the per-element paths need no locked instruction.
+    explicit LaneSlot(std::size_t capacity)
+        : queue(capacity, /*single_consumer=*/true, /*biased=*/true),
+          consumer(queue.make_consumer_token()) {}
     Lane queue;
     typename Lane::ConsumerToken consumer;  // used by the lane's one active Reader
     std::atomic<bool> reader_active{false};

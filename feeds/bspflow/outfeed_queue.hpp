@@ -172,7 +172,8 @@ class OutfeedQueue {
    public:
     Writer(Writer&& o) noexcept
         : q_(std::exchange(o.q_, nullptr)), replica_(o.replica_), token_(std::move(o.token_)),
-          staged_(std::move(o.staged_)), last_write_(o.last_write_), held_(std::move(o.held_)) {}
+          staged_(std::move(o.staged_)), last_check_(o.last_check_),
+          since_check_(o.since_check_), check_every_(o.check_every_), held_(std::move(o.held_)) {}
     Writer& operator=(Writer&&) = delete;
     ~Writer() {
       if (q_ != nullptr) finish(false);
@@ -186,11 +187,16 @@ class OutfeedQueue {
       const OutputMode mode = q_->config_.mode;
       if (mode.emits_at(i)) {
         staged_.push_back(Entry{replica_, i, std::move(value)});
+        if (staged_.size() >= tunables::kOutfeedCombine) return flush(stop);
+        // The clock is read every kOutfeedClockEvery entries while iterations are fast (it
+        // costs as much as a fast iteration), and every entry once they are not.
+        if (++since_check_ < check_every_) return true;
         const auto now = std::chrono::steady_clock::now();
-        const bool fast = now - last_write_ < tunables::kOutfeedCombineBelow;
-        last_write_ = now;
-        if (fast && staged_.size() < tunables::kOutfeedCombine) return true;
-        return flush(stop);
+        const bool fast = now - last_check_ < since_check_ * tunables::kOutfeedCombineBelow;
+        last_check_ = now;
+        since_check_ = 0;
+        check_every_ = fast ? tunables::kOutfeedClockEvery : 1;
+        return fast || flush(stop);
       }
       if (mode.kind() == OutputMode::Kind::kFinal) {
         held_ = Entry{replica_, i, std::move(value)};
@@ -243,7 +249,9 @@ class OutfeedQueue {
     std::uint32_t replica_;
     typename Queue::Token token_;
     std::vector<Entry> staged_;  // write-combining: entries not yet handed over
-    std::chrono::steady_clock::time_point last_write_{};
+    std::chrono::steady_clock::time_point last_check_{};
+    std::uint32_t since_check_ = 0;  // entries staged since the clock was last read
+    std::uint32_t check_every_ = 1;
     std::optional<Entry> held_;
   };
 

@@ -27,14 +27,17 @@ inline constexpr std::size_t kMaxQueueCapacity = std::size_t{1} << 30;
 // the host reads while the loop runs.
 inline constexpr std::size_t kDefaultOutfeedCapacity = 0;
 
-// Outfeed write-combining. After an iteration shorter than kOutfeedCombineBelow, a device
-// stages its entry instead of enqueueing it, and hands staged entries over in one bulk
-// enqueue when kOutfeedCombine are staged, when an iteration takes longer, when its infeed
+// Outfeed write-combining. While iterations take less than kOutfeedCombineBelow each, a
+// device stages its entries instead of enqueueing them, and hands staged entries over in one
+// bulk enqueue when kOutfeedCombine are staged, when iterations get slower, when its infeed
 // has nothing ready (before it would wait), and when the loop ends. Fast loops then touch
-// the host-shared queue once per batch instead of once per entry; an entry is held back by
-// at most the next iteration.
+// the host-shared queue once per batch instead of once per entry. The device reads the
+// clock once per kOutfeedClockEvery entries while fast, once per entry otherwise, so an
+// entry is held back by at most kOutfeedClockEvery iterations (none while the device waits
+// for input).
 inline constexpr std::size_t kOutfeedCombine = 32;
 inline constexpr std::chrono::nanoseconds kOutfeedCombineBelow{2'000};
+inline constexpr std::uint32_t kOutfeedClockEvery = 8;
 
 // Replicas per feed / devices per group.
 inline constexpr std::uint32_t kMaxReplicas = 1024;

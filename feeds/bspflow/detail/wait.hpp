@@ -1,8 +1,8 @@
 // Spin-then-park waiting, shared by every queue and by run completion.
 //
 // A waiter spins for tunables::kSpinBudget with a CPU pause hint, then parks on a futex
-// (std::atomic<uint32_t>::wait). A notifier pays one fence and one load when nobody is
-// parked, and a futex wake when somebody is. Spinning alone would livelock when threads
+// (std::atomic<uint32_t>::wait). A notifier pays one load when nobody is parked (after a
+// seq_cst change, or a light fence for notify_light()), and a futex wake when somebody is. Spinning alone would livelock when threads
 // outnumber cores (4 emulated devices on 2 cores); parking alone would add tens of
 // microseconds to every hand-off.
 #pragma once
@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <thread>
 
+#include "bspflow/detail/fence.hpp"
 #include "bspflow/tunables.hpp"
 
 namespace bspflow::detail {
@@ -48,6 +49,9 @@ bool spin_until(Ready&& ready, Spin mode = Spin::kTight,
   }
 }
 
+// Which notifies a wait must pair with: notify() only, or notify_light() too.
+enum class Fence { kSymmetric, kAsymmetric };
+
 // One parking spot. Waiters call wait(ready); whoever changes what ready() reads calls
 // notify() afterwards. Correct for any number of waiters and notifiers.
 class alignas(tunables::kCacheLine) WaitPoint {
@@ -58,19 +62,27 @@ class alignas(tunables::kCacheLine) WaitPoint {
   // re-reads the state, either the waiter sees the change or we see the waiter (a Dekker
   // pair; no lost wake-up) without a separate fence on this hot path.
   void notify() noexcept {
-    if (waiters_.load(std::memory_order_seq_cst) != 0) {
-      epoch_.fetch_add(1, std::memory_order_release);
-      epoch_.notify_all();
-    }
+    if (waiters_.load(std::memory_order_seq_cst) != 0) wake();
+  }
+
+  // Like notify(), after a change made with a plain (relaxed or release) store, for hot
+  // paths that cannot afford a locked instruction. Only for a WaitPoint whose waiters pass
+  // Fence::kAsymmetric: their heavy fence pairs with the light one here.
+  void notify_light() noexcept {
+    light_fence();
+    if (waiters_.load(std::memory_order_relaxed) != 0) wake();  // relaxed: ordered by the fences
   }
 
   // Any thread. Blocks (spin, then park) until ready() returns true. ready() must be
   // cheap, read the state with seq_cst loads, and that state's writers must call notify()
-  // after their seq_cst write.
+  // (or notify_light(), see Fence) after they change it.
+  // Fence::kAsymmetric: some notifier uses notify_light(); parking then costs a heavy fence
+  // (a process-wide barrier, microseconds) on top of the futex wait.
   template <class Ready>
-  void wait(Ready&& ready, Spin mode = Spin::kTight) {
+  void wait(Ready&& ready, Spin mode = Spin::kTight, Fence fence = Fence::kSymmetric) {
     if (spin_until(ready, mode)) return;
     waiters_.fetch_add(1, std::memory_order_seq_cst);
+    if (fence == Fence::kAsymmetric) heavy_fence();  // pairs with notify_light()
     for (;;) {
       const std::uint32_t seen = epoch_.load(std::memory_order_acquire);
       if (ready()) break;
@@ -96,6 +108,12 @@ class alignas(tunables::kCacheLine) WaitPoint {
   }
 
  private:
+  // Wakes every parked waiter.
+  void wake() noexcept {
+    epoch_.fetch_add(1, std::memory_order_release);
+    epoch_.notify_all();
+  }
+
   std::atomic<std::uint32_t> epoch_{0};
   std::atomic<std::uint32_t> waiters_{0};
 };
