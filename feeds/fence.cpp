@@ -27,7 +27,15 @@ bool register_membarrier() noexcept {
 // runs before that uses the symmetric fences, which is also correct.
 std::atomic<bool> g_asymmetric_fences{register_membarrier()};
 
+#if defined(__SANITIZE_THREAD__)
+std::atomic<unsigned> g_fence_word{0};
+#endif
+
 void heavy_fence() noexcept {
+#if defined(__SANITIZE_THREAD__)
+  g_fence_word.fetch_add(1, std::memory_order_seq_cst);
+  return;
+#endif
 #if defined(__linux__) && defined(__NR_membarrier)
   if (g_asymmetric_fences.load(std::memory_order_relaxed) &&  // relaxed: never reverts
       syscall(__NR_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0) {

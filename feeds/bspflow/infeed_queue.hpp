@@ -13,10 +13,15 @@
 //
 // End of data: close() makes further pushes fail; each replica drains what was pushed
 // before, then its reader reports end of data.
+//
+// Nothing taken off a lane is lost between runs: elements a Reader prefetched but did not
+// hand out (a loop that ended before using them) go back to the lane's front when the
+// Reader is destroyed, and the next Reader of that replica serves them first, in order.
 #pragma once
 
 #include <atomic>
 #include <cstddef>
+#include <deque>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -124,17 +129,36 @@ class InfeedQueue {
     Reader(Reader&& other) noexcept
         : lane_(std::exchange(other.lane_, nullptr)), owned_(std::move(other.owned_)),
           buffer_(other.buffer_), pos_(other.pos_), count_(other.count_),
-          end_of_data_(other.end_of_data_) {}
+          end_of_data_(other.end_of_data_), returned_(std::move(other.returned_)) {}
     Reader& operator=(Reader&&) = delete;
+    // Hands elements prefetched but not popped (and any put_back()) back to the lane's
+    // front, for the next Reader of this replica.
     ~Reader() {
-      if (lane_ != nullptr) lane_->reader_active.store(false, std::memory_order_release);
+      if (lane_ == nullptr) return;
+      auto& carry = lane_->carry;
+      for (std::size_t i = count_; i > pos_; --i) carry.push_front(std::move(buffer_[i - 1]));
+      for (auto it = returned_.rbegin(); it != returned_.rend(); ++it) {
+        carry.push_front(std::move(*it));
+      }
+      lane_->reader_active.store(false, std::memory_order_release);
+    }
+
+    // Reader's thread. Gives back an element it popped but did not use (a prefetch that
+    // arrived after its loop ended); returned elements go back to the lane's front in the
+    // order they were put back, ahead of anything still prefetched. Allocates.
+    void put_back(T&& value) { returned_.push_back(std::move(value)); }
+
+    // Reader's thread. Never blocks: true when the lane is closed and nothing is left for
+    // this reader (what pop() reports as end of data).
+    bool at_end() const noexcept {
+      return pos_ == count_ && lane_->carry.empty() && lane_->queue.drained();
     }
 
     // Device thread. Moves the next element into `out`. Blocks (spin, then park) while the
     // lane is empty. Returns false at end of data (closed and drained: end_of_data() is
     // then true) or when `stop` is set.
     bool pop(T& out, const detail::StopFlag* stop = nullptr) {
-      if (pos_ == count_ &&
+      if (pos_ == count_ && !refilled_from_carry() &&
           !refilled(lane_->queue.pop_bulk(buffer_.data(), buffer_.size(), stop, &lane_->consumer))) {
         end_of_data_ = lane_->queue.drained();
         return false;
@@ -146,7 +170,7 @@ class InfeedQueue {
     // Device thread. Never blocks: moves the next element into `out` if one is ready (in
     // the prefetch buffer or on the lane) and returns true; else false.
     bool try_pop(T& out) {
-      if (pos_ == count_ &&
+      if (pos_ == count_ && !refilled_from_carry() &&
           !refilled(lane_->queue.try_pop_bulk(buffer_.data(), buffer_.size(), &lane_->consumer))) {
         return false;
       }
@@ -166,6 +190,17 @@ class InfeedQueue {
       pos_ = 0;
       return n != 0;
     }
+    // Serves what an earlier Reader left (see ~Reader) before anything on the lane.
+    bool refilled_from_carry() {
+      auto& carry = lane_->carry;
+      if (carry.empty()) return false;
+      std::size_t n = 0;
+      for (; n < buffer_.size() && !carry.empty(); ++n) {
+        buffer_[n] = std::move(carry.front());
+        carry.pop_front();
+      }
+      return refilled(n);
+    }
     Reader(typename InfeedQueue::LaneSlot& lane, std::span<T> buffer,
            std::unique_ptr<T[]> owned)
         : lane_(&lane), owned_(std::move(owned)), buffer_(buffer) {}
@@ -176,6 +211,7 @@ class InfeedQueue {
     std::size_t pos_ = 0;
     std::size_t count_ = 0;
     bool end_of_data_ = false;
+    std::vector<T> returned_;
   };
 
   // Setup path. The reader for `replica`, with a prefetch buffer in `buffer` (which must
@@ -239,6 +275,9 @@ class InfeedQueue {
     Lane queue;
     typename Lane::ConsumerToken consumer;  // used by the lane's one active Reader
     std::atomic<bool> reader_active{false};
+    // Taken off the lane by an earlier Reader and not handed out: the next Reader serves
+    // these first. Touched only by the active Reader (handed over through reader_active).
+    std::deque<T> carry;
   };
   Lane& lane(std::uint32_t r) noexcept { return lanes_[r]->queue; }
 

@@ -60,4 +60,15 @@ inline constexpr std::size_t kArenaAlignment = 64;
 // thread sharing its core with another (4 devices on 2 cores) gives the core up quickly.
 inline constexpr std::chrono::nanoseconds kSpinBudget{20'000};
 
+// Modeled durations (the host link, exchange between devices): a thread that must wait until
+// a deadline sleeps (timer slack lowered to 1 ns) until this long before it, then spins the
+// rest. Covers the wake-up latency of a timer on a loaded VM, so a modeled 50 us copy ends
+// within about a microsecond of its deadline; a smaller margin saves CPU and costs accuracy.
+inline constexpr std::chrono::nanoseconds kTimerMargin{60'000};
+
+// The I/O engine polls an empty infeed for the next prefetch with this interval, doubling up
+// to the maximum (the engine thread serves every device's link, so it must not block).
+inline constexpr std::chrono::nanoseconds kIoPollFirst{5'000};
+inline constexpr std::chrono::nanoseconds kIoPollMax{200'000};
+
 }  // namespace bspflow::tunables

@@ -31,7 +31,9 @@ inline void cpu_relax() noexcept {
 // (data arriving). kBackoff doubles the pauses between checks up to 64: for waits whose
 // end is someone else's progress (room in a full queue), so that polling a counter does not
 // keep stealing its cache line from the thread that must advance it.
-enum class Spin { kTight, kBackoff };
+// kYield gives the core away between checks: for waits whose partner may be sharing this
+// core (more devices than cores), where a tight spin would only delay the partner.
+enum class Spin { kTight, kBackoff, kYield };
 
 // Spins while !ready() for at most `budget`. Returns true as soon as ready() holds.
 template <class Ready>
@@ -41,6 +43,12 @@ bool spin_until(Ready&& ready, Spin mode = Spin::kTight,
   const auto deadline = std::chrono::steady_clock::now() + budget;
   unsigned pauses = 1;
   for (unsigned i = 1;; ++i) {
+    if (mode == Spin::kYield) {
+      std::this_thread::yield();
+      if (ready()) return true;
+      if (std::chrono::steady_clock::now() >= deadline) return false;
+      continue;
+    }
     for (unsigned k = 0; k < pauses; ++k) cpu_relax();
     if (ready()) return true;
     if (mode == Spin::kBackoff && pauses < 64) pauses *= 2;

@@ -1,0 +1,43 @@
+#include "bspflow/link_model.hpp"
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include "bspflow/error.hpp"
+
+namespace bspflow {
+
+LinkModel LinkModel::taking(std::chrono::nanoseconds d, std::size_t bytes) {
+  if (d.count() <= 0 || bytes == 0) {
+    throw Error("LinkModel::taking: needs a positive duration and at least one byte (got " +
+                std::to_string(d.count()) + " ns for " + std::to_string(bytes) + " bytes)");
+  }
+  return {static_cast<double>(bytes) * 1e9 / static_cast<double>(d.count()),
+          std::chrono::nanoseconds{0}};
+}
+
+std::chrono::nanoseconds LinkModel::duration(std::size_t bytes) const noexcept {
+  const double ns = std::ceil(static_cast<double>(bytes) * 1e9 / bytes_per_second);
+  return latency + std::chrono::nanoseconds{static_cast<std::int64_t>(ns)};
+}
+
+void LinkModel::validate(const std::string& what) const {
+  if (!(bytes_per_second > 0) || !std::isfinite(bytes_per_second)) {
+    detail::throw_bad_value(what + " bandwidth (bytes/s)", std::to_string(bytes_per_second),
+                            "must be a positive, finite number");
+  }
+  if (latency.count() < 0 || latency > std::chrono::seconds(1)) {
+    detail::throw_bad_value(what + " latency (ns)", std::to_string(latency.count()),
+                            "must be in 0..1e9");
+  }
+}
+
+std::string LinkModel::describe() const {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "%.1f GB/s, %.1f us latency", bytes_per_second / 1e9,
+                static_cast<double>(latency.count()) / 1e3);
+  return buf;
+}
+
+}  // namespace bspflow

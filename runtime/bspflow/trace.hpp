@@ -1,0 +1,130 @@
+// Execution traces: every phase each device spends, and every transfer of the I/O engine,
+// recorded by the program interpreter and exported as Chrome trace-event JSON (open it in
+// https://ui.perfetto.dev or chrome://tracing) or summarised as text, like PopVision's
+// execution-trace summary.
+//
+// Recording is off unless asked for (EngineConfig::trace, or BSPFLOW_TRACE=FILE in the
+// environment). Off, a phase costs one predictable branch; on, two clock reads and an
+// append to a vector owned by the recording thread (no locks, no atomics).
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace bspflow {
+
+enum class Phase : std::uint8_t {
+  kStreamCopyBegin,  // waiting for the host (data not there yet)
+  kStreamCopyMid,    // the transfer itself
+  kStreamCopyEnd,    // handing the data over (to the compute tiles, or to the outfeed)
+  kCompute,          // an Execute: a compute set over the compute tiles
+  kSync,             // a barrier across a group of devices
+  kExchange,         // a Copy between buffers (between devices: over the modeled link)
+  kIdle,             // waiting for anything else (a free I/O buffer, outbound transfers)
+  kTransfer,         // I/O engine tracks: one modeled host-link transfer
+};
+inline constexpr std::size_t kPhaseCount = 8;
+const char* to_string(Phase p) noexcept;
+
+struct TraceEvent {
+  Phase phase;
+  bool to_host = false;        // kTransfer / stream copies: the direction
+  std::uint32_t label = 0;     // index into the track's labels (0 = the phase's own name)
+  std::int64_t begin_ns = 0;   // since the trace's origin
+  std::int64_t end_ns = 0;
+  std::uint64_t bytes = 0;
+};
+
+// One timeline: a device, or one channel of the I/O engine. Written by one thread at a time
+// (the device thread, or the engine thread); read after the run has ended.
+class TraceTrack {
+ public:
+  using Clock = std::chrono::steady_clock;
+  enum class Kind { kDevice, kIo };
+
+  TraceTrack(std::string name, Kind kind, std::uint32_t id, Clock::time_point origin);
+
+  // Owner thread. Appends one event (allocates now and then, amortised).
+  void record(Phase phase, Clock::time_point begin, Clock::time_point end,
+              std::uint64_t bytes = 0, std::uint32_t label = 0, bool to_host = false) {
+    events_.push_back(TraceEvent{phase, to_host, label, ns(begin), ns(end), bytes});
+  }
+  // Owner thread, at setup: a label for compute sets ("matmul"), returned for record().
+  std::uint32_t add_label(std::string label);
+  // Owner thread: one more completed iteration of the device's outermost Repeat.
+  void count_iteration() noexcept { ++iterations_; }
+
+  const std::string& name() const noexcept { return name_; }
+  Kind kind() const noexcept { return kind_; }
+  std::uint32_t id() const noexcept { return id_; }
+  const std::vector<TraceEvent>& events() const noexcept { return events_; }
+  const std::string& label(const TraceEvent& e) const;
+  std::uint64_t iterations() const noexcept { return iterations_; }
+
+ private:
+  std::int64_t ns(Clock::time_point t) const noexcept {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(t - origin_).count();
+  }
+  std::string name_;
+  Kind kind_;
+  std::uint32_t id_;
+  Clock::time_point origin_;
+  std::vector<TraceEvent> events_;
+  std::vector<std::string> labels_;
+  std::uint64_t iterations_ = 0;
+};
+
+struct TrackSummary {
+  std::string name;
+  TraceTrack::Kind kind = TraceTrack::Kind::kDevice;
+  std::int64_t total_ns = 0;                    // the run's wall time
+  std::array<std::int64_t, kPhaseCount> ns{};   // per phase; kIdle includes unrecorded time
+  std::array<double, kPhaseCount> share{};      // of total_ns, adding up to 1
+  std::uint64_t bytes_to_device = 0;
+  std::uint64_t bytes_to_host = 0;
+  std::uint64_t iterations = 0;
+  std::uint64_t events = 0;
+  Phase longest_phase = Phase::kIdle;
+  std::string longest_label;
+  std::int64_t longest_ns = 0;
+};
+
+struct TraceSummary {
+  std::int64_t run_ns = 0;
+  std::vector<TrackSummary> tracks;
+  // A table: per track the share of each phase, bytes each way, iterations, longest phase.
+  std::string to_string() const;
+};
+
+// The tracks of one run. Not thread-safe itself: tracks are added before the run starts and
+// read after it ends; each track is written by its own thread in between.
+class Trace {
+ public:
+  using Clock = std::chrono::steady_clock;
+  explicit Trace(Clock::time_point origin = Clock::now()) : origin_(origin) {}
+
+  TraceTrack& add_track(std::string name, TraceTrack::Kind kind, std::uint32_t id);
+  void set_end(Clock::time_point end) noexcept { end_ = end; }
+
+  const std::deque<TraceTrack>& tracks() const noexcept { return tracks_; }
+  std::int64_t run_ns() const noexcept;
+
+  // Chrome trace-event JSON: one process ("bspflow"), one thread per track, complete ("X")
+  // events in microseconds with bytes and labels in args.
+  std::string chrome_json() const;
+  // Writes chrome_json() to `path`; throws bspflow::Error naming the file on failure.
+  void write_chrome_json(const std::string& path) const;
+  TraceSummary summary() const;
+
+ private:
+  Clock::time_point origin_;
+  Clock::time_point end_{};
+  std::deque<TraceTrack> tracks_;  // deque: references stay valid as tracks are added
+};
+
+}  // namespace bspflow

@@ -1,0 +1,164 @@
+#include "bspflow/trace.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "bspflow/error.hpp"
+
+namespace bspflow {
+
+const char* to_string(Phase p) noexcept {
+  switch (p) {
+    case Phase::kStreamCopyBegin: return "StreamCopyBegin";
+    case Phase::kStreamCopyMid: return "StreamCopyMid";
+    case Phase::kStreamCopyEnd: return "StreamCopyEnd";
+    case Phase::kCompute: return "Compute";
+    case Phase::kSync: return "Sync";
+    case Phase::kExchange: return "Exchange";
+    case Phase::kIdle: return "Idle";
+    case Phase::kTransfer: return "Transfer";
+  }
+  return "?";
+}
+
+TraceTrack::TraceTrack(std::string name, Kind kind, std::uint32_t id, Clock::time_point origin)
+    : name_(std::move(name)), kind_(kind), id_(id), origin_(origin) {
+  labels_.emplace_back();  // 0: the phase's own name
+  events_.reserve(1024);
+}
+
+std::uint32_t TraceTrack::add_label(std::string label) {
+  const auto it = std::find(labels_.begin(), labels_.end(), label);
+  if (it != labels_.end()) return static_cast<std::uint32_t>(it - labels_.begin());
+  labels_.push_back(std::move(label));
+  return static_cast<std::uint32_t>(labels_.size() - 1);
+}
+
+const std::string& TraceTrack::label(const TraceEvent& e) const {
+  static const std::string kNone;
+  return e.label < labels_.size() ? labels_[e.label] : kNone;
+}
+
+TraceTrack& Trace::add_track(std::string name, TraceTrack::Kind kind, std::uint32_t id) {
+  return tracks_.emplace_back(std::move(name), kind, id, origin_);
+}
+
+std::int64_t Trace::run_ns() const noexcept {
+  if (end_ == Clock::time_point{}) return 0;
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(end_ - origin_).count();
+}
+
+std::string Trace::chrome_json() const {
+  using nlohmann::json;
+  json events = json::array();
+  events.push_back({{"ph", "M"}, {"pid", 1}, {"name", "process_name"},
+                    {"args", {{"name", "bspflow"}}}});
+  std::uint32_t tid = 0;
+  for (const TraceTrack& track : tracks_) {
+    ++tid;
+    events.push_back({{"ph", "M"}, {"pid", 1}, {"tid", tid}, {"name", "thread_name"},
+                      {"args", {{"name", track.name()}}}});
+    events.push_back({{"ph", "M"}, {"pid", 1}, {"tid", tid}, {"name", "thread_sort_index"},
+                      {"args", {{"sort_index", tid}}}});
+    for (const TraceEvent& e : track.events()) {
+      const std::string& label = track.label(e);
+      json args = json::object();
+      if (e.bytes != 0) args["bytes"] = e.bytes;
+      if (e.phase == Phase::kTransfer || e.phase == Phase::kStreamCopyMid) {
+        args["direction"] = e.to_host ? "to host" : "to device";
+      }
+      events.push_back({{"ph", "X"},
+                        {"pid", 1},
+                        {"tid", tid},
+                        {"name", label.empty() ? to_string(e.phase) : label},
+                        {"cat", to_string(e.phase)},
+                        {"ts", static_cast<double>(e.begin_ns) / 1e3},
+                        {"dur", static_cast<double>(e.end_ns - e.begin_ns) / 1e3},
+                        {"args", std::move(args)}});
+    }
+  }
+  json doc = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ns"},
+              {"otherData", {{"run_us", static_cast<double>(run_ns()) / 1e3}}}};
+  return doc.dump();
+}
+
+void Trace::write_chrome_json(const std::string& path) const {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  if (!out) throw Error("cannot write the trace to '" + path + "' (cannot open it for writing)");
+  out << chrome_json();
+  out.close();
+  if (!out) throw Error("writing the trace to '" + path + "' failed");
+}
+
+TraceSummary Trace::summary() const {
+  TraceSummary s;
+  s.run_ns = run_ns();
+  for (const TraceTrack& track : tracks_) {
+    TrackSummary t;
+    t.name = track.name();
+    t.kind = track.kind();
+    t.total_ns = s.run_ns;
+    t.iterations = track.iterations();
+    t.events = track.events().size();
+    std::int64_t recorded = 0;
+    for (const TraceEvent& e : track.events()) {
+      const std::int64_t d = e.end_ns - e.begin_ns;
+      t.ns[static_cast<std::size_t>(e.phase)] += d;
+      recorded += d;
+      const bool moves_bytes = e.phase == Phase::kTransfer || e.phase == Phase::kStreamCopyMid;
+      if (moves_bytes) (e.to_host ? t.bytes_to_host : t.bytes_to_device) += e.bytes;
+      if (d > t.longest_ns) {
+        t.longest_ns = d;
+        t.longest_phase = e.phase;
+        t.longest_label = track.label(e);
+      }
+    }
+    // Time no phase accounts for is idle (on an I/O track: the link was free).
+    t.ns[static_cast<std::size_t>(Phase::kIdle)] += std::max<std::int64_t>(0, s.run_ns - recorded);
+    std::int64_t sum = 0;
+    for (std::int64_t v : t.ns) sum += v;
+    for (std::size_t p = 0; p < kPhaseCount; ++p) {
+      t.share[p] = sum > 0 ? static_cast<double>(t.ns[p]) / static_cast<double>(sum) : 0.0;
+    }
+    s.tracks.push_back(std::move(t));
+  }
+  return s;
+}
+
+std::string TraceSummary::to_string() const {
+  std::ostringstream os;
+  char buf[256];
+  std::snprintf(buf, sizeof buf, "run: %.3f ms\n", static_cast<double>(run_ns) / 1e6);
+  os << buf;
+  std::snprintf(buf, sizeof buf, "%-22s %7s %7s %7s %7s %7s %7s %7s %7s\n", "track", "SCBegin",
+                "SCMid", "SCEnd", "Compute", "Sync", "Exchg", "Transfr", "Idle");
+  os << buf;
+  const Phase order[] = {Phase::kStreamCopyBegin, Phase::kStreamCopyMid, Phase::kStreamCopyEnd,
+                         Phase::kCompute,         Phase::kSync,          Phase::kExchange,
+                         Phase::kTransfer,        Phase::kIdle};
+  for (const TrackSummary& t : tracks) {
+    std::snprintf(buf, sizeof buf, "%-22s", t.name.c_str());
+    os << buf;
+    for (Phase p : order) {
+      std::snprintf(buf, sizeof buf, " %6.1f%%", 100.0 * t.share[static_cast<std::size_t>(p)]);
+      os << buf;
+    }
+    os << '\n';
+  }
+  for (const TrackSummary& t : tracks) {
+    std::snprintf(buf, sizeof buf,
+                  "%-22s %llu iterations, %s to device, %s to host, longest: %s%s%s %.1f us\n",
+                  t.name.c_str(), static_cast<unsigned long long>(t.iterations),
+                  detail::format_bytes(t.bytes_to_device).c_str(),
+                  detail::format_bytes(t.bytes_to_host).c_str(), bspflow::to_string(t.longest_phase),
+                  t.longest_label.empty() ? "" : " ", t.longest_label.c_str(),
+                  static_cast<double>(t.longest_ns) / 1e3);
+    os << buf;
+  }
+  return os.str();
+}
+
+}  // namespace bspflow

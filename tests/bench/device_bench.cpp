@@ -1,0 +1,244 @@
+// Device-model benchmark: does the emulated IPU's timing behave as modeled?
+//
+//   overlap_vs_max      step time with I/O tiles (prefetch 2), modeled I/O = compute = 100 us,
+//                       over max(io, compute)                                  target <= 1.1
+//   serial_vs_sum       step time without I/O tiles over io + compute          target 0.95..1.05
+//   prefetch_sweep_dN_us  step time with I/O tiles at prefetch depth 1..4 (the curve's shape)
+//   sync_vs_std_barrier  BSP sync of 2 pinned devices over std::barrier with 2 pinned threads
+//                                                                              target <= 1.2
+//   sync_oversubscribed_vs_std_barrier  the same with 4 devices / threads on 2 cores <= 1.5
+//   streamcopy_error_p50 / _p99  relative error of modeled 50 us and 500 us copies, as the
+//                       I/O engine times them                                targets <= 0.02 / 0.10
+//   spin_wait_error_p99  the machine's floor: the same durations waited out by a bare spin
+//                       loop on the engine's core (ticks and preemption show up here too)
+//   streamcopy_device_error_p50 / _p99  the same as the device sees them (StreamCopyMid:
+//                       hand-offs to and from the engine thread included; no target)
+//   trace_on_vs_off     step time of a 10 us body with tracing on over off (the cost of tracing)
+//   interpreter_overhead_ns  per iteration of Repeat(Execute) over a plain loop calling the
+//                       same function (what the interpreter, trace-off checks included, costs)
+//
+// Every ratio's reference is measured in the same run. Prints `key: value`; --json FILE.
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <barrier>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include <bspflow/bspflow.hpp>
+
+#include "bench_util.hpp"
+
+using namespace bspflow;
+using namespace bspflow::program;
+using namespace std::chrono_literals;
+using bench::Clock;
+
+namespace {
+
+void spin_for(std::chrono::nanoseconds d) {
+  const auto end = Clock::now() + d;
+  while (Clock::now() < end) {
+  }
+}
+
+const DeviceConfig kDevice{256, 64 * 1024};  // 256 tiles x 64 KiB = 16 MiB
+constexpr std::size_t kMicroBatchFloats = 4096;  // 16 KiB per micro-batch
+constexpr std::size_t kMicroBatchBytes = kMicroBatchFloats * 4;
+
+// Step time (seconds) of Repeat(n, {StreamCopy, Execute(compute)}) with a link on which one
+// micro-batch takes `io`.
+double step_time(Device& dev, std::uint32_t io_tiles, std::uint32_t prefetch,
+                 std::chrono::nanoseconds io, std::chrono::nanoseconds compute, std::uint64_t n) {
+  EngineConfig c;
+  c.io_tiles = io_tiles;
+  c.prefetch_depth = prefetch;
+  c.host_link = LinkModel::taking(io, kMicroBatchBytes);
+  Engine engine(dev, c);
+  InfeedQueue<Tensor> infeed(InfeedConfig{1, n + 8, prefetch});
+  auto producer = infeed.make_producer();
+  for (std::uint64_t i = 0; i < n; ++i) producer.push(Tensor(DType::kFloat32, {kMicroBatchFloats}));
+  Buffer x = make_buffer(dev, "x", DType::kFloat32, kMicroBatchFloats);
+  const Program body = Sequence{StreamCopy(infeed, x), Execute("compute", [compute](const ComputeContext&) {
+                                  spin_for(compute);
+                                })};
+  engine.run(Repeat(8, body));  // warm up: pages touched, threads awake
+  const EngineResult r = engine.run(Repeat(n - 8, body));
+  return std::chrono::duration<double>(r.elapsed).count() / static_cast<double>(n - 8);
+}
+
+// Seconds per barrier for `threads` threads placed like `threads` devices.
+double std_barrier_time(std::uint32_t threads, std::uint64_t rounds) {
+  const auto places = Topology::get().place(threads);
+  std::barrier sync(static_cast<std::ptrdiff_t>(threads));
+  std::vector<std::thread> ts;
+  Clock::time_point t0{}, t1{};
+  for (std::uint32_t t = 0; t < threads; ++t) {
+    ts.emplace_back([&, t] {
+      if (places[t].core) Topology::get().pin_current_thread(*places[t].core);
+      sync.arrive_and_wait();
+      if (t == 0) t0 = Clock::now();
+      for (std::uint64_t i = 0; i < rounds; ++i) sync.arrive_and_wait();
+      if (t == 0) t1 = Clock::now();
+    });
+  }
+  for (auto& t : ts) t.join();
+  return std::chrono::duration<double>(t1 - t0).count() / static_cast<double>(rounds);
+}
+
+double bsp_sync_time(DeviceGroup& devices, std::uint64_t rounds) {
+  Engine engine(devices);
+  auto group = std::make_shared<SyncGroup>(devices.size());
+  engine.run(Repeat(100, Sync(group)));  // warm up
+  const EngineResult r = engine.run(Repeat(rounds, Sync(group)));
+  return std::chrono::duration<double>(r.elapsed).count() / static_cast<double>(rounds);
+}
+
+// Relative errors of `n` modeled copies of `modeled` each: as the I/O engine timed them
+// (transfer begin to end, the modeled duration itself), and as the device saw them
+// (StreamCopyMid: asking for the copy to seeing it done, hand-offs included).
+struct CopyErrors {
+  std::vector<double> engine, device;
+};
+CopyErrors copy_errors(Device& dev, std::chrono::nanoseconds modeled, std::uint64_t n) {
+  EngineConfig c;
+  c.host_link = LinkModel::taking(modeled, kMicroBatchBytes);
+  c.trace = true;
+  Engine engine(dev, c);
+  InfeedQueue<Tensor> infeed(InfeedConfig{1, n + 1, 1});
+  auto producer = infeed.make_producer();
+  for (std::uint64_t i = 0; i < n; ++i) producer.push(Tensor(DType::kFloat32, {kMicroBatchFloats}));
+  Buffer x = make_buffer(dev, "x", DType::kFloat32, kMicroBatchFloats);
+  engine.run(Repeat(n, StreamCopy(infeed, x)));
+  CopyErrors errors;
+  const double m = static_cast<double>(modeled.count());
+  auto error = [m](const TraceEvent& e) { return std::abs(static_cast<double>(e.end_ns - e.begin_ns) - m) / m; };
+  for (const TraceEvent& e : engine.trace()->tracks()[0].events()) {
+    if (e.phase == Phase::kStreamCopyMid) errors.device.push_back(error(e));
+  }
+  for (const TraceEvent& e : engine.trace()->tracks()[1].events()) errors.engine.push_back(error(e));
+  return errors;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"bspflow device-model benchmark"};
+  std::string json_path;
+  bool quick = false;
+  app.add_option("--json", json_path, "also write the figures to this JSON file");
+  app.add_flag("--quick", quick, "a short run that only proves the benchmark works");
+  CLI11_PARSE(app, argc, argv);
+
+  bench::Report report("device");
+  const std::uint64_t steps = quick ? 40 : 2000;
+  const std::uint64_t rounds = quick ? 500 : 50000;
+  const std::uint64_t copies = quick ? 20 : 400;
+  report.note("machine", Topology::get().describe().substr(0, Topology::get().describe().find('\n')));
+
+  {
+    Device dev(0, kDevice);
+    const double io = 100e-6, compute = 100e-6;
+    const double overlapped = step_time(dev, 32, 2, 100us, 100us, steps);
+    const double serial = step_time(dev, 0, 1, 100us, 100us, steps);
+    report.figure("overlap_step_us", overlapped * 1e6);
+    report.figure("serial_step_us", serial * 1e6);
+    const double ov = overlapped / std::max(io, compute);
+    const double se = serial / (io + compute);
+    report.ratio("overlap_vs_max", ov, "<= 1.1", ov <= 1.1);
+    report.ratio("serial_vs_sum", se, "0.95..1.05", se >= 0.95 && se <= 1.05);
+    for (std::uint32_t d = 1; d <= 4; ++d) {
+      report.figure("prefetch_sweep_d" + std::to_string(d) + "_us",
+                    step_time(dev, 32, d, 100us, 100us, steps / 2) * 1e6);
+    }
+
+    CopyErrors all, small = copy_errors(dev, 50us, copies), large = copy_errors(dev, 500us, copies / 4);
+    for (CopyErrors* e : {&small, &large}) {
+      all.engine.insert(all.engine.end(), e->engine.begin(), e->engine.end());
+      all.device.insert(all.device.end(), e->device.begin(), e->device.end());
+    }
+    report.figure("streamcopy_error_50us_p50", bench::quantile(small.engine, 0.5));
+    report.figure("streamcopy_error_500us_p50", bench::quantile(large.engine, 0.5));
+    const double p50 = bench::quantile(all.engine, 0.5), p99 = bench::quantile(all.engine, 0.99);
+    report.ratio("streamcopy_error_p50", p50, "<= 0.02", p50 <= 0.02);
+    report.ratio("streamcopy_error_p99", p99, "<= 0.10", p99 <= 0.10);
+    // The floor: the same durations waited out by a plain spin on the engine's core (no
+    // timers, no hand-offs). What this misses is the machine (hypervisor ticks, preemption).
+    std::vector<double> floor_errors;
+    std::thread floor_thread([&] {
+      if (auto core = IoEngine::pick_core({dev.placement().core.value_or(0)})) {
+        Topology::get().pin_current_thread(*core);
+      }
+      for (auto [d, n] : {std::pair{50us, copies}, std::pair{500us, copies / 4}}) {
+        for (std::uint64_t i = 0; i < n; ++i) {
+          const auto t0 = Clock::now();
+          while (Clock::now() < t0 + std::chrono::nanoseconds(d)) {
+          }
+          const double took = static_cast<double>((Clock::now() - t0).count());
+          const double m = static_cast<double>(std::chrono::nanoseconds(d).count());
+          floor_errors.push_back(std::abs(took - m) / m);
+          std::this_thread::sleep_for(5us);
+        }
+      }
+    });
+    floor_thread.join();
+    report.figure("spin_wait_error_p99", bench::quantile(floor_errors, 0.99));
+    report.figure("streamcopy_device_error_p50", bench::quantile(all.device, 0.5));
+    report.figure("streamcopy_device_error_p99", bench::quantile(all.device, 0.99));
+
+    // Tracing cost, and what the interpreter costs per iteration over a plain loop.
+    const auto body = [](const ComputeContext&) { spin_for(10us); };
+    auto timed = [&](bool trace) {
+      EngineConfig c;
+      c.trace = trace;
+      Engine engine(dev, c);
+      const EngineResult r = engine.run(Repeat(steps, Execute("body", body)));
+      return std::chrono::duration<double>(r.elapsed).count() / static_cast<double>(steps);
+    };
+    double off = 1e9, on = 1e9;
+    for (int k = 0; k < 3; ++k) {
+      off = std::min(off, timed(false));
+      on = std::min(on, timed(true));
+    }
+    report.figure("trace_on_vs_off", on / off);
+    const std::uint64_t empty_n = steps * 100;
+    std::uint64_t sink = 0;
+    const auto empty = [&sink](const ComputeContext& c) { sink += c.iteration; };
+    Engine engine(dev);
+    double interp = 1e9, raw = 1e9;
+    for (int k = 0; k < 3; ++k) {
+      const EngineResult r = engine.run(Repeat(empty_n, Execute("empty", empty)));
+      interp = std::min(interp, std::chrono::duration<double>(r.elapsed).count() / static_cast<double>(empty_n));
+      std::function<void(const ComputeContext&)> f = empty;  // called through the same type erasure
+      ComputeContext ctx;
+      const auto t0 = Clock::now();
+      for (std::uint64_t i = 0; i < empty_n; ++i) {
+        ctx.iteration = i;
+        f(ctx);
+      }
+      raw = std::min(raw, bench::seconds_since(t0) / static_cast<double>(empty_n));
+    }
+    report.figure("interpreter_overhead_ns", (interp - raw) * 1e9);
+    if (sink == 42) std::printf(" ");
+  }
+
+  {
+    DeviceGroup two(2);
+    const double bsp = bsp_sync_time(two, rounds);
+    const double ref = std_barrier_time(2, rounds);
+    report.figure("sync_2_devices_ns", bsp * 1e9);
+    report.figure("std_barrier_2_threads_ns", ref * 1e9);
+    report.ratio("sync_vs_std_barrier", bsp / ref, "<= 1.2", bsp / ref <= 1.2);
+  }
+  {
+    DeviceGroup four(4);
+    const double bsp = bsp_sync_time(four, rounds / 10);
+    const double ref = std_barrier_time(4, rounds / 10);
+    report.figure("sync_4_devices_2_cores_ns", bsp * 1e9);
+    report.figure("std_barrier_4_threads_2_cores_ns", ref * 1e9);
+    report.ratio("sync_oversubscribed_vs_std_barrier", bsp / ref, "<= 1.5", bsp / ref <= 1.5);
+  }
+  return report.write(json_path) ? 0 : 1;
+}

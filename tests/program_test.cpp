@@ -1,0 +1,454 @@
+// runtime/: programs (Sequence, Execute, Sync, Copy, StreamCopy, Repeat, RepeatWhile), the
+// Engine, I/O tiles, the host-link model, synthetic data and traces.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <set>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include <bspflow/bspflow.hpp>
+
+#include "test_util.hpp"
+
+using namespace bspflow;
+using namespace bspflow::program;
+using namespace std::chrono_literals;
+using test::contains;
+using test::error_of;
+
+namespace {
+const DeviceConfig kSmall{64, 16 * 1024};  // 64 tiles x 16 KiB
+
+Tensor filled(std::size_t n, float v) {
+  Tensor t(DType::kFloat32, {n});
+  for (float& x : t.as<float>()) x = v;
+  return t;
+}
+
+// A host link on which `bytes` take `d`.
+EngineConfig with_link(std::chrono::nanoseconds d, std::size_t bytes, std::uint32_t io_tiles = 0,
+                       std::uint32_t prefetch = 1) {
+  EngineConfig c;
+  c.host_link = LinkModel::taking(d, bytes);
+  c.io_tiles = io_tiles;
+  c.prefetch_depth = prefetch;
+  return c;
+}
+}  // namespace
+
+TEST_SUITE("programs") {
+
+TEST_CASE("link model: latency + bytes / bandwidth, validated") {
+  const LinkModel l{1e9, 2us};
+  CHECK(l.duration(1000) == 3us);
+  CHECK(LinkModel::taking(100us, 4096).duration(4096) == 100us);
+  CHECK(LinkModel::taking(100us, 4096).duration(2048) == 50us);
+  CHECK(contains(error_of([] { LinkModel{0, 0ns}.validate("host link"); }), "host link bandwidth"));
+  CHECK(contains(error_of([] { LinkModel{1e9, -1ns}.validate("host link"); }), "host link latency"));
+  CHECK(contains(LinkModel::host().describe(), "GB/s"));
+}
+
+TEST_CASE("I/O engine: a transfer does its copy and takes at least its modeled time") {
+  IoEngine io(2);
+  std::atomic<int> done{0};
+  std::vector<char> src(1000, 'x'), dst(1000, 0);
+  IoEngine::Times times;
+  io.submit(1, IoEngine::Transfer{1000, 300us,
+                                  [&] {
+                                    std::copy(src.begin(), src.end(), dst.begin());
+                                    return IoEngine::Start::kGo;
+                                  },
+                                  [&](const IoEngine::Times& t, bool cancelled) {
+                                    times = t;
+                                    done.store(cancelled ? 2 : 1);
+                                  }});
+  while (done.load() == 0) std::this_thread::sleep_for(50us);
+  CHECK(done.load() == 1);
+  CHECK(times.end - times.begin >= 300us);
+  CHECK(dst == src);
+  CHECK(contains(error_of([&] { io.submit(2, {}); }), "I/O engine channel = 2"));
+}
+
+TEST_CASE("I/O engine: transfers still queued at shutdown end as cancelled") {
+  std::atomic<int> cancelled{0}, finished{0};
+  {
+    IoEngine io(1);
+    for (int i = 0; i < 3; ++i) {
+      io.submit(0, IoEngine::Transfer{0, 200ms, [] { return IoEngine::Start::kGo; },
+                                      [&](const IoEngine::Times&, bool c) { (c ? cancelled : finished)++; }});
+    }
+    std::this_thread::sleep_for(5ms);
+  }
+  CHECK(cancelled.load() + finished.load() == 3);
+  CHECK(cancelled.load() >= 2);
+}
+
+TEST_CASE("Sequence runs in order, Repeat counts trips, the outermost trip is the iteration") {
+  Device dev(0, kSmall);
+  Engine engine(dev);
+  std::vector<std::string> log;
+  auto note = [&](std::string what) {
+    return Execute(what, [&log, what](const ComputeContext& c) {
+      log.push_back(what + std::to_string(c.iteration));
+    });
+  };
+  const EngineResult r = engine.run(Repeat(3, Sequence{note("a"), Repeat(2, note("b")), note("c")}));
+  CHECK(r.completed());
+  CHECK(r.iterations == std::vector<std::uint64_t>{3});
+  const std::vector<std::string> want{"a0", "b0", "b0", "c0", "a1", "b1", "b1", "c1", "a2", "b2", "b2", "c2"};
+  CHECK(log == want);
+}
+
+TEST_CASE("RepeatWhile checks its condition before each trip, bounded by max_trips") {
+  Device dev(0, kSmall);
+  Engine engine(dev);
+  int count = 0;
+  engine.run(RepeatWhile([&](const ComputeContext&) { return count < 5; },
+                         Execute("inc", [&](const ComputeContext&) { ++count; })));
+  CHECK(count == 5);
+  count = 0;
+  engine.run(RepeatWhile([](const ComputeContext&) { return true; },
+                         Execute("inc", [&](const ComputeContext&) { ++count; }), 7));
+  CHECK(count == 7);
+}
+
+TEST_CASE("Execute partitions its work items over the compute tiles, each item exactly once") {
+  Device dev(0, kSmall);
+  EngineConfig c;
+  c.io_tiles = 16;
+  Engine engine(dev, c);
+  CHECK(engine.compute_tiles() == 48);
+  std::vector<int> hits(1000, 0);
+  std::set<std::uint32_t> tiles;
+  engine.run(Execute("cover", hits.size(), [&](const ComputeContext& ctx, const TileWork& w) {
+    CHECK(ctx.compute_tiles == 48);
+    tiles.insert(w.tile);
+    for (std::size_t i = w.begin; i < w.end; ++i) ++hits[i];
+  }));
+  CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));
+  CHECK(tiles.size() == 48);
+  CHECK(*tiles.rbegin() == 47);
+}
+
+TEST_CASE("Sync is a barrier across devices (also 4 devices on 2 cores)") {
+  for (std::uint32_t n : {2u, 4u}) {
+    DeviceGroup devices(n, kSmall);
+    Engine engine(devices);
+    auto group = std::make_shared<SyncGroup>(n);
+    std::vector<std::atomic<std::uint64_t>> round(n);
+    std::atomic<int> violations{0};
+    const std::uint64_t rounds = test::scaled(300, 20);
+    std::vector<Program> programs;
+    for (std::uint32_t d = 0; d < n; ++d) {
+      programs.push_back(Repeat(rounds, Sequence{
+          Execute("write", [&, d](const ComputeContext& c) { round[d].store(c.iteration + 1); }),
+          Sync(group),
+          Execute("read", [&](const ComputeContext& c) {
+            for (auto& r : round) {
+              if (r.load() != c.iteration + 1) violations.fetch_add(1);
+            }
+          }),
+          Sync(group)}));
+    }
+    const EngineResult r = engine.run(programs);
+    CHECK(r.completed());
+    CHECK(violations.load() == 0);
+    for (auto& x : round) CHECK(x.load() == rounds);
+  }
+}
+
+TEST_CASE("Copy exchanges buffer contents between devices and takes the device link's time") {
+  DeviceGroup devices(2, kSmall);
+  EngineConfig c;
+  c.device_link = LinkModel::taking(500us, 4096);
+  c.trace = true;
+  Engine engine(devices, c);
+  Buffer x0 = make_buffer(devices[0], "x0", DType::kFloat32, 1024);
+  Buffer y1 = make_buffer(devices[1], "y1", DType::kFloat32, 1024);
+  auto group = std::make_shared<SyncGroup>(2);
+  const Program p0 = Sequence{Execute("fill", [&](const ComputeContext&) {
+                                std::iota(x0->as<float>().begin(), x0->as<float>().end(), 1.0f);
+                              }),
+                              Sync(group), Sync(group)};
+  const Program p1 = Sequence{Sync(group), Copy(x0, y1), Sync(group)};
+  CHECK(engine.run({p0, p1}).completed());
+  for (std::size_t i = 0; i < 1024; ++i) REQUIRE(y1->as<float>()[i] == static_cast<float>(i + 1));
+  bool saw = false;
+  for (const TraceEvent& e : engine.trace()->tracks()[1].events()) {
+    if (e.phase == Phase::kExchange) {
+      saw = true;
+      CHECK(e.bytes == 4096);
+      CHECK(e.end_ns - e.begin_ns >= 500'000);
+    }
+  }
+  CHECK(saw);
+  CHECK(contains(error_of([&] { Copy(x0, make_buffer(devices[1], "small", DType::kFloat32, 3)); }),
+                 "same element type and count"));
+}
+
+TEST_CASE("StreamCopy: host -> device -> host in order, with and without I/O tiles, any prefetch") {
+  struct Case { std::uint32_t io_tiles, prefetch; };
+  for (const Case k : {Case{0, 1}, Case{4, 1}, Case{4, 3}}) {
+    CAPTURE(k.io_tiles);
+    CAPTURE(k.prefetch);
+    DeviceGroup devices(2, kSmall);
+    Engine engine(devices, with_link(20us, 256, k.io_tiles, k.prefetch));
+    InfeedQueue<Tensor> infeed(InfeedConfig{2, 64, k.prefetch});
+    OutfeedQueue<Tensor> outfeed(OutfeedConfig{2});
+    const int n = 40;
+    std::vector<Program> programs;
+    std::vector<Buffer> xs;
+    for (std::uint32_t d = 0; d < 2; ++d) {
+      Buffer x = make_buffer(devices[d], "x", DType::kFloat32, 64);
+      xs.push_back(x);
+      programs.push_back(Repeat(n, Sequence{StreamCopy(infeed, x),
+                                            Execute("double", 64, [x](const ComputeContext&, const TileWork& w) {
+                                              for (std::size_t i = w.begin; i < w.end; ++i) x->as<float>()[i] *= 2;
+                                            }),
+                                            StreamCopy(x, outfeed)}));
+    }
+    std::thread host([&] {
+      auto p = infeed.make_producer();
+      for (int i = 0; i < n; ++i) {
+        p.push_to(0, filled(64, static_cast<float>(i)));
+        p.push_to(1, filled(64, static_cast<float>(1000 + i)));
+      }
+    });
+    const EngineResult r = engine.run(programs);
+    host.join();
+    CHECK(r.completed());
+    CHECK(r.iterations == std::vector<std::uint64_t>{n, n});
+    std::vector<int> next(2, 0);
+    int entries = 0;
+    for (auto& e : outfeed.drain()) {
+      ++entries;
+      const float want = 2.0f * static_cast<float>((e.replica == 0 ? 0 : 1000) + next[e.replica]);
+      REQUIRE(e.iteration == static_cast<std::uint64_t>(next[e.replica]));
+      REQUIRE(e.value.as<float>()[0] == want);
+      REQUIRE(e.value.as<float>()[63] == want);
+      ++next[e.replica];
+    }
+    CHECK(entries == 2 * n);
+  }
+}
+
+TEST_CASE("StreamCopy: end of data ends the program with kEndOfData, with and without I/O tiles") {
+  for (std::uint32_t io : {0u, 4u}) {
+    Device dev(0, kSmall);
+    Engine engine(dev, with_link(10us, 256, io, 2));
+    InfeedQueue<Tensor> infeed(InfeedConfig{1, 16, 2});
+    Buffer x = make_buffer(dev, "x", DType::kFloat32, 64);
+    auto p = infeed.make_producer();
+    for (int i = 0; i < 5; ++i) p.push(filled(64, 1.0f));
+    infeed.close();
+    int computed = 0;
+    const EngineResult r = engine.run(Repeat(10, Sequence{StreamCopy(infeed, x),
+                                                        Execute("count", [&](const ComputeContext&) { ++computed; })}));
+    CHECK(r.status == RunStatus::kEndOfData);
+    CHECK(r.iterations == std::vector<std::uint64_t>{5});
+    CHECK(computed == 5);
+  }
+}
+
+TEST_CASE("nothing prefetched is lost between runs: the next run gets it, in order") {
+  SUBCASE("Engine with I/O tiles and prefetch 4") {
+    Device dev(0, kSmall);
+    Engine engine(dev, with_link(5us, 256, 4, 4));
+    InfeedQueue<Tensor> infeed(InfeedConfig{1, 16, 4});
+    Buffer x = make_buffer(dev, "x", DType::kFloat32, 64);
+    auto p = infeed.make_producer();
+    for (int i = 0; i < 10; ++i) p.push(filled(64, static_cast<float>(i)));
+    std::vector<float> seen;
+    const Program prog = Sequence{StreamCopy(infeed, x),
+                                  Execute("see", [&](const ComputeContext&) { seen.push_back(x->as<float>()[0]); })};
+    CHECK(engine.run(Repeat(3, prog)).completed());
+    CHECK(engine.run(Repeat(7, prog)).completed());
+    CHECK(seen == std::vector<float>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9});
+  }
+  SUBCASE("loops::repeat with prefetch 4") {
+    Device dev(0, kSmall);
+    InfeedQueue<int> infeed(InfeedConfig{1, 16, 4});
+    auto p = infeed.make_producer();
+    for (int i = 0; i < 10; ++i) p.push(i);
+    std::vector<int> seen;
+    auto body = [&](int& s, int& x) { seen.push_back(x); ++s; };
+    CHECK(loops::repeat(dev, 3, body, 0, infeed).completed());
+    CHECK(loops::repeat(dev, 7, body, 0, infeed).completed());
+    std::vector<int> want(10);
+    std::iota(want.begin(), want.end(), 0);
+    CHECK(seen == want);
+  }
+}
+
+TEST_CASE("I/O tiles: even, below the tile count, enough for one micro-batch (with a suggestion)") {
+  Device dev(0, kSmall);  // 64 tiles x 16 KiB
+  EngineConfig c;
+  c.io_tiles = 3;
+  CHECK(contains(error_of([&] { Engine e(dev, c); }), "io_tiles = 3 is not allowed: must be 0 or an even number"));
+  c.io_tiles = 64;
+  CHECK(contains(error_of([&] { Engine e(dev, c); }), "must be below the device's 64 tiles"));
+  c.io_tiles = 2;  // 32 KiB: too little for 100 KiB
+  Engine engine(dev, c);
+  InfeedQueue<Tensor> infeed;
+  Buffer big = make_buffer(dev, "big", DType::kUint8, 100 * 1024);
+  const std::string err = error_of([&] { engine.run(StreamCopy(infeed, big)); });
+  CHECK(contains(err, "io_tiles = 2 hold 32.0 KiB, too little for one micro-batch of 100.0 KiB"));
+  CHECK(contains(err, "use io_tiles = 8 (leaving 56 compute tiles)"));
+  CHECK(Engine::suggest_io_tiles(100 * 1024, kSmall) == 8u);
+  CHECK(Engine::suggest_io_tiles(16 * 1024, kSmall) == 2u);
+  CHECK_FALSE(Engine::suggest_io_tiles(2 * 1024 * 1024, kSmall).has_value());
+  EngineConfig p;
+  p.prefetch_depth = 0;
+  CHECK(contains(error_of([&] { Engine e(dev, p); }), "prefetch_depth = 0"));
+}
+
+TEST_CASE("programs are checked before they run") {
+  DeviceGroup devices(2, kSmall);
+  Engine engine(devices);
+  Buffer on1 = make_buffer(devices[1], "on1", DType::kFloat32, 4);
+  InfeedQueue<Tensor> two(InfeedConfig{2});
+  InfeedQueue<Tensor> one;
+  auto group = std::make_shared<SyncGroup>(2);
+  const Program idle = Execute("idle", [](const ComputeContext&) {});
+  CHECK(contains(error_of([&] { engine.run({StreamCopy(two, on1), idle}); }), "uses buffer 'on1' of device 1"));
+  CHECK(contains(error_of([&] { engine.run({Sync(group), idle}); }), "sync group of 2 participants is used by 1"));
+  CHECK(contains(error_of([&] { engine.run({idle, StreamCopy(one, on1)}); }), "1 replica lane(s) but the engine runs 2"));
+  CHECK(contains(error_of([&] { engine.run(std::vector<Program>{idle}); }), "1 programs for 2 devices"));
+}
+
+TEST_CASE("a host tensor of the wrong size is an error naming the buffer") {
+  for (std::uint32_t io : {0u, 4u}) {
+    Device dev(0, kSmall);
+    Engine engine(dev, with_link(5us, 256, io));
+    InfeedQueue<Tensor> infeed;
+    Buffer x = make_buffer(dev, "x", DType::kFloat32, 64);
+    infeed.make_producer().push(filled(63, 0));
+    try {
+      engine.run(StreamCopy(infeed, x));
+      FAIL("no error");
+    } catch (const DeviceError& e) {
+      CHECK(contains(e.what(), "infeed element for buffer 'x' is 63 fp32 (252 bytes); the buffer takes 64 fp32"));
+    }
+  }
+}
+
+TEST_CASE("a vertex exception reaches the host with device and iteration; devices in Sync wake") {
+  DeviceGroup devices(2, kSmall);
+  Engine engine(devices);
+  auto group = std::make_shared<SyncGroup>(2);
+  const Program bad = Repeat(10, Sequence{Execute("boom", [](const ComputeContext& c) {
+                                            if (c.iteration == 4) throw std::runtime_error("bad sample");
+                                          }),
+                                          Sync(group)});
+  const Program good = Repeat(10, Sequence{Sync(group), Sync(group)});  // waits on a sync that never completes
+  try {
+    engine.run({good, bad});
+    FAIL("no error");
+  } catch (const DeviceError& e) {
+    CHECK(e.device() == 1);
+    CHECK(e.iteration() == 4);
+    CHECK(contains(e.what(), "bad sample"));
+  }
+  // The devices are idle again: another run works.
+  CHECK(engine.run(Execute("ok", [](const ComputeContext&) {})).completed());
+}
+
+TEST_CASE("synthetic data: no host copies, seeded differently per device") {
+  DeviceGroup devices(2, kSmall);
+  EngineConfig c;
+  c.synthetic = SyntheticData::kRandomNormal;
+  c.seed = 7;
+  Engine engine(devices, c);
+  InfeedQueue<Tensor> infeed(InfeedConfig{2});
+  std::vector<Buffer> xs{make_buffer(devices[0], "x", DType::kFloat32, 256),
+                         make_buffer(devices[1], "x", DType::kFloat32, 256)};
+  std::vector<Program> ps;
+  for (auto& x : xs) ps.push_back(Repeat(5, StreamCopy(infeed, x)));
+  CHECK(engine.run(ps).completed());  // nothing was pushed: no host data needed
+  const auto a = xs[0]->as<float>(), b = xs[1]->as<float>();
+  CHECK_FALSE(std::equal(a.begin(), a.end(), b.begin()));
+  double mean = 0, var = 0;
+  for (float v : a) mean += v / 256.0;
+  for (float v : a) var += (v - mean) * (v - mean) / 256.0;
+  CHECK(std::abs(mean) < 0.3);
+  CHECK(var > 0.6);
+  CHECK(var < 1.5);
+  // Same seed, same device: same data.
+  std::vector<float> first(a.begin(), a.end());
+  Engine again(devices, c);
+  again.run(ps);
+  CHECK(std::equal(first.begin(), first.end(), xs[0]->as<float>().begin()));
+  CHECK(infeed.total_pushed(0) == 0);
+}
+
+TEST_CASE("trace: valid Chrome JSON, per-device phases add up to the run, summary shares to 100%") {
+  Device dev(0, kSmall);
+  EngineConfig c = with_link(200us, 4096, 0);
+  c.trace = true;
+  Engine engine(dev, c);
+  InfeedQueue<Tensor> infeed(InfeedConfig{1, 64, 1});
+  OutfeedQueue<Tensor> outfeed;
+  Buffer x = make_buffer(dev, "x", DType::kFloat32, 1024);
+  auto p = infeed.make_producer();
+  const int n = 20;
+  for (int i = 0; i < n; ++i) p.push(filled(1024, 1.0f));
+  const auto spin = [](std::chrono::microseconds d) {
+    const auto end = std::chrono::steady_clock::now() + d;
+    while (std::chrono::steady_clock::now() < end) {
+    }
+  };
+  const EngineResult r = engine.run(Repeat(n, Sequence{StreamCopy(infeed, x),
+                                                       Execute("work", [&](const ComputeContext&) { spin(300us); }),
+                                                       StreamCopy(x, outfeed)}));
+  CHECK(r.completed());
+  const Trace& trace = *engine.trace();
+  const auto doc = nlohmann::json::parse(trace.chrome_json());
+  REQUIRE(doc.contains("traceEvents"));
+  double device_us = 0;
+  int computes = 0, transfers = 0;
+  for (const auto& e : doc["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    CHECK(e["dur"].get<double>() >= 0);
+    if (e["tid"] == 1) device_us += e["dur"].get<double>();
+    if (e["cat"] == "Compute") ++computes;
+    if (e["cat"] == "Transfer") ++transfers;
+  }
+  CHECK(computes == n);
+  CHECK(transfers == 2 * n);
+  const double run_us = static_cast<double>(trace.run_ns()) / 1e3;
+  // Every phase the device spends is recorded: what is left is the interpreter's own steps.
+  CHECK(device_us <= run_us * 1.001);
+  CHECK(device_us >= run_us * 0.9);
+  const TraceSummary s = engine.summary();
+  REQUIRE(s.tracks.size() == 2);
+  for (const TrackSummary& t : s.tracks) {
+    double total = 0;
+    for (double v : t.share) total += v;
+    CHECK(total == doctest::Approx(1.0).epsilon(1e-9));
+  }
+  CHECK(s.tracks[0].iterations == n);
+  CHECK(s.tracks[0].bytes_to_device == n * 4096u);
+  CHECK(s.tracks[0].bytes_to_host == n * 4096u);
+  CHECK(s.tracks[1].bytes_to_device == n * 4096u);
+  CHECK(contains(s.to_string(), "device 0"));
+  CHECK(contains(s.to_string(), "20 iterations"));
+  // Modeled copies take at least their modeled time.
+  for (const TraceEvent& e : trace.tracks()[1].events()) CHECK(e.end_ns - e.begin_ns >= 200'000);
+}
+
+TEST_CASE("trace: off by default, records nothing") {
+  Device dev(0, kSmall);
+  Engine engine(dev);
+  engine.run(Execute("x", [](const ComputeContext&) {}));
+  CHECK(engine.trace() == nullptr);
+  CHECK(engine.summary().tracks.empty());
+}
+
+}  // TEST_SUITE
