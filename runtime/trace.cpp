@@ -108,7 +108,10 @@ TraceSummary Trace::summary() const {
       const std::int64_t d = e.end_ns - e.begin_ns;
       t.ns[static_cast<std::size_t>(e.phase)] += d;
       recorded += d;
-      const bool moves_bytes = e.phase == Phase::kTransfer || e.phase == Phase::kStreamCopyMid;
+      // Bytes a stream copy moved: on the Mid phase without I/O tiles, on the End phase
+      // (I/O tiles -> compute tiles) with them; never both.
+      const bool moves_bytes = e.phase == Phase::kTransfer || e.phase == Phase::kStreamCopyMid ||
+                               e.phase == Phase::kStreamCopyEnd;
       if (moves_bytes) (e.to_host ? t.bytes_to_host : t.bytes_to_device) += e.bytes;
       if (d > t.longest_ns) {
         t.longest_ns = d;

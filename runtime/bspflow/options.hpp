@@ -51,12 +51,12 @@ class Options {
   std::size_t outfeed_capacity() const noexcept { return outfeed_capacity_; }
 
   // Tiles per device reserved for I/O (stream copies overlapping compute). 0, or an even
-  // number below tiles_per_device. Checked here; the I/O-tile device model that uses it is
-  // not in this release (see README, "Status").
+  // number below tiles_per_device. Used by the program Engine (EngineConfig::from), which
+  // also checks that the I/O tiles hold one micro-batch; loops::repeat does not model them.
   Options& io_tiles(std::uint32_t tiles);
   std::uint32_t io_tiles() const noexcept { return io_tiles_; }
 
-  // No host copies: the device generates its input. Checked here; see README, "Status".
+  // No host copies: the device generates its input (EngineConfig::from: random normal).
   Options& synthetic_data(bool on) noexcept;
   bool synthetic_data() const noexcept { return synthetic_data_; }
 
