@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <mutex>
 #include <set>
 
 #include "bspflow/detail/random.hpp"
@@ -712,7 +713,10 @@ void gather(const Program& p, Uses& u, bool in_repeat) {
 
 // ---- Engine ----
 
-struct Engine::Impl : EngineState {};
+struct Engine::Impl : EngineState {
+  std::mutex current_mutex;
+  std::shared_ptr<RunShared> current;  // the run in progress, for cancel()
+};
 
 Engine::Engine(loops::Devices devices, EngineConfig config) : impl_(std::make_unique<Impl>()) {
   config.validate();
@@ -845,6 +849,10 @@ EngineResult Engine::run(const std::vector<Program>& programs) {
     for (auto& r : rs.runs) r->wake();
   });
 
+  {
+    std::lock_guard lock(im.current_mutex);
+    im.current = shared;
+  }
   for (std::uint32_t d = 0; d < n; ++d) {
     try {
       im.devices[d]->submit(DeviceJob{[shared, d] { shared->runs[d]->run(shared->programs[d]); },
@@ -857,6 +865,10 @@ EngineResult Engine::run(const std::vector<Program>& programs) {
   }
   control.wait();
   const Clock::time_point end = Clock::now();
+  {
+    std::lock_guard lock(im.current_mutex);
+    im.current.reset();
+  }
   if (trace) {
     trace->set_end(end);
     im.trace = std::move(trace);
@@ -866,6 +878,11 @@ EngineResult Engine::run(const std::vector<Program>& programs) {
   result.elapsed = end - origin;
   result.status = control.finish(result.iterations, result.message);
   return result;
+}
+
+void Engine::cancel() noexcept {
+  std::lock_guard lock(impl_->current_mutex);
+  if (impl_->current) impl_->current->control.cancel();
 }
 
 const Trace* Engine::trace() const noexcept { return impl_->trace.get(); }

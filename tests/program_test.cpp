@@ -360,6 +360,25 @@ TEST_CASE("a vertex exception reaches the host with device and iteration; device
   CHECK(engine.run(Execute("ok", [](const ComputeContext&) {})).completed());
 }
 
+TEST_CASE("cancel() stops a run that would not end by itself; waits for data wake up") {
+  DeviceGroup devices(2, kSmall);
+  Engine engine(devices, with_link(5us, 256, 4));
+  InfeedQueue<Tensor> infeed(InfeedConfig{2});  // nothing is ever pushed
+  Buffer x = make_buffer(devices[1], "x", DType::kFloat32, 64);
+  const Program spin = RepeatWhile([](const ComputeContext&) { return true; },
+                                   Execute("forever", [](const ComputeContext&) {}));
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(20ms);
+    engine.cancel();
+  });
+  const EngineResult r = engine.run({spin, Repeat(10, StreamCopy(infeed, x))});
+  canceller.join();
+  CHECK(r.status == RunStatus::kCancelled);
+  CHECK(r.iterations[1] == 0);
+  engine.cancel();  // no run: nothing happens
+  CHECK(engine.run(Execute("ok", [](const ComputeContext&) {})).completed());
+}
+
 TEST_CASE("synthetic data: no host copies, seeded differently per device") {
   DeviceGroup devices(2, kSmall);
   EngineConfig c;

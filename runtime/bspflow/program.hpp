@@ -239,6 +239,10 @@ class Engine {
   EngineResult run(const std::vector<Program>& programs);
   EngineResult run(const Program& program);
 
+  // Any thread. Stops the current run (if any) at each device's next Repeat trip or wait;
+  // run() then returns RunStatus::kCancelled. Never blocks for long, never throws.
+  void cancel() noexcept;
+
   // The last run's trace (nullptr when tracing is off or before the first run).
   const Trace* trace() const noexcept;
   // The last run's summary (empty when tracing is off).
