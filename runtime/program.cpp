@@ -71,10 +71,9 @@ Execute::Execute(std::string n, std::size_t items, Vertex v)
     : name(std::move(n)), work_items(items), vertex(std::move(v)) {
   if (!vertex) throw Error("Execute '" + name + "': the vertex is empty");
 }
-Execute::Execute(std::string n, std::function<void(const ComputeContext&)> codelet)
-    : name(std::move(n)) {
+Execute::Execute(std::string n, std::function<void(const ComputeContext&)> c)
+    : name(std::move(n)), codelet(std::move(c)) {
   if (!codelet) throw Error("Execute '" + name + "': the codelet is empty");
-  vertex = [c = std::move(codelet)](const ComputeContext& ctx, const TileWork&) { c(ctx); };
 }
 Sync::Sync(std::shared_ptr<SyncGroup> g) : group(std::move(g)) {
   if (!group) throw Error("Sync: the sync group is null");
@@ -286,7 +285,9 @@ class DeviceRun {
 
   // Device thread: the whole run.
   void run(const Program& program) {
-    lower_timer_slack();
+    // Once per device thread (a system call: not once per run).
+    static thread_local const bool slack_lowered = lower_timer_slack();
+    (void)slack_lowered;
     bool failed = false;
     try {
       for (auto& [q, link] : ins_) {
@@ -337,7 +338,9 @@ class DeviceRun {
   bool exec_node(const program::Execute& e) {
     const Clock::time_point t0 = track_ ? Clock::now() : Clock::time_point{};
     const std::uint32_t tiles = std::max<std::uint32_t>(1, ctx_.compute_tiles);
-    if (e.work_items == 0) {
+    if (e.codelet) {
+      e.codelet(ctx_);
+    } else if (e.work_items == 0) {
       e.vertex(ctx_, TileWork{0, 0, 0});
     } else {
       const std::size_t per = (e.work_items + tiles - 1) / tiles;
@@ -718,7 +721,7 @@ struct Engine::Impl : EngineState {
   std::shared_ptr<RunShared> current;  // the run in progress, for cancel()
 };
 
-Engine::Engine(loops::Devices devices, EngineConfig config) : impl_(std::make_unique<Impl>()) {
+Engine::Engine(DeviceList devices, EngineConfig config) : impl_(std::make_unique<Impl>()) {
   config.validate();
   if (devices.size() == 0) throw Error("Engine needs at least one device");
   for (std::uint32_t d = 0; d < devices.size(); ++d) {

@@ -109,4 +109,19 @@ class DeviceGroup {
   std::uint32_t max_sharing_ = 1;
 };
 
+// What a run uses: one Device, or every device of a DeviceGroup (implicit from either), in
+// order; replica r runs on element r.
+class DeviceList {
+ public:
+  DeviceList(Device& device) : list_{&device} {}  // NOLINT: implicit by design
+  DeviceList(DeviceGroup& group) {                // NOLINT: implicit by design
+    for (auto& d : group) list_.push_back(d.get());
+  }
+  std::uint32_t size() const noexcept { return static_cast<std::uint32_t>(list_.size()); }
+  Device& operator[](std::uint32_t i) const noexcept { return *list_[i]; }
+
+ private:
+  std::vector<Device*> list_;
+};
+
 }  // namespace bspflow

@@ -43,7 +43,6 @@
 #include "bspflow/link_model.hpp"
 #include "bspflow/options.hpp"
 #include "bspflow/outfeed_queue.hpp"
-#include "bspflow/repeat.hpp"
 #include "bspflow/run.hpp"
 #include "bspflow/tensor.hpp"
 #include "bspflow/trace.hpp"
@@ -138,7 +137,8 @@ struct Execute {
   Execute(std::string name, std::function<void(const ComputeContext&)> codelet);
   std::string name;
   std::size_t work_items = 0;
-  Vertex vertex;
+  Vertex vertex;                                       // set by the first constructor
+  std::function<void(const ComputeContext&)> codelet;  // set by the second
 };
 struct Sync {
   explicit Sync(std::shared_ptr<SyncGroup> group);
@@ -225,7 +225,7 @@ class Engine {
  public:
   // Setup path. Validates the config (throws bspflow::Error) and starts the I/O engine
   // thread. The devices must outlive the engine.
-  Engine(loops::Devices devices, EngineConfig config = {});
+  Engine(DeviceList devices, EngineConfig config = {});
   ~Engine();
   Engine(const Engine&) = delete;
   Engine& operator=(const Engine&) = delete;

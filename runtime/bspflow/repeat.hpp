@@ -41,18 +41,7 @@
 namespace bspflow::loops {
 
 // What a loop runs on: one Device, or every device of a DeviceGroup (one replica each).
-class Devices {
- public:
-  Devices(Device& device) : list_{&device} {}  // NOLINT: implicit by design
-  Devices(DeviceGroup& group) {               // NOLINT: implicit by design
-    for (auto& d : group) list_.push_back(d.get());
-  }
-  std::uint32_t size() const noexcept { return static_cast<std::uint32_t>(list_.size()); }
-  Device& operator[](std::uint32_t i) const noexcept { return *list_[i]; }
-
- private:
-  std::vector<Device*> list_;
-};
+using Devices = DeviceList;
 
 namespace detail {
 
