@@ -239,6 +239,44 @@ TEST_CASE("StreamCopy: host -> device -> host in order, with and without I/O til
   }
 }
 
+TEST_CASE("4 devices on 2 cores with I/O tiles, sync and both directions: completes, exactly once") {
+  DeviceGroup devices(4, kSmall);
+  Engine engine(devices, with_link(30us, 256, 4, 2));
+  InfeedQueue<Tensor> infeed(InfeedConfig{4, 8, 2});
+  OutfeedQueue<Tensor> outfeed(OutfeedConfig{4, OutputMode::all(), 16});  // bounded: backpressure
+  auto group = std::make_shared<SyncGroup>(4);
+  const int n = static_cast<int>(test::scaled(60, 10));
+  std::vector<Program> programs;
+  for (std::uint32_t d = 0; d < 4; ++d) {
+    Buffer x = make_buffer(devices[d], "x", DType::kFloat32, 64);
+    programs.push_back(Repeat(n, Sequence{StreamCopy(infeed, x), Sync(group), StreamCopy(x, outfeed)}));
+  }
+  std::thread host([&] {
+    auto p = infeed.make_producer();
+    for (int i = 0; i < n; ++i) {
+      for (std::uint32_t d = 0; d < 4; ++d) p.push_to(d, filled(64, static_cast<float>(d * 1000 + i)));
+    }
+  });
+  std::vector<double> sums(4, 0);
+  int entries = 0;
+  std::thread reader([&] {
+    while (entries < 4 * n) {
+      if (auto e = outfeed.try_pop()) {
+        sums[e->replica] += e->value.as<float>()[0];
+        ++entries;
+      } else {
+        std::this_thread::sleep_for(50us);
+      }
+    }
+  });
+  const EngineResult r = engine.run(programs);
+  host.join();
+  reader.join();
+  CHECK(r.completed());
+  CHECK(entries == 4 * n);
+  for (std::uint32_t d = 0; d < 4; ++d) CHECK(sums[d] == doctest::Approx(d * 1000.0 * n + n * (n - 1) / 2.0));
+}
+
 TEST_CASE("StreamCopy: end of data ends the program with kEndOfData, with and without I/O tiles") {
   for (std::uint32_t io : {0u, 4u}) {
     Device dev(0, kSmall);
