@@ -33,12 +33,15 @@ bool lower_timer_slack() noexcept {
 #endif
 }
 
-void wait_until_deadline(std::chrono::steady_clock::time_point deadline) noexcept {
-  using Clock = std::chrono::steady_clock;
-  if (deadline - Clock::now() > tunables::kTimerMargin) {
+void sleep_until_near(std::chrono::steady_clock::time_point deadline) noexcept {
+  if (deadline - std::chrono::steady_clock::now() > tunables::kTimerMargin) {
     std::this_thread::sleep_until(deadline - tunables::kTimerMargin);
   }
-  while (Clock::now() < deadline) detail::cpu_relax();
+}
+
+void wait_until_deadline(std::chrono::steady_clock::time_point deadline) noexcept {
+  sleep_until_near(deadline);
+  while (std::chrono::steady_clock::now() < deadline) detail::cpu_relax();
 }
 
 struct IoEngine::Impl {

@@ -153,7 +153,6 @@ struct Slot {
 };
 
 struct InLink {  // one infeed, seen from one device
-  InfeedQueue<Tensor>* queue = nullptr;
   std::optional<InfeedQueue<Tensor>::Reader> reader;
   std::size_t bytes = 0;   // per micro-batch (every StreamCopy from this infeed moves as many)
   DType dtype = DType::kFloat32;
@@ -165,9 +164,9 @@ struct InLink {  // one infeed, seen from one device
 };
 
 struct OutLink {  // one outfeed, seen from one device
-  OutfeedQueue<Tensor>* queue = nullptr;
   std::optional<OutfeedQueue<Tensor>::Writer> writer;
   std::vector<std::unique_ptr<Slot>> slots;  // io_tiles > 0
+  std::size_t bytes = 0;                     // of the largest source (sizes the slots)
   std::size_t next_use = 0;
 };
 
@@ -207,10 +206,6 @@ void fill_synthetic(DeviceBuffer& b, SyntheticData kind, std::uint64_t seed) {
   }
 }
 
-}  // namespace
-
-namespace {
-
 // What the device runs need of the engine.
 struct EngineState {
   std::vector<Device*> devices;
@@ -243,7 +238,6 @@ class DeviceRun {
       }
       return;
     }
-    link.queue = &q;
     link.bytes = dst.bytes();
     link.dtype = dst.dtype();
     link.name = dst.name();
@@ -261,23 +255,20 @@ class DeviceRun {
   void add_outfeed(OutfeedQueue<Tensor>& q, const DeviceBuffer& src, OutfeedQueue<Tensor>::Writer* w) {
     auto [it, fresh] = outs_.try_emplace(&q);
     OutLink& link = it->second;
-    if (fresh) {
-      link.queue = &q;
-      link.writer.emplace(std::move(*w));
-    }
+    if (fresh) link.writer.emplace(std::move(*w));
     if (eng_.config.io_tiles > 0 && eng_.config.synthetic == SyntheticData::kOff) {
       // One outbound I/O buffer per prefetch step, sized for the largest source.
       if (link.slots.empty()) {
         for (std::uint32_t k = 0; k < eng_.config.prefetch_depth; ++k) link.slots.push_back(std::make_unique<Slot>());
       }
-      out_bytes_[&q] = std::max(out_bytes_[&q], src.bytes());
+      link.bytes = std::max(link.bytes, src.bytes());
     }
   }
   void allocate_out_slots() {
     for (auto& [q, link] : outs_) {
       for (std::size_t k = 0; k < link.slots.size(); ++k) {
         link.slots[k]->mem = static_cast<std::byte*>(device_.arena().allocate(
-            out_bytes_[q], "I/O tiles: outbound " + std::to_string(k)));
+            link.bytes, "I/O tiles: outbound " + std::to_string(k)));
       }
     }
   }
@@ -337,12 +328,12 @@ class DeviceRun {
 
   bool exec_node(const program::Execute& e) {
     const Clock::time_point t0 = track_ ? Clock::now() : Clock::time_point{};
-    const std::uint32_t tiles = std::max<std::uint32_t>(1, ctx_.compute_tiles);
     if (e.codelet) {
       e.codelet(ctx_);
     } else if (e.work_items == 0) {
       e.vertex(ctx_, TileWork{0, 0, 0});
     } else {
+      const std::uint32_t tiles = std::max<std::uint32_t>(1, ctx_.compute_tiles);
       const std::size_t per = (e.work_items + tiles - 1) / tiles;
       std::uint32_t tile = 0;
       for (std::size_t b = 0; b < e.work_items; b += per, ++tile) {
@@ -416,22 +407,36 @@ class DeviceRun {
     return true;
   }
 
-  void check_tensor(const InLink& link, const Tensor& t) const {
-    if (t.dtype() != link.dtype || t.bytes() != link.bytes) {
-      throw Error("infeed element for buffer '" + link.name + "' is " + std::to_string(t.elements()) +
-                  " " + to_string(t.dtype()) + " (" + std::to_string(t.bytes()) +
-                  " bytes); the buffer takes " + std::to_string(link.bytes / dtype_size(link.dtype)) +
-                  " " + to_string(link.dtype) + " (" + std::to_string(link.bytes) + " bytes)");
-    }
+  // What is wrong with a host tensor for this link's buffers; empty if nothing.
+  static std::string tensor_mismatch(const InLink& link, const Tensor& t) {
+    if (t.dtype() == link.dtype && t.bytes() == link.bytes) return {};
+    return "infeed element for buffer '" + link.name + "' is " + std::to_string(t.elements()) + " " +
+           to_string(t.dtype()) + " (" + std::to_string(t.bytes()) + " bytes); the buffer takes " +
+           std::to_string(link.bytes / dtype_size(link.dtype)) + " " + to_string(link.dtype) + " (" +
+           std::to_string(link.bytes) + " bytes)";
   }
 
-  // Waits for a transfer the I/O engine is doing for this device: sleeps until shortly before
-  // it can end, spins until a little after, then parks (so a late engine costs no CPU).
-  void wait_transfer(const std::atomic<int>& flag, Clock::time_point earliest_end) {
-    auto arrived = [&] { return flag.load(std::memory_order_seq_cst) != 0; };
-    if (earliest_end - Clock::now() > tunables::kTimerMargin) {
-      std::this_thread::sleep_until(earliest_end - tunables::kTimerMargin);
-    }
+  // io_tiles = 0: has the I/O engine do `copy` (bytes moved to_host or not) over the
+  // modeled link, asked for at `start`, and waits for it: sleeps until shortly before it can
+  // end, spins until a little after, then parks (so a late engine costs no CPU).
+  void transfer_and_wait(Clock::time_point start, std::size_t bytes, bool to_host,
+                         std::function<void()> copy) {
+    std::atomic<int> done{0};
+    const auto modeled = eng_.config.host_link.duration(bytes);
+    const Clock::time_point earliest_end = start + modeled;
+    eng_.io->submit(index_, IoEngine::Transfer{
+        bytes, modeled,
+        [&copy] {
+          copy();
+          return IoEngine::Start::kGo;
+        },
+        [&, keep = owner_.lock()](const IoEngine::Times& t, bool) {
+          record_io(t, bytes, to_host);
+          done.store(1, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
+          point_.notify();
+        }});
+    auto arrived = [&] { return done.load(std::memory_order_seq_cst) != 0; };
+    sleep_until_near(earliest_end);
     const Clock::time_point spin_end = earliest_end + tunables::kSpinBudget;
     for (unsigned i = 0; !arrived(); ++i) {
       detail::cpu_relax();
@@ -454,21 +459,9 @@ class DeviceRun {
       return false;
     }
     const Clock::time_point t1 = Clock::now();
-    check_tensor(link, link.staging);
-    std::atomic<int> done{0};
-    const auto modeled = eng_.config.host_link.duration(link.bytes);
-    eng_.io->submit(index_, IoEngine::Transfer{
-        link.bytes, modeled,
-        [&] {
-          std::memcpy(buf.raw().data(), link.staging.raw().data(), link.bytes);
-          return IoEngine::Start::kGo;
-        },
-        [&, keep = owner_.lock(), bytes = link.bytes](const IoEngine::Times& t, bool) {
-          record_io(t, bytes, false);
-          done.store(1, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
-          point_.notify();
-        }});
-    wait_transfer(done, t1 + modeled);
+    if (std::string wrong = tensor_mismatch(link, link.staging); !wrong.empty()) throw Error(wrong);
+    transfer_and_wait(t1, link.bytes, false,
+                      [&] { std::memcpy(buf.raw().data(), link.staging.raw().data(), link.bytes); });
     const Clock::time_point t2 = Clock::now();
     link.staging = Tensor();  // the host buffer goes back (to its pool, if it has one)
     if (track_) {
@@ -520,17 +513,12 @@ class DeviceRun {
             slot.state.store(kEnd, std::memory_order_relaxed);
             return IoEngine::Start::kSkip;
           }
-          if (slot.tensor.dtype() != link.dtype || slot.tensor.bytes() != link.bytes) {
-            try {
-              check_tensor(link, slot.tensor);
-            } catch (const std::exception& e) {
-              slot.error = e.what();
-            }
+          slot.error = tensor_mismatch(link, slot.tensor);
+          if (!slot.error.empty()) {
             slot.state.store(kFailed, std::memory_order_relaxed);
             return IoEngine::Start::kSkip;
           }
           std::memcpy(slot.mem, slot.tensor.raw().data(), link.bytes);
-          slot.state.store(kFilling, std::memory_order_relaxed);
           return IoEngine::Start::kGo;
         },
         [this, keep = owner_.lock(), &link, &slot](const IoEngine::Times& t, bool cancelled) {
@@ -539,7 +527,6 @@ class DeviceRun {
             if (!cancelled) record_io(t, link.bytes, false);
             s = cancelled ? kSkipped : kReady;
           }
-          if (cancelled && s == kFree) s = kSkipped;
           slot.state.store(s, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
           in_flight_.fetch_sub(1, std::memory_order_seq_cst);
           point_.notify();
@@ -550,20 +537,8 @@ class DeviceRun {
   bool copy_out(OutLink& link, DeviceBuffer& buf) {
     const Clock::time_point t0 = Clock::now();
     Tensor out(buf.dtype(), {buf.elements()}, Tensor::Init::kNone);
-    std::atomic<int> done{0};
-    const auto modeled = eng_.config.host_link.duration(buf.bytes());
-    eng_.io->submit(index_, IoEngine::Transfer{
-        buf.bytes(), modeled,
-        [&] {
-          std::memcpy(out.raw().data(), buf.raw().data(), buf.bytes());
-          return IoEngine::Start::kGo;
-        },
-        [&, keep = owner_.lock(), bytes = buf.bytes()](const IoEngine::Times& t, bool) {
-          record_io(t, bytes, true);
-          done.store(1, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
-          point_.notify();
-        }});
-    wait_transfer(done, t0 + modeled);
+    transfer_and_wait(t0, buf.bytes(), true,
+                      [&] { std::memcpy(out.raw().data(), buf.raw().data(), buf.bytes()); });
     const Clock::time_point t1 = Clock::now();
     const bool ok = link.writer->write(ctx_.iteration, std::move(out), &stop_);
     if (track_) {
@@ -577,8 +552,8 @@ class DeviceRun {
   bool copy_out_to_io_tiles(OutLink& link, DeviceBuffer& buf) {
     Slot& slot = *link.slots[link.next_use % link.slots.size()];
     const Clock::time_point t0 = Clock::now();
-    auto free = [&] { return slot.state.load(std::memory_order_seq_cst) != kFilling || stop_.requested(); };
-    if (!free()) point_.wait(free);
+    auto room = [&] { return slot.state.load(std::memory_order_seq_cst) != kFilling || stop_.requested(); };
+    if (!room()) point_.wait(room);
     const Clock::time_point t1 = Clock::now();
     if (track_ && t1 - t0 > std::chrono::microseconds(1)) track_->record(Phase::kStreamCopyBegin, t0, t1);
     if (stop_.requested()) return false;
@@ -657,7 +632,6 @@ class DeviceRun {
   RunStatus status_ = RunStatus::kCompleted;
   std::map<const InfeedQueue<Tensor>*, InLink> ins_;
   std::map<const OutfeedQueue<Tensor>*, OutLink> outs_;
-  std::map<const OutfeedQueue<Tensor>*, std::size_t> out_bytes_;
   std::map<const program::Execute*, std::uint32_t> labels_;
   std::set<const DeviceBuffer*> synthesized_;
   std::atomic<std::uint32_t> in_flight_{0};

@@ -89,8 +89,12 @@ class IoEngine {
 // whether it could.
 bool lower_timer_slack() noexcept;
 
-// Blocks the calling thread until `deadline`: sleeps until kTimerMargin before it, then
-// spins. For modeled durations; bounded by the deadline, so it never spins forever.
+// Sleeps until kTimerMargin before `deadline` (not at all if that is already past): the
+// first half of meeting a deadline precisely; the caller spins the rest.
+void sleep_until_near(std::chrono::steady_clock::time_point deadline) noexcept;
+
+// Blocks the calling thread until `deadline`: sleep_until_near(), then spins. For modeled
+// durations; bounded by the deadline, so it never spins forever.
 void wait_until_deadline(std::chrono::steady_clock::time_point deadline) noexcept;
 
 }  // namespace bspflow

@@ -10,9 +10,20 @@
 #include <utility>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 namespace bench {
+
+// The options every benchmark takes: --json FILE and --quick.
+struct CommonArgs {
+  std::string json_path;
+  bool quick = false;
+  void add_to(CLI::App& app) {
+    app.add_option("--json", json_path, "also write the figures to this JSON file");
+    app.add_flag("--quick", quick, "smaller runs (for a smoke test; figures are noisier)");
+  }
+};
 
 using Clock = std::chrono::steady_clock;
 

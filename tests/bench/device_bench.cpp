@@ -126,16 +126,14 @@ CopyErrors copy_errors(Device& dev, std::chrono::nanoseconds modeled, std::uint6
 
 int main(int argc, char** argv) {
   CLI::App app{"bspflow device-model benchmark"};
-  std::string json_path;
-  bool quick = false;
-  app.add_option("--json", json_path, "also write the figures to this JSON file");
-  app.add_flag("--quick", quick, "a short run that only proves the benchmark works");
+  bench::CommonArgs args;
+  args.add_to(app);
   CLI11_PARSE(app, argc, argv);
 
   bench::Report report("device");
-  const std::uint64_t steps = quick ? 40 : 2000;
-  const std::uint64_t rounds = quick ? 500 : 50000;
-  const std::uint64_t copies = quick ? 20 : 400;
+  const std::uint64_t steps = args.quick ? 40 : 2000;
+  const std::uint64_t rounds = args.quick ? 500 : 50000;
+  const std::uint64_t copies = args.quick ? 20 : 400;
   report.note("machine", Topology::get().describe().substr(0, Topology::get().describe().find('\n')));
 
   {
@@ -240,5 +238,5 @@ int main(int argc, char** argv) {
     report.figure("std_barrier_4_threads_2_cores_ns", ref * 1e9);
     report.ratio("sync_oversubscribed_vs_std_barrier", bsp / ref, "<= 1.5", bsp / ref <= 1.5);
   }
-  return report.write(json_path) ? 0 : 1;
+  return report.write(args.json_path) ? 0 : 1;
 }

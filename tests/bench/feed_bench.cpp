@@ -154,16 +154,14 @@ std::vector<double> roundtrip(std::uint64_t n, const Cores& cores, bspflow::Devi
 
 int main(int argc, char** argv) {
   CLI::App app{"bspflow feed benchmark"};
-  std::string json_path;
-  bool quick = false;
-  app.add_option("--json", json_path, "also write the figures to this JSON file");
-  app.add_flag("--quick", quick, "smaller runs (for a smoke test; figures are noisier)");
+  bench::CommonArgs args;
+  args.add_to(app);
   CLI11_PARSE(app, argc, argv);
 
   const Cores cores = pick_cores();
-  const std::uint64_t elements = quick ? 200'000 : 4'000'000;
+  const std::uint64_t elements = args.quick ? 200'000 : 4'000'000;
   const std::uint64_t steps = elements / 1000;
-  const std::uint64_t trips = quick ? 20'000 : 200'000;
+  const std::uint64_t trips = args.quick ? 20'000 : 200'000;
   constexpr int kRepeats = 5;
 
   bench::Report report("feed");
@@ -204,8 +202,8 @@ int main(int argc, char** argv) {
   report.ratio("roundtrip_p50_vs_pingpong", rt50 / pp50, "<= 3", rt50 / pp50 <= 3.0);
   report.ratio("roundtrip_p99_vs_pingpong", rt99 / pp99, "(no target)", true);
 
-  if (!report.write(json_path)) {
-    std::fprintf(stderr, "could not write %s\n", json_path.c_str());
+  if (!report.write(args.json_path)) {
+    std::fprintf(stderr, "could not write %s\n", args.json_path.c_str());
     return 1;
   }
   return 0;

@@ -57,16 +57,14 @@ double epoch_rate(bspflow::DataLoader<const bspflow::TensorDataset>& loader,
 
 int main(int argc, char** argv) {
   CLI::App app{"bspflow DataLoader benchmark"};
-  std::string json_path;
-  bool quick = false;
-  app.add_option("--json", json_path, "also write the figures to this JSON file");
-  app.add_flag("--quick", quick, "smaller runs (for a smoke test; figures are noisier)");
+  bench::CommonArgs args;
+  args.add_to(app);
   app.add_option("--workers", g_workers, "loader workers (the keys are defined for 4)")
       ->check(CLI::Range(1, 64));
   CLI11_PARSE(app, argc, argv);
 
-  const std::size_t samples = quick ? 1600 : 4800;  // 6 steps / 6 steps of 800 samples
-  const int epochs = quick ? 2 : 9;
+  const std::size_t samples = args.quick ? 1600 : 4800;  // 6 steps / 6 steps of 800 samples
+  const int epochs = args.quick ? 2 : 9;
   bspflow::SyntheticDataset::Config cfg;
   cfg.size = samples;
   cfg.spec = {bspflow::DType::kFloat32, {1, 128, 128}};
@@ -135,8 +133,8 @@ int main(int argc, char** argv) {
   report.figure("async_steps_per_s", async_rate);
   report.ratio("loader_async_vs_sync", async_rate / sync_rate, "(no target; ideal 2)", true);
 
-  if (!report.write(json_path)) {
-    std::fprintf(stderr, "could not write %s\n", json_path.c_str());
+  if (!report.write(args.json_path)) {
+    std::fprintf(stderr, "could not write %s\n", args.json_path.c_str());
     return 1;
   }
   return 0;
