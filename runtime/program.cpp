@@ -98,6 +98,11 @@ RepeatWhile::RepeatWhile(std::function<bool(const ComputeContext&)> c, Program b
     : condition(std::move(c)), body{std::move(b)}, max_trips(max) {
   if (!condition) throw Error("RepeatWhile: the condition is empty");
 }
+FusedRepeat::FusedRepeat(std::string n, std::uint64_t c, Loop l, std::function<void(bool)> f)
+    : name(std::move(n)), count(c), loop(std::move(l)), finish(std::move(f)) {
+  if (!loop) throw Error("FusedRepeat '" + name + "': the loop is empty");
+  if (!finish) throw Error("FusedRepeat '" + name + "': the finish step is empty");
+}
 }  // namespace program
 
 Program::Program(program::Sequence n) : node_(std::make_shared<const Node>(std::move(n))) {}
@@ -107,6 +112,7 @@ Program::Program(program::Copy n) : node_(std::make_shared<const Node>(std::move
 Program::Program(program::StreamCopy n) : node_(std::make_shared<const Node>(std::move(n))) {}
 Program::Program(program::Repeat n) : node_(std::make_shared<const Node>(std::move(n))) {}
 Program::Program(program::RepeatWhile n) : node_(std::make_shared<const Node>(std::move(n))) {}
+Program::Program(program::FusedRepeat n) : node_(std::make_shared<const Node>(std::move(n))) {}
 
 // ---- config ----
 
@@ -217,9 +223,9 @@ struct EngineState {
 
 class DeviceRun {
  public:
-  DeviceRun(EngineState& engine, std::uint32_t index, detail::RunControl& control,
+  DeviceRun(EngineState& engine, Device& device, std::uint32_t index, detail::RunControl& control,
             TraceTrack* track, TraceTrack* io_track)
-      : eng_(engine), device_(*engine.devices[index]), index_(index), control_(control),
+      : eng_(engine), device_(device), index_(index), control_(control),
         stop_(control.stop()), track_(track), io_track_(io_track) {
     ctx_.device = device_.id();
     ctx_.replica = index;
@@ -273,6 +279,10 @@ class DeviceRun {
     }
   }
   void label(const program::Execute& e) { labels_[&e] = track_ ? track_->add_label(e.name) : 0; }
+  void add_fused(const program::FusedRepeat& f) {
+    fused_.push_back(&f);
+    fused_label_ = track_ ? track_->add_label(f.name) : 0;
+  }
 
   // Device thread: the whole run.
   void run(const Program& program) {
@@ -342,6 +352,14 @@ class DeviceRun {
     }
     if (track_) track_->record(Phase::kCompute, t0, Clock::now(), 0, labels_[&e]);
     return true;
+  }
+
+  bool exec_node(const program::FusedRepeat& f) {
+    const program::LoopFrame frame{&ctx_, &stop_, track_, fused_label_, &iterations_};
+    const RunStatus end = f.loop(frame);
+    if (end == RunStatus::kCompleted) return true;
+    status_ = end;
+    return false;
   }
 
   bool exec_node(const program::Sync& s) {
@@ -595,6 +613,7 @@ class DeviceRun {
   // Device thread, at the end: let the engine finish with this device's buffers, give
   // prefetched micro-batches back to their infeeds, deliver held outfeed entries.
   void finish(bool deliver) {
+    for (const program::FusedRepeat* f : fused_) f->finish(deliver);
     const Clock::time_point t0 = Clock::now();
     for (auto& [q, link] : ins_) link.closing.store(true, std::memory_order_release);
     point_.wait([&] { return in_flight_.load(std::memory_order_seq_cst) == 0; });
@@ -633,6 +652,8 @@ class DeviceRun {
   std::map<const InfeedQueue<Tensor>*, InLink> ins_;
   std::map<const OutfeedQueue<Tensor>*, OutLink> outs_;
   std::map<const program::Execute*, std::uint32_t> labels_;
+  std::vector<const program::FusedRepeat*> fused_;
+  std::uint32_t fused_label_ = 0;
   std::set<const DeviceBuffer*> synthesized_;
   std::atomic<std::uint32_t> in_flight_{0};
   std::atomic<std::uint32_t> lost_{0};
@@ -656,17 +677,18 @@ struct RunShared {
 struct Uses {
   std::vector<const program::StreamCopy*> streams;
   std::vector<const program::Execute*> executes;
+  const program::FusedRepeat* fused = nullptr;  // only ever the whole program
   std::set<SyncGroup*> groups;
   std::vector<const DeviceBuffer*> buffers;  // buffers the device itself touches
   std::optional<std::uint64_t> outer_count;
 };
 
-void gather(const Program& p, Uses& u, bool in_repeat) {
+void gather(const Program& p, Uses& u, bool in_repeat, const Program& root) {
   std::visit(
       [&](const auto& n) {
         using N = std::decay_t<decltype(n)>;
         if constexpr (std::is_same_v<N, program::Sequence>) {
-          for (const Program& s : n.steps) gather(s, u, in_repeat);
+          for (const Program& s : n.steps) gather(s, u, in_repeat, root);
         } else if constexpr (std::is_same_v<N, program::Execute>) {
           u.executes.push_back(&n);
         } else if constexpr (std::is_same_v<N, program::Sync>) {
@@ -678,9 +700,16 @@ void gather(const Program& p, Uses& u, bool in_repeat) {
           u.buffers.push_back(n.buffer.get());
         } else if constexpr (std::is_same_v<N, program::Repeat>) {
           if (!in_repeat && !u.outer_count) u.outer_count = n.count;
-          gather(n.body.front(), u, true);
+          gather(n.body.front(), u, true, root);
+        } else if constexpr (std::is_same_v<N, program::FusedRepeat>) {
+          if (&n != std::get_if<program::FusedRepeat>(&root.node())) {
+            throw Error("FusedRepeat '" + n.name + "' must be a device's whole program, not "
+                        "part of a Sequence or Repeat (it runs every trip itself)");
+          }
+          u.fused = &n;
+          u.outer_count = n.count;
         } else {
-          gather(n.body.front(), u, true);
+          gather(n.body.front(), u, true, root);
         }
       },
       p.node());
@@ -707,9 +736,9 @@ Engine::Engine(DeviceList devices, EngineConfig config) : impl_(std::make_unique
     }
     impl_->devices.push_back(&dev);
   }
-  if (const char* env = std::getenv("BSPFLOW_TRACE"); env != nullptr && *env != '\0') {
+  if (std::string env = detail::trace_path_from_env(); !env.empty()) {
     config.trace = true;
-    if (config.trace_path.empty()) config.trace_path = env;
+    if (config.trace_path.empty()) config.trace_path = std::move(env);
   }
   impl_->compute_tiles = impl_->devices.front()->config().tiles - config.io_tiles;
   impl_->config = std::move(config);
@@ -737,7 +766,7 @@ EngineResult Engine::run(const std::vector<Program>& programs) {
   std::vector<Uses> uses(n);
   std::map<SyncGroup*, std::uint32_t> group_users;
   for (std::uint32_t d = 0; d < n; ++d) {
-    gather(programs[d], uses[d], false);
+    gather(programs[d], uses[d], false, programs[d]);
     for (const DeviceBuffer* b : uses[d].buffers) {
       if (&b->device() != im.devices[d]) {
         throw Error("the program of device " + std::to_string(im.devices[d]->id()) + " uses buffer '" +
@@ -802,10 +831,11 @@ EngineResult Engine::run(const std::vector<Program>& programs) {
   detail::RunControl& control = rs.control;
   rs.programs = programs;
   for (std::uint32_t d = 0; d < n; ++d) {
-    rs.runs.push_back(std::make_unique<DeviceRun>(im, d, control, tracks[d], io_tracks[d]));
+    rs.runs.push_back(std::make_unique<DeviceRun>(im, *im.devices[d], d, control, tracks[d], io_tracks[d]));
     DeviceRun& run = *rs.runs[d];
     run.set_owner(shared);
     for (const program::Execute* e : uses[d].executes) run.label(*e);
+    if (uses[d].fused) run.add_fused(*uses[d].fused);
     for (const program::StreamCopy* s : uses[d].streams) {
       if (s->infeed) {
         run.add_infeed(*s->infeed, *s->buffer);
@@ -861,6 +891,43 @@ void Engine::cancel() noexcept {
   std::lock_guard lock(impl_->current_mutex);
   if (impl_->current) impl_->current->control.cancel();
 }
+
+namespace detail {
+namespace {
+// A one-device engine for a loop built elsewhere: no link, no I/O engine, every tile computes.
+struct LoneRun {
+  LoneRun(Device& device, std::uint32_t replica, const Program& program, RunControl& control,
+          TraceTrack* track) {
+    gather(program, uses, false, program);
+    if (uses.fused == nullptr || !uses.streams.empty()) {
+      throw Error("run_on_device: only a FusedRepeat program runs outside an Engine");
+    }
+    state.compute_tiles = device.config().tiles;
+    run.emplace(state, device, replica, control, track, nullptr);
+    run->add_fused(*uses.fused);
+  }
+  Uses uses;
+  EngineState state;
+  std::optional<DeviceRun> run;
+};
+}  // namespace
+
+void run_on_device(Device& device, std::uint32_t replica, const Program& program,
+                   RunControl& control, TraceTrack* track) {
+  LoneRun lone(device, replica, program, control, track);
+  lone.run->run(program);
+}
+
+void abandon_on_device(Device& device, std::uint32_t replica, const Program& program,
+                       RunControl& control) noexcept {
+  try {
+    LoneRun lone(device, replica, program, control, nullptr);
+    lone.run->abandon();
+  } catch (...) {  // not a FusedRepeat: nothing to finish
+    control.replica_done(replica, RunControl::ReplicaEnd{device.id(), 0, RunStatus::kCancelled, true});
+  }
+}
+}  // namespace detail
 
 const Trace* Engine::trace() const noexcept { return impl_->trace.get(); }
 TraceSummary Engine::summary() const { return impl_->trace ? impl_->trace->summary() : TraceSummary{}; }

@@ -1,6 +1,9 @@
 #include "bspflow/run.hpp"
 
+#include <cstdlib>
 #include <sstream>
+
+#include "bspflow/log.hpp"
 
 namespace bspflow {
 
@@ -97,6 +100,19 @@ RunStatus RunControl::finish(std::vector<std::uint64_t>& iterations, std::string
   }
   message = os.str();
   return status;
+}
+
+void write_trace_or_log(const Trace& trace, const std::string& path) noexcept {
+  try {
+    trace.write_chrome_json(path);
+  } catch (const std::exception& e) {
+    log(LogLevel::kError, e.what());
+  }
+}
+
+std::string trace_path_from_env() {
+  const char* env = std::getenv("BSPFLOW_TRACE");
+  return env != nullptr ? std::string(env) : std::string();
 }
 
 }  // namespace detail

@@ -46,6 +46,14 @@ TraceTrack& Trace::add_track(std::string name, TraceTrack::Kind kind, std::uint3
   return tracks_.emplace_back(std::move(name), kind, id, origin_);
 }
 
+void Trace::end_at_last_event() noexcept {
+  std::int64_t last = 0;
+  for (const TraceTrack& t : tracks_) {
+    for (const TraceEvent& e : t.events()) last = std::max(last, e.end_ns);
+  }
+  end_ = origin_ + std::chrono::nanoseconds(last);
+}
+
 std::int64_t Trace::run_ns() const noexcept {
   if (end_ == Clock::time_point{}) return 0;
   return std::chrono::duration_cast<std::chrono::nanoseconds>(end_ - origin_).count();

@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -498,6 +501,78 @@ TEST_CASE("trace: valid Chrome JSON, per-device phases add up to the run, summar
   CHECK(contains(s.to_string(), "20 iterations"));
   // Modeled copies take at least their modeled time.
   for (const TraceEvent& e : trace.tracks()[1].events()) CHECK(e.end_ns - e.begin_ns >= 200'000);
+}
+
+TEST_CASE("loops::repeat runs through the interpreter: BSPFLOW_TRACE traces it") {
+  const std::string path = "bspflow_repeat_trace_test.json";
+  ::setenv("BSPFLOW_TRACE", path.c_str(), 1);
+  DeviceGroup devices(2, kSmall);
+  InfeedQueue<int> infeed(InfeedConfig{2, 64, 2});
+  OutfeedQueue<int> outfeed(OutfeedConfig{2});
+  auto p = infeed.make_producer();
+  const int n = 25;
+  for (int i = 0; i < 2 * n; ++i) p.push(i);
+  const auto r = loops::repeat(devices, n, [](int& s, int& x) { s += x; return x * 2; }, 0, infeed, outfeed);
+  ::unsetenv("BSPFLOW_TRACE");
+  CHECK(r.completed());
+  REQUIRE(r.trace != nullptr);
+  REQUIRE(r.trace->tracks().size() == 2);
+  for (const TraceTrack& t : r.trace->tracks()) {
+    int copies_in = 0, copies_out = 0, computes = 0;
+    std::int64_t last_end = 0;
+    for (const TraceEvent& e : t.events()) {
+      CHECK(e.begin_ns >= last_end);  // phases follow each other on the device's timeline
+      last_end = e.end_ns;
+      if (e.phase == Phase::kStreamCopyMid) (e.to_host ? copies_out : copies_in)++;
+      if (e.phase == Phase::kCompute) {
+        ++computes;
+        CHECK(t.label(e) == "loop body");
+      }
+    }
+    CHECK(copies_in == n);
+    CHECK(copies_out == n);
+    CHECK(computes == n);
+    CHECK(t.iterations() == static_cast<std::uint64_t>(n));
+  }
+  std::ifstream f(path);
+  REQUIRE(f.good());
+  CHECK(nlohmann::json::parse(f)["traceEvents"].size() > 4u * n);
+  f.close();
+  std::remove(path.c_str());
+  // Without the variable nothing is recorded.
+  for (int i = 0; i < 2; ++i) p.push(i);
+  CHECK(loops::repeat(devices, 1, [](int& s, int& x) { s += x; return x; }, 0, infeed, outfeed).trace == nullptr);
+}
+
+TEST_CASE("FusedRepeat: runs as a whole program on an Engine, refused inside another node") {
+  Device dev(0, kSmall);
+  Engine engine(dev);
+  int trips = 0;
+  bool finished = false, delivered = false;
+  const program::FusedRepeat fused(
+      "counter", 7,
+      [&](const program::LoopFrame& f) {
+        for (std::uint64_t i = 0; i < 7; ++i) {
+          f.ctx->iteration = i;
+          ++trips;
+          ++*f.trips_done;
+        }
+        return RunStatus::kCompleted;
+      },
+      [&](bool deliver) {
+        finished = true;
+        delivered = deliver;
+      });
+  const EngineResult r = engine.run(fused);
+  CHECK(r.completed());
+  CHECK(trips == 7);
+  CHECK(r.iterations == std::vector<std::uint64_t>{7});
+  CHECK(finished);
+  CHECK(delivered);
+  CHECK_THROWS_WITH_AS(engine.run(program::Sequence{fused}),
+                       doctest::Contains("must be a device's whole program"), Error);
+  CHECK_THROWS_WITH_AS(program::FusedRepeat("x", 1, nullptr, [](bool) {}),
+                       doctest::Contains("the loop is empty"), Error);
 }
 
 TEST_CASE("trace: off by default, records nothing") {

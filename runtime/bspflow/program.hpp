@@ -165,6 +165,31 @@ struct Repeat {
   std::uint64_t count;
   std::vector<Program> body;  // one element (a vector only to break the type cycle)
 };
+// What the interpreter hands a FusedRepeat's loop: where it runs, when to stop, where to
+// record, and the counters it advances.
+struct LoopFrame {
+  ComputeContext* ctx;              // ctx->iteration: set by the loop to the trip in progress
+  const detail::StopFlag* stop;     // checked by the loop before each trip and in every wait
+  TraceTrack* track;                // null when untraced
+  std::uint32_t label;              // the trace label of the loop's compute (its name)
+  std::uint64_t* trips_done;        // advanced by the loop after each completed trip
+};
+// Repeat(count, {StreamCopy in, Execute(name), StreamCopy out}) compiled into one function
+// that runs every trip: what loops::repeat compiles its typed feeds and body to, so the
+// interpreter does not walk a tree (or call through a std::function) once per element.
+// Only as a whole device program (not inside another node).
+struct FusedRepeat {
+  using Loop = std::function<RunStatus(const LoopFrame&)>;
+  // `loop` runs the trips and says how it ended: kCompleted, kEndOfData (its input ended)
+  // or kCancelled (stop requested); an exception is a failure at ctx->iteration.
+  // `finish(deliver)` runs once on the device thread when the run ends (deliver: it neither
+  // failed nor was cancelled), before the host hears the end.
+  FusedRepeat(std::string name, std::uint64_t count, Loop loop, std::function<void(bool)> finish);
+  std::string name;
+  std::uint64_t count;
+  Loop loop;
+  std::function<void(bool)> finish;
+};
 struct RepeatWhile {
   // Runs body while condition(context) holds, checked before each trip; at most
   // `max_trips` trips (a guard against a condition that never turns false).
@@ -179,7 +204,8 @@ struct RepeatWhile {
 class Program {
  public:
   using Node = std::variant<program::Sequence, program::Execute, program::Sync, program::Copy,
-                            program::StreamCopy, program::Repeat, program::RepeatWhile>;
+                            program::StreamCopy, program::Repeat, program::RepeatWhile,
+                            program::FusedRepeat>;
   Program(program::Sequence n);    // NOLINT: implicit, like Poplar's program classes
   Program(program::Execute n);     // NOLINT
   Program(program::Sync n);        // NOLINT
@@ -187,6 +213,7 @@ class Program {
   Program(program::StreamCopy n);  // NOLINT
   Program(program::Repeat n);      // NOLINT
   Program(program::RepeatWhile n); // NOLINT
+  Program(program::FusedRepeat n); // NOLINT
   const Node& node() const noexcept { return *node_; }
 
  private:
@@ -264,5 +291,18 @@ class Engine {
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+namespace detail {
+// Device thread: runs `program` (a FusedRepeat) as replica `replica` of a run that
+// `control` tracks, through the same interpreter as Engine::run, for loops built elsewhere
+// (loops::repeat). Records into `track` if it is not null. A failure goes to
+// control.fail(); the end is reported through control.replica_done().
+void run_on_device(Device& device, std::uint32_t replica, const Program& program,
+                   RunControl& control, TraceTrack* track);
+// Host thread, instead of run_on_device when the device refused the job: finishes the
+// program's loops without delivering and reports the replica's end.
+void abandon_on_device(Device& device, std::uint32_t replica, const Program& program,
+                       RunControl& control) noexcept;
+}  // namespace detail
 
 }  // namespace bspflow

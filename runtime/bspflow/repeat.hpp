@@ -21,6 +21,7 @@
 // still delivered. Every device thread is left idle and joinable; nothing hangs.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <new>
@@ -36,7 +37,9 @@
 #include "bspflow/infeed_queue.hpp"
 #include "bspflow/log.hpp"
 #include "bspflow/outfeed_queue.hpp"
+#include "bspflow/program.hpp"
 #include "bspflow/run.hpp"
+#include "bspflow/trace.hpp"
 
 namespace bspflow::loops {
 
@@ -178,61 +181,90 @@ struct Replica {
   std::optional<OutfeedSide<OutQ>> outfeed;
 };
 
-// The device-thread side of one replica: the loop itself.
+// The device-thread side of one replica: every trip of the loop, fused into one function
+// the interpreter calls once (program::FusedRepeat). Traced when frame.track is set: the
+// wait for input (StreamCopyBegin), taking it (StreamCopyMid), the body (Compute) and
+// handing the output over (StreamCopyMid, to the host).
 template <class State, class Body, class InQ, class OutQ>
-void run_replica(RunState<State>& run, Replica<State, Body, InQ, OutQ>& rep, std::uint32_t device,
-                 std::uint32_t replica, std::uint64_t n) {
+RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFrame& frame,
+                    std::uint32_t device, std::uint32_t replica, std::uint64_t n) {
   using In = typename InfeedSide<InQ>::Value;
+  using Clock = std::chrono::steady_clock;
+  constexpr bool kHasInfeed = !std::is_same_v<InQ, NoFeed>;
   constexpr bool kHasOutfeed = !std::is_same_v<OutQ, NoFeed>;
-  const auto* stop = &run.control.stop();
-  RunStatus status = RunStatus::kCompleted;
-  bool failed = false;
-  std::uint64_t i = 0;
-  try {
-    for (; i < n; ++i) {
-      if (stop->requested()) {
-        status = RunStatus::kCancelled;
-        break;
+  const bspflow::detail::StopFlag* const stop = frame.stop;
+  TraceTrack* const track = frame.track;
+  for (std::uint64_t i = 0; i < n; ++i) {
+    if (stop->requested()) return RunStatus::kCancelled;
+    frame.ctx->iteration = i;
+    Clock::time_point t0 = track ? Clock::now() : Clock::time_point{};
+    In* input = nullptr;
+    if (!rep.infeed->try_pop(input)) {
+      // Nothing ready: hand staged outfeed entries to the host before waiting for input.
+      if (!rep.outfeed->flush(stop) || !rep.infeed->pop(input, stop)) {
+        return rep.infeed->end_of_data() ? RunStatus::kEndOfData : RunStatus::kCancelled;
       }
-      In* input = nullptr;
-      if (!rep.infeed->try_pop(input)) {
-        // Nothing ready: hand staged outfeed entries to the host before waiting for input.
-        if (!rep.outfeed->flush(stop) || !rep.infeed->pop(input, stop)) {
-          status = rep.infeed->end_of_data() ? RunStatus::kEndOfData : RunStatus::kCancelled;
-          break;
-        }
-      }
-      const Iteration it{device, replica, i, n};
-      if constexpr (kHasOutfeed) {
-        using Ret = decltype(call_body(rep.body, rep.state, input, it));
-        static_assert(!std::is_void_v<Ret>,
-                      "with an outfeed, the loop body must return the iteration's output");
-        if (!rep.outfeed->write(i, call_body(rep.body, rep.state, input, it), stop)) {
-          status = RunStatus::kCancelled;  // stopped while waiting for outfeed room
-          ++i;
-          break;
-        }
-      } else {
-        call_body(rep.body, rep.state, input, it);
+      if (track) {
+        const Clock::time_point t1 = Clock::now();
+        track->record(Phase::kStreamCopyBegin, t0, t1);
+        t0 = t1;
       }
     }
-  } catch (...) {
-    failed = true;
-    run.control.fail(RunControl::Failure{device, replica, i, std::current_exception()});
+    if (track) {
+      const Clock::time_point t1 = Clock::now();
+      if constexpr (kHasInfeed) track->record(Phase::kStreamCopyMid, t0, t1, sizeof(In));
+      t0 = t1;
+    }
+    const Iteration it{device, replica, i, n};
+    if constexpr (kHasOutfeed) {
+      using Ret = decltype(call_body(rep.body, rep.state, input, it));
+      static_assert(!std::is_void_v<Ret>,
+                    "with an outfeed, the loop body must return the iteration's output");
+      auto&& out = call_body(rep.body, rep.state, input, it);
+      if (track) {
+        const Clock::time_point t1 = Clock::now();
+        track->record(Phase::kCompute, t0, t1, 0, frame.label);
+        t0 = t1;
+      }
+      if (!rep.outfeed->write(i, std::forward<decltype(out)>(out), stop)) {
+        ++*frame.trips_done;  // the body ran; stopped while waiting for outfeed room
+        return RunStatus::kCancelled;
+      }
+      if (track) track->record(Phase::kStreamCopyMid, t0, Clock::now(), sizeof(Ret), 0, true);
+    } else {
+      call_body(rep.body, rep.state, input, it);
+      if (track) track->record(Phase::kCompute, t0, Clock::now(), 0, frame.label);
+    }
+    ++*frame.trips_done;
+    if (track) track->count_iteration();
   }
-  // final()/sum() are delivered after a full run or end of data, not after a failure or
-  // cancellation (a partial result would be mistaken for the real one).
-  const bool deliver = !failed && status != RunStatus::kCancelled;
-  try {
-    rep.outfeed->finish(deliver, stop);
-  } catch (...) {
-    if (!failed) run.control.fail(RunControl::Failure{device, replica, i, std::current_exception()});
-    failed = true;
-  }
-  rep.outfeed.reset();
-  rep.infeed.reset();  // releases the lane and the arena buffer before the host hears "done"
-  run.states[replica].emplace(std::move(rep.state));
-  run.control.replica_done(replica, RunControl::ReplicaEnd{device, i, status, failed});
+  return RunStatus::kCompleted;
+}
+
+// The replica's program: a FusedRepeat that runs the trips and, at the end, delivers the
+// outfeed's held results (after a full run or end of data: a partial final()/sum() would be
+// mistaken for the real one), releases the feeds and hands the state over.
+template <class State, class Body, class InQ, class OutQ>
+Program replica_program(RunState<State>& run, Replica<State, Body, InQ, OutQ>& rep,
+                        std::uint32_t device, std::uint32_t replica, std::uint64_t n) {
+  auto loop = [&rep, device, replica, n](const program::LoopFrame& frame) {
+    return run_trips(rep, frame, device, replica, n);
+  };
+  auto finish = [&run, &rep, replica](bool deliver) {
+    auto release = [&] {
+      rep.outfeed.reset();
+      rep.infeed.reset();  // releases the lane and the arena buffer
+      run.states[replica].emplace(std::move(rep.state));
+    };
+    try {
+      rep.outfeed->finish(deliver, &run.control.stop());
+    } catch (...) {
+      release();
+      throw;
+    }
+    release();
+  };
+  return program::FusedRepeat("loop body", n, std::move(loop), std::move(finish));
 }
 
 template <class State, class Body, class InQ, class OutQ>
@@ -262,6 +294,14 @@ Run<State> launch(const Devices& devices, std::uint64_t n, Body body, State init
   }
 
   auto run = std::make_shared<RunState<State>>(replicas, n);
+  if (std::string path = bspflow::detail::trace_path_from_env(); !path.empty()) {
+    run->trace = std::make_unique<Trace>();
+    for (std::uint32_t r = 0; r < replicas; ++r) {
+      run->tracks.push_back(&run->trace->add_track("device " + std::to_string(devices[r].id()),
+                                                   TraceTrack::Kind::kDevice, r));
+    }
+    run->trace_path = std::move(path);
+  }
   using Rep = Replica<State, Body, InQ, OutQ>;
   std::vector<std::shared_ptr<Rep>> reps;
   reps.reserve(replicas);
@@ -287,19 +327,22 @@ Run<State> launch(const Devices& devices, std::uint64_t n, Body body, State init
 
   for (std::uint32_t r = 0; r < replicas; ++r) {
     Device& device = devices[r];
-    const std::uint32_t id = device.id();
     std::shared_ptr<Rep> rep = reps[r];
     try {
       device.submit(DeviceJob{
-          [run, rep, id, r, n] { run_replica(*run, *rep, id, r, n); },
+          [run, rep, &device, r, n] {
+            const Program program = replica_program(*run, *rep, device.id(), r, n);
+            bspflow::detail::run_on_device(device, r, program, run->control, run->track(r));
+          },
           [run] { run->control.cancel(); },
       });
     } catch (...) {
       // This device refused the job: stop the replicas already submitted, and finish this
       // one and the rest here so the run still completes.
-      run->control.fail(RunControl::Failure{id, r, 0, std::current_exception()});
+      run->control.fail(RunControl::Failure{device.id(), r, 0, std::current_exception()});
       for (std::uint32_t k = r; k < replicas; ++k) {
-        run_replica(*run, *reps[k], devices[k].id(), k, 0);
+        const Program program = replica_program(*run, *reps[k], devices[k].id(), k, n);
+        bspflow::detail::abandon_on_device(devices[k], k, program, run->control);
       }
       break;
     }

@@ -15,6 +15,7 @@
 
 #include "bspflow/detail/wait.hpp"
 #include "bspflow/error.hpp"
+#include "bspflow/trace.hpp"
 
 namespace bspflow {
 
@@ -41,6 +42,9 @@ struct RepeatResult {
   std::vector<std::uint64_t> iterations;   // iterations completed, per replica
   std::vector<State> states;               // final loop state, per replica
   std::string message;                     // one line saying how the run ended
+  // With BSPFLOW_TRACE=FILE set: the loop's trace (one track per replica), also written to
+  // FILE; else null.
+  std::shared_ptr<const Trace> trace;
 
   bool completed() const noexcept { return status == RunStatus::kCompleted; }
   bool end_of_data() const noexcept { return status == RunStatus::kEndOfData; }
@@ -110,12 +114,25 @@ class RunControl {
   std::uint32_t more_failures_ = 0;
 };
 
+// Writes a loop's trace; a failure is logged, not thrown (the run's result matters more).
+void write_trace_or_log(const Trace& trace, const std::string& path) noexcept;
+// BSPFLOW_TRACE, or "" when unset.
+std::string trace_path_from_env();
+
 template <class State>
 struct RunState {
   RunState(std::uint32_t replicas, std::uint64_t requested)
       : control(replicas, requested), states(replicas) {}
   RunControl control;
   std::vector<std::optional<State>> states;  // written by replica r's device thread only
+  // With BSPFLOW_TRACE=FILE: one track per replica, written by its device thread, read by
+  // the host after the run.
+  std::unique_ptr<Trace> trace;
+  std::vector<TraceTrack*> tracks;
+  std::string trace_path;
+  TraceTrack* track(std::uint32_t replica) const noexcept {
+    return trace ? tracks[replica] : nullptr;
+  }
 };
 
 }  // namespace detail
@@ -163,6 +180,11 @@ class Run {
     r.requested = s->control.requested();
     r.states.reserve(s->states.size());
     for (auto& st : s->states) r.states.push_back(std::move(*st));
+    if (s->trace) {
+      s->trace->end_at_last_event();
+      if (!s->trace_path.empty()) detail::write_trace_or_log(*s->trace, s->trace_path);
+      r.trace = std::move(s->trace);
+    }
     return r;
   }
 

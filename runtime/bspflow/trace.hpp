@@ -110,6 +110,8 @@ class Trace {
 
   TraceTrack& add_track(std::string name, TraceTrack::Kind kind, std::uint32_t id);
   void set_end(Clock::time_point end) noexcept { end_ = end; }
+  // Sets the end to the latest event's end (for runs nobody timed from outside).
+  void end_at_last_event() noexcept;
 
   const std::deque<TraceTrack>& tracks() const noexcept { return tracks_; }
   std::int64_t run_ns() const noexcept;
