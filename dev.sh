@@ -81,7 +81,7 @@ case "$what" in
     install_deps
     configure "${BUILD_DIR:-build-tsan}" -Db_sanitize=thread -Db_lundef=false -Dexamples=false
     meson test -C "${BUILD_DIR:-build-tsan}" --print-errorlogs \
-      --suite feeds --suite devices --suite runtime --suite loader --suite programs "$@"
+      --suite feeds --suite devices --suite runtime --suite loader --suite programs --suite pipeline "$@"
     ;;
   asan)
     install_deps
@@ -89,7 +89,7 @@ case "$what" in
       -Dexamples=false
     UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 meson test -C "${BUILD_DIR:-build-asan}" \
       --print-errorlogs --suite feeds --suite devices --suite runtime --suite data --suite loader \
-      --suite programs "$@"
+      --suite programs --suite pipeline "$@"
     ;;
   *)
     sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'

@@ -230,6 +230,7 @@ class DeviceRun {
     ctx_.device = device_.id();
     ctx_.replica = index;
     ctx_.compute_tiles = engine.compute_tiles;
+    ctx_.stop = &stop_;
   }
 
   // Host thread, before the run: the links this device's program uses.
@@ -755,7 +756,9 @@ EngineResult Engine::run(const Program& program) {
   return run(std::vector<Program>(impl_->devices.size(), program));
 }
 
-EngineResult Engine::run(const std::vector<Program>& programs) {
+EngineResult Engine::run(const std::vector<Program>& programs) { return run(programs, nullptr); }
+
+EngineResult Engine::run(const std::vector<Program>& programs, std::function<void()> wake) {
   Impl& im = *impl_;
   const auto n = static_cast<std::uint32_t>(im.devices.size());
   if (programs.size() != n) {
@@ -848,8 +851,12 @@ EngineResult Engine::run(const std::vector<Program>& programs) {
     }
     run.allocate_out_slots();
   }
-  for (auto& [g, users] : group_users) rs.groups.insert(g);
-  control.set_waker([&rs] {  // called only while the run is open: rs is alive
+  for (auto& [g, users] : group_users) {
+    g->reset();  // a run stopped midway may have left arrivals behind
+    rs.groups.insert(g);
+  }
+  control.set_waker([&rs, wake = std::move(wake)] {  // called only while the run is open: rs is alive
+    if (wake) wake();
     for (SyncGroup* g : rs.groups) g->wake();
     for (InfeedQueue<Tensor>* q : rs.infeeds) q->wake_all();
     for (auto& [q, w] : rs.writers) q->wake_all();

@@ -114,6 +114,7 @@ class DeviceGroup {
 class DeviceList {
  public:
   DeviceList(Device& device) : list_{&device} {}  // NOLINT: implicit by design
+  explicit DeviceList(std::vector<Device*> devices) : list_(std::move(devices)) {}
   DeviceList(DeviceGroup& group) {                // NOLINT: implicit by design
     for (auto& d : group) list_.push_back(d.get());
   }

@@ -15,6 +15,7 @@
 #include "bspflow/outfeed_queue.hpp"
 #include "bspflow/program.hpp"
 #include "bspflow/output_mode.hpp"
+#include "bspflow/pipeline.hpp"
 #include "bspflow/repeat.hpp"
 #include "bspflow/run.hpp"
 #include "bspflow/tensor.hpp"

@@ -93,6 +93,9 @@ struct ComputeContext {
   std::uint32_t replica = 0;         // the device's index in the engine's device list
   std::uint64_t iteration = 0;       // trip of the outermost Repeat (0 outside one)
   std::uint32_t compute_tiles = 0;   // tiles - io_tiles
+  // The run's stop request: a codelet that waits for something must give up when it is set
+  // (and be woken by the waker passed to Engine::run).
+  const detail::StopFlag* stop = nullptr;
 };
 // The share of an Execute's work items one tile gets: [begin, end).
 struct TileWork {
@@ -112,6 +115,8 @@ class SyncGroup {
   bool arrive_and_wait(const detail::StopFlag& stop, detail::Spin spin = detail::Spin::kTight);
   // Any thread: wakes parked participants so they re-check their stop flag.
   void wake() noexcept { point_.notify(); }
+  // Between runs only (nobody waiting): forgets arrivals of a run that was stopped midway.
+  void reset() noexcept { arrived_.store(0, std::memory_order_relaxed); }  // relaxed: no waiters
   std::uint32_t participants() const noexcept { return participants_; }
 
  private:
@@ -265,6 +270,10 @@ class Engine {
   // iteration); every thread is left idle.
   EngineResult run(const std::vector<Program>& programs);
   EngineResult run(const Program& program);
+  // Like run(programs), for codelets that wait on something of their own: `wake` (any
+  // thread, must not throw) is called when the run stops early, after the stop flag is set,
+  // so whatever they wait on can let them see it.
+  EngineResult run(const std::vector<Program>& programs, std::function<void()> wake);
 
   // Any thread. Stops the current run (if any) at each device's next Repeat trip or wait;
   // run() then returns RunStatus::kCancelled. Never blocks for long, never throws.

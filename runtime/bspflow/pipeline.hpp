@@ -1,0 +1,234 @@
+// Many emulated IPUs: a model split into stages over devices (pipelined or sharded, or all
+// on one device), replicated, with gradient accumulation — compiled to one program per
+// device and run by the Engine, so every forward, backward, sync, exchange and weight
+// update shows in the trace.
+//
+//   PipelineConfig cfg;                      // pipelined, Grouped, bsp, training
+//   cfg.gradient_accumulation = 8;           // one weight update per 8 micro-batches
+//   cfg.replicas = 1;
+//   DeviceGroup devices(cfg.devices_needed(4));
+//   Pipeline pipe(devices, cfg, [](std::uint32_t replica) { return make_my_stages(); });
+//   InfeedQueue<Batch> infeed(...);          // fed by a DataLoader (replica lanes)
+//   OutfeedQueue<std::vector<float>> out(...);
+//   PipelineResult r = pipe.run(infeed, /*steps=*/10, &out);
+//
+// The runtime schedules; it does not do deep learning. A Stage is the user's: forward,
+// backward (accumulating nothing itself: it writes this micro-batch's parameter gradients)
+// and update (the optimiser step with the reduced gradients). The runtime moves
+// activations and gradients between devices, keeps the activation FIFO, accumulates
+// gradients over micro-batches, reduces them across replicas and calls update once per
+// step.
+//
+// Terms. A step is gradient_accumulation (K) micro-batches per replica and one weight
+// update; run(steps) is the host call (device iterations = steps). Stage s of replica r runs
+// on device r * N + s of the group (pipelined, sharded), or all N stages of replica r on
+// device r (single).
+//
+// Schedules (training; stage s of N, micro-batch i of K, one compute-sync-exchange cycle
+// per time step; the FIFO holds the inputs a stage keeps for its backward passes):
+//   Grouped      forward i at cycle i + s, backward i at cycle i + 2(N-1) - s, in the same
+//                cycle forward first. FIFO 2(N-1-s) deep. K + 2(N-1) cycles.
+//   Interleaved  forward i at 2i + s, backward i at 2i + 2N-1-s: a stage alternates
+//                forward and backward cycles. FIFO (N-1-s). 2K + 2N-2 cycles.
+//   Sequential   one micro-batch at a time: forward i at 2Ni + s, backward at 2Ni + 2N-1-s.
+//                FIFO 0. 2NK cycles. Sharded execution is this schedule.
+// Inference runs forward passes only: i at i + s (Sequential: Ni + s).
+//
+// Sync modes: bsp (every cycle all stages of a replica compute, sync, then exchange
+// activations over the modeled device link, as on the IPU) and dataflow (neighbouring
+// stages hand off through bounded single-producer single-consumer queues, no global
+// barrier: better when stage work is uneven on CPUs; our addition beyond the IPU).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "bspflow/data_loader.hpp"
+#include "bspflow/device.hpp"
+#include "bspflow/error.hpp"
+#include "bspflow/infeed_queue.hpp"
+#include "bspflow/link_model.hpp"
+#include "bspflow/outfeed_queue.hpp"
+#include "bspflow/run.hpp"
+#include "bspflow/trace.hpp"
+
+namespace bspflow {
+
+enum class ExecutionStrategy { kPipelined, kSharded, kSingle };
+enum class PipelineSchedule { kGrouped, kInterleaved, kSequential };
+enum class SyncMode { kBsp, kDataflow };
+// How gradients are combined over micro-batches and replicas (PopTorch's
+// accumulationAndReplicationReductionType): Mean (default) or Sum.
+enum class ReductionType { kMean, kSum };
+// With Mean: a running mean updated each micro-batch, or the sum divided once at the end
+// (PopTorch's meanAccumulationAndReplicationReductionStrategy; Post is the default).
+enum class MeanStyle { kPost, kRunning };
+const char* to_string(ExecutionStrategy v) noexcept;
+const char* to_string(PipelineSchedule v) noexcept;
+const char* to_string(SyncMode v) noexcept;
+
+// Where a stage's pass runs.
+struct StageContext {
+  std::uint32_t stage = 0;
+  std::uint32_t device = 0;
+  std::uint32_t replica = 0;
+  std::uint64_t step = 0;         // 0-based step of this run
+  std::uint64_t micro_batch = 0;  // within the step
+};
+
+struct ForwardArgs {
+  const Batch& batch;             // the micro-batch: data (stage 0's input), labels, valid
+  std::span<const float> input;   // the previous stage's output (empty for stage 0)
+  std::span<float> output;        // this stage's output: output_elements() values
+  std::vector<float>& saved;      // what backward will need; kept in the activation FIFO
+};
+struct BackwardArgs {
+  const Batch& batch;
+  std::span<const float> input;         // as the forward pass saw it (empty for stage 0)
+  const std::vector<float>& saved;      // as the forward pass left it (recomputed if asked)
+  std::span<const float> grad_output;   // d loss / d output (empty for the last stage)
+  std::span<float> grad_input;          // to fill: d loss / d input (empty for stage 0)
+  std::span<float> gradients;           // to fill: this micro-batch's parameter gradients
+};
+
+// One pipeline stage (a forward function, a backward function and its parameters and
+// optimiser state). Called on its device's thread only; each replica has its own.
+class Stage {
+ public:
+  virtual ~Stage() = default;
+  virtual std::string name() const = 0;
+  // Values this stage outputs per micro-batch (fixed: IPU programs have static shapes).
+  // The last stage's output is what the outfeed receives (say, loss and correct count).
+  virtual std::size_t output_elements() const = 0;
+  // Size of the parameter gradient (0: nothing to train).
+  virtual std::size_t gradient_elements() const { return 0; }
+  virtual void forward(const StageContext& ctx, ForwardArgs& args) = 0;
+  // Training only. Fills grad_input and gradients (zeroed before the call).
+  virtual void backward(const StageContext& ctx, BackwardArgs& args);
+  // Training only, once per step: the optimiser step with the micro-batch gradients
+  // reduced over the step and the replicas (identical on every replica).
+  virtual void update(const StageContext& ctx, std::span<const float> gradients);
+};
+using StageList = std::vector<std::unique_ptr<Stage>>;
+// Makes replica r's stages (every replica must start from the same weights).
+using StageFactory = std::function<StageList(std::uint32_t replica)>;
+
+struct PipelineConfig {
+  ExecutionStrategy strategy = ExecutionStrategy::kPipelined;
+  PipelineSchedule schedule = PipelineSchedule::kGrouped;  // sharded: always Sequential
+  SyncMode sync = SyncMode::kBsp;
+  std::uint32_t gradient_accumulation = 1;                 // K: micro-batches per step
+  ReductionType reduction = ReductionType::kMean;
+  MeanStyle mean = MeanStyle::kPost;
+  std::uint32_t replicas = 1;
+  bool training = true;          // false: inference, forward passes only
+  bool recompute = false;        // keep only stage inputs; recompute the rest for backward
+  LinkModel device_link = LinkModel::device();  // activations and gradients between devices
+  bool trace = false;            // also on with BSPFLOW_TRACE=FILE
+
+  // Devices the strategy needs for `stages` stages: stages x replicas (single: replicas).
+  std::uint32_t devices_needed(std::uint32_t stages) const;
+  // The schedule actually used (sharded: Sequential).
+  PipelineSchedule effective_schedule() const;
+  // The smallest gradient accumulation for which the schedule reaches a steady state where
+  // every stage is busy in a cycle: Grouped 2N-1, Interleaved N, Sequential 1 (training;
+  // inference N for Grouped and Interleaved).
+  std::uint32_t min_gradient_accumulation(std::uint32_t stages) const;
+  // Throws bspflow::Error naming the field, the value and what is allowed.
+  void validate(std::uint32_t stages) const;
+};
+
+// One cycle of one stage: which micro-batch it runs forward and/or backward (-1: none).
+struct CycleWork {
+  std::int64_t forward = -1;
+  std::int64_t backward = -1;
+};
+// The schedule as numbers (tests and tools use it; the runtime compiles from it).
+struct PipelinePlan {
+  PipelineSchedule schedule = PipelineSchedule::kGrouped;
+  std::uint32_t stages = 1;
+  std::uint32_t micro_batches = 1;  // K
+  bool training = true;
+  std::uint64_t cycles() const noexcept;
+  CycleWork at(std::uint32_t stage, std::uint64_t cycle) const noexcept;
+  // Inputs a stage keeps between a forward pass and its backward pass, beyond the current
+  // one: 2(N-1-s), N-1-s, 0 (for K large enough).
+  std::uint32_t fifo_depth(std::uint32_t stage) const noexcept;
+};
+
+// A stage threw: which stage, on which device and replica, at which micro-batch.
+class StageError : public Error {
+ public:
+  StageError(const std::string& message, std::uint32_t stage, std::uint32_t device,
+             std::uint32_t replica, std::uint64_t step, std::uint64_t micro_batch,
+             std::exception_ptr cause)
+      : Error(message), stage_(stage), device_(device), replica_(replica), step_(step),
+        micro_batch_(micro_batch), cause_(std::move(cause)) {}
+  std::uint32_t stage() const noexcept { return stage_; }
+  std::uint32_t device() const noexcept { return device_; }
+  std::uint32_t replica() const noexcept { return replica_; }
+  std::uint64_t step() const noexcept { return step_; }
+  std::uint64_t micro_batch() const noexcept { return micro_batch_; }
+  const std::exception_ptr& cause() const noexcept { return cause_; }
+
+ private:
+  std::uint32_t stage_, device_, replica_;
+  std::uint64_t step_, micro_batch_;
+  std::exception_ptr cause_;
+};
+
+struct PipelineResult {
+  RunStatus status = RunStatus::kCompleted;
+  std::uint64_t steps = 0;          // steps completed (weights updated), per replica
+  std::uint64_t micro_batches = 0;  // forward passes of the last stage, all replicas
+  std::string message;
+  std::chrono::nanoseconds elapsed{0};
+  // Per stage (replica 0): the most inputs its activation FIFO held while a forward pass
+  // added one — compare with PipelinePlan::fifo_depth.
+  std::vector<std::uint32_t> fifo_depth;
+  bool completed() const noexcept { return status == RunStatus::kCompleted; }
+};
+
+class Pipeline {
+ public:
+  // Setup path. Builds every replica's stages (make_stages(r)), checks the config against
+  // the stage count and the devices (the group needs devices_needed(); extra devices stay
+  // idle), allocates activation buffers in the device arenas. Throws bspflow::Error.
+  Pipeline(DeviceGroup& devices, PipelineConfig config, const StageFactory& make_stages);
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  // Host thread. Runs `steps` steps: each replica takes K micro-batches per step from its
+  // infeed lane (stage 0 pops them); the last stage's output of every micro-batch goes to
+  // `outfeed` (one lane per replica, shaped by its OutputMode; iteration = step x K + i).
+  // A stage exception is thrown as StageError (stage, device, replica, micro-batch) after
+  // every device has stopped. An infeed that ends mid-run ends it with kEndOfData; a step
+  // cut short is not applied (the message says how many micro-batches it dropped).
+  PipelineResult run(InfeedQueue<Batch>& infeed, std::uint64_t steps,
+                     OutfeedQueue<std::vector<float>>* outfeed = nullptr);
+
+  // Any thread: stops the run in progress (run() returns kCancelled).
+  void cancel() noexcept;
+
+  const PipelineConfig& config() const noexcept;
+  std::uint32_t stages() const noexcept;
+  // Replica r's stage s (read its weights between runs).
+  Stage& stage(std::uint32_t replica, std::uint32_t s);
+  const PipelinePlan& plan() const noexcept;
+  // The last run's trace (tracing on) and its summary.
+  const Trace* trace() const noexcept;
+  TraceSummary summary() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace bspflow

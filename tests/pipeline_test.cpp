@@ -1,0 +1,482 @@
+// Pipelining, sharding, replication and gradient accumulation: the schedules' arithmetic,
+// training equivalence with a plain sequential loop, replicas, FIFO depths, the order of
+// passes in the trace, errors and failures.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <set>
+#include <stdexcept>
+#include <vector>
+
+#include <bspflow/bspflow.hpp>
+
+#include "test_util.hpp"
+
+using namespace bspflow;
+
+namespace {
+
+const DeviceConfig kSmall{64, 64 * 1024};
+constexpr std::size_t kBatch = 4;
+constexpr std::uint32_t kClasses = 3;
+
+// A dense layer (tanh unless it is the last stage, which adds softmax cross-entropy and
+// outputs {loss sum, correct}), trained with plain SGD. Deterministic initial weights.
+class Dense final : public Stage {
+ public:
+  Dense(std::size_t in, std::size_t out, bool last, std::uint32_t seed, float lr = 0.05f)
+      : in_(in), out_(out), last_(last), lr_(lr), w_(in * out + out) {
+    for (std::size_t j = 0; j < w_.size(); ++j) {
+      w_[j] = 0.3f * std::sin(0.7f * static_cast<float>(j + 1) + static_cast<float>(seed));
+    }
+  }
+  std::string name() const override { return last_ ? "head" : "dense"; }
+  std::size_t output_elements() const override { return last_ ? 2 : kBatch * out_; }
+  std::size_t gradient_elements() const override { return w_.size(); }
+
+  void forward(const StageContext& ctx, ForwardArgs& a) override {
+    if (fail_at && *fail_at == ctx.micro_batch) throw std::runtime_error("injected failure");
+    if (ctx.stage == 0) seen.insert(a.batch.indices.front());
+    const float* x = ctx.stage == 0 ? a.batch.data.as<float>().data() : a.input.data();
+    std::vector<float>& z = a.saved;  // pre-activations (last: logits), then kept for backward
+    z.assign(kBatch * out_, 0.0f);
+    for (std::size_t b = 0; b < kBatch; ++b) {
+      for (std::size_t o = 0; o < out_; ++o) {
+        float acc = w_[in_ * out_ + o];
+        for (std::size_t i = 0; i < in_; ++i) acc += w_[o * in_ + i] * x[b * in_ + i];
+        z[b * out_ + o] = acc;
+      }
+    }
+    if (!last_) {
+      for (std::size_t j = 0; j < z.size(); ++j) a.output[j] = std::tanh(z[j]);
+      return;
+    }
+    float loss = 0, correct = 0;
+    for (std::size_t b = 0; b < kBatch; ++b) {
+      const float* l = &z[b * out_];
+      const float mx = *std::max_element(l, l + out_);
+      float sum = 0;
+      for (std::size_t o = 0; o < out_; ++o) sum += std::exp(l[o] - mx);
+      const auto label = static_cast<std::size_t>(a.batch.labels[b]);
+      loss += std::log(sum) - (l[label] - mx);
+      correct += static_cast<float>(std::max_element(l, l + out_) - l == static_cast<std::ptrdiff_t>(label));
+    }
+    a.output[0] = loss;
+    a.output[1] = correct;
+  }
+
+  void backward(const StageContext& ctx, BackwardArgs& a) override {
+    const float* x = ctx.stage == 0 ? a.batch.data.as<float>().data() : a.input.data();
+    std::vector<float> dz(kBatch * out_);
+    for (std::size_t b = 0; b < kBatch; ++b) {
+      if (last_) {
+        const float* l = &a.saved[b * out_];
+        const float mx = *std::max_element(l, l + out_);
+        float sum = 0;
+        for (std::size_t o = 0; o < out_; ++o) sum += std::exp(l[o] - mx);
+        for (std::size_t o = 0; o < out_; ++o) {
+          const float p = std::exp(l[o] - mx) / sum;
+          dz[b * out_ + o] = (p - (static_cast<std::size_t>(a.batch.labels[b]) == o ? 1.0f : 0.0f)) / kBatch;
+        }
+      } else {
+        for (std::size_t o = 0; o < out_; ++o) {
+          const float t = std::tanh(a.saved[b * out_ + o]);
+          dz[b * out_ + o] = a.grad_output[b * out_ + o] * (1 - t * t);
+        }
+      }
+    }
+    for (std::size_t b = 0; b < kBatch; ++b) {
+      for (std::size_t o = 0; o < out_; ++o) {
+        const float d = dz[b * out_ + o];
+        a.gradients[in_ * out_ + o] += d;
+        for (std::size_t i = 0; i < in_; ++i) {
+          a.gradients[o * in_ + i] += d * x[b * in_ + i];
+          if (!a.grad_input.empty()) a.grad_input[b * in_ + i] += d * w_[o * in_ + i];
+        }
+      }
+    }
+  }
+
+  void update(const StageContext&, std::span<const float> g) override {
+    ++updates;
+    for (std::size_t j = 0; j < w_.size(); ++j) w_[j] -= lr_ * g[j];
+  }
+
+  const std::vector<float>& weights() const { return w_; }
+  std::set<std::uint64_t> seen;
+  std::optional<std::uint64_t> fail_at;
+  int updates = 0;
+
+ private:
+  std::size_t in_, out_;
+  bool last_;
+  float lr_;
+  std::vector<float> w_;
+};
+
+// Layer widths: 5 -> 6 -> 4 -> ... -> kClasses.
+std::vector<std::size_t> widths(std::uint32_t stages) {
+  std::vector<std::size_t> w{5};
+  for (std::uint32_t s = 0; s + 1 < stages; ++s) w.push_back(s % 2 == 0 ? 6 : 4);
+  w.push_back(kClasses);
+  return w;
+}
+
+StageList make_model(std::uint32_t stages) {
+  const auto w = widths(stages);
+  StageList list;
+  for (std::uint32_t s = 0; s < stages; ++s) {
+    list.push_back(std::make_unique<Dense>(w[s], w[s + 1], s + 1 == stages, s));
+  }
+  return list;
+}
+
+// Micro-batch m of the whole stream (deterministic).
+Batch make_batch(std::uint64_t m) {
+  Batch b;
+  b.data = Tensor(DType::kFloat32, {kBatch, 5});
+  auto x = b.data.as<float>();
+  for (std::size_t j = 0; j < x.size(); ++j) x[j] = std::cos(0.37f * static_cast<float>(m * 31 + j));
+  for (std::size_t i = 0; i < kBatch; ++i) {
+    b.labels.push_back(static_cast<std::int32_t>((m + i) % kClasses));
+    b.indices.push_back(m * kBatch + i);
+  }
+  b.valid = kBatch;
+  return b;
+}
+
+// Plain training without the runtime: micro-batches in order, gradients summed over the
+// step (and over the replicas' micro-batches of the same position), averaged, one update.
+std::vector<std::vector<float>> reference(std::uint32_t stages, std::uint32_t k, std::uint32_t replicas,
+                                          std::uint64_t steps) {
+  StageList model = make_model(stages);
+  std::vector<std::vector<float>> sum(stages);
+  for (std::uint32_t s = 0; s < stages; ++s) sum[s].assign(model[s]->gradient_elements(), 0.0f);
+  std::uint64_t m = 0;
+  for (std::uint64_t step = 0; step < steps; ++step) {
+    for (auto& g : sum) std::fill(g.begin(), g.end(), 0.0f);
+    for (std::uint32_t i = 0; i < k * replicas; ++i, ++m) {
+      const Batch batch = make_batch(m);
+      std::vector<std::vector<float>> outs(stages), saved(stages);
+      for (std::uint32_t s = 0; s < stages; ++s) {
+        outs[s].assign(model[s]->output_elements(), 0.0f);
+        StageContext ctx{s, 0, 0, step, i};
+        ForwardArgs a{batch, s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]), outs[s], saved[s]};
+        model[s]->forward(ctx, a);
+      }
+      std::vector<float> grad_out;
+      for (std::uint32_t s = stages; s-- > 0;) {
+        std::vector<float> g(model[s]->gradient_elements(), 0.0f);
+        std::vector<float> grad_in(s == 0 ? 0 : outs[s - 1].size(), 0.0f);
+        StageContext ctx{s, 0, 0, step, i};
+        BackwardArgs a{batch, s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]), saved[s],
+                       grad_out, grad_in, g};
+        model[s]->backward(ctx, a);
+        for (std::size_t j = 0; j < g.size(); ++j) sum[s][j] += g[j];
+        grad_out = grad_in;
+      }
+    }
+    for (std::uint32_t s = 0; s < stages; ++s) {
+      for (float& g : sum[s]) g /= static_cast<float>(k * replicas);
+      model[s]->update(StageContext{}, sum[s]);
+    }
+  }
+  std::vector<std::vector<float>> w;
+  for (auto& st : model) w.push_back(static_cast<Dense&>(*st).weights());
+  return w;
+}
+
+// Feeds `micro_batches` per replica: micro-batch m of the stream goes to replica m % R.
+void feed(InfeedQueue<Batch>& infeed, std::uint64_t micro_batches, std::uint32_t replicas) {
+  auto p = infeed.make_producer();
+  for (std::uint64_t m = 0; m < micro_batches * replicas; ++m) {
+    REQUIRE(p.push_to(static_cast<std::uint32_t>(m % replicas), make_batch(m)));
+  }
+}
+
+void check_close(const std::vector<float>& a, const std::vector<float>& b) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (std::size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::fabs(double(a[j]) - double(b[j])));
+  CHECK(worst < 1e-5);
+}
+
+Dense& dense(Pipeline& p, std::uint32_t r, std::uint32_t s) { return static_cast<Dense&>(p.stage(r, s)); }
+
+}  // namespace
+
+TEST_SUITE_BEGIN("pipeline");
+
+TEST_CASE("plan: every micro-batch runs forward then backward once per stage, in dependency order") {
+  for (auto schedule : {PipelineSchedule::kGrouped, PipelineSchedule::kInterleaved, PipelineSchedule::kSequential}) {
+    for (bool training : {true, false}) {
+      const std::uint32_t n = 4, k = 9;
+      const PipelinePlan plan{schedule, n, k, training};
+      std::map<std::pair<std::uint32_t, std::int64_t>, std::uint64_t> fwd, bwd;
+      std::vector<std::uint32_t> max_fifo(n, 0), held(n, 0);
+      for (std::uint64_t c = 0; c < plan.cycles(); ++c) {
+        for (std::uint32_t s = 0; s < n; ++s) {
+          const CycleWork w = plan.at(s, c);
+          if (w.forward >= 0) {
+            CHECK(fwd.emplace(std::make_pair(s, w.forward), c).second);
+            max_fifo[s] = std::max(max_fifo[s], held[s]);
+            ++held[s];
+          }
+          if (w.backward >= 0) {
+            CHECK(bwd.emplace(std::make_pair(s, w.backward), c).second);
+            --held[s];
+          }
+          if (!training) held[s] = 0;  // nothing is kept for a backward pass
+        }
+      }
+      CHECK(fwd.size() == n * k);
+      CHECK(bwd.size() == (training ? n * k : 0u));
+      for (auto [key, c] : fwd) {
+        if (key.first > 0) CHECK(fwd.at({key.first - 1, key.second}) < c);  // after the previous stage's
+      }
+      for (auto [key, c] : bwd) {
+        CHECK(fwd.at(key) <= c);
+        if (key.first + 1 < n) CHECK(bwd.at({key.first + 1, key.second}) < c);
+      }
+      for (std::uint32_t s = 0; s < n; ++s) CHECK(max_fifo[s] == plan.fifo_depth(s));
+    }
+  }
+  CHECK(PipelinePlan{PipelineSchedule::kGrouped, 4, 10, true}.fifo_depth(0) == 6);
+  CHECK(PipelinePlan{PipelineSchedule::kInterleaved, 4, 10, true}.fifo_depth(1) == 2);
+  CHECK(PipelinePlan{PipelineSchedule::kSequential, 4, 10, true}.fifo_depth(0) == 0);
+}
+
+TEST_CASE("pipelined training reaches the weights of plain sequential training: every schedule, both sync modes") {
+  const std::uint32_t n = 3, k = 6;
+  const std::uint64_t steps = 3;
+  const auto expected = reference(n, k, 1, steps);
+  struct Case {
+    ExecutionStrategy strategy;
+    PipelineSchedule schedule;
+    SyncMode sync;
+    MeanStyle mean;
+    bool recompute;
+  };
+  const std::vector<Case> cases{
+      {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kPost, false},
+      {ExecutionStrategy::kPipelined, PipelineSchedule::kInterleaved, SyncMode::kBsp, MeanStyle::kPost, false},
+      {ExecutionStrategy::kPipelined, PipelineSchedule::kSequential, SyncMode::kBsp, MeanStyle::kPost, false},
+      {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, SyncMode::kDataflow, MeanStyle::kPost, false},
+      {ExecutionStrategy::kPipelined, PipelineSchedule::kInterleaved, SyncMode::kDataflow, MeanStyle::kRunning, false},
+      {ExecutionStrategy::kPipelined, PipelineSchedule::kSequential, SyncMode::kDataflow, MeanStyle::kPost, true},
+      {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kRunning, true},
+      {ExecutionStrategy::kSharded, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kPost, false},
+      {ExecutionStrategy::kSingle, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kPost, false},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(to_string(c.strategy));
+    CAPTURE(to_string(c.schedule));
+    CAPTURE(to_string(c.sync));
+    CAPTURE(c.recompute);
+    PipelineConfig cfg;
+    cfg.strategy = c.strategy;
+    cfg.schedule = c.schedule;
+    cfg.sync = c.sync;
+    cfg.mean = c.mean;
+    cfg.recompute = c.recompute;
+    cfg.gradient_accumulation = k;
+    DeviceGroup devices(cfg.devices_needed(n), kSmall);
+    Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+    InfeedQueue<Batch> infeed(InfeedConfig{1, 64, 2});
+    OutfeedQueue<std::vector<float>> outfeed(OutfeedConfig{1, OutputMode::all(), 0});
+    feed(infeed, k * steps, 1);
+    const PipelineResult r = pipe.run(infeed, steps, &outfeed);
+    REQUIRE(r.completed());
+    CHECK(r.steps == steps);
+    CHECK(r.micro_batches == k * steps);
+    const auto entries = outfeed.drain();
+    REQUIRE(entries.size() == k * steps);
+    for (std::size_t e = 0; e < entries.size(); ++e) CHECK(entries[e].iteration == e);
+    for (std::uint32_t s = 0; s < n; ++s) {
+      check_close(dense(pipe, 0, s).weights(), expected[s]);
+      CHECK(dense(pipe, 0, s).updates == static_cast<int>(steps));
+    }
+  }
+}
+
+TEST_CASE("replication: replicas see different samples, reduce gradients, stay bit-identical") {
+  const std::uint32_t n = 2, k = 3, replicas = 2;
+  const std::uint64_t steps = 2;
+  const auto expected = reference(n, k, replicas, steps);
+  for (auto sync : {SyncMode::kBsp, SyncMode::kDataflow}) {
+    CAPTURE(to_string(sync));
+    PipelineConfig cfg;
+    cfg.gradient_accumulation = k;
+    cfg.replicas = replicas;
+    cfg.sync = sync;
+    DeviceGroup devices(cfg.devices_needed(n), kSmall);  // 4 devices on 2 cores
+    Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+    InfeedQueue<Batch> infeed(InfeedConfig{replicas, 64, 1});
+    feed(infeed, k * steps, replicas);
+    const PipelineResult r = pipe.run(infeed, steps);
+    REQUIRE(r.completed());
+    CHECK(r.micro_batches == k * steps * replicas);
+    for (std::uint32_t s = 0; s < n; ++s) {
+      CHECK(dense(pipe, 0, s).weights() == dense(pipe, 1, s).weights());  // bit-identical
+      check_close(dense(pipe, 0, s).weights(), expected[s]);
+    }
+    const auto& a = dense(pipe, 0, 0).seen;
+    const auto& b = dense(pipe, 1, 0).seen;
+    CHECK(a.size() == k * steps);
+    CHECK(b.size() == k * steps);
+    for (auto i : a) CHECK(b.count(i) == 0);
+  }
+}
+
+TEST_CASE("FIFO depths observed match the schedules' formulas") {
+  const std::uint32_t n = 4, k = 10;
+  for (auto schedule : {PipelineSchedule::kGrouped, PipelineSchedule::kInterleaved, PipelineSchedule::kSequential}) {
+    CAPTURE(to_string(schedule));
+    PipelineConfig cfg;
+    cfg.schedule = schedule;
+    cfg.gradient_accumulation = k;
+    DeviceGroup devices(cfg.devices_needed(n), kSmall);
+    Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+    InfeedQueue<Batch> infeed(InfeedConfig{1, 64, 1});
+    feed(infeed, k, 1);
+    const PipelineResult r = pipe.run(infeed, 1);
+    REQUIRE(r.completed());
+    for (std::uint32_t s = 0; s < n; ++s) CHECK(r.fifo_depth[s] == pipe.plan().fifo_depth(s));
+  }
+}
+
+TEST_CASE("trace: each device runs its forward and backward passes in the schedule's order") {
+  const std::uint32_t n = 3, k = 5;
+  for (auto schedule : {PipelineSchedule::kGrouped, PipelineSchedule::kInterleaved, PipelineSchedule::kSequential}) {
+    for (auto sync : {SyncMode::kBsp, SyncMode::kDataflow}) {
+      CAPTURE(to_string(schedule));
+      CAPTURE(to_string(sync));
+      PipelineConfig cfg;
+      cfg.schedule = schedule;
+      cfg.sync = sync;
+      cfg.gradient_accumulation = k;
+      cfg.trace = true;
+      DeviceGroup devices(cfg.devices_needed(n), kSmall);
+      Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+      InfeedQueue<Batch> infeed(InfeedConfig{1, 64, 1});
+      feed(infeed, k, 1);
+      REQUIRE(pipe.run(infeed, 1).completed());
+      REQUIRE(pipe.trace() != nullptr);
+      for (std::uint32_t s = 0; s < n; ++s) {
+        std::string expected, got;
+        for (std::uint64_t c = 0; c < pipe.plan().cycles(); ++c) {
+          const CycleWork w = pipe.plan().at(s, c);
+          if (w.forward >= 0) expected += 'F';
+          if (w.backward >= 0) expected += 'B';
+        }
+        const TraceTrack& t = pipe.trace()->tracks()[s];
+        bool exchanged = false;
+        for (const TraceEvent& e : t.events()) {
+          if (e.phase == Phase::kExchange) exchanged = true;
+          if (e.phase != Phase::kCompute) continue;
+          const std::string& l = t.label(e);
+          if (l.ends_with(" forward")) got += 'F';
+          if (l.ends_with(" backward")) got += 'B';
+        }
+        CHECK(got == expected);
+        CHECK(exchanged == (sync == SyncMode::kBsp));  // dataflow hands off without exchange phases
+      }
+    }
+  }
+}
+
+TEST_CASE("inference: forward passes only, every micro-batch's output reaches the outfeed") {
+  const std::uint32_t n = 3, k = 4;
+  PipelineConfig cfg;
+  cfg.training = false;
+  cfg.gradient_accumulation = k;
+  DeviceGroup devices(cfg.devices_needed(n), kSmall);
+  Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+  InfeedQueue<Batch> infeed(InfeedConfig{1, 64, 1});
+  OutfeedQueue<std::vector<float>> outfeed(OutfeedConfig{1, OutputMode::all(), 0});
+  feed(infeed, k * 2, 1);
+  const PipelineResult r = pipe.run(infeed, 2, &outfeed);
+  REQUIRE(r.completed());
+  CHECK(outfeed.drain().size() == k * 2);
+  CHECK(dense(pipe, 0, 0).updates == 0);
+  CHECK(dense(pipe, 0, 1).weights() == reference(n, k, 1, 0)[1]);  // untouched
+}
+
+TEST_CASE("errors: the config is checked against the stages and devices, saying what is allowed") {
+  DeviceGroup devices(4, kSmall);
+  auto model = [](std::uint32_t) { return make_model(4); };
+  PipelineConfig cfg;
+  cfg.gradient_accumulation = 3;
+  CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }),
+                       "must be at least 7 (2N-1)"));
+  cfg.schedule = PipelineSchedule::kInterleaved;
+  CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }), "must be at least 4 (N)"));
+  cfg.gradient_accumulation = 8;
+  cfg.strategy = ExecutionStrategy::kSingle;
+  CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }),
+                       "Interleaved schedule needs each stage on a device of its own"));
+  cfg.strategy = ExecutionStrategy::kSharded;
+  cfg.sync = SyncMode::kDataflow;
+  CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }), "applies to strategy pipelined"));
+  cfg = PipelineConfig{};
+  cfg.gradient_accumulation = 8;
+  cfg.replicas = 2;
+  CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }), "needs 8 devices; the group has 4"));
+  cfg.replicas = 1;
+  Pipeline ok(devices, cfg, model);
+  InfeedQueue<Batch> two_lanes(InfeedConfig{2, 8, 1});
+  CHECK(test::contains(test::error_of([&] { ok.run(two_lanes, 1); }), "infeed has 2 replica lane(s)"));
+}
+
+TEST_CASE("a failing stage reaches the host with stage, device and micro-batch; every thread joins") {
+  const std::uint32_t n = 3, k = 6;
+  for (auto sync : {SyncMode::kBsp, SyncMode::kDataflow}) {
+    CAPTURE(to_string(sync));
+    PipelineConfig cfg;
+    cfg.sync = sync;
+    cfg.gradient_accumulation = k;
+    DeviceGroup devices(cfg.devices_needed(n), kSmall);
+    Pipeline pipe(devices, cfg, [](std::uint32_t) {
+      StageList l = make_model(n);
+      static_cast<Dense&>(*l[1]).fail_at = 4;
+      return l;
+    });
+    InfeedQueue<Batch> infeed(InfeedConfig{1, 64, 1});
+    feed(infeed, k, 1);
+    try {
+      pipe.run(infeed, 1);
+      FAIL("no StageError");
+    } catch (const StageError& e) {
+      CHECK(e.stage() == 1);
+      CHECK(e.device() == devices[1].id());
+      CHECK(e.micro_batch() == 4);
+      CHECK(test::contains(e.what(), "injected failure"));
+      CHECK(test::contains(e.what(), "micro-batch 4"));
+    }
+    // The devices are idle again: the next run works (fresh input, the failure disarmed).
+    static_cast<Dense&>(pipe.stage(0, 1)).fail_at.reset();
+    InfeedQueue<Batch> again(InfeedConfig{1, 64, 1});
+    feed(again, k, 1);
+    CHECK(pipe.run(again, 1).completed());
+  }
+}
+
+TEST_CASE("an infeed that ends mid-run ends it with kEndOfData and says what was not applied") {
+  const std::uint32_t n = 2, k = 4;
+  PipelineConfig cfg;
+  cfg.gradient_accumulation = k;
+  DeviceGroup devices(cfg.devices_needed(n), kSmall);
+  Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+  InfeedQueue<Batch> infeed(InfeedConfig{1, 64, 1});
+  feed(infeed, k + 2, 1);  // one full step and half of the next
+  infeed.close();
+  const PipelineResult r = pipe.run(infeed, 3);
+  CHECK(r.status == RunStatus::kEndOfData);
+  CHECK(r.steps == 1);
+  CHECK(test::contains(r.message, "step 1, micro-batch 2"));
+  CHECK(dense(pipe, 0, 0).updates == 1);
+}
+
+TEST_SUITE_END();
