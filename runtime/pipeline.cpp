@@ -281,7 +281,7 @@ struct Pipeline::Impl {
                const detail::StopFlag* stop) {
     std::vector<Batch>& batches_of = *sr.batches;
     if (sr.s == 0) {
-      if (!sr.reader->pop(batches_of[i], stop)) {
+      if (!sr.reader->pop(batches_of[i % batches_of.size()], stop)) {
         if (sr.reader->end_of_data()) throw EndOfInput{sr.step, i};
         return false;
       }
@@ -293,7 +293,7 @@ struct Pipeline::Impl {
     }
     entry.micro_batch = i;
     entry.saved.clear();
-    ForwardArgs args{batches_of[i], input, output, entry.saved};
+    ForwardArgs args{batches_of[i % batches_of.size()], input, output, entry.saved};
     const StageContext ctx = context(sr, i);
     guarded(sr, i, "forward", [&] { sr.stage->forward(ctx, args); });
     ++sr.forwards;
@@ -317,7 +317,7 @@ struct Pipeline::Impl {
                   "micro-batch " + std::to_string(i) + " (internal schedule error)");
     }
     Stashed& e = sr.fifo.front();
-    const Batch& batch = (*sr.batches)[i];
+    const Batch& batch = (*sr.batches)[i % sr.batches->size()];
     const StageContext ctx = context(sr, i);
     if (config.recompute) {  // the forward pass again, from the stashed input
       ForwardArgs again{batch, e.input, sr.scratch, e.saved};
@@ -367,6 +367,9 @@ struct Pipeline::Impl {
     sr.accumulated = 0;
   }
 
+  // Training: one trip per step (K micro-batches, one update). Inference has no updates to
+  // wait for: one trip through all steps x K micro-batches, so the pipeline fills once.
+  std::uint64_t outer_trips(std::uint64_t steps) const { return config.training ? steps : 1; }
   std::vector<Program> compile(std::uint64_t steps);
   Program compile_device_of_pipeline(StageRun& sr, std::uint64_t steps);
   Program compile_single(std::uint32_t replica, std::uint64_t steps);
@@ -500,7 +503,7 @@ Program Pipeline::Impl::compile_device_of_pipeline(StageRun& sr, std::uint64_t s
         return false;
       },
       program::Sequence(std::move(body)));
-  return program::Repeat(steps, program::Sequence{cycle_loop, step_end({st}, reduce_groups[sr.s])});
+  return program::Repeat(outer_trips(steps), program::Sequence{cycle_loop, step_end({st}, reduce_groups[sr.s])});
 }
 
 // All stages of a replica on one device: micro-batch by micro-batch, forward through the
@@ -530,7 +533,7 @@ Program Pipeline::Impl::compile_single(std::uint32_t replica, std::uint64_t step
       }));
     }
   }
-  const std::uint64_t kk = k();
+  const std::uint64_t kk = plan.micro_batches;
   Program loop = program::RepeatWhile(
       [head, kk](const ComputeContext& ctx) {
         head->micro_batch = head->next_cycle++;
@@ -540,7 +543,7 @@ Program Pipeline::Impl::compile_single(std::uint32_t replica, std::uint64_t step
         return false;
       },
       program::Sequence(std::move(body)));
-  return program::Repeat(steps, program::Sequence{loop, step_end(on_device, reduce_groups.front())});
+  return program::Repeat(outer_trips(steps), program::Sequence{loop, step_end(on_device, reduce_groups.front())});
 }
 
 std::vector<Program> Pipeline::Impl::compile(std::uint64_t steps) {
@@ -582,7 +585,13 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
   for (std::uint32_t d = 0; d < needed; ++d) im.devices.push_back(&group[d]);
   im.config = config;
   im.plan = PipelinePlan{config.effective_schedule(), im.stages, config.gradient_accumulation, config.training};
-  im.batches.assign(config.replicas, std::vector<Batch>(config.gradient_accumulation));
+  // The replica's micro-batches in flight, by index: a step's K in training (stage 0 reads
+  // the next step only after every stage is done with this one); in inference, as many as
+  // the hand-offs and the stages can hold at once.
+  const std::size_t capacity = std::max<std::size_t>(2, config.gradient_accumulation);
+  const std::size_t ring = config.training ? config.gradient_accumulation
+                                           : (im.stages - 1) * capacity + im.stages + 1;
+  im.batches.assign(config.replicas, std::vector<Batch>(ring));
 
   // Stage runs and their buffers.
   const std::uint32_t n = im.stages;
@@ -628,7 +637,6 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
   if (config.strategy == ExecutionStrategy::kPipelined && config.sync == SyncMode::kDataflow) {
     // Room for a whole step's messages: a stage never waits for room its schedule would
     // not also have waited for.
-    const std::size_t capacity = std::max<std::size_t>(2, config.gradient_accumulation);
     for (std::uint32_t r = 0; r < config.replicas; ++r) {
       for (std::uint32_t s = 0; s + 1 < n; ++s) {
         Impl::StageRun& a = im.run_of(r, s);
@@ -702,6 +710,7 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t steps,
   PipelineResult result;
   std::optional<EndOfInput> ended;
   try {
+    im.plan.micro_batches = im.config.training ? im.k() : im.k() * steps;
     programs = im.compile(steps);
     auto wake = [&im, &infeed, outfeed] {
       for (auto& h : im.handoffs) h->wake();
@@ -741,6 +750,7 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t steps,
   }
   result.status = er.status;
   result.steps = er.iterations.empty() ? 0 : *std::min_element(er.iterations.begin(), er.iterations.end());
+  if (!im.config.training && er.completed()) result.steps = steps;
   result.message = er.message;
   return result;
 }

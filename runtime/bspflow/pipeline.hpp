@@ -32,7 +32,8 @@
 //                forward and backward cycles. FIFO (N-1-s). 2K + 2N-2 cycles.
 //   Sequential   one micro-batch at a time: forward i at 2Ni + s, backward at 2Ni + 2N-1-s.
 //                FIFO 0. 2NK cycles. Sharded execution is this schedule.
-// Inference runs forward passes only: i at i + s (Sequential: Ni + s).
+// Inference runs forward passes only: i at i + s (Sequential: Ni + s), and, with no weight
+// update to wait for, all steps x K micro-batches of a run flow through one filled pipeline.
 //
 // Sync modes: bsp (every cycle all stages of a replica compute, sync, then exchange
 // activations over the modeled device link, as on the IPU) and dataflow (neighbouring
@@ -153,7 +154,7 @@ struct CycleWork {
 struct PipelinePlan {
   PipelineSchedule schedule = PipelineSchedule::kGrouped;
   std::uint32_t stages = 1;
-  std::uint32_t micro_batches = 1;  // K
+  std::uint64_t micro_batches = 1;  // K (inference: every micro-batch of the run)
   bool training = true;
   std::uint64_t cycles() const noexcept;
   CycleWork at(std::uint32_t stage, std::uint64_t cycle) const noexcept;
@@ -221,6 +222,7 @@ class Pipeline {
   std::uint32_t stages() const noexcept;
   // Replica r's stage s (read its weights between runs).
   Stage& stage(std::uint32_t replica, std::uint32_t s);
+  // The schedule (after an inference run: that run's, over all its micro-batches).
   const PipelinePlan& plan() const noexcept;
   // The last run's trace (tracing on) and its summary.
   const Trace* trace() const noexcept;
