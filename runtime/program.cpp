@@ -879,6 +879,10 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
   }
   control.wait();
   const Clock::time_point end = Clock::now();
+  // Every device has reported its end and no longer reads its program: let go of the
+  // programs here, so buffers they hold are freed on this thread, not by whichever device
+  // thread drops the run's shared state last (perhaps while the host destroys a device).
+  rs.programs.clear();
   {
     std::lock_guard lock(im.current_mutex);
     im.current.reset();
