@@ -15,7 +15,8 @@ set -eu
 cd "$(dirname "$0")"
 
 PACKAGES="g++ meson ninja-build pkg-config cmake libconcurrentqueue-dev libboost-dev \
-libhwloc-dev doctest-dev libcli11-dev nlohmann-json3-dev zlib1g-dev dataset-fashion-mnist"
+libhwloc-dev doctest-dev libcli11-dev nlohmann-json3-dev zlib1g-dev dataset-fashion-mnist \
+libeigen3-dev libtbb-dev"
 
 install_deps() {
   missing=""
@@ -65,7 +66,7 @@ case "$what" in
   demo)
     install_deps
     configure "$build"
-    "$build/examples/01_infeed_outfeed" "$@"
+    "$build/examples/05_fashion_mnist_pipeline" "$@"
     ;;
   test)
     install_deps

@@ -8,6 +8,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <thread>
 
 #include "bspflow/detail/random.hpp"
 #include "bspflow/error.hpp"
@@ -55,6 +56,9 @@ bool SyncGroup::arrive_and_wait(const detail::StopFlag& stop, detail::Spin spin)
     arrived_.store(0, std::memory_order_relaxed);
     generation_.fetch_add(1, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
     point_.notify();
+    // Sharing a core: let a participant just woken on it run now, instead of at the end of
+    // our time slice (a scheduler tick, milliseconds) while we compute the next superstep.
+    if (spin == detail::Spin::kYield) std::this_thread::yield();
     return true;
   }
   point_.wait([&] { return generation_.load(std::memory_order_seq_cst) != gen || stop.requested(); },
