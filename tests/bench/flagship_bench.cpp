@@ -1,0 +1,115 @@
+// Flagship benchmark: the 05_fashion_mnist_pipeline model and settings (4 stages, batch 40,
+// gradient accumulation 10, 10 device iterations, AdamW) on synthetic images. Keys:
+//
+//   flagship_samples_per_s   training throughput pipelined over 4 emulated devices
+//   flagship_vs_sequential   that over the same model trained in a plain single-threaded loop
+//                            (the same stages' forward/backward/update called directly, same
+//                            micro-batch order and accumulation; no runtime), same run
+//
+// Prints `key: value`; --json FILE.
+#include <CLI/CLI.hpp>
+
+#include <cstdio>
+#include <random>
+#include <vector>
+
+#include <bspflow/bspflow.hpp>
+
+#include "../../examples/common/model_kit.hpp"
+#include "bench_util.hpp"
+
+using namespace bspflow;
+
+namespace {
+
+constexpr std::size_t kBatch = 40;
+constexpr std::uint32_t kAccumulation = 10;
+constexpr std::uint64_t kIterations = 10;
+
+std::vector<Batch> make_batches(std::size_t n) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> pixel(0, 255), label(0, 9);
+  std::vector<Batch> batches(n);
+  for (Batch& b : batches) {
+    b.data = Tensor(DType::kFloat32, {kBatch, 784});
+    for (float& x : b.data.as<float>()) x = static_cast<float>(pixel(rng));
+    for (std::size_t i = 0; i < kBatch; ++i) b.labels.push_back(label(rng));
+    b.valid = kBatch;
+  }
+  return batches;
+}
+
+// The plain loop: micro-batch by micro-batch through the stages, gradients summed over the
+// step, averaged, one AdamW update per stage.
+double sequential_rate(const std::vector<Batch>& batches, std::uint64_t steps) {
+  StageList model = kit::make_mlp(4, kBatch, kit::AdamW{});
+  std::vector<std::vector<float>> sum(4), outs(4), saved(4), grad_in(4);
+  for (std::uint32_t s = 0; s < 4; ++s) {
+    sum[s].assign(model[s]->gradient_elements(), 0.0f);
+    outs[s].assign(model[s]->output_elements(), 0.0f);
+    grad_in[s].assign(s == 0 ? 0 : outs[s - 1].size(), 0.0f);
+  }
+  std::vector<float> g;
+  const auto t0 = bench::Clock::now();
+  std::size_t m = 0;
+  for (std::uint64_t step = 0; step < steps; ++step) {
+    for (auto& v : sum) std::fill(v.begin(), v.end(), 0.0f);
+    for (std::uint32_t i = 0; i < kAccumulation; ++i, ++m) {
+      const Batch& batch = batches[m % batches.size()];
+      for (std::uint32_t s = 0; s < 4; ++s) {
+        ForwardArgs a{batch, s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]), outs[s], saved[s]};
+        model[s]->forward(StageContext{s, 0, 0, step, i}, a);
+      }
+      for (std::uint32_t s = 4; s-- > 0;) {
+        g.assign(model[s]->gradient_elements(), 0.0f);
+        std::fill(grad_in[s].begin(), grad_in[s].end(), 0.0f);
+        BackwardArgs a{batch, s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]), saved[s],
+                       s == 3 ? std::span<const float>{} : std::span<const float>(grad_in[s + 1]), grad_in[s], g};
+        model[s]->backward(StageContext{s, 0, 0, step, i}, a);
+        for (std::size_t j = 0; j < g.size(); ++j) sum[s][j] += g[j];
+      }
+    }
+    for (std::uint32_t s = 0; s < 4; ++s) {
+      for (float& x : sum[s]) x /= kAccumulation;
+      model[s]->update(StageContext{}, sum[s]);
+    }
+  }
+  return static_cast<double>(steps * kAccumulation * kBatch) / bench::seconds_since(t0);
+}
+
+double pipelined_rate(DeviceGroup& devices, const std::vector<Batch>& batches, std::uint64_t calls) {
+  PipelineConfig cfg;
+  cfg.gradient_accumulation = kAccumulation;
+  Pipeline pipe(devices, cfg, [](std::uint32_t) { return kit::make_mlp(4, kBatch, kit::AdamW{}); });
+  InfeedQueue<Batch> infeed(InfeedConfig{1, 2 * kIterations * kAccumulation, 2});
+  std::uint64_t samples = 0;
+  std::size_t m = 0;
+  auto producer = infeed.make_producer();
+  const auto t0 = bench::Clock::now();
+  for (std::uint64_t c = 0; c < calls; ++c) {
+    for (std::uint64_t i = 0; i < kIterations * kAccumulation; ++i, ++m) producer.push(Batch(batches[m % batches.size()]));
+    const PipelineResult r = pipe.run(infeed, kIterations);
+    if (!r.completed()) std::fprintf(stderr, "pipeline: %s\n", r.message.c_str());
+    samples += kIterations * kAccumulation * kBatch;
+  }
+  return static_cast<double>(samples) / bench::seconds_since(t0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"flagship_bench: the flagship's training throughput against a plain loop"};
+  bench::CommonArgs args;
+  args.add_to(app);
+  CLI11_PARSE(app, argc, argv);
+  bench::Report report("flagship");
+  const std::uint64_t calls = args.quick ? 2 : 15;  // 15 host calls = one Fashion-MNIST epoch
+  const std::vector<Batch> batches = make_batches(200);
+  DeviceGroup devices(4);
+  const double seq = sequential_rate(batches, calls * kIterations);
+  const double pip = pipelined_rate(devices, batches, calls);
+  report.figure("sequential_samples_per_s", seq);
+  report.figure("flagship_samples_per_s", pip);
+  report.figure("flagship_vs_sequential", pip / seq);
+  return report.write(args.json_path) ? 0 : 1;
+}
