@@ -374,6 +374,19 @@ struct Pipeline::Impl {
   Program compile_device_of_pipeline(StageRun& sr, std::uint64_t steps);
   Program compile_single(std::uint32_t replica, std::uint64_t steps);
   Program step_end(const std::vector<StageRun*>& on_device, const std::shared_ptr<SyncGroup>& group);
+  // `limit` trips of `body` per step; the condition keeps the trip in st->*trip (and the
+  // step, from the outermost Repeat, at trip 0).
+  static Program counted(StageRun* st, std::uint64_t StageRun::*trip, std::uint64_t limit, Program body) {
+    return program::RepeatWhile(
+        [st, trip, limit](const ComputeContext& ctx) {
+          st->*trip = st->next_cycle++;
+          if (st->*trip == 0) st->step = ctx.iteration;
+          if (st->*trip < limit) return true;
+          st->next_cycle = 0;
+          return false;
+        },
+        std::move(body));
+  }
   std::vector<std::shared_ptr<SyncGroup>> replica_groups, reduce_groups;
 };
 
@@ -493,16 +506,7 @@ Program Pipeline::Impl::compile_device_of_pipeline(StageRun& sr, std::uint64_t s
     }
   }
 
-  // The cycles of one step; the condition also keeps the cycle and step counters.
-  Program cycle_loop = program::RepeatWhile(
-      [st, cycles](const ComputeContext& ctx) {
-        st->cycle = st->next_cycle++;
-        if (st->cycle == 0) st->step = ctx.iteration;
-        if (st->cycle < cycles) return true;
-        st->next_cycle = 0;
-        return false;
-      },
-      program::Sequence(std::move(body)));
+  Program cycle_loop = counted(st, &StageRun::cycle, cycles, program::Sequence(std::move(body)));
   return program::Repeat(outer_trips(steps), program::Sequence{cycle_loop, step_end({st}, reduce_groups[sr.s])});
 }
 
@@ -533,16 +537,7 @@ Program Pipeline::Impl::compile_single(std::uint32_t replica, std::uint64_t step
       }));
     }
   }
-  const std::uint64_t kk = plan.micro_batches;
-  Program loop = program::RepeatWhile(
-      [head, kk](const ComputeContext& ctx) {
-        head->micro_batch = head->next_cycle++;
-        if (head->micro_batch == 0) head->step = ctx.iteration;
-        if (head->micro_batch < kk) return true;
-        head->next_cycle = 0;
-        return false;
-      },
-      program::Sequence(std::move(body)));
+  Program loop = counted(head, &StageRun::micro_batch, plan.micro_batches, program::Sequence(std::move(body)));
   return program::Repeat(outer_trips(steps), program::Sequence{loop, step_end(on_device, reduce_groups.front())});
 }
 
