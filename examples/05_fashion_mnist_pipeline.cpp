@@ -6,7 +6,8 @@
 //   05_fashion_mnist_pipeline [--epochs N] [--batch-size B] [--test-batch-size B]
 //       [--device-iterations D] [--gradient-accumulation K] [--replicas R]
 //       [--learning-rate LR] [--strategy pipelined|sharded] [--schedule grouped|interleaved|
-//       sequential] [--sync bsp|dataflow] [--eight-bit-io] [--trace FILE] [--data-dir DIR]
+//       sequential] [--sync bsp|dataflow] [--eight-bit-io] [--offload-optimiser] [--trace FILE]
+//       [--data-dir DIR]
 //
 // The model is an MLP (784-256-256-128-10, ReLU), split into 4 stages, one per device; the
 // tutorial's convolutional network is the next step. Layers, loss and AdamW live in
@@ -43,6 +44,7 @@ struct Settings {
   std::string schedule = "grouped";
   std::string sync = "bsp";
   bool eight_bit = false;
+  bool offload = false;
   std::string trace;
   std::string data_dir = bspflow::idx::kDebianFashionMnistDir;
   std::uint64_t max_steps = 0;      // per epoch; 0 = the whole epoch
@@ -93,6 +95,7 @@ bspflow::PipelineConfig pipeline_config(const Settings& st) {
   cfg.sync = st.sync == "dataflow" ? bspflow::SyncMode::kDataflow : bspflow::SyncMode::kBsp;
   cfg.replicas = st.replicas;
   cfg.gradient_accumulation = st.gradient_accumulation;
+  cfg.offload_optimizer = st.offload;
   cfg.trace = true;  // for the utilisation summary (costs about nothing: see device_bench)
   return cfg;
 }
@@ -247,6 +250,7 @@ int main(int argc, char** argv) {
   app.add_option("--schedule", st.schedule, "pipeline schedule")->check(CLI::IsMember({"grouped", "interleaved", "sequential"}));
   app.add_option("--sync", st.sync, "bsp (IPU-faithful) or dataflow")->check(CLI::IsMember({"bsp", "dataflow"}));
   app.add_flag("--eight-bit-io", st.eight_bit, "send images as uint8, normalised on the device");
+  app.add_flag("--offload-optimiser", st.offload, "keep AdamW's state in host memory, streamed around each update");
   app.add_option("--trace", st.trace, "write the last training step's trace (Chrome JSON) here");
   app.add_option("--data-dir", st.data_dir, "Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)");
   app.add_option("--max-steps", st.max_steps, "host steps per epoch (0: the whole epoch)");

@@ -222,6 +222,7 @@ struct Pipeline::Impl {
     std::deque<Stashed> fifo;
     std::vector<Stashed> spare;  // recycled FIFO entries (no allocation in steady state)
     std::vector<float> grads, accum, reduced;
+    std::vector<float> host_state;  // offloaded optimiser state, between updates
     std::uint32_t accumulated = 0;
     std::uint64_t cycle = 0, next_cycle = 0, step = 0, micro_batch = 0;
     std::uint32_t max_fifo = 0;
@@ -410,9 +411,32 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
     for (StageRun* sr : on_device) reduce(*sr);
   }));
   if (replicated) steps.emplace_back(program::Sync(group));
+  if (config.offload_optimizer) {
+    steps.emplace_back(program::RemoteCopy("optimiser state in", false, [on_device](const ComputeContext&) {
+      std::size_t bytes = 0;
+      for (StageRun* sr : on_device) {
+        const std::span<float> state = sr->stage->optimizer_state();
+        std::copy(sr->host_state.begin(), sr->host_state.end(), state.begin());
+        bytes += state.size_bytes();
+      }
+      return bytes;
+    }));
+  }
   steps.emplace_back(program::Execute("update", [this, on_device](const ComputeContext&) {
     for (StageRun* sr : on_device) update(*sr);
   }));
+  if (config.offload_optimizer) {
+    steps.emplace_back(program::RemoteCopy("optimiser state out", true, [on_device](const ComputeContext&) {
+      std::size_t bytes = 0;
+      for (StageRun* sr : on_device) {
+        const std::span<float> state = sr->stage->optimizer_state();
+        std::copy(state.begin(), state.end(), sr->host_state.begin());
+        std::fill(state.begin(), state.end(), 0.0f);  // not resident on the device
+        bytes += state.size_bytes();
+      }
+      return bytes;
+    }));
+  }
   return program::Sequence(std::move(steps));
 }
 
@@ -612,6 +636,11 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
       sr->local_out.assign(sr->out_elements, 0.0f);
       sr->local_grad.assign(sr->in_elements, 0.0f);
       if (config.recompute) sr->scratch.assign(sr->out_elements, 0.0f);
+      if (config.offload_optimizer && config.training) {  // starts in host memory
+        const std::span<float> state = sr->stage->optimizer_state();
+        sr->host_state.assign(state.begin(), state.end());
+        std::fill(state.begin(), state.end(), 0.0f);
+      }
       const std::string tag = " (replica " + std::to_string(r) + ", stage " + std::to_string(s) + ")";
       if (bsp_exchange) {
         Device& dev = *sr->device;
@@ -656,6 +685,7 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
   }
   EngineConfig ec;
   ec.device_link = config.device_link;
+  ec.host_link = config.host_link;
   ec.trace = config.trace;
   im.engine = std::make_unique<Engine>(DeviceList(im.devices), ec);
 }

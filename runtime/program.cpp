@@ -102,6 +102,10 @@ RepeatWhile::RepeatWhile(std::function<bool(const ComputeContext&)> c, Program b
     : condition(std::move(c)), body{std::move(b)}, max_trips(max) {
   if (!condition) throw Error("RepeatWhile: the condition is empty");
 }
+RemoteCopy::RemoteCopy(std::string n, bool h, std::function<std::size_t(const ComputeContext&)> c)
+    : name(std::move(n)), to_host(h), copy(std::move(c)) {
+  if (!copy) throw Error("RemoteCopy '" + name + "': the copy function is empty");
+}
 FusedRepeat::FusedRepeat(std::string n, std::uint64_t c, Loop l, std::function<void(bool)> f)
     : name(std::move(n)), count(c), loop(std::move(l)), finish(std::move(f)) {
   if (!loop) throw Error("FusedRepeat '" + name + "': the loop is empty");
@@ -117,6 +121,7 @@ Program::Program(program::StreamCopy n) : node_(std::make_shared<const Node>(std
 Program::Program(program::Repeat n) : node_(std::make_shared<const Node>(std::move(n))) {}
 Program::Program(program::RepeatWhile n) : node_(std::make_shared<const Node>(std::move(n))) {}
 Program::Program(program::FusedRepeat n) : node_(std::make_shared<const Node>(std::move(n))) {}
+Program::Program(program::RemoteCopy n) : node_(std::make_shared<const Node>(std::move(n))) {}
 
 // ---- config ----
 
@@ -365,6 +370,14 @@ class DeviceRun {
     if (end == RunStatus::kCompleted) return true;
     status_ = end;
     return false;
+  }
+
+  bool exec_node(const program::RemoteCopy& r) {
+    const Clock::time_point t0 = Clock::now();
+    const std::size_t bytes = r.copy(ctx_);
+    wait_until_deadline(t0 + eng_.config.host_link.duration(bytes));
+    if (track_) track_->record(Phase::kStreamCopyMid, t0, Clock::now(), bytes, 0, r.to_host);
+    return true;
   }
 
   bool exec_node(const program::Sync& s) {
@@ -708,6 +721,8 @@ void gather(const Program& p, Uses& u, bool in_repeat, const Program& root) {
         } else if constexpr (std::is_same_v<N, program::Repeat>) {
           if (!in_repeat && !u.outer_count) u.outer_count = n.count;
           gather(n.body.front(), u, true, root);
+        } else if constexpr (std::is_same_v<N, program::RemoteCopy>) {
+          // host memory of the program's own: nothing to set up
         } else if constexpr (std::is_same_v<N, program::FusedRepeat>) {
           if (&n != std::get_if<program::FusedRepeat>(&root.node())) {
             throw Error("FusedRepeat '" + n.name + "' must be a device's whole program, not "

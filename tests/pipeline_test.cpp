@@ -23,11 +23,12 @@ constexpr std::size_t kBatch = 4;
 constexpr std::uint32_t kClasses = 3;
 
 // A dense layer (tanh unless it is the last stage, which adds softmax cross-entropy and
-// outputs {loss sum, correct}), trained with plain SGD. Deterministic initial weights.
+// outputs {loss sum, correct}), trained with SGD with momentum (the momentum is its
+// optimiser state). Deterministic initial weights.
 class Dense final : public Stage {
  public:
   Dense(std::size_t in, std::size_t out, bool last, std::uint32_t seed, float lr = 0.05f)
-      : in_(in), out_(out), last_(last), lr_(lr), w_(in * out + out) {
+      : in_(in), out_(out), last_(last), lr_(lr), w_(in * out + out), v_(w_.size(), 0.0f) {
     for (std::size_t j = 0; j < w_.size(); ++j) {
       w_[j] = 0.3f * std::sin(0.7f * static_cast<float>(j + 1) + static_cast<float>(seed));
     }
@@ -101,8 +102,12 @@ class Dense final : public Stage {
 
   void update(const StageContext&, std::span<const float> g) override {
     ++updates;
-    for (std::size_t j = 0; j < w_.size(); ++j) w_[j] -= lr_ * g[j];
+    for (std::size_t j = 0; j < w_.size(); ++j) {
+      v_[j] = 0.9f * v_[j] + g[j];
+      w_[j] -= lr_ * v_[j];
+    }
   }
+  std::span<float> optimizer_state() override { return v_; }
 
   const std::vector<float>& weights() const { return w_; }
   std::set<std::uint64_t> seen;
@@ -114,6 +119,7 @@ class Dense final : public Stage {
   bool last_;
   float lr_;
   std::vector<float> w_;
+  std::vector<float> v_;
 };
 
 // Layer widths: 5 -> 6 -> 4 -> ... -> kClasses.
@@ -327,6 +333,42 @@ TEST_CASE("replication: replicas see different samples, reduce gradients, stay b
     CHECK(a.size() == k * steps);
     CHECK(b.size() == k * steps);
     for (auto i : a) CHECK(b.count(i) == 0);
+  }
+}
+
+TEST_CASE("optimiser state offload: streamed in and out around each update, same weights") {
+  const std::uint32_t n = 2, k = 3;
+  const std::uint64_t steps = 3;
+  const auto expected = reference(n, k, 1, steps);
+  for (auto strategy : {ExecutionStrategy::kPipelined, ExecutionStrategy::kSingle}) {
+    CAPTURE(to_string(strategy));
+    PipelineConfig cfg;
+    cfg.strategy = strategy;
+    cfg.gradient_accumulation = k;
+    cfg.offload_optimizer = true;
+    cfg.trace = true;
+    DeviceGroup devices(cfg.devices_needed(n), kSmall);
+    Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+    InfeedQueue<Batch> infeed(InfeedConfig{1, 64, 1});
+    feed(infeed, k * steps, 1);
+    REQUIRE(pipe.run(infeed, steps).completed());
+    for (std::uint32_t s = 0; s < n; ++s) {
+      check_close(dense(pipe, 0, s).weights(), expected[s]);  // the momentum made it back each time
+      for (float v : dense(pipe, 0, s).optimizer_state()) CHECK(v == 0.0f);  // not resident
+    }
+    std::uint64_t in = 0, out = 0, bytes_in = 0;
+    for (const TraceTrack& t : pipe.trace()->tracks()) {
+      for (const TraceEvent& e : t.events()) {
+        if (e.phase != Phase::kStreamCopyMid) continue;
+        (e.to_host ? out : in) += 1;
+        if (!e.to_host) bytes_in += e.bytes;
+      }
+    }
+    CHECK(in == steps * (strategy == ExecutionStrategy::kSingle ? 1 : n));
+    CHECK(out == in);
+    std::uint64_t state_bytes = 0;
+    for (std::uint32_t s = 0; s < n; ++s) state_bytes += dense(pipe, 0, s).optimizer_state().size_bytes();
+    CHECK(bytes_in == steps * state_bytes);
   }
 }
 

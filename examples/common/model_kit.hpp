@@ -52,6 +52,7 @@ class MlpStage final : public bspflow::Stage {
   void forward(const bspflow::StageContext& ctx, bspflow::ForwardArgs& a) override;
   void backward(const bspflow::StageContext& ctx, bspflow::BackwardArgs& a) override;
   void update(const bspflow::StageContext& ctx, std::span<const float> grads) override;
+  std::span<float> optimizer_state() override { return adam_state_; }  // AdamW's m and v
 
   const std::vector<float>& parameters() const noexcept { return params_; }
   void set_parameters(const std::vector<float>& p);  // same size, else throws

@@ -115,6 +115,10 @@ class Stage {
   // Training only, once per step: the optimiser step with the micro-batch gradients
   // reduced over the step and the replicas (identical on every replica).
   virtual void update(const StageContext& ctx, std::span<const float> gradients);
+  // The optimiser state update() uses (say AdamW's moments; empty: none). With
+  // PipelineConfig::offload_optimizer it lives in host memory between updates: the runtime
+  // streams it in just before update() and out just after, and zeroes this memory meanwhile.
+  virtual std::span<float> optimizer_state() { return {}; }
 };
 using StageList = std::vector<std::unique_ptr<Stage>>;
 // Makes replica r's stages (every replica must start from the same weights).
@@ -130,7 +134,11 @@ struct PipelineConfig {
   std::uint32_t replicas = 1;
   bool training = true;          // false: inference, forward passes only
   bool recompute = false;        // keep only stage inputs; recompute the rest for backward
+  // Training: keep each stage's optimiser state in host memory, streamed in before each
+  // update and out after it over the host link (stream copies in the trace).
+  bool offload_optimizer = false;
   LinkModel device_link = LinkModel::device();  // activations and gradients between devices
+  LinkModel host_link = LinkModel::host();      // optimiser state offload
   bool trace = false;            // also on with BSPFLOW_TRACE=FILE
 
   // Devices the strategy needs for `stages` stages: stages x replicas (single: replicas).

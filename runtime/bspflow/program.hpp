@@ -165,6 +165,16 @@ struct StreamCopy {
   OutfeedQueue<Tensor>* outfeed = nullptr;
   Buffer buffer;
 };
+// A copy between device memory and host memory the program owns (Poplar's remote buffers:
+// offloaded optimiser state, weights): `copy` moves the data and returns the bytes it moved;
+// the device then takes the host link's modeled time for them (StreamCopyMid in the trace,
+// direction `to_host`).
+struct RemoteCopy {
+  RemoteCopy(std::string name, bool to_host, std::function<std::size_t(const ComputeContext&)> copy);
+  std::string name;
+  bool to_host;
+  std::function<std::size_t(const ComputeContext&)> copy;
+};
 struct Repeat {
   Repeat(std::uint64_t count, Program body);
   std::uint64_t count;
@@ -210,7 +220,7 @@ class Program {
  public:
   using Node = std::variant<program::Sequence, program::Execute, program::Sync, program::Copy,
                             program::StreamCopy, program::Repeat, program::RepeatWhile,
-                            program::FusedRepeat>;
+                            program::FusedRepeat, program::RemoteCopy>;
   Program(program::Sequence n);    // NOLINT: implicit, like Poplar's program classes
   Program(program::Execute n);     // NOLINT
   Program(program::Sync n);        // NOLINT
@@ -219,6 +229,7 @@ class Program {
   Program(program::Repeat n);      // NOLINT
   Program(program::RepeatWhile n); // NOLINT
   Program(program::FusedRepeat n); // NOLINT
+  Program(program::RemoteCopy n);  // NOLINT
   const Node& node() const noexcept { return *node_; }
 
  private:
