@@ -3,9 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstring>
 #include <deque>
-#include <mutex>
 
 #include "bspflow/detail/wait.hpp"
 #include "bspflow/program.hpp"
@@ -182,7 +180,6 @@ class Handoff {
     not_full_.notify();
     not_empty_.notify();
   }
-  std::size_t elements() const noexcept { return slots_.front().size(); }
 
  private:
   std::vector<std::vector<float>> slots_;
@@ -223,6 +220,20 @@ struct Pipeline::Impl {
     std::vector<Stashed> spare;  // recycled FIFO entries (no allocation in steady state)
     std::vector<float> grads, accum, reduced;
     std::vector<float> host_state;  // offloaded optimiser state, between updates
+
+    // Offload: the optimiser state to host memory (zeroed on the device: not resident)
+    // and back. Each returns the bytes moved.
+    std::size_t state_to_host() {
+      const std::span<float> state = stage->optimizer_state();
+      host_state.assign(state.begin(), state.end());
+      std::fill(state.begin(), state.end(), 0.0f);
+      return state.size_bytes();
+    }
+    std::size_t state_from_host() {
+      const std::span<float> state = stage->optimizer_state();
+      std::copy(host_state.begin(), host_state.end(), state.begin());
+      return state.size_bytes();
+    }
     std::uint32_t accumulated = 0;
     std::uint64_t cycle = 0, next_cycle = 0, step = 0, micro_batch = 0;
     std::uint32_t max_fifo = 0;
@@ -230,7 +241,7 @@ struct Pipeline::Impl {
     // stage 0 / last stage
     std::optional<InfeedQueue<Batch>::Reader> reader;
     OutfeedQueue<std::vector<float>>::Writer* writer = nullptr;
-    std::vector<Batch>* batches = nullptr;  // the replica's micro-batches of the step
+    std::vector<Batch>* batches = nullptr;  // the replica's ring, micro-batch i in slot i % size
   };
 
   PipelineConfig config;
@@ -238,7 +249,7 @@ struct Pipeline::Impl {
   std::uint32_t stages = 0;
   std::vector<Device*> devices;               // the ones used, in order
   std::vector<StageList> stage_lists;         // per replica
-  std::vector<std::vector<Batch>> batches;    // per replica, K slots
+  std::vector<std::vector<Batch>> batches;    // per replica: a ring of micro-batches in flight
   std::vector<std::unique_ptr<StageRun>> runs;  // replica-major: r * stages + s
   std::vector<std::unique_ptr<Handoff>> handoffs;
   std::unique_ptr<Engine> engine;
@@ -261,13 +272,7 @@ struct Pipeline::Impl {
     } catch (const StageError&) {
       throw;
     } catch (...) {
-      std::string what = "unknown exception";
-      try {
-        throw;
-      } catch (const std::exception& e) {
-        what = e.what();
-      } catch (...) {
-      }
+      const std::string what = detail::describe_exception(std::current_exception());
       throw StageError("stage " + std::to_string(sr.s) + " '" + sr.stage->name() + "' (device " +
                            std::to_string(sr.device->id()) + ", replica " + std::to_string(sr.r) +
                            ") failed in its " + pass + " pass at step " + std::to_string(sr.step) +
@@ -411,32 +416,22 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
     for (StageRun* sr : on_device) reduce(*sr);
   }));
   if (replicated) steps.emplace_back(program::Sync(group));
-  if (config.offload_optimizer) {
-    steps.emplace_back(program::RemoteCopy("optimiser state in", false, [on_device](const ComputeContext&) {
-      std::size_t bytes = 0;
-      for (StageRun* sr : on_device) {
-        const std::span<float> state = sr->stage->optimizer_state();
-        std::copy(sr->host_state.begin(), sr->host_state.end(), state.begin());
-        bytes += state.size_bytes();
-      }
-      return bytes;
-    }));
-  }
+  // Offload: the optimiser state streams in before the update and out after it.
+  auto stream_state = [on_device](bool to_host) {
+    return program::RemoteCopy(to_host ? "optimiser state out" : "optimiser state in", to_host,
+                               [on_device, to_host](const ComputeContext&) {
+                                 std::size_t bytes = 0;
+                                 for (StageRun* sr : on_device) {
+                                   bytes += to_host ? sr->state_to_host() : sr->state_from_host();
+                                 }
+                                 return bytes;
+                               });
+  };
+  if (config.offload_optimizer) steps.emplace_back(stream_state(false));
   steps.emplace_back(program::Execute("update", [this, on_device](const ComputeContext&) {
     for (StageRun* sr : on_device) update(*sr);
   }));
-  if (config.offload_optimizer) {
-    steps.emplace_back(program::RemoteCopy("optimiser state out", true, [on_device](const ComputeContext&) {
-      std::size_t bytes = 0;
-      for (StageRun* sr : on_device) {
-        const std::span<float> state = sr->stage->optimizer_state();
-        std::copy(state.begin(), state.end(), sr->host_state.begin());
-        std::fill(state.begin(), state.end(), 0.0f);  // not resident on the device
-        bytes += state.size_bytes();
-      }
-      return bytes;
-    }));
-  }
+  if (config.offload_optimizer) steps.emplace_back(stream_state(true));
   return program::Sequence(std::move(steps));
 }
 
@@ -636,11 +631,7 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
       sr->local_out.assign(sr->out_elements, 0.0f);
       sr->local_grad.assign(sr->in_elements, 0.0f);
       if (config.recompute) sr->scratch.assign(sr->out_elements, 0.0f);
-      if (config.offload_optimizer && config.training) {  // starts in host memory
-        const std::span<float> state = sr->stage->optimizer_state();
-        sr->host_state.assign(state.begin(), state.end());
-        std::fill(state.begin(), state.end(), 0.0f);
-      }
+      if (config.offload_optimizer && config.training) sr->state_to_host();  // starts in host memory
       const std::string tag = " (replica " + std::to_string(r) + ", stage " + std::to_string(s) + ")";
       if (bsp_exchange) {
         Device& dev = *sr->device;

@@ -931,7 +931,7 @@ struct LoneRun {
   LoneRun(Device& device, std::uint32_t replica, const Program& program, RunControl& control,
           TraceTrack* track) {
     gather(program, uses, false, program);
-    if (uses.fused == nullptr || !uses.streams.empty()) {
+    if (uses.fused == nullptr) {  // (gather() allows a FusedRepeat only as the whole program)
       throw Error("run_on_device: only a FusedRepeat program runs outside an Engine");
     }
     state.compute_tiles = device.config().tiles;
