@@ -1,13 +1,17 @@
 // A small model kit for the examples (not part of the runtime: the runtime schedules, it
-// does not do deep learning): dense layers with ReLU, softmax cross-entropy, AdamW, and
-// MlpStage, a bspflow::Stage made of dense layers. Eigen does the matrix arithmetic.
+// does not do deep learning): layers (2-D convolution, max-pooling, ReLU, dense), softmax
+// cross-entropy, AdamW, and LayerStage, a bspflow::Stage made of a sequence of layers.
+// Eigen does the matrix arithmetic; convolutions are lowered to one matrix product per
+// micro-batch (im2col).
 //
-// A stage's parameters are one flat vector (per layer: weights out x in, row-major, then
-// biases), its gradients the same layout, so the runtime can accumulate and all-reduce
-// them as one span.
+// Activations are laid out per sample, channels last (height x width x channels). A
+// stage's parameters are one flat vector (each layer's in turn), its gradients the same
+// layout, so the runtime can accumulate and all-reduce them as one span.
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <random>
 #include <span>
 #include <string>
 #include <vector>
@@ -36,15 +40,107 @@ struct HeadOutput {
   static HeadOutput from(std::span<const float> v) { return {v[0], v[1], v[2]}; }
 };
 
-// Dense layers widths[0] -> widths[1] -> ... with ReLU after each, except after the last
-// layer of the model's last stage, which is followed by softmax cross-entropy against the
-// batch labels (output: HeadOutput). The first stage reads the batch's images (uint8 or
-// fp32 values 0..255) and normalises them to [-1, 1], like the tutorial's
-// ToTensor + Normalize((0.5,), (0.5,)).
-class MlpStage final : public bspflow::Stage {
+// One layer: maps `batch` samples of in_size() values to out_size() values each.
+class Layer {
  public:
-  MlpStage(std::string name, std::vector<std::size_t> widths, std::size_t batch, bool first,
-           bool last, AdamW optimizer, std::uint64_t seed);
+  virtual ~Layer() = default;
+  virtual std::size_t in_size() const = 0;
+  virtual std::size_t out_size() const = 0;
+  virtual std::size_t param_count() const { return 0; }
+  // PyTorch's default initialisation for the layer type.
+  virtual void init(std::span<float> /*params*/, std::mt19937_64& /*rng*/) const {}
+  virtual void forward(std::span<const float> params, const float* x, float* y, std::size_t batch) = 0;
+  // Adds this micro-batch's parameter gradients to `grads` and writes d loss / d x to `gx`
+  // (null: not needed, the layer reads the images).
+  virtual void backward(std::span<const float> params, const float* x, const float* y, const float* gy,
+                        float* gx, std::span<float> grads, std::size_t batch) = 0;
+};
+
+// y = x W^T + b; W is out x in.
+class Dense final : public Layer {
+ public:
+  Dense(std::size_t in, std::size_t out) : in_(in), out_(out) {}
+  std::size_t in_size() const override { return in_; }
+  std::size_t out_size() const override { return out_; }
+  std::size_t param_count() const override { return in_ * out_ + out_; }
+  void init(std::span<float> params, std::mt19937_64& rng) const override;
+  void forward(std::span<const float> params, const float* x, float* y, std::size_t batch) override;
+  void backward(std::span<const float> params, const float* x, const float* y, const float* gy, float* gx,
+                std::span<float> grads, std::size_t batch) override;
+
+ private:
+  std::size_t in_, out_;
+};
+
+class Relu final : public Layer {
+ public:
+  explicit Relu(std::size_t size) : size_(size) {}
+  std::size_t in_size() const override { return size_; }
+  std::size_t out_size() const override { return size_; }
+  void forward(std::span<const float> params, const float* x, float* y, std::size_t batch) override;
+  void backward(std::span<const float> params, const float* x, const float* y, const float* gy, float* gx,
+                std::span<float> grads, std::size_t batch) override;
+
+ private:
+  std::size_t size_;
+};
+
+// Image shape, channels last.
+struct Shape {
+  std::size_t height, width, channels;
+  std::size_t size() const noexcept { return height * width * channels; }
+};
+
+// A square k x k convolution, stride 1, no padding (PyTorch's Conv2d(in, out, k)).
+// Weights are out x (k * k * in), ordered (row, column, channel) like the input patch.
+class Conv2d final : public Layer {
+ public:
+  Conv2d(Shape in, std::size_t out_channels, std::size_t kernel);
+  std::size_t in_size() const override { return in_.size(); }
+  std::size_t out_size() const override { return out_.size(); }
+  std::size_t param_count() const override { return out_.channels * patch() + out_.channels; }
+  void init(std::span<float> params, std::mt19937_64& rng) const override;
+  void forward(std::span<const float> params, const float* x, float* y, std::size_t batch) override;
+  void backward(std::span<const float> params, const float* x, const float* y, const float* gy, float* gx,
+                std::span<float> grads, std::size_t batch) override;
+  Shape output_shape() const noexcept { return out_; }
+
+ private:
+  std::size_t patch() const noexcept { return k_ * k_ * in_.channels; }
+  void im2col(const float* x, std::size_t batch);  // fills cols_: (batch * positions) x patch
+
+  Shape in_, out_;
+  std::size_t k_;
+  std::vector<float> cols_;  // scratch, reused (a stage runs on one device thread)
+};
+
+// 2 x 2 max-pooling, stride 2 (PyTorch's MaxPool2d(2)); the gradient goes to the first
+// maximum of each window.
+class MaxPool2 final : public Layer {
+ public:
+  explicit MaxPool2(Shape in);
+  std::size_t in_size() const override { return in_.size(); }
+  std::size_t out_size() const override { return out_.size(); }
+  void forward(std::span<const float> params, const float* x, float* y, std::size_t batch) override;
+  void backward(std::span<const float> params, const float* x, const float* y, const float* gy, float* gx,
+                std::span<float> grads, std::size_t batch) override;
+  Shape output_shape() const noexcept { return out_; }
+
+ private:
+  Shape in_, out_;
+};
+
+using Layers = std::vector<std::unique_ptr<Layer>>;
+
+// A pipeline stage made of layers. The first stage of a model reads the batch's images
+// (uint8 or fp32 values 0..255) and normalises them to [-1, 1], like the tutorial's
+// ToTensor + Normalize((0.5,), (0.5,)); the last stage ends in softmax cross-entropy
+// against the batch labels (padding has label -1) and outputs a HeadOutput.
+// Layer l's parameters are initialised from seed + l.
+class LayerStage final : public bspflow::Stage {
+ public:
+  LayerStage(std::string name, Layers layers, std::size_t batch, bool first, bool last, AdamW optimizer,
+             std::uint64_t seed);
 
   std::string name() const override { return name_; }
   std::size_t output_elements() const override;
@@ -58,24 +154,32 @@ class MlpStage final : public bspflow::Stage {
   void set_parameters(const std::vector<float>& p);  // same size, else throws
 
  private:
-  std::size_t layers() const noexcept { return widths_.size() - 1; }
-  std::size_t weight_offset(std::size_t l) const noexcept { return offsets_[l]; }
-  std::size_t bias_offset(std::size_t l) const noexcept {
-    return offsets_[l] + widths_[l] * widths_[l + 1];
-  }
+  std::span<const float> params_of(std::size_t l) const;
 
   std::string name_;
-  std::vector<std::size_t> widths_;
+  Layers layers_;
   std::size_t batch_;
   bool first_, last_;
   AdamW optimizer_;
-  std::vector<std::size_t> offsets_;
+  std::vector<std::size_t> param_at_;   // where each layer's parameters start
+  std::vector<std::size_t> saved_at_;   // where each layer's input sits in `saved` (+ the output)
   std::vector<float> params_;
   std::vector<float> adam_state_;
+  std::vector<float> grad_a_, grad_b_;  // scratch for gradients between layers
   std::uint64_t steps_ = 0;
 };
 
-// The flagship's model split into `stages` stages (1, 2 or 4): 784 -> 256 -> 256 -> 128 -> 10.
-bspflow::StageList make_mlp(std::uint32_t stages, std::size_t batch, AdamW optimizer);
+// The models the examples train on 28 x 28 grey images, 10 classes.
+enum class Model {
+  kConv,  // the PopTorch tutorial's network: conv 5x5 1->10, max-pool, ReLU, conv 5x5 10->20,
+          // max-pool, ReLU, dense 320->256, ReLU, dense 256->10
+  kMlp,   // dense 784->256->256->128->10 with ReLUs (much faster to train)
+};
+const char* to_string(Model m) noexcept;
+
+// The model split into `stages` stages (1, 2 or 4). Four stages follow the tutorial's
+// split: first conv block, second conv block, first dense layer, last dense layer (the MLP:
+// one dense layer each).
+bspflow::StageList make_model(Model model, std::uint32_t stages, std::size_t batch, AdamW optimizer);
 
 }  // namespace kit

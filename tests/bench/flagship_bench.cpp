@@ -42,7 +42,7 @@ std::vector<Batch> make_batches(std::size_t n) {
 // The plain loop: micro-batch by micro-batch through the stages, gradients summed over the
 // step, averaged, one AdamW update per stage.
 double sequential_rate(const std::vector<Batch>& batches, std::uint64_t steps) {
-  StageList model = kit::make_mlp(4, kBatch, kit::AdamW{});
+  StageList model = kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{});
   std::vector<std::vector<float>> sum(4), outs(4), saved(4), grad_in(4);
   for (std::uint32_t s = 0; s < 4; ++s) {
     sum[s].assign(model[s]->gradient_elements(), 0.0f);
@@ -80,7 +80,7 @@ double sequential_rate(const std::vector<Batch>& batches, std::uint64_t steps) {
 double pipelined_rate(DeviceGroup& devices, const std::vector<Batch>& batches, std::uint64_t calls) {
   PipelineConfig cfg;
   cfg.gradient_accumulation = kAccumulation;
-  Pipeline pipe(devices, cfg, [](std::uint32_t) { return kit::make_mlp(4, kBatch, kit::AdamW{}); });
+  Pipeline pipe(devices, cfg, [](std::uint32_t) { return kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{}); });
   InfeedQueue<Batch> infeed(InfeedConfig{1, 2 * kIterations * kAccumulation, 2});
   std::uint64_t samples = 0;
   std::size_t m = 0;
