@@ -60,6 +60,13 @@ inline constexpr std::size_t kArenaAlignment = 64;
 // thread sharing its core with another (4 devices on 2 cores) gives the core up quickly.
 inline constexpr std::chrono::nanoseconds kSpinBudget{20'000};
 
+// A device with a core of its own waiting at a BSP sync spins this long before parking. A
+// device idles a whole stage time while a pipeline fills and drains; parking then costs a
+// futex wake on both sides (10-30 us on a VM) on every such cycle. The core is the device's
+// anyway (as an IPU's tiles are), so spinning costs nobody else. Devices that share a core
+// yield instead and park after kSpinBudget.
+inline constexpr std::chrono::nanoseconds kSyncSpinBudget{1'000'000};
+
 // Modeled durations (the host link, exchange between devices): a thread that must wait until
 // a deadline sleeps (timer slack lowered to 1 ns) until this long before it, then spins the
 // rest. Covers the wake-up latency of a timer on a loaded VM, so a modeled 50 us copy ends

@@ -104,8 +104,11 @@ struct TileWork {
   std::size_t end = 0;
 };
 
-// A barrier across `participants` devices. Counters on separate cache lines; waiting spins
-// briefly (tunables::kSpinBudget), then parks, so it is live with more devices than cores.
+// A barrier across `participants` devices. The arrival count and the generation share one
+// atomic word, so the last arrival opens the barrier on the cache line it already holds
+// (one line moves between cores per arrival and one per release, the least a barrier
+// can do). Waiting spins briefly (tunables::kSpinBudget), then parks, so it is live with
+// more devices than cores.
 class SyncGroup {
  public:
   explicit SyncGroup(std::uint32_t participants);
@@ -116,13 +119,15 @@ class SyncGroup {
   // Any thread: wakes parked participants so they re-check their stop flag.
   void wake() noexcept { point_.notify(); }
   // Between runs only (nobody waiting): forgets arrivals of a run that was stopped midway.
-  void reset() noexcept { arrived_.store(0, std::memory_order_relaxed); }  // relaxed: no waiters
+  void reset() noexcept { state_.store(0, std::memory_order_relaxed); }  // relaxed: no waiters
   std::uint32_t participants() const noexcept { return participants_; }
 
  private:
+  static constexpr std::uint64_t kCountMask = 0xffff'ffffu;  // low half: arrivals this round
+  static std::uint64_t generation(std::uint64_t state) noexcept { return state >> 32; }
+
   const std::uint32_t participants_;
-  alignas(tunables::kCacheLine) std::atomic<std::uint32_t> arrived_{0};
-  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> generation_{0};
+  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> state_{0};  // generation << 32 | arrivals
   detail::WaitPoint point_;
 };
 

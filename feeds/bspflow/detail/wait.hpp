@@ -86,9 +86,11 @@ class alignas(tunables::kCacheLine) WaitPoint {
   // (or notify_light(), see Fence) after they change it.
   // Fence::kAsymmetric: some notifier uses notify_light(); parking then costs a heavy fence
   // (a process-wide barrier, microseconds) on top of the futex wait.
+  // `budget`: how long to spin before parking.
   template <class Ready>
-  void wait(Ready&& ready, Spin mode = Spin::kTight, Fence fence = Fence::kSymmetric) {
-    if (spin_until(ready, mode)) return;
+  void wait(Ready&& ready, Spin mode = Spin::kTight, Fence fence = Fence::kSymmetric,
+            std::chrono::nanoseconds budget = tunables::kSpinBudget) {
+    if (spin_until(ready, mode, budget)) return;
     waiters_.fetch_add(1, std::memory_order_seq_cst);
     if (fence == Fence::kAsymmetric) heavy_fence();  // pairs with notify_light()
     for (;;) {
