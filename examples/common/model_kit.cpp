@@ -17,6 +17,15 @@ using ConstRowMap = Eigen::Map<const Eigen::RowVectorXf>;
 
 Eigen::Index ix(std::size_t n) { return static_cast<Eigen::Index>(n); }
 
+// Softmax of one sample's logits, kept as its largest logit and the sum of exp(l - max):
+// softmax(l)_c = exp(l_c - max) / sum, log-sum-exp = max + log(sum).
+struct Softmax {
+  float max = 0, sum = 0;
+  Softmax(const float* l, std::size_t classes) : max(*std::max_element(l, l + classes)) {
+    for (std::size_t c = 0; c < classes; ++c) sum += std::exp(l[c] - max);
+  }
+};
+
 // PyTorch's Linear and Conv2d initialisation: U(-1/sqrt(fan_in), 1/sqrt(fan_in)) for the
 // weights and the biases.
 void uniform_fan_in(std::span<float> params, std::size_t fan_in, std::mt19937_64& rng) {
@@ -294,10 +303,8 @@ void LayerStage::forward(const bspflow::StageContext&, bspflow::ForwardArgs& a) 
     const std::int32_t label = a.batch.labels[i];
     if (label < 0) continue;
     const float* l = y + i * classes;
-    const float mx = *std::max_element(l, l + classes);
-    float sum = 0;
-    for (std::size_t c = 0; c < classes; ++c) sum += std::exp(l[c] - mx);
-    h.loss_sum += std::log(sum) - (l[label] - mx);
+    const Softmax sm(l, classes);
+    h.loss_sum += std::log(sm.sum) - (l[label] - sm.max);
     h.correct += (std::max_element(l, l + classes) - l) == label ? 1.0f : 0.0f;
     h.valid += 1.0f;
   }
@@ -319,11 +326,10 @@ void LayerStage::backward(const bspflow::StageContext&, bspflow::BackwardArgs& a
       const std::int32_t label = a.batch.labels[i];
       const float* l = y + i * classes;
       float* g = grad_a_.data() + i * classes;
-      const float mx = *std::max_element(l, l + classes);
-      float sum = 0;
-      for (std::size_t c = 0; c < classes; ++c) sum += std::exp(l[c] - mx);
+      const Softmax sm(l, classes);
       for (std::size_t c = 0; c < classes; ++c) {
-        g[c] = label < 0 ? 0.0f : (std::exp(l[c] - mx) / sum - (static_cast<std::int32_t>(c) == label ? 1.0f : 0.0f)) / valid;
+        g[c] = label < 0 ? 0.0f
+                         : (std::exp(l[c] - sm.max) / sm.sum - (static_cast<std::int32_t>(c) == label ? 1.0f : 0.0f)) / valid;
       }
     }
   } else {
