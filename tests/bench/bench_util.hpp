@@ -3,14 +3,18 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <cstdio>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <bspflow/topology.hpp>
 #include <nlohmann/json.hpp>
 
 namespace bench {
@@ -29,6 +33,33 @@ using Clock = std::chrono::steady_clock;
 
 inline double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Busy work: spins on the clock for `d` (the same work for every contender).
+inline void spin_for(std::chrono::nanoseconds d) {
+  const auto end = Clock::now() + d;
+  while (Clock::now() < end) {
+  }
+}
+
+// Runs f(0) .. f(threads - 1) on threads placed and pinned like that many devices
+// (Topology::place). Returns the seconds from the last thread starting to the last ending.
+template <class F>
+double on_placed_threads(std::uint32_t threads, F&& f) {
+  const auto places = bspflow::Topology::get().place(threads);
+  std::atomic<std::uint32_t> started{0};
+  Clock::time_point t0{};
+  std::vector<std::thread> ts;
+  for (std::uint32_t t = 0; t < threads; ++t) {
+    ts.emplace_back([&, t] {
+      if (places[t].core) bspflow::Topology::get().pin_current_thread(*places[t].core);
+      if (started.fetch_add(1) + 1 == threads) t0 = Clock::now();
+      while (started.load() < threads) std::this_thread::yield();  // threads may share cores
+      f(t);
+    });
+  }
+  for (auto& t : ts) t.join();
+  return seconds_since(t0);
 }
 
 // Value at quantile q (0..1) of `v` (sorted in place).

@@ -38,12 +38,6 @@ using bench::Clock;
 
 namespace {
 
-void spin_for(std::chrono::nanoseconds d) {
-  const auto end = Clock::now() + d;
-  while (Clock::now() < end) {
-  }
-}
-
 const DeviceConfig kDevice{256, 64 * 1024};  // 256 tiles x 64 KiB = 16 MiB
 constexpr std::size_t kMicroBatchFloats = 4096;  // 16 KiB per micro-batch
 constexpr std::size_t kMicroBatchBytes = kMicroBatchFloats * 4;
@@ -62,7 +56,7 @@ double step_time(Device& dev, std::uint32_t io_tiles, std::uint32_t prefetch,
   for (std::uint64_t i = 0; i < n; ++i) producer.push(Tensor(DType::kFloat32, {kMicroBatchFloats}));
   Buffer x = make_buffer(dev, "x", DType::kFloat32, kMicroBatchFloats);
   const Program body = Sequence{StreamCopy(infeed, x), Execute("compute", [compute](const ComputeContext&) {
-                                  spin_for(compute);
+                                  bench::spin_for(compute);
                                 })};
   engine.run(Repeat(8, body));  // warm up: pages touched, threads awake
   const EngineResult r = engine.run(Repeat(n - 8, body));
@@ -71,21 +65,11 @@ double step_time(Device& dev, std::uint32_t io_tiles, std::uint32_t prefetch,
 
 // Seconds per barrier for `threads` threads placed like `threads` devices.
 double std_barrier_time(std::uint32_t threads, std::uint64_t rounds) {
-  const auto places = Topology::get().place(threads);
   std::barrier sync(static_cast<std::ptrdiff_t>(threads));
-  std::vector<std::thread> ts;
-  Clock::time_point t0{}, t1{};
-  for (std::uint32_t t = 0; t < threads; ++t) {
-    ts.emplace_back([&, t] {
-      if (places[t].core) Topology::get().pin_current_thread(*places[t].core);
-      sync.arrive_and_wait();
-      if (t == 0) t0 = Clock::now();
-      for (std::uint64_t i = 0; i < rounds; ++i) sync.arrive_and_wait();
-      if (t == 0) t1 = Clock::now();
-    });
-  }
-  for (auto& t : ts) t.join();
-  return std::chrono::duration<double>(t1 - t0).count() / static_cast<double>(rounds);
+  const double s = bench::on_placed_threads(threads, [&](std::uint32_t) {
+    for (std::uint64_t i = 0; i < rounds; ++i) sync.arrive_and_wait();
+  });
+  return s / static_cast<double>(rounds);
 }
 
 double bsp_sync_time(DeviceGroup& devices, std::uint64_t rounds) {
@@ -187,7 +171,7 @@ int main(int argc, char** argv) {
     report.figure("streamcopy_device_error_p99", bench::quantile(all.device, 0.99));
 
     // Tracing cost, and what the interpreter costs per iteration over a plain loop.
-    const auto body = [](const ComputeContext&) { spin_for(10us); };
+    const auto body = [](const ComputeContext&) { bench::spin_for(10us); };
     auto timed = [&](bool trace) {
       EngineConfig c;
       c.trace = trace;

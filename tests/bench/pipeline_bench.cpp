@@ -49,12 +49,7 @@ using bench::Clock;
 
 namespace {
 
-// Burns `ns` of CPU (the same work for every contender).
-void work_for(std::chrono::nanoseconds ns) {
-  const auto until = Clock::now() + ns;
-  while (Clock::now() < until) {
-  }
-}
+using bench::spin_for;
 
 class BusyStage final : public Stage {
  public:
@@ -62,7 +57,7 @@ class BusyStage final : public Stage {
   std::string name() const override { return "busy"; }
   std::size_t output_elements() const override { return 1; }
   void forward(const StageContext&, ForwardArgs& a) override {
-    work_for(work_);
+    spin_for(work_);
     a.output[0] = a.input.empty() ? 1.0f : a.input[0] + 1.0f;
   }
 
@@ -72,32 +67,12 @@ class BusyStage final : public Stage {
 
 LinkModel free_link() { return LinkModel{1e15, std::chrono::nanoseconds{0}}; }
 
-// Runs f(0) and f(1) on two threads placed and pinned like the 2 devices; returns the seconds
-// from both starting to both ending.
-template <class F>
-double on_two_placed_threads(F&& f) {
-  const auto places = Topology::get().place(2);
-  std::atomic<int> ready{0};
-  Clock::time_point t0{};
-  std::vector<std::thread> ts;
-  for (int t = 0; t < 2; ++t) {
-    ts.emplace_back([&, t] {
-      if (places[static_cast<std::size_t>(t)].core) Topology::get().pin_current_thread(*places[static_cast<std::size_t>(t)].core);
-      if (ready.fetch_add(1) == 1) t0 = Clock::now();
-      while (ready.load() < 2) detail::cpu_relax();
-      f(t);
-    });
-  }
-  for (auto& t : ts) t.join();
-  return bench::seconds_since(t0);
-}
-
 // Cycles per second of the bsp floor: busy work, then a barrier of one atomic word.
 double bsp_floor_rate(std::chrono::nanoseconds work, std::uint64_t cycles) {
   alignas(64) std::atomic<std::uint64_t> arrivals{0};
-  const double s = on_two_placed_threads([&](int) {
+  const double s = bench::on_placed_threads(2, [&](std::uint32_t) {
     for (std::uint64_t c = 0; c < cycles; ++c) {
-      work_for(work);
+      spin_for(work);
       const std::uint64_t round_end = 2 * (c + 1);
       arrivals.fetch_add(1);
       while (arrivals.load(std::memory_order_acquire) < round_end) detail::cpu_relax();
@@ -113,10 +88,10 @@ double dataflow_floor_rate(std::chrono::nanoseconds work, std::uint64_t items) {
   alignas(64) std::atomic<std::uint64_t> tail{0};
   std::vector<float> ring(kSlots);
   float sink = 0;
-  const double s = on_two_placed_threads([&](int side) {
+  const double s = bench::on_placed_threads(2, [&](std::uint32_t side) {
     for (std::uint64_t i = 0; i < items; ++i) {
       if (side == 0) {
-        work_for(work);
+        spin_for(work);
         while (i - head.load(std::memory_order_acquire) >= kSlots) detail::cpu_relax();
         ring[i % kSlots] = 1.0f;
         tail.store(i + 1, std::memory_order_release);
@@ -124,7 +99,7 @@ double dataflow_floor_rate(std::chrono::nanoseconds work, std::uint64_t items) {
         while (tail.load(std::memory_order_acquire) <= i) detail::cpu_relax();
         sink += ring[i % kSlots];
         head.store(i + 1, std::memory_order_release);
-        work_for(work);
+        spin_for(work);
       }
     }
   });
@@ -133,6 +108,7 @@ double dataflow_floor_rate(std::chrono::nanoseconds work, std::uint64_t items) {
 }
 
 struct Timing {
+  std::uint64_t micro_batches = 0;  // through the last stage
   double host_call = 0;  // seconds: the host call
   double on_devices = 0;  // seconds: first pass begins to last pass ends (traced runs only)
 };
@@ -161,6 +137,7 @@ Timing pipeline_time(DeviceGroup& devices, SyncMode sync, std::chrono::nanosecon
   const PipelineResult r = pipe.run(infeed, steps);
   if (!r.completed()) std::fprintf(stderr, "pipeline run: %s\n", r.message.c_str());
   Timing t;
+  t.micro_batches = r.micro_batches;
   t.host_call = std::chrono::duration<double>(r.elapsed).count();
   if (trace && pipe.trace() != nullptr) {
     std::int64_t first = INT64_MAX, last = 0;
@@ -177,8 +154,8 @@ Timing pipeline_time(DeviceGroup& devices, SyncMode sync, std::chrono::nanosecon
 // Micro-batches per second through 2 balanced stages, `micro_batches` in one run.
 double pipeline_rate(DeviceGroup& devices, SyncMode sync, std::chrono::nanoseconds work,
                      std::uint64_t micro_batches, std::uint32_t k = 64) {
-  const std::uint64_t ran = micro_batches / k * k;
-  return static_cast<double>(ran) / pipeline_time(devices, sync, work, micro_batches, k).host_call;
+  const Timing t = pipeline_time(devices, sync, work, micro_batches, k);
+  return static_cast<double>(t.micro_batches) / t.host_call;
 }
 
 #if BSPFLOW_HAVE_TBB
@@ -196,11 +173,11 @@ double tbb_rate(std::chrono::nanoseconds work, std::uint64_t micro_batches) {
                                         return 0.0f;
                                       }
                                       ++produced;
-                                      work_for(work);
+                                      spin_for(work);
                                       return 1.0f;
                                     }) &
           tbb::make_filter<float, void>(tbb::filter_mode::serial_in_order, [&](float x) {
-            work_for(work);
+            spin_for(work);
             sink += x + 1.0f;
           }));
   const double s = bench::seconds_since(t0);
