@@ -66,7 +66,7 @@ case "$what" in
   demo)
     install_deps
     configure "$build"
-    "$build/examples/05_fashion_mnist_pipeline" "$@"
+    "$build/examples/08_fashion_mnist_pipeline" "$@"
     ;;
   test)
     install_deps
@@ -82,15 +82,14 @@ case "$what" in
     install_deps
     configure "${BUILD_DIR:-build-tsan}" -Db_sanitize=thread -Db_lundef=false -Dexamples=false
     meson test -C "${BUILD_DIR:-build-tsan}" --print-errorlogs \
-      --suite feeds --suite devices --suite runtime --suite loader --suite programs --suite pipeline "$@"
+      --suite base --suite feeds --suite data --suite devices --suite runtime "$@"
     ;;
   asan)
     install_deps
     configure "${BUILD_DIR:-build-asan}" -Db_sanitize=address,undefined -Db_lundef=false \
       -Dexamples=false
     UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 meson test -C "${BUILD_DIR:-build-asan}" \
-      --print-errorlogs --suite feeds --suite devices --suite runtime --suite data --suite loader \
-      --suite programs --suite pipeline "$@"
+      --print-errorlogs --suite base --suite feeds --suite data --suite devices --suite runtime "$@"
     ;;
   *)
     sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'

@@ -1,11 +1,12 @@
-#include "bspflow/arena.hpp"
+#include "bspflow/devices/arena.hpp"
 
 #include <algorithm>
 #include <sstream>
 
-#include "bspflow/error.hpp"
-#include "bspflow/topology.hpp"
-#include "bspflow/tunables.hpp"
+#include "bspflow/base/error.hpp"
+#include "bspflow/base/tunables.hpp"
+#include "bspflow/devices/device_tunables.hpp"
+#include "bspflow/devices/topology.hpp"
 
 namespace bspflow {
 

@@ -1,9 +1,9 @@
-#include "bspflow/device.hpp"
+#include "bspflow/devices/device.hpp"
 
 #include <sstream>
 
-#include "bspflow/error.hpp"
-#include "bspflow/log.hpp"
+#include "bspflow/base/error.hpp"
+#include "bspflow/base/log.hpp"
 
 namespace bspflow {
 

@@ -1,5 +1,6 @@
 // The I/O engine (see bspflow/io_engine.hpp). The only file that includes Asio.
-#include "bspflow/io_engine.hpp"
+#include "bspflow/devices/device_tunables.hpp"
+#include "bspflow/devices/io_engine.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -16,10 +17,10 @@
 #include <sys/prctl.h>
 #endif
 
-#include "bspflow/detail/wait.hpp"
-#include "bspflow/error.hpp"
-#include "bspflow/topology.hpp"
-#include "bspflow/tunables.hpp"
+#include "bspflow/base/detail/wait.hpp"
+#include "bspflow/base/error.hpp"
+#include "bspflow/base/tunables.hpp"
+#include "bspflow/devices/topology.hpp"
 
 namespace bspflow {
 

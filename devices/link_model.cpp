@@ -1,10 +1,10 @@
-#include "bspflow/link_model.hpp"
+#include "bspflow/devices/link_model.hpp"
 
 #include <cmath>
 #include <cstdio>
 #include <limits>
 
-#include "bspflow/error.hpp"
+#include "bspflow/base/error.hpp"
 
 namespace bspflow {
 

@@ -1,5 +1,5 @@
 // Topology discovery and thread/memory binding. hwloc is included here and nowhere else.
-#include "bspflow/topology.hpp"
+#include "bspflow/devices/topology.hpp"
 
 #include <sys/mman.h>
 
@@ -8,7 +8,7 @@
 #include <sstream>
 #include <thread>
 
-#include "bspflow/log.hpp"
+#include "bspflow/base/log.hpp"
 
 #if BSPFLOW_HAVE_HWLOC
 #include <hwloc.h>

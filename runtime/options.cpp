@@ -1,9 +1,9 @@
-#include "bspflow/options.hpp"
+#include "bspflow/runtime/options.hpp"
 
 #include <limits>
 #include <sstream>
 
-#include "bspflow/error.hpp"
+#include "bspflow/base/error.hpp"
 
 namespace bspflow {
 
@@ -19,11 +19,11 @@ Options& Options::device_iterations(std::uint64_t n) {
   return *this;
 }
 
-Options& Options::replication_factor(std::uint32_t n) {
+Options& Options::replicas(std::uint32_t n) {
   if (n < 1 || n > tunables::kMaxReplicas) {
-    detail::throw_bad_value("replication_factor", n, range(1, tunables::kMaxReplicas));
+    detail::throw_bad_value("replicas", n, range(1, tunables::kMaxReplicas));
   }
-  replication_factor_ = n;
+  replicas_ = n;
   return *this;
 }
 
@@ -118,10 +118,10 @@ std::uint64_t Options::samples_per_step(std::uint64_t micro_batch) const {
   if (micro_batch < 1) detail::throw_bad_value("micro_batch", micro_batch, "must be at least 1");
   std::uint64_t out = micro_batch;
   for (std::uint64_t f : {device_iterations_, std::uint64_t{gradient_accumulation_},
-                          std::uint64_t{replication_factor_}}) {
+                          std::uint64_t{replicas_}}) {
     if (out > std::numeric_limits<std::uint64_t>::max() / f) {
       throw Error("samples per step overflows 64 bits: micro_batch x device_iterations x "
-                  "gradient_accumulation x replication_factor is too large");
+                  "gradient_accumulation x replicas is too large");
     }
     out *= f;
   }
@@ -130,12 +130,12 @@ std::uint64_t Options::samples_per_step(std::uint64_t micro_batch) const {
 
 InfeedConfig Options::infeed_config() const {
   validate();
-  return InfeedConfig{replication_factor_, infeed_capacity_, prefetch_depth_};
+  return InfeedConfig{replicas_, infeed_capacity_, prefetch_depth_};
 }
 
 OutfeedConfig Options::outfeed_config() const {
   validate();
-  return OutfeedConfig{replication_factor_, output_mode_, outfeed_capacity_};
+  return OutfeedConfig{replicas_, output_mode_, outfeed_capacity_};
 }
 
 DeviceConfig Options::device_config() const {
@@ -146,7 +146,7 @@ DeviceConfig Options::device_config() const {
 std::string Options::describe() const {
   std::ostringstream os;
   os << "device_iterations = " << device_iterations_ << '\n'
-     << "replication_factor = " << replication_factor_ << '\n'
+     << "replicas = " << replicas_ << '\n'
      << "gradient_accumulation = " << gradient_accumulation_ << '\n'
      << "output_mode = " << output_mode_.to_string() << '\n'
      << "prefetch_depth = " << prefetch_depth_ << '\n'

@@ -1,9 +1,9 @@
-#include "bspflow/run.hpp"
+#include "bspflow/runtime/run.hpp"
 
 #include <cstdlib>
 #include <sstream>
 
-#include "bspflow/log.hpp"
+#include "bspflow/base/log.hpp"
 
 namespace bspflow {
 

@@ -1,4 +1,4 @@
-#include "bspflow/trace.hpp"
+#include "bspflow/runtime/trace.hpp"
 
 #include <algorithm>
 #include <cstdio>
@@ -6,7 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "bspflow/error.hpp"
+#include "bspflow/base/error.hpp"
 
 namespace bspflow {
 

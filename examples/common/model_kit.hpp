@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include <bspflow/pipeline.hpp>
+#include <bspflow/runtime/pipeline.hpp>
 
 namespace kit {
 

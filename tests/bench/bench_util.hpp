@@ -14,7 +14,7 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
-#include <bspflow/topology.hpp>
+#include <bspflow/devices/topology.hpp>
 #include <nlohmann/json.hpp>
 
 namespace bench {

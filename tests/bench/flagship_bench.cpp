@@ -1,4 +1,4 @@
-// Flagship benchmark: the 05_fashion_mnist_pipeline model and settings (4 stages, batch 40,
+// Flagship benchmark: the 08_fashion_mnist_pipeline model and settings (4 stages, batch 40,
 // gradient accumulation 10, 10 device iterations, AdamW) on synthetic images. Keys:
 //
 //   flagship_samples_per_s   training throughput pipelined over 4 emulated devices
@@ -15,7 +15,7 @@
 
 #include <bspflow/bspflow.hpp>
 
-#include "../../examples/common/model_kit.hpp"
+#include "model_kit.hpp"
 #include "bench_util.hpp"
 
 using namespace bspflow;

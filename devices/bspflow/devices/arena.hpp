@@ -1,0 +1,66 @@
+// Arena: one device's memory, tiles x bytes-per-tile of it, reserved once on the device's
+// NUMA node (pages commit on first touch) and handed out in named allocations.
+//
+// Asking for more than is free is an OutOfMemoryError saying how much was asked, how much
+// is free (and the largest free block), and which named allocations hold the rest: the
+// report a user needs to decide what to shrink.
+//
+// Thread-safety: any thread; allocate/release take a lock (setup paths, not the hot loop).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "bspflow/devices/device_error.hpp"
+
+namespace bspflow {
+
+class Arena {
+ public:
+  struct Allocation {
+    std::string name;
+    std::size_t offset = 0;
+    std::size_t bytes = 0;
+  };
+
+  // Reserves `bytes` on `numa_node`. `owner` names the arena in messages ("device 0").
+  Arena(std::size_t bytes, int numa_node, std::string owner);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  // `bytes` (rounded up to the arena alignment, 64) named `what`. Throws OutOfMemoryError.
+  // Zero bytes is allowed and returns a unique non-null pointer-sized allocation.
+  void* allocate(std::size_t bytes, std::string_view what);
+  // Frees an allocation from this arena; a pointer it did not hand out is ignored.
+  void release(void* ptr) noexcept;
+
+  std::size_t capacity() const noexcept { return capacity_; }
+  std::size_t used() const;
+  std::size_t free_bytes() const;
+  std::size_t largest_free_block() const;
+  // Live allocations, largest first.
+  std::vector<Allocation> allocations() const;
+  // "12.0 MiB used of 897.0 MiB: 'weights' 8.0 MiB, 'prefetch buffer' 4.0 MiB"
+  std::string report() const;
+  const std::string& owner() const noexcept { return owner_; }
+
+ private:
+  std::string report_locked() const;
+  std::size_t largest_free_locked() const;
+
+  std::string owner_;
+  std::size_t capacity_;
+  std::byte* base_;
+  mutable std::mutex mutex_;
+  std::map<std::size_t, std::size_t> free_;          // offset -> bytes, coalesced
+  std::map<std::size_t, Allocation> allocations_;   // offset -> allocation
+  std::size_t used_ = 0;
+};
+
+}  // namespace bspflow

@@ -1,0 +1,130 @@
+// Device: one emulated IPU. A worker thread pinned (with hwloc) to its own core where
+// there are enough cores, a memory arena on that core's NUMA node, and a tile budget.
+// Work reaches the device as jobs, run one at a time in submission order on its thread.
+//
+// DeviceGroup: several devices placed by the Topology policy (see topology.hpp); a loop
+// over a group runs one replica per device.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bspflow/base/detail/wait.hpp"
+#include "bspflow/base/tunables.hpp"
+#include "bspflow/devices/arena.hpp"
+#include "bspflow/devices/device_error.hpp"
+#include "bspflow/devices/device_tunables.hpp"
+#include "bspflow/devices/topology.hpp"
+
+namespace bspflow {
+
+struct DeviceConfig {
+  std::uint32_t tiles = tunables::kDefaultTiles;               // 1..kMaxTiles
+  std::size_t bytes_per_tile = tunables::kDefaultBytesPerTile;  // kArenaAlignment..kMaxBytesPerTile
+  bool pin = true;  // pin the worker thread to its placed core (needs hwloc)
+  // Throws bspflow::Error naming the field, the value and the allowed range.
+  void validate() const;
+  std::size_t memory_bytes() const noexcept { return std::size_t{tiles} * bytes_per_tile; }
+};
+
+// A unit of work for a device thread. `run` executes on the device thread; `cancel` may be
+// called from any thread (the device's destructor calls it for queued and running jobs) and
+// must make `run` return promptly.
+struct DeviceJob {
+  std::function<void()> run;
+  std::function<void()> cancel;
+};
+
+class Device {
+ public:
+  // Setup path: validates `config` (throws bspflow::Error), reserves the arena
+  // (throws OutOfMemoryError / std::bad_alloc), starts and pins the worker thread.
+  // Without an explicit placement, device `id` takes the place the Topology policy gives
+  // device `id` of a group (device 0: the highest core).
+  explicit Device(std::uint32_t id, DeviceConfig config = {},
+                  std::optional<Placement> placement = std::nullopt);
+  // Cancels queued and running jobs, lets them return, joins the thread.
+  ~Device();
+  Device(const Device&) = delete;
+  Device& operator=(const Device&) = delete;
+
+  // Any thread. Queues a job (allocates). Jobs run in submission order.
+  void submit(DeviceJob job);
+
+  std::uint32_t id() const noexcept { return id_; }
+  const DeviceConfig& config() const noexcept { return config_; }
+  const Placement& placement() const noexcept { return placement_; }
+  Arena& arena() noexcept { return arena_; }
+  // Whether the worker thread is actually pinned (false without hwloc, or if refused).
+  // Waits for the thread to have tried.
+  bool pinned() const;
+  // True on this device's worker thread.
+  bool on_device_thread() const noexcept { return std::this_thread::get_id() == thread_.get_id(); }
+
+ private:
+  void thread_main();
+
+  const std::uint32_t id_;
+  const DeviceConfig config_;
+  const Placement placement_;
+  Arena arena_;
+
+  // The mailbox: jobs under a mutex (submitted once per host call, never contended on a hot
+  // path), plus a seq_cst count the device thread waits on with spin-then-park, so a host
+  // that launches loop after loop finds the device still spinning, not asleep.
+  mutable std::mutex mutex_;
+  std::deque<DeviceJob> jobs_;
+  DeviceJob* running_ = nullptr;
+  bool stopping_ = false;
+  std::atomic<std::uint64_t> submitted_{0};  // jobs submitted, or stop requests
+  detail::WaitPoint mailbox_;
+  std::atomic<int> pin_state_{0};  // 0 = not tried yet, 1 = pinned, 2 = unpinned
+  mutable detail::WaitPoint started_;
+  std::thread thread_;
+};
+
+class DeviceGroup {
+ public:
+  // Setup path: `count` devices (1..kMaxReplicas) placed by Topology::place; logs a
+  // warning when they must share cores.
+  explicit DeviceGroup(std::uint32_t count, DeviceConfig config = {});
+
+  std::uint32_t size() const noexcept { return static_cast<std::uint32_t>(devices_.size()); }
+  Device& operator[](std::uint32_t i) noexcept { return *devices_[i]; }
+  const Device& operator[](std::uint32_t i) const noexcept { return *devices_[i]; }
+  auto begin() noexcept { return devices_.begin(); }
+  auto end() noexcept { return devices_.end(); }
+  // Devices per core at the most (1 = every device has a core of its own).
+  std::uint32_t max_sharing() const noexcept { return max_sharing_; }
+
+ private:
+  std::vector<std::unique_ptr<Device>> devices_;
+  std::uint32_t max_sharing_ = 1;
+};
+
+// What a run uses: one Device, or every device of a DeviceGroup (implicit from either), in
+// order; replica r runs on element r.
+class DeviceList {
+ public:
+  DeviceList(Device& device) : list_{&device} {}  // NOLINT: implicit by design
+  explicit DeviceList(std::vector<Device*> devices) : list_(std::move(devices)) {}
+  DeviceList(DeviceGroup& group) {                // NOLINT: implicit by design
+    for (auto& d : group) list_.push_back(d.get());
+  }
+  std::uint32_t size() const noexcept { return static_cast<std::uint32_t>(list_.size()); }
+  Device& operator[](std::uint32_t i) const noexcept { return *list_[i]; }
+
+ private:
+  std::vector<Device*> list_;
+};
+
+}  // namespace bspflow

@@ -1,0 +1,49 @@
+// The errors a device raises: out of device memory, and a failure in code a device ran.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <string>
+#include <utility>
+
+#include "bspflow/base/error.hpp"
+
+namespace bspflow {
+
+// A device's memory budget (tiles x bytes per tile) cannot hold an allocation.
+// The message says how much was asked, how much is free, and what holds the rest.
+class OutOfMemoryError : public Error {
+ public:
+  OutOfMemoryError(const std::string& message, std::size_t requested, std::size_t free_bytes)
+      : Error(message), requested_(requested), free_(free_bytes) {}
+  std::size_t requested() const noexcept { return requested_; }
+  std::size_t free_bytes() const noexcept { return free_; }
+
+ private:
+  std::size_t requested_;
+  std::size_t free_;
+};
+
+// A loop body (or stage) threw on a device. Carries where it happened and the original
+// exception, which `rethrow_cause()` rethrows for callers that want its type.
+class DeviceError : public Error {
+ public:
+  DeviceError(const std::string& message, std::uint32_t device, std::uint32_t replica,
+              std::uint64_t iteration, std::exception_ptr cause)
+      : Error(message), device_(device), replica_(replica), iteration_(iteration),
+        cause_(std::move(cause)) {}
+  std::uint32_t device() const noexcept { return device_; }
+  std::uint32_t replica() const noexcept { return replica_; }
+  std::uint64_t iteration() const noexcept { return iteration_; }
+  const std::exception_ptr& cause() const noexcept { return cause_; }
+  [[noreturn]] void rethrow_cause() const { std::rethrow_exception(cause_); }
+
+ private:
+  std::uint32_t device_;
+  std::uint32_t replica_;
+  std::uint64_t iteration_;
+  std::exception_ptr cause_;
+};
+
+}  // namespace bspflow

@@ -1,0 +1,30 @@
+// The device room's tunables, with their limits: an emulated IPU's memory and the timing of
+// its modeled links. (The shared ones, cache line, waiting and queue sizes, are in
+// bspflow/base/tunables.hpp; both are in namespace bspflow::tunables.)
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+
+namespace bspflow::tunables {
+
+// Device memory: tiles x bytes per tile (IPU Mk2: 1472 tiles of 624 KiB).
+inline constexpr std::uint32_t kDefaultTiles = 1472;
+inline constexpr std::uint32_t kMaxTiles = 1u << 20;
+inline constexpr std::size_t kDefaultBytesPerTile = 624 * 1024;
+inline constexpr std::size_t kMaxBytesPerTile = std::size_t{64} << 20;
+inline constexpr std::size_t kArenaAlignment = 64;
+
+// Modeled durations (the host link, exchange between devices): a thread that must wait until
+// a deadline sleeps (timer slack lowered to 1 ns) until this long before it, then spins the
+// rest. Covers the wake-up latency of a timer on a loaded VM, so a modeled 50 us copy ends
+// within about a microsecond of its deadline; a smaller margin saves CPU and costs accuracy.
+inline constexpr std::chrono::nanoseconds kTimerMargin{60'000};
+
+// The I/O engine polls an empty infeed for the next prefetch with this interval, doubling up
+// to the maximum (the engine thread serves every device's link, so it must not block).
+inline constexpr std::chrono::nanoseconds kIoPollFirst{5'000};
+inline constexpr std::chrono::nanoseconds kIoPollMax{200'000};
+
+}  // namespace bspflow::tunables

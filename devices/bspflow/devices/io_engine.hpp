@@ -1,0 +1,104 @@
+// IoEngine: the host side of the modeled host links. One thread runs a Boost.Asio
+// io_context; each channel is one device's link. A transfer does its real memcpy on the
+// engine thread, then completes when the link model says it would: a steady_timer wakes the
+// thread shortly before the deadline (timer slack lowered to 1 ns) and it spins the rest
+// (tunables::kTimerMargin), so modeled durations are met to within about a microsecond.
+//
+// Transfers on one channel run one after another, as on one link; channels are independent.
+// A transfer whose data is not there yet (its start() returns Start::kWait: an empty infeed) is
+// retried with a short, growing poll interval, without holding up other channels.
+// A transfer may take longer than modeled if its real copy does: the model is a floor.
+// The engine thread spins briefly (tunables::kSpinBudget) for new work before it blocks, as
+// every wait in bspflow does, so a transfer asked for right after another starts at once.
+//
+// Public: installed with the devices' headers and exported by the umbrella header
+// <bspflow/bspflow.hpp>, for people who model their own links. Its main user is the Engine's
+// interpreter, which times an Engine run's stream copies with it. Asio itself is included
+// by io_engine.cpp alone: this header does not pull it in.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bspflow/devices/device_tunables.hpp"
+
+namespace bspflow {
+
+class IoEngine {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  struct Times {
+    Clock::time_point begin;  // start() succeeded: the transfer began
+    Clock::time_point end;    // the modeled duration had passed (or the copy, if longer)
+  };
+
+  // What a transfer's start() found.
+  enum class Start {
+    kGo,    // copied: the transfer now takes its modeled time
+    kWait,  // its data is not there yet: retried after a short, growing interval
+    kSkip,  // nothing to move (end of data, stopped): completes at once
+  };
+
+  struct Transfer {
+    std::size_t bytes = 0;
+    std::chrono::nanoseconds modeled{0};
+    // Engine thread: the real copy (see Start). Must not throw.
+    std::function<Start()> start;
+    // Engine thread: the transfer ended (cancelled = the engine stopped first; `times` is
+    // then meaningless). Must not throw.
+    std::function<void(const Times& times, bool cancelled)> done;
+    // Set by submit(). The link model starts a transfer when it was asked for or when the
+    // link came free, whichever is later (not when the engine thread got round to it), so
+    // the engine's own wake-up latency does not add to modeled time.
+    Clock::time_point submitted{};
+  };
+
+  // Starts the engine thread with `channels` independent links (1..4096), pinned to `core`
+  // if given (see pick_core()).
+  explicit IoEngine(std::uint32_t channels, std::string name = "I/O engine",
+                    std::optional<std::uint32_t> core = std::nullopt);
+
+  // Where the engine thread should run next to devices on `device_cores`: the lowest core
+  // no device uses, or else core 0 (where the host thread usually waits). nullopt without
+  // hwloc. A device spinning to meet a deadline must not share its core with the engine
+  // that ends the transfer.
+  static std::optional<std::uint32_t> pick_core(const std::vector<std::uint32_t>& device_cores);
+  // Stops the thread; transfers not yet finished complete with cancelled = true.
+  ~IoEngine();
+  IoEngine(const IoEngine&) = delete;
+  IoEngine& operator=(const IoEngine&) = delete;
+
+  // Any thread. Queues `t` on `channel` (allocates; takes Asio's queue lock). Throws
+  // bspflow::Error for a channel out of range.
+  void submit(std::uint32_t channel, Transfer t);
+
+  std::uint32_t channels() const noexcept;
+  const std::string& name() const noexcept;
+  // Whether the engine thread's timer slack could be lowered (Linux prctl).
+  bool low_timer_slack() const noexcept;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Lowers the calling thread's timer slack to 1 ns (Linux; a no-op elsewhere). Returns
+// whether it could.
+bool lower_timer_slack() noexcept;
+
+// Sleeps until kTimerMargin before `deadline` (not at all if that is already past): the
+// first half of meeting a deadline precisely; the caller spins the rest.
+void sleep_until_near(std::chrono::steady_clock::time_point deadline) noexcept;
+
+// Blocks the calling thread until `deadline`: sleep_until_near(), then spins. For modeled
+// durations; bounded by the deadline, so it never spins forever.
+void wait_until_deadline(std::chrono::steady_clock::time_point deadline) noexcept;
+
+}  // namespace bspflow

@@ -1,0 +1,38 @@
+// bspflow::Error and the exceptions derived from it.
+//
+// Setup paths (constructors, option setters, loop launch) throw these with a message a user
+// can act on: what was wrong, the value given, and what is allowed. Hot paths never throw;
+// they return bool / optional / a status instead.
+#pragma once
+
+#include <cstdint>
+#include <exception>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+
+namespace bspflow {
+
+// Base of every exception bspflow throws on purpose.
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+namespace detail {
+
+// "prefetch_depth = 0 is not allowed: must be in 1..255" — the one shape every
+// validation error takes, so they read the same everywhere.
+[[noreturn]] void throw_bad_value(std::string_view name, std::string_view given,
+                                  std::string_view allowed);
+[[noreturn]] void throw_bad_value(std::string_view name, std::uint64_t given,
+                                  std::string_view allowed);
+
+// Human-readable byte count: "624.0 KiB", "897.0 MiB".
+std::string format_bytes(std::uint64_t bytes);
+
+// The message of an exception_ptr, or "unknown exception".
+std::string describe_exception(const std::exception_ptr& e);
+
+}  // namespace detail
+}  // namespace bspflow

@@ -1,0 +1,63 @@
+// Every tunable of bspflow in one place, with its limits. Options and configs validate
+// against these; change a default here and it changes everywhere.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+
+namespace bspflow::tunables {
+
+// Size of a cache line; hot counters written by different threads sit this far apart.
+inline constexpr std::size_t kCacheLine = 64;
+
+// Prefetch depth: how many elements per replica are moved toward the device ahead of use
+// (TF-IPU's prefetch_depth). The device takes up to this many in one bulk dequeue.
+inline constexpr std::uint32_t kMinPrefetchDepth = 1;
+inline constexpr std::uint32_t kMaxPrefetchDepth = 255;
+inline constexpr std::uint32_t kDefaultPrefetchDepth = 1;
+
+// Infeed capacity in elements per replica lane. A producer that finds its lane full blocks
+// (push) or gets Full (try_push): memory never grows past capacity per lane.
+inline constexpr std::size_t kDefaultInfeedCapacity = 256;
+inline constexpr std::size_t kMaxQueueCapacity = std::size_t{1} << 30;
+
+// Outfeed capacity in entries. 0 = unbounded (host memory, as on the IPU, where the host
+// side of an outfeed is a host buffer). Set a bound to give the device backpressure when
+// the host reads while the loop runs.
+inline constexpr std::size_t kDefaultOutfeedCapacity = 0;
+
+// Outfeed write-combining. While iterations take less than kOutfeedCombineBelow each, a
+// device stages its entries instead of enqueueing them, and hands staged entries over in one
+// bulk enqueue when kOutfeedCombine are staged, when iterations get slower, when its infeed
+// has nothing ready (before it would wait), and when the loop ends. Fast loops then touch
+// the host-shared queue once per batch instead of once per entry. The device reads the
+// clock once per kOutfeedClockEvery entries while fast, once per entry otherwise, so an
+// entry is held back by at most kOutfeedClockEvery iterations (none while the device waits
+// for input).
+inline constexpr std::size_t kOutfeedCombine = 32;
+inline constexpr std::chrono::nanoseconds kOutfeedCombineBelow{2'000};
+inline constexpr std::uint32_t kOutfeedClockEvery = 8;
+
+// Replicas per feed / devices per group.
+inline constexpr std::uint32_t kMaxReplicas = 1024;
+
+// DataLoader: worker threads (kAsync needs at least one) and steps loaded ahead in kAsync
+// mode (PopTorch's AsynchronousDataAccessor buffer_size, default 3).
+inline constexpr std::uint32_t kMaxLoaderWorkers = 256;
+inline constexpr std::uint32_t kDefaultLoaderBuffer = 3;
+inline constexpr std::uint32_t kMaxLoaderBuffer = 1024;
+
+// Waiting: spin this long (with a CPU pause hint) before parking on a futex. Long enough to
+// catch a partner thread that answers within a few microseconds, short enough that a
+// thread sharing its core with another (4 devices on 2 cores) gives the core up quickly.
+inline constexpr std::chrono::nanoseconds kSpinBudget{20'000};
+
+// A device with a core of its own waiting at a BSP sync spins this long before parking. A
+// device idles a whole stage time while a pipeline fills and drains; parking then costs a
+// futex wake on both sides (10-30 us on a VM) on every such cycle. The core is the device's
+// anyway (as an IPU's tiles are), so spinning costs nobody else. Devices that share a core
+// yield instead and park after kSpinBudget.
+inline constexpr std::chrono::nanoseconds kSyncSpinBudget{1'000'000};
+
+}  // namespace bspflow::tunables

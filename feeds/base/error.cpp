@@ -1,0 +1,50 @@
+// Error helpers shared by every room (see bspflow/base/error.hpp).
+#include <cstdio>
+#include <string>
+
+#include "bspflow/base/error.hpp"
+
+namespace bspflow {
+namespace detail {
+
+void throw_bad_value(std::string_view name, std::string_view given, std::string_view allowed) {
+  std::string msg;
+  msg.append(name).append(" = ").append(given).append(" is not allowed: ").append(allowed);
+  throw Error(msg);
+}
+
+void throw_bad_value(std::string_view name, std::uint64_t given, std::string_view allowed) {
+  throw_bad_value(name, std::to_string(given), allowed);
+}
+
+std::string format_bytes(std::uint64_t bytes) {
+  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  double v = static_cast<double>(bytes);
+  int unit = 0;
+  while (v >= 1024.0 && unit < 4) {
+    v /= 1024.0;
+    ++unit;
+  }
+  char buf[32];
+  if (unit == 0) {
+    std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(bytes));
+  } else {
+    std::snprintf(buf, sizeof buf, "%.1f %s", v, kUnits[unit]);
+  }
+  return buf;
+}
+
+std::string describe_exception(const std::exception_ptr& e) {
+  if (!e) return "no exception";
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "unknown exception (not derived from std::exception)";
+  }
+}
+
+}  // namespace detail
+
+}  // namespace bspflow

@@ -1,0 +1,48 @@
+// membarrier-based heavy fence (see bspflow/detail/fence.hpp).
+#include "bspflow/base/detail/fence.hpp"
+
+#if defined(__linux__)
+#include <linux/membarrier.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace bspflow::detail {
+
+namespace {
+
+bool register_membarrier() noexcept {
+#if defined(__linux__) && defined(__NR_membarrier)
+  const long supported = syscall(__NR_membarrier, MEMBARRIER_CMD_QUERY, 0, 0);
+  if (supported < 0 || (supported & MEMBARRIER_CMD_PRIVATE_EXPEDITED) == 0) return false;
+  return syscall(__NR_membarrier, MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED, 0, 0) == 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+// Registered when the library loads (before any queue exists, in practice); a thread that
+// runs before that uses the symmetric fences, which is also correct.
+std::atomic<bool> g_asymmetric_fences{register_membarrier()};
+
+#if defined(__SANITIZE_THREAD__)
+std::atomic<unsigned> g_fence_word{0};
+#endif
+
+void heavy_fence() noexcept {
+#if defined(__SANITIZE_THREAD__)
+  g_fence_word.fetch_add(1, std::memory_order_seq_cst);
+  return;
+#endif
+#if defined(__linux__) && defined(__NR_membarrier)
+  if (g_asymmetric_fences.load(std::memory_order_relaxed) &&  // relaxed: never reverts
+      syscall(__NR_membarrier, MEMBARRIER_CMD_PRIVATE_EXPEDITED, 0, 0) == 0) {
+    return;
+  }
+#endif
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+}  // namespace bspflow::detail

@@ -1,0 +1,26 @@
+// Batch: one micro-batch of samples as the DataLoader delivers it and a Pipeline consumes
+// it. A plain value type: any thread may create, move or read one; moving never allocates.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "bspflow/data/tensor.hpp"
+
+namespace bspflow {
+
+// One micro-batch: what one device iteration of one replica consumes.
+struct Batch {
+  static constexpr std::uint64_t kPadding = ~std::uint64_t{0};
+  Tensor data;                         // [batch_size, sample shape...]
+  std::vector<std::int32_t> labels;    // per sample; -1 for padding
+  std::vector<std::uint64_t> indices;  // dataset index per sample; kPadding for padding
+  std::size_t valid = 0;               // samples [0, valid) are real, the rest padding
+  std::uint64_t epoch = 0;
+  std::uint64_t step = 0;              // step within the epoch
+  std::uint32_t replica = 0;
+  std::uint64_t position = 0;          // this replica's micro-batch number within the step
+};
+
+}  // namespace bspflow

@@ -1,0 +1,185 @@
+// Typed tensors for host data: an element type, a shape and contiguous row-major bytes.
+//
+//   bspflow::Tensor t(bspflow::DType::kUint8, {1, 28, 28});
+//   std::span<std::uint8_t> px = t.as<std::uint8_t>();
+//
+// Element types are those a host feeds an IPU with: uint8 (8-bit I/O), fp16 (storage only:
+// bspflow moves the bits and converts with to_half()/from_half()), fp32, and int32 (labels).
+//
+// Thread-safety: a Tensor is a value; distinct Tensors may be used from distinct threads.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "bspflow/base/error.hpp"
+
+namespace bspflow {
+
+enum class DType : std::uint8_t { kUint8, kFloat16, kFloat32, kInt32 };
+
+// Bytes per element.
+constexpr std::size_t dtype_size(DType t) noexcept {
+  switch (t) {
+    case DType::kUint8: return 1;
+    case DType::kFloat16: return 2;
+    case DType::kFloat32: return 4;
+    case DType::kInt32: return 4;
+  }
+  return 0;
+}
+// "uint8", "fp16", "fp32", "int32".
+const char* to_string(DType t) noexcept;
+
+// fp16 storage: IEEE binary16 bits. Round to nearest even; overflow gives infinity; NaN
+// stays NaN.
+std::uint16_t to_half(float f) noexcept;
+float from_half(std::uint16_t h) noexcept;
+
+// The storage type of a DType (fp16 is stored as its 16 bits).
+template <class E>
+constexpr bool kIsElement = std::is_same_v<E, std::uint8_t> || std::is_same_v<E, std::uint16_t> ||
+                            std::is_same_v<E, float> || std::is_same_v<E, std::int32_t>;
+template <class E>
+constexpr DType dtype_of() noexcept {
+  if constexpr (std::is_same_v<E, std::uint8_t>) return DType::kUint8;
+  else if constexpr (std::is_same_v<E, std::uint16_t>) return DType::kFloat16;
+  else if constexpr (std::is_same_v<E, float>) return DType::kFloat32;
+  else return DType::kInt32;
+}
+
+// What every sample of a dataset looks like: element type and shape (without a batch
+// dimension).
+struct SampleSpec {
+  DType dtype = DType::kFloat32;
+  std::vector<std::size_t> shape;
+
+  std::size_t elements() const noexcept;
+  std::size_t bytes() const noexcept { return elements() * dtype_size(dtype); }
+  // "fp32[1x128x128]".
+  std::string describe() const;
+  bool operator==(const SampleSpec&) const = default;
+};
+
+namespace detail {
+
+// Recycles equal-sized tensor buffers (a DataLoader's micro-batches), so a steady stream of
+// batches does not map and fault in fresh memory for every step. Keeps at most `keep`
+// spare blocks; any thread may take or give. Tensors hold a shared_ptr to their pool, so
+// the pool outlives every buffer it handed out.
+class BufferPool {
+ public:
+  BufferPool(std::size_t block_bytes, std::size_t keep) : block_(block_bytes), keep_(keep) {}
+  ~BufferPool();
+  BufferPool(const BufferPool&) = delete;
+  BufferPool& operator=(const BufferPool&) = delete;
+  std::size_t block_bytes() const noexcept { return block_; }
+  // A block of block_bytes() (uninitialised). Throws std::bad_alloc.
+  std::byte* take();
+  // Returns a block taken from this pool.
+  void give(std::byte* block) noexcept;
+
+ private:
+  const std::size_t block_;
+  const std::size_t keep_;
+  std::mutex mutex_;
+  std::vector<std::byte*> spare_;
+};
+
+// Frees a tensor's buffer, or hands it back to the pool it came from.
+struct TensorDeleter {
+  std::shared_ptr<BufferPool> pool;
+  void operator()(std::byte* p) const noexcept {
+    if (pool) {
+      pool->give(p);
+    } else {
+      delete[] p;
+    }
+  }
+};
+
+}  // namespace detail
+
+class Tensor {
+ public:
+  enum class Init { kZero, kNone };
+
+  Tensor() = default;
+  // Zero-filled, or (kNone) left for the caller to overwrite. Allocates; throws
+  // std::bad_alloc, or bspflow::Error if the shape is too large to address.
+  Tensor(DType dtype, std::vector<std::size_t> shape, Init init = Init::kZero);
+  Tensor(DType dtype, std::initializer_list<std::size_t> shape)
+      : Tensor(dtype, std::vector<std::size_t>(shape)) {}
+  // Uninitialised, with its buffer from `pool` (whose block size must equal the tensor's
+  // bytes; throws bspflow::Error otherwise).
+  Tensor(DType dtype, std::vector<std::size_t> shape, std::shared_ptr<detail::BufferPool> pool);
+  Tensor(const Tensor& other);
+  Tensor& operator=(const Tensor& other);
+  // A moved-from tensor is empty (no elements), so it can be refilled safely.
+  Tensor(Tensor&& other) noexcept
+      : dtype_(other.dtype_), shape_(std::move(other.shape_)),
+        size_(std::exchange(other.size_, 0)), bytes_(std::move(other.bytes_)) {
+    other.shape_.clear();
+  }
+  Tensor& operator=(Tensor&& other) noexcept {
+    if (this != &other) {
+      dtype_ = other.dtype_;
+      shape_ = std::move(other.shape_);
+      other.shape_.clear();
+      size_ = std::exchange(other.size_, 0);
+      bytes_ = std::move(other.bytes_);
+    }
+    return *this;
+  }
+
+  DType dtype() const noexcept { return dtype_; }
+  const std::vector<std::size_t>& shape() const noexcept { return shape_; }
+  std::size_t elements() const noexcept { return size_ / dtype_size(dtype_); }
+  std::size_t bytes() const noexcept { return size_; }
+  bool empty() const noexcept { return size_ == 0; }
+
+  std::span<std::byte> raw() noexcept { return {bytes_.get(), size_}; }
+  std::span<const std::byte> raw() const noexcept { return {bytes_.get(), size_}; }
+
+  // The elements as E. Throws bspflow::Error if E does not match dtype() (fp16 is read
+  // as std::uint16_t).
+  template <class E>
+  std::span<E> as() {
+    check<E>();
+    return {reinterpret_cast<E*>(bytes_.get()), elements()};
+  }
+  template <class E>
+  std::span<const E> as() const {
+    check<E>();
+    return {reinterpret_cast<const E*>(bytes_.get()), elements()};
+  }
+
+ private:
+  template <class E>
+  void check() const {
+    static_assert(kIsElement<std::remove_const_t<E>>,
+                  "Tensor::as<E>: E must be uint8_t, uint16_t (fp16), float or int32_t");
+    constexpr DType kAsked = dtype_of<std::remove_const_t<E>>();
+    if (kAsked != dtype_) throw_mismatch(kAsked);
+  }
+  [[noreturn]] void throw_mismatch(DType asked) const;
+
+  DType dtype_ = DType::kFloat32;
+  std::vector<std::size_t> shape_;
+  std::size_t size_ = 0;
+  std::unique_ptr<std::byte[], detail::TensorDeleter> bytes_;
+};
+
+// Converts `count` elements from `from` to `to` (any pair of DTypes; uint8 -> float maps
+// 0..255 to 0..255, not 0..1: normalise where the data is used). Never allocates.
+void convert(DType from, const std::byte* src, DType to, std::byte* dst, std::size_t count) noexcept;
+
+}  // namespace bspflow

@@ -1,0 +1,456 @@
+// DataLoader internals: the load plan (sizes, epochs, order) and the worker ring.
+//
+// The ring: buffer slots, slot g % buffer holds global step g. A step is
+// micro_batches_per_step tasks (one micro-batch each); workers claim tasks in order from a
+// counter bounded by task_limit_ (the end of the epoch, or of the one step a kSync consumer
+// asked for), wait until their step's slot is free, fill their micro-batch and count it
+// done; the task that completes a step marks its slot ready. The consumer takes steps in
+// order and releases each slot to step g + buffer.
+#include "bspflow/data/data_loader.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <string>
+
+#include "bspflow/base/detail/random.hpp"
+#include "bspflow/base/log.hpp"
+#include "bspflow/base/tunables.hpp"
+
+namespace bspflow {
+
+const char* to_string(LoaderMode m) noexcept {
+  return m == LoaderMode::kSync ? "sync" : "async";
+}
+
+void LoaderConfig::validate() const {
+  if (batch_size < 1) detail::throw_bad_value("batch_size", batch_size, "must be at least 1");
+  if (num_workers > tunables::kMaxLoaderWorkers) {
+    detail::throw_bad_value("num_workers", num_workers,
+                            "must be at most " + std::to_string(tunables::kMaxLoaderWorkers));
+  }
+  if (mode == LoaderMode::kAsync) {
+    if (num_workers < 1) {
+      detail::throw_bad_value("num_workers", num_workers,
+                              "must be at least 1 in async mode (workers do the loading); use "
+                              "mode sync to load on the calling thread");
+    }
+    if (buffer_size < 1 || buffer_size > tunables::kMaxLoaderBuffer) {
+      detail::throw_bad_value("buffer_size", buffer_size,
+                              "must be in 1.." + std::to_string(tunables::kMaxLoaderBuffer));
+    }
+    if (load_indefinitely && !persistent_workers) {
+      throw Error("load_indefinitely = true needs persistent_workers = true: workers that keep "
+                  "loading into the next epoch cannot stop at the end of this one");
+    }
+  } else {
+    if (early_preload) {
+      throw Error("early_preload = true needs mode async (in sync mode nothing loads before "
+                  "the consumer asks for a step)");
+    }
+    if (load_indefinitely) {
+      throw Error("load_indefinitely = true needs mode async (in sync mode nothing loads "
+                  "before the consumer asks for a step)");
+    }
+  }
+}
+
+namespace detail {
+
+namespace {
+
+std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b, const char* what) {
+  if (a != 0 && b > std::numeric_limits<std::uint64_t>::max() / a) {
+    throw Error(std::string("DataLoader: ") + what + " overflows 64 bits");
+  }
+  return a * b;
+}
+
+}  // namespace
+
+LoadPlan::LoadPlan(StepShape shape, std::uint64_t dataset_size, const LoaderConfig& config)
+    : shape_(shape), size_(dataset_size), batch_(config.batch_size), seed_(config.seed),
+      drop_last_(config.drop_last) {
+  config.validate();
+  if (shape_.device_iterations < 1) {
+    throw_bad_value("device_iterations", shape_.device_iterations, "must be at least 1");
+  }
+  if (shape_.gradient_accumulation < 1) {
+    throw_bad_value("gradient_accumulation", shape_.gradient_accumulation, "must be at least 1");
+  }
+  if (shape_.replicas < 1 || shape_.replicas > tunables::kMaxReplicas) {
+    throw_bad_value("replicas", shape_.replicas,
+                    "must be in 1.." + std::to_string(tunables::kMaxReplicas));
+  }
+  per_replica_ = checked_mul(shape_.device_iterations, shape_.gradient_accumulation,
+                             "device iterations x gradient accumulation");
+  per_step_ = checked_mul(checked_mul(per_replica_, shape_.replicas, "micro-batches per step"),
+                          batch_, "samples per step");
+  if (size_ == 0) throw Error("DataLoader: the dataset is empty (size() is 0)");
+  if (drop_last_) {
+    steps_ = size_ / per_step_;
+    dropped_ = size_ % per_step_;
+    if (steps_ == 0) {
+      throw Error("DataLoader: the dataset has " + std::to_string(size_) +
+                  " samples, fewer than one step needs (" + describe_step() +
+                  "), so drop_last would drop them all; use a smaller batch_size, fewer "
+                  "device iterations, or drop_last = false");
+    }
+  } else {
+    steps_ = size_ / per_step_ + (size_ % per_step_ != 0 ? 1 : 0);
+    padded_ = steps_ * per_step_ - size_;
+  }
+}
+
+std::string LoadPlan::describe_step() const {
+  return "combined batch " + std::to_string(batch_) + " batch x " +
+         std::to_string(shape_.device_iterations) + " device iterations x " +
+         std::to_string(shape_.gradient_accumulation) + " gradient accumulation x " +
+         std::to_string(shape_.replicas) + " replicas = " + std::to_string(per_step_) +
+         " samples";
+}
+
+std::string LoadPlan::describe() const {
+  std::string s = describe_step() + "; " + std::to_string(size_) + " samples -> " +
+                  std::to_string(steps_) + " steps per epoch";
+  if (dropped_ != 0) s += ", drop_last drops " + std::to_string(dropped_);
+  if (padded_ != 0) s += ", last step padded with " + std::to_string(padded_);
+  return s;
+}
+
+std::string LoadPlan::remainder_notice() const {
+  if (dropped_ != 0) {
+    return "DataLoader: drop_last drops " + std::to_string(dropped_) + " of " +
+           std::to_string(size_) + " samples every epoch: " + std::to_string(size_) + " = " +
+           std::to_string(steps_) + " steps x " + std::to_string(per_step_) + " + " +
+           std::to_string(dropped_) + " (" + describe_step() +
+           "). Set drop_last = false to keep them (the last step is then padded with label "
+           "-1 samples), or choose sizes that divide the dataset.";
+  }
+  if (padded_ != 0) {
+    return "DataLoader: the last step of every epoch holds " +
+           std::to_string(per_step_ - padded_) + " real samples and " +
+           std::to_string(padded_) +
+           " padding samples (zeros, label -1; Batch::valid counts the real ones), because " +
+           std::to_string(size_) + " is not a multiple of the " + describe_step() + ".";
+  }
+  return {};
+}
+
+std::vector<std::uint64_t> LoadPlan::shuffled_order(std::uint64_t epoch) const {
+  std::vector<std::uint64_t> order(size_);
+  for (std::uint64_t i = 0; i < size_; ++i) order[i] = i;
+  std::uint64_t state = seed_ ^ splitmix64(epoch);
+  // Fisher-Yates with unbiased bounded draws (rejection), so the order is the same on
+  // every platform and standard library.
+  for (std::uint64_t i = size_; i > 1; --i) {
+    const std::uint64_t threshold = (0 - i) % i;
+    std::uint64_t r = splitmix64(state);
+    while (r < threshold) r = splitmix64(state);
+    std::swap(order[i - 1], order[r % i]);
+  }
+  return order;
+}
+
+// ---- the ring ----
+
+struct LoaderCore::Slot {
+  explicit Slot(std::size_t micro_batches, std::uint64_t first) : batches(micro_batches), assigned(first) {}
+  std::vector<Batch> batches;            // replica-major: replica x per_replica + position
+  std::atomic<std::uint64_t> assigned;   // the global step this slot holds (or waits for)
+  std::atomic<std::uint64_t> ready{0};   // assigned + 1 once every micro-batch is loaded
+  std::atomic<std::uint64_t> done{0};    // micro-batches loaded (or failed)
+  std::mutex error_mutex;
+  std::exception_ptr error;              // the step's first failure
+};
+
+LoaderCore::LoaderCore(StepShape shape, std::uint64_t dataset_size, SampleSpec spec,
+                       LoaderConfig config)
+    : plan_(shape, dataset_size, config), config_(std::move(config)),
+      out_spec_{config_.output_dtype.value_or(spec.dtype), spec.shape},
+      buffer_(config_.mode == LoaderMode::kAsync ? config_.buffer_size : 1),
+      tasks_per_step_(plan_.micro_batches_per_step()),
+      // Spare buffers: what the ring holds plus as much again in flight to the devices.
+      pool_(std::make_shared<BufferPool>(plan_.batch_size() * out_spec_.bytes(),
+                                         2 * buffer_ * tasks_per_step_)) {
+  if (spec.bytes() == 0) {
+    throw_bad_value("dataset sample shape", spec.describe(), "needs at least one element");
+  }
+  slots_.reserve(buffer_);
+  for (std::uint32_t i = 0; i < buffer_; ++i) {
+    slots_.push_back(std::make_unique<Slot>(tasks_per_step_, i));
+  }
+}
+
+LoaderCore::~LoaderCore() { stop(); }
+
+void LoaderCore::ready_to_load() {
+  const std::string notice = plan_.remainder_notice();
+  if (!notice.empty()) log(plan_.dropped_per_epoch() != 0 ? LogLevel::kWarning : LogLevel::kInfo, notice);
+  if (config_.mode == LoaderMode::kSync) {
+    if (config_.num_workers > 0) spawn_workers();  // helpers: idle until a step is asked for
+    return;
+  }
+  if (config_.early_preload) {
+    spawn_workers();
+    open_tasks(0, 0, async_limit(0));
+    loading_ahead_ = true;
+  }
+}
+
+void LoaderCore::require_in_order_reading() const {
+  if (config_.shuffle) {
+    throw Error("shuffle = true needs a random-access dataset (size(), spec(), get(i)); a "
+                "streaming dataset is read in order");
+  }
+  const std::uint32_t allowed = config_.mode == LoaderMode::kAsync ? 1 : 0;
+  if (config_.num_workers != allowed) {
+    throw_bad_value("num_workers", config_.num_workers,
+                    std::string("must be ") + std::to_string(allowed) + " with a streaming "
+                    "dataset in " + to_string(config_.mode) +
+                    " mode: a stream is read by one thread, in order");
+  }
+}
+
+void LoaderCore::spawn_workers() {
+  if (!workers_.empty()) return;
+  workers_.reserve(config_.num_workers);
+  for (std::uint32_t i = 0; i < config_.num_workers; ++i) {
+    workers_.emplace_back([this] { worker_main(); });
+  }
+}
+
+void LoaderCore::join_workers() noexcept {
+  stopping_.store(true, std::memory_order_seq_cst);
+  work_.notify();
+  slot_free_.notify();
+  ready_.notify();
+  for (auto& w : workers_) w.join();
+  workers_.clear();
+}
+
+void LoaderCore::stop() noexcept { join_workers(); }
+
+// Global step `first` is step 0 of `epoch`; tasks below `task_limit` may be claimed.
+void LoaderCore::open_tasks(std::uint64_t first, std::uint64_t epoch, std::uint64_t task_limit) {
+  {
+    std::lock_guard lock(claim_mutex_);
+    base_global_ = first;
+    base_epoch_ = epoch;
+    next_task_.store(first * tasks_per_step_, std::memory_order_seq_cst);
+    task_limit_.store(task_limit, std::memory_order_seq_cst);
+  }
+  work_.notify();
+}
+
+std::uint64_t LoaderCore::async_limit(std::uint64_t first) const noexcept {
+  return config_.load_indefinitely ? std::numeric_limits<std::uint64_t>::max()
+                                   : (first + plan_.steps_per_epoch()) * tasks_per_step_;
+}
+
+bool LoaderCore::claim(Task& task, bool wait) {
+  for (;;) {
+    {
+      std::lock_guard lock(claim_mutex_);
+      if (stopping_.load(std::memory_order_seq_cst)) return false;
+      const std::uint64_t n = next_task_.load(std::memory_order_relaxed);  // relaxed: under the lock
+      if (n < task_limit_.load(std::memory_order_relaxed)) {             // relaxed: under the lock
+        next_task_.store(n + 1, std::memory_order_seq_cst);
+        task.global = n / tasks_per_step_;
+        task.m = n % tasks_per_step_;
+        const std::uint64_t rel = task.global - base_global_;
+        task.epoch = base_epoch_ + rel / plan_.steps_per_epoch();
+        task.step = rel % plan_.steps_per_epoch();
+        task.replica = static_cast<std::uint32_t>(task.m % plan_.replicas());
+        task.position = task.m / plan_.replicas();
+        return true;
+      }
+    }
+    if (!wait) return false;
+    work_.wait([&] {
+      return next_task_.load(std::memory_order_seq_cst) < task_limit_.load(std::memory_order_seq_cst) ||
+             stopping_.load(std::memory_order_seq_cst);
+    });
+  }
+}
+
+LoaderCore::Slot& LoaderCore::slot_of(std::uint64_t global) noexcept {
+  return *slots_[global % buffer_];
+}
+
+void LoaderCore::run_task(const Task& task) noexcept {
+  Slot& s = slot_of(task.global);
+  // Wait (spin, then park) until the consumer has released this slot to our step.
+  slot_free_.wait([&] {
+    return s.assigned.load(std::memory_order_seq_cst) == task.global ||
+           stopping_.load(std::memory_order_seq_cst);
+  }, Spin::kBackoff);
+  if (s.assigned.load(std::memory_order_seq_cst) != task.global) return;  // stopping
+  Batch& b = s.batches[task.replica * plan_.per_replica() + task.position];
+  try {
+    fill(b, task);
+  } catch (...) {
+    std::lock_guard lock(s.error_mutex);
+    if (!s.error) s.error = std::current_exception();
+  }
+  // acq_rel: the last task to finish sees every other task's batch (release sequence).
+  if (s.done.fetch_add(1, std::memory_order_acq_rel) + 1 == tasks_per_step_) {
+    s.ready.store(task.global + 1, std::memory_order_seq_cst);
+    ready_.notify();
+  }
+}
+
+void LoaderCore::worker_main() noexcept {
+  Task task;
+  while (claim(task, true)) run_task(task);
+}
+
+void LoaderCore::release_slot(std::size_t slot) noexcept {
+  Slot& s = *slots_[slot];
+  s.ready.store(0, std::memory_order_relaxed);  // relaxed: published by the assigned store
+  s.done.store(0, std::memory_order_relaxed);   // relaxed: published by the assigned store
+  {
+    std::lock_guard lock(s.error_mutex);
+    s.error = nullptr;
+  }
+  s.assigned.store(s.assigned.load(std::memory_order_relaxed) + buffer_,
+                   std::memory_order_seq_cst);
+  slot_free_.notify();
+  --leased_;
+}
+
+void LoaderCore::Step::release() noexcept {
+  if (core_ != nullptr) std::exchange(core_, nullptr)->release_slot(slot_);
+}
+
+std::span<Batch> LoaderCore::Step::replica(std::uint32_t r) {
+  if (r >= core_->plan_.replicas()) {
+    throw_bad_value("replica", r,
+                    "must be below the loader's replica count " +
+                        std::to_string(core_->plan_.replicas()));
+  }
+  const std::uint64_t n = core_->plan_.per_replica();
+  return std::span<Batch>(core_->slots_[slot_]->batches).subspan(r * n, n);
+}
+
+std::span<Batch> LoaderCore::Step::batches() { return core_->slots_[slot_]->batches; }
+
+// Abandoning an epoch part-way: stop opening tasks at the end of the step being claimed,
+// let the steps already started finish, and drop them.
+void LoaderCore::discard_in_flight() {
+  std::uint64_t end_global;
+  {
+    std::lock_guard lock(claim_mutex_);
+    const std::uint64_t n = next_task_.load(std::memory_order_relaxed);  // relaxed: under the lock
+    const std::uint64_t limit = (n + tasks_per_step_ - 1) / tasks_per_step_ * tasks_per_step_;
+    if (limit < task_limit_.load(std::memory_order_relaxed)) {  // relaxed: stored under this lock
+      task_limit_.store(limit, std::memory_order_seq_cst);
+    }
+    end_global = task_limit_.load(std::memory_order_relaxed) / tasks_per_step_;  // relaxed: likewise
+  }
+  for (; next_global_ < end_global; ++next_global_) {
+    Slot& s = slot_of(next_global_);
+    const std::uint64_t g = next_global_;
+    ready_.wait([&] {
+      return s.ready.load(std::memory_order_seq_cst) == g + 1 ||
+             stopping_.load(std::memory_order_seq_cst);
+    });
+    ++leased_;
+    release_slot(g % buffer_);
+  }
+}
+
+void LoaderCore::start_epoch() {
+  if (failure_) std::rethrow_exception(failure_);
+  if (leased_ != 0) {
+    throw Error("DataLoader: " + std::to_string(leased_) +
+                " step(s) of the current epoch are still held; release every Step before "
+                "starting the next epoch");
+  }
+  if (in_epoch_ && next_global_ != epoch_end_) {  // abandoned part-way: drop what is loading
+    discard_in_flight();
+    loading_ahead_ = false;
+  }
+  const std::uint64_t epoch = started_ ? consumer_epoch_ + 1 : 0;
+  if (!loading_ahead_) {
+    if (config_.mode == LoaderMode::kAsync) {
+      stopping_.store(false, std::memory_order_seq_cst);
+      spawn_workers();
+      open_tasks(next_global_, epoch, async_limit(next_global_));
+    } else {
+      open_tasks(next_global_, epoch, next_global_ * tasks_per_step_);  // opened per next()
+    }
+  }
+  loading_ahead_ = config_.mode == LoaderMode::kAsync && config_.load_indefinitely;
+  started_ = true;
+  in_epoch_ = true;
+  consumer_epoch_ = epoch;
+  epoch_end_ = next_global_ + plan_.steps_per_epoch();
+}
+
+std::optional<LoaderCore::Step> LoaderCore::next() {
+  if (failure_) std::rethrow_exception(failure_);
+  if (!in_epoch_) start_epoch();
+  if (next_global_ == epoch_end_) {
+    in_epoch_ = false;
+    if (config_.mode == LoaderMode::kAsync && !config_.persistent_workers) join_workers();
+    return std::nullopt;
+  }
+  if (leased_ >= buffer_) {
+    throw Error("DataLoader::next: " + std::to_string(leased_) +
+                " step(s) are still held and the ring holds " + std::to_string(buffer_) +
+                " (buffer_size in async mode, 1 in sync mode); release a Step first");
+  }
+  const std::uint64_t g = next_global_;
+  Slot& s = slot_of(g);
+  if (config_.mode == LoaderMode::kSync) {
+    {
+      std::lock_guard lock(claim_mutex_);
+      task_limit_.store((g + 1) * tasks_per_step_, std::memory_order_seq_cst);
+    }
+    work_.notify();
+    Task task;
+    while (claim(task, false)) run_task(task);  // the caller loads too
+  }
+  ready_.wait([&] {
+    return s.ready.load(std::memory_order_seq_cst) == g + 1 ||
+           stopping_.load(std::memory_order_seq_cst);
+  });
+  std::exception_ptr error;
+  {
+    std::lock_guard lock(s.error_mutex);
+    error = s.error;
+  }
+  if (error) fail(error);
+  if (s.ready.load(std::memory_order_seq_cst) != g + 1) {
+    fail(std::make_exception_ptr(Error("DataLoader: stopped while waiting for a step")));
+  }
+  ++next_global_;
+  ++leased_;
+  const std::uint64_t rel = g - base_global_;
+  return Step(this, g % buffer_, base_epoch_ + rel / plan_.steps_per_epoch(),
+              rel % plan_.steps_per_epoch());
+}
+
+void LoaderCore::fail(std::exception_ptr error) {
+  failure_ = error;
+  join_workers();
+  std::rethrow_exception(error);
+}
+
+std::shared_ptr<const std::vector<std::uint64_t>> LoaderCore::order_for(std::uint64_t epoch) {
+  std::lock_guard lock(order_mutex_);
+  for (const auto& [e, order] : orders_) {
+    if (e == epoch) return order;
+  }
+  auto order = std::make_shared<const std::vector<std::uint64_t>>(plan_.shuffled_order(epoch));
+  constexpr std::size_t kKeep = 3;  // epochs in flight: this one, the next (load_indefinitely)
+  if (orders_.size() >= kKeep) {
+    orders_.erase(std::min_element(orders_.begin(), orders_.end(),
+                                   [](const auto& a, const auto& b) { return a.first < b.first; }));
+  }
+  orders_.emplace_back(epoch, order);
+  return order;
+}
+
+}  // namespace detail
+}  // namespace bspflow

@@ -1,0 +1,289 @@
+// InfeedQueue<T>: host producers -> device replicas (TF-IPU IPUInfeedQueue).
+//
+// One bounded lane per replica. Any number of host threads produce, each through its own
+// Producer handle (one moodycamel producer token per lane). A Producer deals elements to
+// the replicas round-robin, so every replica receives different elements and the union over
+// replicas is exactly the stream pushed; push_to() routes explicitly.
+//
+// Ordering guarantee: per producer, per replica. Elements one Producer routes to one
+// replica reach that replica in the order pushed. Nothing is promised across producers.
+//
+// Backpressure: each lane holds at most `capacity` elements. push() blocks while the lane
+// it targets is full; try_push() returns PushResult::kFull instead.
+//
+// End of data: close() makes further pushes fail; each replica drains what was pushed
+// before, then its reader reports end of data.
+//
+// Nothing taken off a lane is lost between runs: elements a Reader prefetched but did not
+// hand out (a loop that ended before using them) go back to the lane's front when the
+// Reader is destroyed, and the next Reader of that replica serves them first, in order.
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <deque>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "bspflow/base/error.hpp"
+#include "bspflow/base/tunables.hpp"
+#include "bspflow/feeds/detail/bounded_queue.hpp"
+#include "bspflow/feeds/push_result.hpp"
+
+namespace bspflow {
+
+struct InfeedConfig {
+  std::uint32_t replicas = 1;                                   // 1..kMaxReplicas
+  std::size_t capacity = tunables::kDefaultInfeedCapacity;      // per lane, >= prefetch_depth
+  std::uint32_t prefetch_depth = tunables::kDefaultPrefetchDepth;  // 1..255
+  // Throws bspflow::Error naming the field, the value and the allowed range.
+  void validate() const;
+};
+
+template <class T>
+class InfeedQueue {
+  using Lane = detail::BoundedQueue<T>;
+
+ public:
+  using value_type = T;
+
+  // Setup path: validates the config (throws bspflow::Error), allocates the lanes.
+  explicit InfeedQueue(InfeedConfig config = {}) : config_(config) {
+    config_.validate();
+    lanes_.reserve(config_.replicas);
+    for (std::uint32_t r = 0; r < config_.replicas; ++r) {
+      lanes_.push_back(std::make_unique<LaneSlot>(config_.capacity));
+    }
+  }
+  InfeedQueue(const InfeedQueue&) = delete;
+  InfeedQueue& operator=(const InfeedQueue&) = delete;
+
+  // A host producer's handle. One per producing thread; a Producer itself is not
+  // thread-safe. Must not outlive its queue.
+  class Producer {
+   public:
+    // Blocks while the next replica's lane is full. Returns false (nothing pushed) once
+    // the queue is closed.
+    bool push(T value) { return push_to(next_replica(), std::move(value)); }
+
+    // Never blocks. kOk: pushed (moved from value). kFull / kClosed: value untouched,
+    // and the round-robin position stays, so a retry targets the same replica.
+    PushResult try_push(T&& value) {
+      const PushResult r = queue_->lane(cursor_).try_push(tokens_[cursor_], std::move(value));
+      if (r == PushResult::kOk) advance();
+      return r;
+    }
+
+    // Explicit routing. Blocks while that lane is full; false once closed.
+    bool push_to(std::uint32_t replica, T value) {
+      check_replica(replica);
+      return queue_->lane(replica).push(tokens_[replica], std::move(value));
+    }
+
+    // Moves `values` into one replica's lane in order, in bulk (far cheaper per element
+    // than push). Blocks while full. Returns how many were pushed (fewer once closed).
+    std::size_t push_bulk(std::uint32_t replica, std::span<T> values) {
+      check_replica(replica);
+      return queue_->lane(replica).push_bulk(tokens_[replica], values.begin(), values.size());
+    }
+
+    std::uint32_t replicas() const noexcept { return static_cast<std::uint32_t>(tokens_.size()); }
+
+    std::uint32_t next_replica() {
+      const std::uint32_t r = cursor_;
+      advance();
+      return r;
+    }
+
+   private:
+    friend class InfeedQueue;
+    explicit Producer(InfeedQueue& q) : queue_(&q) {
+      tokens_.reserve(q.replicas());
+      for (std::uint32_t r = 0; r < q.replicas(); ++r) tokens_.push_back(q.lane(r).make_token());
+    }
+    void advance() noexcept { cursor_ = cursor_ + 1 == tokens_.size() ? 0 : cursor_ + 1; }
+    void check_replica(std::uint32_t replica) const {
+      if (replica >= tokens_.size()) {
+        detail::throw_bad_value("replica", replica,
+                                "must be below the infeed's replica count " +
+                                    std::to_string(tokens_.size()));
+      }
+    }
+
+    InfeedQueue* queue_;
+    std::vector<typename Lane::Token> tokens_;
+    std::uint32_t cursor_ = 0;
+  };
+
+  // Any thread, setup path (allocates producer tokens).
+  Producer make_producer() { return Producer(*this); }
+
+  // The device side of one replica's lane. Holds the prefetch buffer: up to prefetch_depth
+  // elements moved off the lane in one bulk dequeue, ahead of use. Only one Reader per lane
+  // exists at a time; it is used by one thread (the replica's device thread).
+  class Reader {
+   public:
+    Reader(Reader&& other) noexcept
+        : lane_(std::exchange(other.lane_, nullptr)), owned_(std::move(other.owned_)),
+          buffer_(other.buffer_), pos_(other.pos_), count_(other.count_),
+          end_of_data_(other.end_of_data_), returned_(std::move(other.returned_)) {}
+    Reader& operator=(Reader&&) = delete;
+    // Hands elements prefetched but not popped (and any put_back()) back to the lane's
+    // front, for the next Reader of this replica.
+    ~Reader() {
+      if (lane_ == nullptr) return;
+      auto& carry = lane_->carry;
+      for (std::size_t i = count_; i > pos_; --i) carry.push_front(std::move(buffer_[i - 1]));
+      for (auto it = returned_.rbegin(); it != returned_.rend(); ++it) {
+        carry.push_front(std::move(*it));
+      }
+      lane_->reader_active.store(false, std::memory_order_release);
+    }
+
+    // Reader's thread. Gives back an element it popped but did not use (a prefetch that
+    // arrived after its loop ended); returned elements go back to the lane's front in the
+    // order they were put back, ahead of anything still prefetched. Allocates.
+    void put_back(T&& value) { returned_.push_back(std::move(value)); }
+
+    // Reader's thread. Never blocks: true when the lane is closed and nothing is left for
+    // this reader (what pop() reports as end of data).
+    bool at_end() const noexcept {
+      return pos_ == count_ && lane_->carry.empty() && lane_->queue.drained();
+    }
+
+    // Device thread. Moves the next element into `out`. Blocks (spin, then park) while the
+    // lane is empty. Returns false at end of data (closed and drained: end_of_data() is
+    // then true) or when `stop` is set.
+    bool pop(T& out, const detail::StopFlag* stop = nullptr) {
+      if (pos_ == count_ && !refilled_from_carry() &&
+          !refilled(lane_->queue.pop_bulk(buffer_.data(), buffer_.size(), stop, &lane_->consumer))) {
+        end_of_data_ = lane_->queue.drained();
+        return false;
+      }
+      out = std::move(buffer_[pos_++]);
+      return true;
+    }
+
+    // Device thread. Never blocks: moves the next element into `out` if one is ready (in
+    // the prefetch buffer or on the lane) and returns true; else false.
+    bool try_pop(T& out) {
+      if (pos_ == count_ && !refilled_from_carry() &&
+          !refilled(lane_->queue.try_pop_bulk(buffer_.data(), buffer_.size(), &lane_->consumer))) {
+        return false;
+      }
+      out = std::move(buffer_[pos_++]);
+      return true;
+    }
+
+    bool end_of_data() const noexcept { return end_of_data_; }
+    // Elements already moved off the lane into the prefetch buffer, not yet popped.
+    std::size_t prefetched() const noexcept { return count_ - pos_; }
+
+   private:
+    friend class InfeedQueue;
+    // The prefetch buffer now holds n fresh elements; false if n is 0.
+    bool refilled(std::size_t n) noexcept {
+      count_ = n;
+      pos_ = 0;
+      return n != 0;
+    }
+    // Serves what an earlier Reader left (see ~Reader) before anything on the lane.
+    bool refilled_from_carry() {
+      auto& carry = lane_->carry;
+      if (carry.empty()) return false;
+      std::size_t n = 0;
+      for (; n < buffer_.size() && !carry.empty(); ++n) {
+        buffer_[n] = std::move(carry.front());
+        carry.pop_front();
+      }
+      return refilled(n);
+    }
+    Reader(typename InfeedQueue::LaneSlot& lane, std::span<T> buffer,
+           std::unique_ptr<T[]> owned)
+        : lane_(&lane), owned_(std::move(owned)), buffer_(buffer) {}
+
+    typename InfeedQueue::LaneSlot* lane_;
+    std::unique_ptr<T[]> owned_;
+    std::span<T> buffer_;
+    std::size_t pos_ = 0;
+    std::size_t count_ = 0;
+    bool end_of_data_ = false;
+    std::vector<T> returned_;
+  };
+
+  // Setup path. The reader for `replica`, with a prefetch buffer in `buffer` (which must
+  // hold exactly prefetch_depth() constructed elements and outlive the reader) or, if
+  // empty, one it allocates. Throws bspflow::Error if the replica is out of range or its
+  // lane already has a reader.
+  Reader reader(std::uint32_t replica, std::span<T> buffer = {}) {
+    if (replica >= replicas()) {
+      detail::throw_bad_value("replica", replica,
+                              "must be below the infeed's replica count " +
+                                  std::to_string(replicas()));
+    }
+    if (!buffer.empty() && buffer.size() != config_.prefetch_depth) {
+      detail::throw_bad_value("prefetch buffer size", buffer.size(),
+                              "must equal prefetch_depth " +
+                                  std::to_string(config_.prefetch_depth));
+    }
+    LaneSlot& slot = *lanes_[replica];
+    if (slot.reader_active.exchange(true, std::memory_order_acq_rel)) {
+      throw Error("infeed lane of replica " + std::to_string(replica) +
+                  " already has a reader: one loop at a time may consume a replica's lane");
+    }
+    std::unique_ptr<T[]> owned;
+    if (buffer.empty()) {
+      owned = std::make_unique<T[]>(config_.prefetch_depth);
+      buffer = std::span<T>(owned.get(), config_.prefetch_depth);
+    }
+    return Reader(slot, buffer, std::move(owned));
+  }
+
+  // Any thread. End of data (see the class comment). Idempotent.
+  void close() noexcept {
+    for (auto& l : lanes_) l->queue.close();
+  }
+  bool closed() const noexcept { return lanes_.front()->queue.is_closed(); }
+
+  // Any thread. Wakes parked readers and producers so they re-check their stop flags.
+  void wake_all() noexcept {
+    for (auto& l : lanes_) l->queue.wake_all();
+  }
+
+  std::uint32_t replicas() const noexcept { return config_.replicas; }
+  std::uint32_t prefetch_depth() const noexcept { return config_.prefetch_depth; }
+  std::size_t capacity() const noexcept { return config_.capacity; }
+  const InfeedConfig& config() const noexcept { return config_; }
+  // Elements in a lane (pushed, not yet taken by its reader); approximate while running.
+  std::size_t size_approx(std::uint32_t replica) const noexcept {
+    return lanes_[replica]->queue.size_approx();
+  }
+  std::uint64_t total_pushed(std::uint32_t replica) const noexcept {
+    return lanes_[replica]->queue.total_pushed();
+  }
+
+ private:
+  struct LaneSlot {
+    // Single consumer (one Reader at a time, handed over through reader_active) and a
+    // biased first producer: the per-element paths need no locked instruction.
+    explicit LaneSlot(std::size_t capacity)
+        : queue(capacity, /*single_consumer=*/true, /*biased=*/true),
+          consumer(queue.make_consumer_token()) {}
+    Lane queue;
+    typename Lane::ConsumerToken consumer;  // used by the lane's one active Reader
+    std::atomic<bool> reader_active{false};
+    // Taken off the lane by an earlier Reader and not handed out: the next Reader serves
+    // these first. Touched only by the active Reader (handed over through reader_active).
+    std::deque<T> carry;
+  };
+  Lane& lane(std::uint32_t r) noexcept { return lanes_[r]->queue; }
+
+  InfeedConfig config_;
+  std::vector<std::unique_ptr<LaneSlot>> lanes_;
+};
+
+}  // namespace bspflow

@@ -1,0 +1,288 @@
+// OutfeedQueue<T>: device replicas -> host (TF-IPU IPUOutfeedQueue), shaped by an
+// OutputMode (see output_mode.hpp).
+//
+// Each entry carries the replica and iteration it came from. The host may read while the
+// loop still runs: pop() blocks until the next entry, and returns nullopt once the run
+// attached to the outfeed has ended and every entry was read, so
+//
+//     for (auto& entry : outfeed) { ... }
+//
+// ends when the run ends. Entries written before a failure stay in the queue and are
+// delivered; a failed replica's final()/sum() value is not (it would be a partial result).
+//
+// Ordering guarantee: per replica, in iteration order. Entries of different replicas
+// interleave in no promised order.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <optional>
+#include <ranges>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bspflow/base/error.hpp"
+#include "bspflow/base/tunables.hpp"
+#include "bspflow/feeds/detail/bounded_queue.hpp"
+#include "bspflow/feeds/output_mode.hpp"
+
+namespace bspflow {
+
+struct OutfeedConfig {
+  std::uint32_t replicas = 1;                               // 1..kMaxReplicas
+  OutputMode mode = OutputMode::all();
+  std::size_t capacity = tunables::kDefaultOutfeedCapacity;  // entries; 0 = unbounded
+  void validate() const;
+};
+
+template <class T>
+struct OutfeedEntry {
+  std::uint32_t replica = 0;
+  std::uint64_t iteration = 0;  // for sum(): the last iteration summed
+  T value{};
+};
+
+namespace detail {
+
+template <class T>
+concept PlusAssignable = requires(T& a, const T& b) { a += b; };
+
+template <class T>
+concept ElementwiseSummable =
+    std::ranges::random_access_range<T> && PlusAssignable<std::ranges::range_value_t<T>>;
+
+template <class T>
+inline constexpr bool kSummable = PlusAssignable<T> || ElementwiseSummable<T>;
+
+// acc += v, element-wise for arrays and vectors of summable elements.
+template <class T>
+void accumulate(T& acc, const T& v) {
+  if constexpr (PlusAssignable<T>) {
+    acc += v;
+  } else if constexpr (ElementwiseSummable<T>) {
+    auto a = std::ranges::begin(acc);
+    auto b = std::ranges::begin(v);
+    const auto n = std::ranges::size(acc) < std::ranges::size(v) ? std::ranges::size(acc)
+                                                                  : std::ranges::size(v);
+    for (std::size_t i = 0; i < n; ++i) a[i] += b[i];
+  }
+}
+
+}  // namespace detail
+
+template <class T>
+class OutfeedQueue {
+  using Queue = detail::BoundedQueue<OutfeedEntry<T>>;
+
+ public:
+  using Entry = OutfeedEntry<T>;
+  using value_type = Entry;
+
+  // Setup path: validates (throws bspflow::Error). A sum() outfeed needs a T with += or an
+  // array/vector of such elements.
+  explicit OutfeedQueue(OutfeedConfig config = {}) : config_(config), queue_(config.capacity) {
+    config_.validate();
+    if (config_.mode.kind() == OutputMode::Kind::kSum && !detail::kSummable<T>) {
+      throw Error("OutputMode sum() needs an outfeed type with += or an array/vector of "
+                  "elements with +=; this type has neither (use all(), final() or every_n)");
+    }
+    queue_.close();  // no run attached yet: reading now ends at once instead of hanging
+  }
+  OutfeedQueue(const OutfeedQueue&) = delete;
+  OutfeedQueue& operator=(const OutfeedQueue&) = delete;
+
+  // ---- host side: any thread, several readers may share the queue ----
+
+  // Blocks (spin, then park) until an entry is available; nullopt once no run is attached
+  // (or the attached run ended) and every entry was read.
+  std::optional<Entry> pop() {
+    Entry e;
+    if (queue_.pop_bulk(&e, 1) == 0) return std::nullopt;
+    return e;
+  }
+  // Never blocks.
+  std::optional<Entry> try_pop() {
+    Entry e;
+    if (queue_.try_pop_bulk(&e, 1) == 0) return std::nullopt;
+    return e;
+  }
+  // Never blocks: every entry available now.
+  std::vector<Entry> drain() {
+    std::vector<Entry> out;
+    for (;;) {
+      const std::size_t have = out.size();
+      out.resize(have + 64);
+      const std::size_t n = queue_.try_pop_bulk(out.data() + have, 64);
+      out.resize(have + n);
+      if (n == 0) return out;
+    }
+  }
+
+  // Range-for over the outfeed: pops until the attached run ends and the queue is empty.
+  // Reads in batches of up to kBatch entries (whatever is available; it never waits for a
+  // full batch), so entries it has taken but not yet yielded are invisible to other readers.
+  class Iterator {
+   public:
+    static constexpr std::size_t kBatch = 32;
+    using value_type = Entry;
+    using difference_type = std::ptrdiff_t;
+    Entry& operator*() const { return buffer_[pos_]; }
+    Entry* operator->() const { return &buffer_[pos_]; }
+    Iterator& operator++() {
+      if (++pos_ == count_) refill();
+      return *this;
+    }
+    void operator++(int) { ++*this; }
+    friend bool operator==(const Iterator& it, std::default_sentinel_t) { return it.count_ == 0; }
+
+   private:
+    friend class OutfeedQueue;
+    explicit Iterator(OutfeedQueue* q)
+        : q_(q), consumer_(q->queue_.make_consumer_token()), buffer_(kBatch) {
+      refill();
+    }
+    void refill() {
+      pos_ = 0;
+      count_ = q_->queue_.pop_bulk(buffer_.data(), kBatch, nullptr, &consumer_);
+    }
+    OutfeedQueue* q_;
+    typename Queue::ConsumerToken consumer_;
+    mutable std::vector<Entry> buffer_;
+    std::size_t pos_ = 0;
+    std::size_t count_ = 0;
+  };
+  Iterator begin() { return Iterator(this); }
+  std::default_sentinel_t end() const noexcept { return {}; }
+
+  // A run is attached and at least one of its replicas has not finished.
+  bool running() const noexcept {
+    return active_writers_.load(std::memory_order_acquire) != 0;
+  }
+  std::size_t size_approx() const noexcept { return queue_.size_approx(); }
+
+  // ---- device side ----
+
+  // One replica's writer for one run. Used by that replica's device thread only.
+  class Writer {
+   public:
+    Writer(Writer&& o) noexcept
+        : q_(std::exchange(o.q_, nullptr)), replica_(o.replica_), token_(std::move(o.token_)),
+          staged_(std::move(o.staged_)), last_check_(o.last_check_),
+          since_check_(o.since_check_), check_every_(o.check_every_), held_(std::move(o.held_)) {}
+    Writer& operator=(Writer&&) = delete;
+    ~Writer() {
+      if (q_ != nullptr) finish(false);
+    }
+
+    // Device thread. Applies the output mode to iteration `i`'s value. Entries of fast
+    // iterations are staged and handed over in bulk (see tunables::kOutfeedCombine). Blocks
+    // while a bounded outfeed is full; returns false if `stop` was set first (the entries
+    // not handed over are dropped).
+    bool write(std::uint64_t i, T&& value, const detail::StopFlag* stop = nullptr) {
+      const OutputMode mode = q_->config_.mode;
+      if (mode.emits_at(i)) {
+        staged_.push_back(Entry{replica_, i, std::move(value)});
+        if (staged_.size() >= tunables::kOutfeedCombine) return flush(stop);
+        // The clock is read every kOutfeedClockEvery entries while iterations are fast (it
+        // costs as much as a fast iteration), and every entry once they are not.
+        if (++since_check_ < check_every_) return true;
+        const auto now = std::chrono::steady_clock::now();
+        const bool fast = now - last_check_ < since_check_ * tunables::kOutfeedCombineBelow;
+        last_check_ = now;
+        since_check_ = 0;
+        check_every_ = fast ? tunables::kOutfeedClockEvery : 1;
+        return fast || flush(stop);
+      }
+      if (mode.kind() == OutputMode::Kind::kFinal) {
+        held_ = Entry{replica_, i, std::move(value)};
+      } else if (mode.kind() == OutputMode::Kind::kSum) {
+        if constexpr (detail::kSummable<T>) {
+          if (held_) {
+            detail::accumulate(held_->value, value);
+            held_->iteration = i;
+          } else {
+            held_ = Entry{replica_, i, std::move(value)};
+          }
+        }
+      }
+      return true;
+    }
+
+    // Device thread. Hands every staged entry to the host now (the runtime calls it before
+    // the device waits for input). Returns false if `stop` was set first.
+    bool flush(const detail::StopFlag* stop = nullptr) {
+      if (staged_.empty()) return true;
+      const std::size_t n = staged_.size();
+      const std::size_t pushed = q_->queue_.push_bulk(token_, staged_.begin(), n, stop);
+      staged_.clear();
+      return pushed == n;
+    }
+
+    // Device thread. Ends this replica's part of the run, delivering the final()/sum()
+    // value when `deliver_held` (false after a failure: a partial sum is no result). The
+    // last writer of the run to finish ends it, which ends the host's range-for.
+    void finish(bool deliver_held, const detail::StopFlag* stop = nullptr) {
+      if (q_ == nullptr) return;
+      flush(stop);
+      if (deliver_held && held_) deliver(std::move(*held_), stop);
+      held_.reset();
+      OutfeedQueue* q = std::exchange(q_, nullptr);
+      if (q->active_writers_.fetch_sub(1, std::memory_order_acq_rel) == 1) q->queue_.close();
+    }
+
+   private:
+    friend class OutfeedQueue;
+    Writer(OutfeedQueue& q, std::uint32_t replica)
+        : q_(&q), replica_(replica), token_(q.queue_.make_token()) {
+      staged_.reserve(tunables::kOutfeedCombine);
+    }
+    bool deliver(Entry&& e, const detail::StopFlag* stop) {
+      return q_->queue_.push(token_, std::move(e), stop);
+    }
+
+    OutfeedQueue* q_;
+    std::uint32_t replica_;
+    typename Queue::Token token_;
+    std::vector<Entry> staged_;  // write-combining: entries not yet handed over
+    std::chrono::steady_clock::time_point last_check_{};
+    std::uint32_t since_check_ = 0;  // entries staged since the clock was last read
+    std::uint32_t check_every_ = 1;
+    std::optional<Entry> held_;
+  };
+
+  // Setup path (the runtime, on the host thread launching a run): attaches a run and
+  // returns one writer per replica. Throws bspflow::Error if a run is already attached.
+  std::vector<Writer> begin_run() {
+    std::uint32_t idle = 0;
+    if (!active_writers_.compare_exchange_strong(idle, config_.replicas,
+                                                 std::memory_order_acq_rel)) {
+      throw Error("outfeed is already attached to a running loop; wait for that run to end "
+                  "or use another OutfeedQueue");
+    }
+    queue_.reopen();
+    std::vector<Writer> writers;
+    writers.reserve(config_.replicas);
+    for (std::uint32_t r = 0; r < config_.replicas; ++r) writers.push_back(Writer(*this, r));
+    return writers;
+  }
+
+  // Any thread. Wakes parked writers and readers so they re-check their stop flags.
+  void wake_all() noexcept { queue_.wake_all(); }
+
+  std::uint32_t replicas() const noexcept { return config_.replicas; }
+  OutputMode mode() const noexcept { return config_.mode; }
+  std::size_t capacity() const noexcept { return config_.capacity; }
+  const OutfeedConfig& config() const noexcept { return config_; }
+
+ private:
+  OutfeedConfig config_;
+  Queue queue_;
+  std::atomic<std::uint32_t> active_writers_{0};
+};
+
+}  // namespace bspflow

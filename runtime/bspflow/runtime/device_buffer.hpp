@@ -1,0 +1,53 @@
+// DeviceBuffer: typed memory in one device's arena, what programs compute on and copy
+// between (Poplar's tensors on a device).
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "bspflow/data/tensor.hpp"
+#include "bspflow/devices/device.hpp"
+
+namespace bspflow {
+
+// Memory in one device's arena, typed as `elements` of a DType. Counts against the device's
+// memory budget (OutOfMemoryError if it does not fit). Zero-filled at creation.
+class DeviceBuffer {
+ public:
+  DeviceBuffer(Device& device, std::string name, DType dtype, std::size_t elements);
+  ~DeviceBuffer();
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+
+  Device& device() const noexcept { return *device_; }
+  const std::string& name() const noexcept { return name_; }
+  DType dtype() const noexcept { return dtype_; }
+  std::size_t elements() const noexcept { return elements_; }
+  std::size_t bytes() const noexcept { return elements_ * dtype_size(dtype_); }
+  std::span<std::byte> raw() noexcept { return {data_, bytes()}; }
+  std::span<const std::byte> raw() const noexcept { return {data_, bytes()}; }
+  // The elements as E (uint8_t, uint16_t for fp16, float, int32_t). Throws bspflow::Error
+  // if E does not match dtype().
+  template <class E>
+  std::span<E> as() {
+    static_assert(kIsElement<E>, "DeviceBuffer::as<E>: E must be uint8_t, uint16_t (fp16), "
+                                 "float or int32_t");
+    if (dtype_of<E>() != dtype_) throw_mismatch(dtype_of<E>());
+    return {reinterpret_cast<E*>(data_), elements_};
+  }
+
+ private:
+  [[noreturn]] void throw_mismatch(DType asked) const;
+
+  Device* device_;
+  std::string name_;
+  DType dtype_;
+  std::size_t elements_;
+  std::byte* data_;
+};
+using Buffer = std::shared_ptr<DeviceBuffer>;
+Buffer make_buffer(Device& device, std::string name, DType dtype, std::size_t elements);
+
+}  // namespace bspflow

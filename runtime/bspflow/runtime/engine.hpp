@@ -1,0 +1,115 @@
+// The Engine: runs one Program per device (bspflow/runtime/program.hpp), with the host link
+// modeled by the I/O engine, I/O tiles, synthetic data, and every phase traced.
+//
+//   DeviceGroup devices(2);
+//   Engine engine(devices, EngineConfig{.io_tiles = 32, .prefetch_depth = 2});
+//   EngineResult r = engine.run({p0, p1});
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "bspflow/devices/device.hpp"
+#include "bspflow/devices/link_model.hpp"
+#include "bspflow/runtime/options.hpp"
+#include "bspflow/runtime/program.hpp"
+#include "bspflow/runtime/run.hpp"
+#include "bspflow/runtime/trace.hpp"
+
+namespace bspflow {
+
+// What replaces host data when synthetic data is on: nothing is copied from the host, the
+// device fills each stream-copy destination once, seeded differently per device and replica.
+enum class SyntheticData { kOff, kZeros, kRandomNormal };
+
+struct EngineConfig {
+  std::uint32_t io_tiles = 0;            // 0, or even, below the device's tiles, >= one micro-batch
+  std::uint32_t prefetch_depth = 1;      // 1..255: micro-batches the I/O tiles move ahead
+  LinkModel host_link = LinkModel::host();
+  LinkModel device_link = LinkModel::device();
+  SyntheticData synthetic = SyntheticData::kOff;
+  std::uint64_t seed = 0;                // for kRandomNormal
+  bool trace = false;                    // record a trace (also on if BSPFLOW_TRACE is set)
+  std::string trace_path;                // write it here after each run (BSPFLOW_TRACE=FILE)
+
+  // From Options: io_tiles, prefetch_depth, synthetic data (random normal).
+  static EngineConfig from(const Options& options);
+  // Field ranges; throws bspflow::Error naming the field, the value and what is allowed.
+  void validate() const;
+};
+
+struct EngineResult {
+  RunStatus status = RunStatus::kCompleted;
+  std::vector<std::uint64_t> iterations;  // outermost Repeat trips completed, per device
+  std::string message;
+  std::chrono::nanoseconds elapsed{0};    // wall time of the run
+  bool completed() const noexcept { return status == RunStatus::kCompleted; }
+};
+
+class Engine {
+ public:
+  // Setup path. Validates the config (throws bspflow::Error) and starts the I/O engine
+  // thread. The devices must outlive the engine.
+  Engine(DeviceList devices, EngineConfig config = {});
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Host thread. Runs programs[d] on device d (or one program on every device), blocks
+  // until all have ended. Checks the programs first: I/O tiles must hold the largest
+  // host->device micro-batch, sync groups must match the devices using them, buffers must
+  // be on the device that runs them (throws bspflow::Error with a suggestion). A vertex or
+  // codelet exception stops every device and is thrown as DeviceError (device, replica,
+  // iteration); every thread is left idle.
+  EngineResult run(const std::vector<Program>& programs);
+  EngineResult run(const Program& program);
+  // Like run(programs), for codelets that wait on something of their own: `wake` (any
+  // thread, must not throw) is called when the run stops early, after the stop flag is set,
+  // so whatever they wait on can let them see it.
+  EngineResult run(const std::vector<Program>& programs, std::function<void()> wake);
+
+  // Any thread. Stops the current run (if any) at each device's next Repeat trip or wait;
+  // run() then returns RunStatus::kCancelled. Never blocks for long, never throws.
+  void cancel() noexcept;
+
+  // The last run's trace (nullptr when tracing is off or before the first run).
+  const Trace* trace() const noexcept;
+  // The last run's summary (empty when tracing is off).
+  TraceSummary summary() const;
+
+  const EngineConfig& config() const noexcept;
+  std::uint32_t devices() const noexcept;
+  std::uint32_t compute_tiles() const noexcept;  // per device: tiles - io_tiles
+  // Whether the I/O engine thread runs with 1 ns timer slack.
+  bool low_timer_slack() const noexcept;
+
+  // The I/O-tile count the rule of thumb gives for one micro-batch of `bytes` on a device
+  // like `config`: the smallest even power of two >= 1.05 x bytes / bytes per tile (at least
+  // 2). nullopt when even the largest allowed count (below the tile count) cannot hold it.
+  static std::optional<std::uint32_t> suggest_io_tiles(std::size_t bytes,
+                                                       const DeviceConfig& config);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+namespace detail {
+// Device thread: runs `program` (a FusedRepeat) as replica `replica` of a run that
+// `control` tracks, through the same interpreter as Engine::run, for loops built elsewhere
+// (loops::repeat). Records into `track` if it is not null. A failure goes to
+// control.fail(); the end is reported through control.replica_done().
+void run_on_device(Device& device, std::uint32_t replica, const Program& program,
+                   RunControl& control, TraceTrack* track);
+// Host thread, instead of run_on_device when the device refused the job: finishes the
+// program's loops without delivering and reports the replica's end.
+void abandon_on_device(Device& device, std::uint32_t replica, const Program& program,
+                       RunControl& control) noexcept;
+}  // namespace detail
+
+}  // namespace bspflow

@@ -1,0 +1,124 @@
+// Options: run-wide settings in the spirit of poptorch.Options. Each setter validates its
+// value at once and throws bspflow::Error naming the option, the value given and what is
+// allowed; validate() checks the rules that tie options together.
+//
+//   bspflow::Options opts;
+//   opts.device_iterations(10).replicas(2).prefetch_depth(3);
+//   bspflow::InfeedQueue<Sample> infeed(opts.infeed_config());
+//
+// Samples per host step = micro-batch x device iterations x gradient accumulation x replicas.
+//
+// A plain value type. Set it up on one thread (setters are not thread-safe), then share it
+// const: the const members may then be called from any thread. No member blocks; only
+// describe() allocates (and a throw, for its message).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "bspflow/base/tunables.hpp"
+#include "bspflow/devices/device.hpp"
+#include "bspflow/feeds/infeed_queue.hpp"
+#include "bspflow/feeds/outfeed_queue.hpp"
+#include "bspflow/feeds/output_mode.hpp"
+
+namespace bspflow {
+
+class Options {
+ public:
+  // Each setter: setup path. Never blocks, never allocates. Returns *this. Throws
+  // bspflow::Error naming the field, the value and what is allowed (the value is then not
+  // stored). Setters taking a bool or an OutputMode never throw. Each getter: any thread.
+  // Never blocks, never allocates, never throws.
+
+  // Loop trips per host call (deviceIterations; Pipeline::run's device_iterations). >= 1.
+  Options& device_iterations(std::uint64_t n);
+  std::uint64_t device_iterations() const noexcept { return device_iterations_; }
+
+  // Copies of the program on separate devices, each fed different data. 1..kMaxReplicas.
+  Options& replicas(std::uint32_t n);
+  std::uint32_t replicas() const noexcept { return replicas_; }
+
+  // Micro-batches per weight update. >= 1.
+  Options& gradient_accumulation(std::uint32_t n);
+  std::uint32_t gradient_accumulation() const noexcept { return gradient_accumulation_; }
+
+  // What the host sees of the outfeed (outfeed_config()). Never throws.
+  Options& output_mode(OutputMode mode) noexcept;
+  OutputMode output_mode() const noexcept { return output_mode_; }
+
+  // Elements per replica moved toward the device ahead of use.
+  // kMinPrefetchDepth..kMaxPrefetchDepth (1..255).
+  Options& prefetch_depth(std::uint32_t depth);
+  std::uint32_t prefetch_depth() const noexcept { return prefetch_depth_; }
+
+  // Infeed lane capacity per replica, elements. The setter takes 1..kMaxQueueCapacity;
+  // validate() also asks for at least prefetch_depth.
+  Options& infeed_capacity(std::size_t elements);
+  std::size_t infeed_capacity() const noexcept { return infeed_capacity_; }
+
+  // Outfeed capacity, entries; 0 = unbounded. 0..kMaxQueueCapacity.
+  Options& outfeed_capacity(std::size_t entries);
+  std::size_t outfeed_capacity() const noexcept { return outfeed_capacity_; }
+
+  // Tiles per device reserved for I/O (stream copies overlapping compute). 0, or an even
+  // number below tiles_per_device: the setter checks evenness, validate() the bound. Used
+  // by the program Engine (EngineConfig::from), which also checks that the I/O tiles hold
+  // one micro-batch; loops::repeat does not model them.
+  Options& io_tiles(std::uint32_t tiles);
+  std::uint32_t io_tiles() const noexcept { return io_tiles_; }
+
+  // No host copies: the device generates its input (EngineConfig::from: random normal).
+  // Never throws.
+  Options& synthetic_data(bool on) noexcept;
+  bool synthetic_data() const noexcept { return synthetic_data_; }
+
+  // Device memory: tiles x bytes per tile. tiles_per_device 1..kMaxTiles; bytes_per_tile
+  // kArenaAlignment..kMaxBytesPerTile.
+  Options& tiles_per_device(std::uint32_t tiles);
+  std::uint32_t tiles_per_device() const noexcept { return tiles_per_device_; }
+  Options& bytes_per_tile(std::size_t bytes);
+  std::size_t bytes_per_tile() const noexcept { return bytes_per_tile_; }
+
+  // Pin device threads to cores (needs hwloc; without it, devices run unpinned). Never
+  // throws.
+  Options& pin_devices(bool on) noexcept;
+  bool pin_devices() const noexcept { return pin_devices_; }
+
+  // Any thread. Cross-option rules (io_tiles below tiles_per_device, infeed_capacity >=
+  // prefetch_depth). Never blocks, never allocates. Throws bspflow::Error naming the field,
+  // the value and what is allowed.
+  void validate() const;
+
+  // Any thread. micro_batch x device_iterations x gradient_accumulation x replicas. Never
+  // blocks, never allocates. Throws bspflow::Error naming the field, the value and what is
+  // allowed if micro_batch is 0, or bspflow::Error if the product overflows 64 bits.
+  std::uint64_t samples_per_step(std::uint64_t micro_batch) const;
+
+  // Any thread. Configs for the pieces these options describe (each calls validate(), and
+  // throws what it throws). Never blocks, never allocates.
+  InfeedConfig infeed_config() const;
+  OutfeedConfig outfeed_config() const;
+  DeviceConfig device_config() const;
+
+  // Any thread. One line per option, "name = value". Never blocks; allocates (the returned
+  // string). Throws only std::bad_alloc.
+  std::string describe() const;
+
+ private:
+  std::uint64_t device_iterations_ = 1;
+  std::uint32_t replicas_ = 1;
+  std::uint32_t gradient_accumulation_ = 1;
+  OutputMode output_mode_ = OutputMode::all();
+  std::uint32_t prefetch_depth_ = tunables::kDefaultPrefetchDepth;
+  std::size_t infeed_capacity_ = tunables::kDefaultInfeedCapacity;
+  std::size_t outfeed_capacity_ = tunables::kDefaultOutfeedCapacity;
+  std::uint32_t io_tiles_ = 0;
+  bool synthetic_data_ = false;
+  std::uint32_t tiles_per_device_ = tunables::kDefaultTiles;
+  std::size_t bytes_per_tile_ = tunables::kDefaultBytesPerTile;
+  bool pin_devices_ = true;
+};
+
+}  // namespace bspflow

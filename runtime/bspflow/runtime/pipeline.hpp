@@ -1,0 +1,305 @@
+// Many emulated IPUs: a model split into stages over devices (pipelined or sharded, or all
+// on one device), replicated, with gradient accumulation — compiled to one program per
+// device and run by the Engine, so every forward, backward, sync, exchange and weight
+// update shows in the trace.
+//
+//   PipelineConfig cfg;                      // pipelined, Grouped, bsp, training
+//   cfg.gradient_accumulation = 8;           // one weight update per 8 micro-batches
+//   cfg.replicas = 1;
+//   DeviceGroup devices(cfg.devices_needed(4));
+//   Pipeline pipe(devices, cfg, [](std::uint32_t replica) { return make_my_stages(); });
+//   InfeedQueue<Batch> infeed(...);          // fed by a DataLoader (replica lanes)
+//   OutfeedQueue<std::vector<float>> out(...);
+//   PipelineResult r = pipe.run(infeed, /*device_iterations=*/10, &out);
+//
+// The runtime schedules; it does not do deep learning. A Stage is the user's: forward,
+// backward (accumulating nothing itself: it writes this micro-batch's parameter gradients)
+// and update (the optimiser step with the reduced gradients). The runtime moves
+// activations and gradients between devices, keeps the activation FIFO, accumulates
+// gradients over micro-batches, reduces them across replicas and calls update once per
+// step.
+//
+// Terms. A device iteration (PopTorch's deviceIterations; a "step") is gradient_accumulation
+// (K) micro-batches per replica and one weight update; run(infeed, device_iterations) is the
+// host call. Stage s of replica r runs
+// on device r * N + s of the group (pipelined, sharded), or all N stages of replica r on
+// device r (single).
+//
+// Schedules (training; stage s of N, micro-batch i of K, one compute-sync-exchange cycle
+// per time step; the FIFO holds the inputs a stage keeps for its backward passes):
+//   Grouped      forward i at cycle i + s, backward i at cycle i + 2(N-1) - s, in the same
+//                cycle forward first. FIFO 2(N-1-s) deep. K + 2(N-1) cycles.
+//   Interleaved  forward i at 2i + s, backward i at 2i + 2N-1-s: a stage alternates
+//                forward and backward cycles. FIFO (N-1-s). 2K + 2N-2 cycles.
+//   Sequential   one micro-batch at a time: forward i at 2Ni + s, backward at 2Ni + 2N-1-s.
+//                FIFO 0. 2NK cycles. Sharded execution is this schedule.
+// Inference runs forward passes only: i at i + s (Sequential: Ni + s), and, with no weight
+// update to wait for, all steps x K micro-batches of a run flow through one filled pipeline.
+//
+// Sync modes: bsp (every cycle all stages of a replica compute, sync, then exchange
+// activations over the modeled device link, as on the IPU) and dataflow (neighbouring
+// stages hand off through bounded single-producer single-consumer queues, no global
+// barrier: better when stage work is uneven on CPUs; our addition beyond the IPU).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "bspflow/base/error.hpp"
+#include "bspflow/data/batch.hpp"
+#include "bspflow/devices/device.hpp"
+#include "bspflow/devices/link_model.hpp"
+#include "bspflow/feeds/infeed_queue.hpp"
+#include "bspflow/feeds/outfeed_queue.hpp"
+#include "bspflow/runtime/run.hpp"
+#include "bspflow/runtime/trace.hpp"
+
+namespace bspflow {
+
+enum class ExecutionStrategy { kPipelined, kSharded, kSingle };
+enum class PipelineSchedule { kGrouped, kInterleaved, kSequential };
+enum class SyncMode { kBsp, kDataflow };
+// How gradients are combined over micro-batches and replicas (PopTorch's
+// accumulationAndReplicationReductionType): Mean (default) or Sum.
+enum class ReductionType { kMean, kSum };
+// With Mean: a running mean updated each micro-batch, or the sum divided once at the end
+// (PopTorch's meanAccumulationAndReplicationReductionStrategy; Post is the default).
+enum class MeanStyle { kPost, kRunning };
+// Any thread. "pipelined", "grouped", "bsp", ... Never blocks, never allocates, never
+// throws.
+const char* to_string(ExecutionStrategy v) noexcept;
+const char* to_string(PipelineSchedule v) noexcept;
+const char* to_string(SyncMode v) noexcept;
+
+// Where a stage's pass runs (passed by const reference, valid for that call).
+struct StageContext {
+  std::uint32_t stage = 0;
+  std::uint32_t device = 0;
+  std::uint32_t replica = 0;
+  std::uint64_t step = 0;         // 0-based step of this run
+  std::uint64_t micro_batch = 0;  // within the step
+};
+
+// A pass's arguments. The spans and references point into runtime buffers: valid for that
+// call only.
+struct ForwardArgs {
+  const Batch& batch;             // the micro-batch: data (stage 0's input), labels, valid
+  std::span<const float> input;   // the previous stage's output (empty for stage 0)
+  std::span<float> output;        // this stage's output: output_elements() values
+  std::vector<float>& saved;      // what backward will need; kept in the activation FIFO
+};
+struct BackwardArgs {
+  const Batch& batch;
+  std::span<const float> input;         // as the forward pass saw it (empty for stage 0)
+  const std::vector<float>& saved;      // as the forward pass left it (recomputed if asked)
+  std::span<const float> grad_output;   // d loss / d output (empty for the last stage)
+  std::span<float> grad_input;          // to fill: d loss / d input (empty for stage 0)
+  std::span<float> gradients;           // to fill: this micro-batch's parameter gradients
+};
+
+// One pipeline stage (a forward function, a backward function and its parameters and
+// optimiser state); each replica has its own. The passes (forward, backward, update) and,
+// during a run, optimizer_state() are called on the stage's device thread only, one call at
+// a time. name(), output_elements() and gradient_elements() (and, with offload_optimizer,
+// optimizer_state()) are also called on the host thread by the Pipeline constructor and
+// run(), while no pass runs. What a pass throws stops the run: Pipeline::run() throws it
+// as StageError (what was thrown is its cause()).
+class Stage {
+ public:
+  virtual ~Stage() = default;
+  // Names the stage in the trace and in errors. Must not throw.
+  virtual std::string name() const = 0;
+  // Values this stage outputs per micro-batch (fixed: IPU programs have static shapes;
+  // read once, at construction, and must be at least 1). The last stage's output is what
+  // the outfeed receives (say, loss and correct count).
+  virtual std::size_t output_elements() const = 0;
+  // Size of the parameter gradient (0: nothing to train). Read once, at construction.
+  virtual std::size_t gradient_elements() const { return 0; }
+  // Device thread. Fills args.output (and args.saved, for backward). May throw.
+  virtual void forward(const StageContext& ctx, ForwardArgs& args) = 0;
+  // Device thread; training only. Fills grad_input and gradients (zeroed before the call).
+  // May throw. The default throws bspflow::Error (the stage has no backward pass).
+  virtual void backward(const StageContext& ctx, BackwardArgs& args);
+  // Device thread; training only, once per step: the optimiser step with the micro-batch
+  // gradients reduced over the step and the replicas (identical on every replica). May
+  // throw. The default does nothing.
+  virtual void update(const StageContext& ctx, std::span<const float> gradients);
+  // The optimiser state update() uses (say AdamW's moments; empty: none). With
+  // PipelineConfig::offload_optimizer it lives in host memory between updates: the runtime
+  // streams it in just before update() and out just after, and zeroes this memory meanwhile.
+  // Must return the same span (size) every time.
+  virtual std::span<float> optimizer_state() { return {}; }
+};
+using StageList = std::vector<std::unique_ptr<Stage>>;
+// Makes replica r's stages (every replica must start from the same weights). Called on the
+// host thread by the Pipeline constructor, for r = 0, 1, ... in order; must return the same
+// number of stages, none null, every time. What it throws, the constructor throws.
+using StageFactory = std::function<StageList(std::uint32_t replica)>;
+
+// A plain value type; Pipeline copies it. validate() states the rules.
+struct PipelineConfig {
+  ExecutionStrategy strategy = ExecutionStrategy::kPipelined;
+  PipelineSchedule schedule = PipelineSchedule::kGrouped;  // sharded, single: Sequential
+  SyncMode sync = SyncMode::kBsp;
+  // K: micro-batches per step; >= min_gradient_accumulation(stages).
+  std::uint32_t gradient_accumulation = 1;
+  ReductionType reduction = ReductionType::kMean;
+  MeanStyle mean = MeanStyle::kPost;
+  std::uint32_t replicas = 1;    // >= 1
+  bool training = true;          // false: inference, forward passes only
+  bool recompute = false;        // keep only stage inputs; recompute the rest for backward
+  // Training: keep each stage's optimiser state in host memory, streamed in before each
+  // update and out after it over the host link (stream copies in the trace).
+  bool offload_optimizer = false;
+  // Activations and gradients between devices; the Engine validates both links.
+  LinkModel device_link = LinkModel::device();
+  LinkModel host_link = LinkModel::host();      // optimiser state offload
+  bool trace = false;            // also on with BSPFLOW_TRACE=FILE
+
+  // Any thread. Devices the strategy needs for `stages` stages: stages x replicas
+  // (single: replicas). Never blocks, never allocates, never throws.
+  std::uint32_t devices_needed(std::uint32_t stages) const;
+  // Any thread. The schedule actually used (sharded and single: Sequential). Never blocks,
+  // never allocates, never throws.
+  PipelineSchedule effective_schedule() const;
+  // Any thread. The smallest gradient accumulation for which the schedule reaches a steady
+  // state where every stage is busy in a cycle: Grouped 2N-1, Interleaved N, Sequential 1
+  // (training; inference: 1, since all device iterations x K micro-batches of a run flow
+  // through one filled pipeline). Never blocks, never allocates, never throws.
+  std::uint32_t min_gradient_accumulation(std::uint32_t stages) const;
+  // Any thread. Never blocks, never allocates. Throws bspflow::Error naming the field, the
+  // value and what is allowed (or the fields that conflict: stages 0, replicas 0, K below
+  // min_gradient_accumulation, Interleaved with single over several stages, dataflow
+  // without pipelined).
+  void validate(std::uint32_t stages) const;
+};
+
+// One cycle of one stage: which micro-batch it runs forward and/or backward (-1: none).
+struct CycleWork {
+  std::int64_t forward = -1;
+  std::int64_t backward = -1;
+};
+// The schedule as numbers (tests and tools use it; the runtime compiles from it). A plain
+// value type; every member function: any thread, never blocks, never allocates, never
+// throws.
+struct PipelinePlan {
+  PipelineSchedule schedule = PipelineSchedule::kGrouped;
+  std::uint32_t stages = 1;
+  std::uint64_t micro_batches = 1;  // K (inference: every micro-batch of the run)
+  bool training = true;
+  // Cycles of one step (inference: of the whole run).
+  std::uint64_t cycles() const noexcept;
+  // What `stage` (< stages) runs in `cycle`.
+  CycleWork at(std::uint32_t stage, std::uint64_t cycle) const noexcept;
+  // Inputs a stage keeps between a forward pass and its backward pass, beyond the current
+  // one: 2(N-1-s), N-1-s, 0 (for K large enough; inference: 0).
+  std::uint32_t fifo_depth(std::uint32_t stage) const noexcept;
+};
+
+// A stage threw: which stage, on which device and replica, at which step and micro-batch.
+// Pipeline::run() throws it on the host thread once every device has stopped; cause() is
+// what the stage threw. The accessors never block, never allocate, never throw.
+class StageError : public Error {
+ public:
+  StageError(const std::string& message, std::uint32_t stage, std::uint32_t device,
+             std::uint32_t replica, std::uint64_t step, std::uint64_t micro_batch,
+             std::exception_ptr cause)
+      : Error(message), stage_(stage), device_(device), replica_(replica), step_(step),
+        micro_batch_(micro_batch), cause_(std::move(cause)) {}
+  std::uint32_t stage() const noexcept { return stage_; }
+  std::uint32_t device() const noexcept { return device_; }
+  std::uint32_t replica() const noexcept { return replica_; }
+  std::uint64_t step() const noexcept { return step_; }
+  std::uint64_t micro_batch() const noexcept { return micro_batch_; }
+  const std::exception_ptr& cause() const noexcept { return cause_; }
+
+ private:
+  std::uint32_t stage_, device_, replica_;
+  std::uint64_t step_, micro_batch_;
+  std::exception_ptr cause_;
+};
+
+// What Pipeline::run() returns. A plain value type.
+struct PipelineResult {
+  RunStatus status = RunStatus::kCompleted;  // kCompleted, kEndOfData or kCancelled
+  // Device iterations completed (training: weights updated), per replica (the fewest any
+  // device completed).
+  std::uint64_t iterations = 0;
+  std::uint64_t micro_batches = 0;  // forward passes of the last stage, all replicas
+  std::string message;              // one line saying how the run ended
+  std::chrono::nanoseconds elapsed{0};  // wall time of the Engine run
+  // Per stage (replica 0): the most inputs its activation FIFO held while a forward pass
+  // added one — compare with PipelinePlan::fifo_depth.
+  std::vector<std::uint32_t> fifo_depth;
+  // Never blocks, never allocates, never throws.
+  bool completed() const noexcept { return status == RunStatus::kCompleted; }
+};
+
+// One run at a time: run() must not be called again (from any thread) before it returns.
+class Pipeline {
+ public:
+  // Setup path, host thread. Builds every replica's stages (make_stages(r)), checks the
+  // config against the stage count and the devices (the group needs devices_needed();
+  // extra devices stay idle), allocates activation buffers in the device arenas and starts
+  // the Engine (its I/O engine thread). The group must outlive the Pipeline. Never blocks.
+  // Allocates. Throws bspflow::Error naming the field, the value and what is allowed for a
+  // bad config or link, and bspflow::Error saying what is wrong for too few devices, an
+  // empty factory, a null stage, a stage with output_elements() 0 or replicas with
+  // different stage counts; OutOfMemoryError (a bspflow::Error) if a device arena cannot
+  // hold the buffers; whatever make_stages throws.
+  Pipeline(DeviceGroup& devices, PipelineConfig config, const StageFactory& make_stages);
+  // Host thread, not during run(). Stops the Engine's I/O thread and frees the stages and
+  // buffers. Never throws.
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  // Host thread. Runs `device_iterations` steps: each replica takes K micro-batches per
+  // step from its infeed lane (stage 0 pops them); the last stage's output of every
+  // micro-batch goes to `outfeed` (one lane per replica, shaped by its OutputMode;
+  // iteration = step x K + i). Blocks until every device has stopped, so the infeed must
+  // already hold the micro-batches (or be closed) or be fed by another thread, and a
+  // bounded outfeed must be read by another thread or hold every entry (nothing here
+  // reads it, and nothing checks). Allocates (the compiled programs; with an outfeed, one
+  // vector per micro-batch). Throws, before anything runs, bspflow::Error if the infeed
+  // or outfeed replica count differs from the config's replicas, an infeed lane already
+  // has a reader or the outfeed is already attached to a run. A stage exception is thrown
+  // as StageError (stage, device, replica, step, micro-batch) after every device has
+  // stopped; any other device failure as DeviceError. An infeed that ends mid-run ends it
+  // with kEndOfData; a step cut short is not applied (the message says how many
+  // micro-batches it dropped). cancel() ends it with kCancelled.
+  PipelineResult run(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
+                     OutfeedQueue<std::vector<float>>* outfeed = nullptr);
+
+  // Any thread: stops the run in progress, if any (run() returns kCancelled). Never blocks
+  // for long, never throws.
+  void cancel() noexcept;
+
+  // Any thread. Never blocks, never allocates, never throws.
+  const PipelineConfig& config() const noexcept;
+  std::uint32_t stages() const noexcept;
+  // Host thread, between runs. Replica r's stage s (read its weights between runs). Never
+  // blocks, never allocates. Throws bspflow::Error naming both indices and the counts if
+  // either is out of range.
+  Stage& stage(std::uint32_t replica, std::uint32_t s);
+  // Host thread, between runs. The schedule (after an inference run: that run's, over all
+  // its micro-batches). Never blocks, never allocates, never throws.
+  const PipelinePlan& plan() const noexcept;
+  // Host thread, between runs. The last run's trace (tracing on; nullptr when tracing is
+  // off or before the first run) and its summary (empty when tracing is off). trace()
+  // never blocks, never allocates, never throws; summary() allocates.
+  const Trace* trace() const noexcept;
+  TraceSummary summary() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace bspflow

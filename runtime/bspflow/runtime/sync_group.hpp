@@ -1,0 +1,39 @@
+// SyncGroup: the barrier of a BSP superstep across devices (program::Sync).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+
+#include "bspflow/base/detail/wait.hpp"
+#include "bspflow/base/tunables.hpp"
+
+namespace bspflow {
+
+// A barrier across `participants` devices. The arrival count and the generation share one
+// atomic word, so the last arrival opens the barrier on the cache line it already holds
+// (one line moves between cores per arrival and one per release, the least a barrier
+// can do). Waiting spins briefly (tunables::kSpinBudget), then parks, so it is live with
+// more devices than cores.
+class SyncGroup {
+ public:
+  explicit SyncGroup(std::uint32_t participants);
+  // Device thread. Returns when every participant has arrived (true), or when `stop` is set
+  // (false; the group is then unusable for this run). Spin::kYield for a device that shares
+  // its core: it gives the core to the others between checks.
+  bool arrive_and_wait(const detail::StopFlag& stop, detail::Spin spin = detail::Spin::kTight);
+  // Any thread: wakes parked participants so they re-check their stop flag.
+  void wake() noexcept { point_.notify(); }
+  // Between runs only (nobody waiting): forgets arrivals of a run that was stopped midway.
+  void reset() noexcept { state_.store(0, std::memory_order_relaxed); }  // relaxed: no waiters
+  std::uint32_t participants() const noexcept { return participants_; }
+
+ private:
+  static constexpr std::uint64_t kCountMask = 0xffff'ffffu;  // low half: arrivals this round
+  static std::uint64_t generation(std::uint64_t state) noexcept { return state >> 32; }
+
+  const std::uint32_t participants_;
+  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> state_{0};  // generation << 32 | arrivals
+  detail::WaitPoint point_;
+};
+
+}  // namespace bspflow

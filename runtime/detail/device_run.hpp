@@ -1,0 +1,198 @@
+// Internal (not installed): the interpreter. A DeviceRun runs one device's program for one
+// Engine run, on the device thread: it walks the program tree, moves stream copies over the
+// modeled host link (directly, or through I/O-tile slots the I/O engine fills ahead), and
+// records the trace.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "bspflow/devices/io_engine.hpp"
+#include "bspflow/runtime/engine.hpp"
+
+namespace bspflow::detail {
+
+using Clock = std::chrono::steady_clock;
+
+enum SlotState : int { kFree, kFilling, kReady, kEnd, kFailed, kSkipped };
+
+// One I/O-tile buffer: a micro-batch the engine moved (to device) or is moving (to host).
+struct Slot {
+  std::byte* mem = nullptr;
+  std::atomic<int> state{kFree};
+  Tensor tensor;        // to device: the host tensor (given back if unused); to host: the entry
+  std::uint64_t iteration = 0;
+  std::string error;
+};
+
+struct InLink {  // one infeed, seen from one device
+  std::optional<InfeedQueue<Tensor>::Reader> reader;
+  std::size_t bytes = 0;   // per micro-batch (every StreamCopy from this infeed moves as many)
+  DType dtype = DType::kFloat32;
+  std::string name;        // "infeed to 'x'" for messages
+  std::vector<std::unique_ptr<Slot>> slots;  // io_tiles > 0
+  std::size_t next_use = 0;
+  std::atomic<bool> closing{false};          // the device is done: fetch nothing more
+  Tensor staging;                            // io_tiles = 0: the element being moved
+};
+
+struct OutLink {  // one outfeed, seen from one device
+  std::optional<OutfeedQueue<Tensor>::Writer> writer;
+  std::vector<std::unique_ptr<Slot>> slots;  // io_tiles > 0
+  std::size_t bytes = 0;                     // of the largest source (sizes the slots)
+  std::size_t next_use = 0;
+};
+
+// What the device runs need of the engine.
+struct EngineState {
+  std::vector<Device*> devices;
+  EngineConfig config;
+  std::unique_ptr<IoEngine> io;
+  std::unique_ptr<Trace> trace;
+  std::uint32_t compute_tiles = 0;
+};
+
+class DeviceRun {
+ public:
+  DeviceRun(EngineState& engine, Device& device, std::uint32_t index, detail::RunControl& control,
+            TraceTrack* track, TraceTrack* io_track)
+      : eng_(engine), device_(device), index_(index), control_(control),
+        stop_(control.stop()), track_(track), io_track_(io_track) {
+    ctx_.device = device_.id();
+    ctx_.replica = index;
+    ctx_.compute_tiles = engine.compute_tiles;
+    ctx_.stop = &stop_;
+  }
+
+  // Host thread, before the run: the links this device's program uses.
+  void add_infeed(InfeedQueue<Tensor>& q, const DeviceBuffer& dst);
+  void add_outfeed(OutfeedQueue<Tensor>& q, const DeviceBuffer& src, OutfeedQueue<Tensor>::Writer* w);
+  void allocate_out_slots();
+  void label(const program::Execute& e) { labels_[&e] = track_ ? track_->add_label(e.name) : 0; }
+  void add_fused(const program::FusedRepeat& f) {
+    fused_.push_back(&f);
+    fused_label_ = track_ ? track_->add_label(f.name) : 0;
+  }
+
+  // Device thread: the whole run.
+  void run(const Program& program);
+
+  // Host thread, instead of run() when the device refused the job: releases the links.
+  void abandon() noexcept;
+
+  void wake() noexcept { point_.notify(); }
+  // Host thread, before the run: what keeps this object alive (the run's shared state).
+  // Every I/O-engine callback holds it, because the engine may still be inside one when the
+  // device has already seen the transfer end and the host has moved on.
+  void set_owner(std::weak_ptr<void> owner) { owner_ = std::move(owner); }
+
+ private:
+  // false: the program must stop (end of data, or stop requested).
+  bool exec(const Program& p) {
+    return std::visit([this](const auto& node) { return exec_node(node); }, p.node());
+  }
+
+  bool exec_node(const program::Sequence& s);
+
+  bool exec_node(const program::Execute& e);
+
+  bool exec_node(const program::FusedRepeat& f);
+
+  bool exec_node(const program::RemoteCopy& r);
+
+  bool exec_node(const program::Sync& s);
+
+  bool exec_node(const program::Copy& c);
+
+  bool exec_node(const program::Repeat& r) {
+    return loop([&](std::uint64_t trip) { return trip < r.count; }, r.body.front());
+  }
+  bool exec_node(const program::RepeatWhile& r) {
+    return loop([&](std::uint64_t trip) { return trip < r.max_trips && r.condition(ctx_); },
+                r.body.front());
+  }
+  template <class More>
+  bool loop(More&& more, const Program& body) {
+    const bool outermost = !in_repeat_;
+    in_repeat_ = true;
+    for (std::uint64_t trip = 0; more(trip); ++trip) {
+      if (stop_.requested()) return false;
+      if (outermost) ctx_.iteration = trip;
+      if (!exec(body)) return false;
+      if (outermost) {
+        ++iterations_;
+        if (track_) track_->count_iteration();
+      }
+    }
+    if (outermost) in_repeat_ = false;
+    return true;
+  }
+
+  bool exec_node(const program::StreamCopy& s);
+
+  bool synthesize(DeviceBuffer& buf);
+
+  // What is wrong with a host tensor for this link's buffers; empty if nothing.
+  static std::string tensor_mismatch(const InLink& link, const Tensor& t);
+
+  // io_tiles = 0: has the I/O engine do `copy` (bytes moved to_host or not) over the
+  // modeled link, asked for at `start`, and waits for it: sleeps until shortly before it can
+  // end, spins until a little after, then parks (so a late engine costs no CPU).
+  void transfer_and_wait(Clock::time_point start, std::size_t bytes, bool to_host,
+                         std::function<void()> copy);
+
+  void record_io(const IoEngine::Times& t, std::size_t bytes, bool to_host) {
+    if (io_track_) io_track_->record(Phase::kTransfer, t.begin, t.end, bytes, 0, to_host);
+  }
+
+  // io_tiles = 0: wait for the host's element, move it over the modeled link, hand it over.
+  bool copy_in(InLink& link, DeviceBuffer& buf);
+
+  // io_tiles > 0: take the next micro-batch the I/O tiles hold, refill the buffer it used.
+  bool copy_in_from_io_tiles(InLink& link, DeviceBuffer& buf);
+
+  // Device thread: asks the engine to move the next micro-batch into `slot`.
+  void submit_fill(InLink& link, Slot& slot);
+
+  // io_tiles = 0: move the result over the modeled link, then into the outfeed.
+  bool copy_out(OutLink& link, DeviceBuffer& buf);
+
+  // io_tiles > 0: drop the result into a free outbound I/O buffer; the engine moves it on.
+  bool copy_out_to_io_tiles(OutLink& link, DeviceBuffer& buf);
+
+  // Device thread, at the end: let the engine finish with this device's buffers, give
+  // prefetched micro-batches back to their infeeds, deliver held outfeed entries.
+  void finish(bool deliver);
+
+  EngineState& eng_;
+  Device& device_;
+  const std::uint32_t index_;
+  detail::RunControl& control_;
+  const detail::StopFlag& stop_;
+  TraceTrack* track_;
+  TraceTrack* io_track_;
+  ComputeContext ctx_;
+  bool in_repeat_ = false;
+  std::uint64_t iterations_ = 0;
+  RunStatus status_ = RunStatus::kCompleted;
+  std::map<const InfeedQueue<Tensor>*, InLink> ins_;
+  std::map<const OutfeedQueue<Tensor>*, OutLink> outs_;
+  std::map<const program::Execute*, std::uint32_t> labels_;
+  std::vector<const program::FusedRepeat*> fused_;
+  std::uint32_t fused_label_ = 0;
+  std::set<const DeviceBuffer*> synthesized_;
+  std::atomic<std::uint32_t> in_flight_{0};
+  std::atomic<std::uint32_t> lost_{0};
+  detail::WaitPoint point_;
+  std::weak_ptr<void> owner_;
+};
+
+}  // namespace bspflow::detail

@@ -1,0 +1,156 @@
+// Internal (not installed): a Pipeline's state, and stage execution (a stage's forward and
+// backward passes, the gradient reduction and the update, as its device runs them). The
+// compiler from a config to device programs is pipeline_compiler.cpp; the host call is
+// pipeline.cpp.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "bspflow/runtime/engine.hpp"
+#include "bspflow/runtime/pipeline.hpp"
+#include "detail/handoff.hpp"
+
+namespace bspflow {
+
+using Clock = std::chrono::steady_clock;
+using detail::EndOfInput;
+using detail::Handoff;
+
+struct Pipeline::Impl {
+  struct Stashed {
+    std::uint64_t micro_batch = 0;
+    std::vector<float> input;
+    std::vector<float> saved;
+  };
+
+  // One stage of one replica, and everything its device keeps for it.
+  struct StageRun {
+    Stage* stage = nullptr;
+    std::uint32_t s = 0, r = 0;
+    Device* device = nullptr;
+    std::size_t in_elements = 0, out_elements = 0;
+    // bsp: outputs by cycle parity (neighbours pull the one written this cycle), inputs
+    // filled by this device's own exchange.
+    Buffer out_fwd[2], out_bwd[2], in_fwd, in_bwd;
+    // dataflow: hand-offs with the neighbours.
+    Handoff* fwd_in = nullptr;
+    Handoff* fwd_out = nullptr;
+    Handoff* bwd_in = nullptr;
+    Handoff* bwd_out = nullptr;
+    // single: the neighbour on the same device reads these directly.
+    std::vector<float> local_out, local_grad;
+    std::vector<float> scratch;  // recomputation's output
+    std::deque<Stashed> fifo;
+    std::vector<Stashed> spare;  // recycled FIFO entries (no allocation in steady state)
+    std::vector<float> grads, accum, reduced;
+    std::vector<float> host_state;  // offloaded optimiser state, between updates
+
+    // Offload: the optimiser state to host memory (zeroed on the device: not resident)
+    // and back. Each returns the bytes moved.
+    std::size_t state_to_host() {
+      const std::span<float> state = stage->optimizer_state();
+      host_state.assign(state.begin(), state.end());
+      std::fill(state.begin(), state.end(), 0.0f);
+      return state.size_bytes();
+    }
+    std::size_t state_from_host() {
+      const std::span<float> state = stage->optimizer_state();
+      std::copy(host_state.begin(), host_state.end(), state.begin());
+      return state.size_bytes();
+    }
+    std::uint32_t accumulated = 0;
+    std::uint64_t cycle = 0, next_cycle = 0, step = 0, micro_batch = 0;
+    std::uint32_t max_fifo = 0;
+    std::uint64_t forwards = 0;
+    // stage 0 / last stage
+    std::optional<InfeedQueue<Batch>::Reader> reader;
+    OutfeedQueue<std::vector<float>>::Writer* writer = nullptr;
+    std::vector<Batch>* batches = nullptr;  // the replica's ring, micro-batch i in slot i % size
+  };
+
+  PipelineConfig config;
+  PipelinePlan plan;
+  std::uint32_t stages = 0;
+  std::vector<Device*> devices;               // the ones used, in order
+  std::vector<StageList> stage_lists;         // per replica
+  std::vector<std::vector<Batch>> batches;    // per replica: a ring of micro-batches in flight
+  std::vector<std::unique_ptr<StageRun>> runs;  // replica-major: r * stages + s
+  std::vector<std::unique_ptr<Handoff>> handoffs;
+  std::unique_ptr<Engine> engine;
+
+  StageRun& run_of(std::uint32_t r, std::uint32_t s) { return *runs[r * stages + s]; }
+  std::uint32_t device_of(std::uint32_t r, std::uint32_t s) const {
+    return config.strategy == ExecutionStrategy::kSingle ? r : r * stages + s;
+  }
+  std::uint64_t k() const noexcept { return config.gradient_accumulation; }
+
+  StageContext context(const StageRun& sr, std::uint64_t micro_batch) const {
+    return StageContext{sr.s, sr.device->id(), sr.r, sr.step, micro_batch};
+  }
+
+  // Runs `f` (a stage's pass); anything it throws becomes a StageError saying where.
+  template <class F>
+  void guarded(const StageRun& sr, std::uint64_t micro_batch, const char* pass, F&& f) {
+    try {
+      f();
+    } catch (const StageError&) {
+      throw;
+    } catch (...) {
+      const std::string what = detail::describe_exception(std::current_exception());
+      throw StageError("stage " + std::to_string(sr.s) + " '" + sr.stage->name() + "' (device " +
+                           std::to_string(sr.device->id()) + ", replica " + std::to_string(sr.r) +
+                           ") failed in its " + pass + " pass at step " + std::to_string(sr.step) +
+                           ", micro-batch " + std::to_string(micro_batch) + ": " + what,
+                       sr.s, sr.device->id(), sr.r, sr.step, micro_batch, std::current_exception());
+    }
+  }
+
+  // The forward pass of micro-batch i: input from the previous stage (empty for stage 0),
+  // output into `output`. false: the run was stopped.
+  bool forward(StageRun& sr, std::uint64_t i, std::span<const float> input, std::span<float> output,
+               const detail::StopFlag* stop);
+
+  // The backward pass of micro-batch i (the oldest in the FIFO).
+  void backward(StageRun& sr, std::uint64_t i, std::span<const float> grad_output,
+                std::span<float> grad_input);
+
+  // After the step's micro-batches: the gradients summed over the replicas (in replica
+  // order, so every replica gets the same bits) and scaled for the reduction type.
+  void reduce(StageRun& sr);
+
+  void update(StageRun& sr) {
+    const StageContext ctx = context(sr, k());
+    guarded(sr, k(), "update", [&] { sr.stage->update(ctx, sr.reduced); });
+    std::fill(sr.accum.begin(), sr.accum.end(), 0.0f);
+    sr.accumulated = 0;
+  }
+
+  // Training: one trip per step (K micro-batches, one update). Inference has no updates to
+  // wait for: one trip through all steps x K micro-batches, so the pipeline fills once.
+  std::uint64_t outer_trips(std::uint64_t steps) const { return config.training ? steps : 1; }
+  std::vector<Program> compile(std::uint64_t steps);
+  Program compile_device_of_pipeline(StageRun& sr, std::uint64_t steps);
+  Program compile_single(std::uint32_t replica, std::uint64_t steps);
+  Program step_end(const std::vector<StageRun*>& on_device, const std::shared_ptr<SyncGroup>& group);
+  // `limit` trips of `body` per step; the condition keeps the trip in st->*trip (and the
+  // step, from the outermost Repeat, at trip 0).
+  static Program counted(StageRun* st, std::uint64_t StageRun::*trip, std::uint64_t limit, Program body) {
+    return program::RepeatWhile(
+        [st, trip, limit](const ComputeContext& ctx) {
+          st->*trip = st->next_cycle++;
+          if (st->*trip == 0) st->step = ctx.iteration;
+          if (st->*trip < limit) return true;
+          st->next_cycle = 0;
+          return false;
+        },
+        std::move(body));
+  }
+  std::vector<std::shared_ptr<SyncGroup>> replica_groups, reduce_groups;
+};
+
+}  // namespace bspflow

@@ -1,0 +1,413 @@
+// The interpreter (see detail/device_run.hpp).
+#include "detail/device_run.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "bspflow/base/detail/random.hpp"
+#include "bspflow/base/error.hpp"
+#include "bspflow/base/log.hpp"
+
+namespace bspflow::detail {
+
+namespace {
+
+std::uint64_t mix_seed(std::uint64_t seed, std::uint32_t device, std::uint32_t replica) {
+  std::uint64_t s = seed ^ (std::uint64_t{device} << 32) ^ (std::uint64_t{replica} * 0x9E3779B97F4A7C15ULL);
+  detail::splitmix64(s);
+  return detail::splitmix64(s);
+}
+
+void fill_synthetic(DeviceBuffer& b, SyntheticData kind, std::uint64_t seed) {
+  if (kind == SyntheticData::kZeros) {
+    std::memset(b.raw().data(), 0, b.bytes());
+    return;
+  }
+  std::uint64_t state = seed;
+  auto uniform = [&] {  // (0, 1]
+    return (static_cast<double>(detail::splitmix64(state) >> 11) + 1.0) * 0x1.0p-53;
+  };
+  auto normal = [&] {  // Box-Muller; one value per call is plenty here
+    return std::sqrt(-2.0 * std::log(uniform())) * std::cos(6.283185307179586 * uniform());
+  };
+  switch (b.dtype()) {
+    case DType::kFloat32:
+      for (float& v : b.as<float>()) v = static_cast<float>(normal());
+      break;
+    case DType::kFloat16:
+      for (std::uint16_t& v : b.as<std::uint16_t>()) v = to_half(static_cast<float>(normal()));
+      break;
+    case DType::kUint8:  // pixels: around mid-grey
+      for (std::uint8_t& v : b.as<std::uint8_t>()) {
+        v = static_cast<std::uint8_t>(std::clamp(std::lround(128.0 + 32.0 * normal()), 0L, 255L));
+      }
+      break;
+    case DType::kInt32:
+      for (std::int32_t& v : b.as<std::int32_t>()) v = static_cast<std::int32_t>(std::lround(normal() * 100));
+      break;
+  }
+}
+
+}  // namespace
+
+void DeviceRun::add_infeed(InfeedQueue<Tensor>& q, const DeviceBuffer& dst) {
+  auto [it, fresh] = ins_.try_emplace(&q);
+  InLink& link = it->second;
+  if (!fresh) {
+    if (link.bytes != dst.bytes() || link.dtype != dst.dtype()) {
+      throw Error("device " + std::to_string(device_.id()) + ": two StreamCopy from one infeed "
+                  "into buffers of different sizes ('" + link.name + "' and '" + dst.name() +
+                  "'): every copy from an infeed moves one micro-batch of one size");
+    }
+    return;
+  }
+  link.bytes = dst.bytes();
+  link.dtype = dst.dtype();
+  link.name = dst.name();
+  if (eng_.config.synthetic != SyntheticData::kOff) return;  // no host copies at all
+  link.reader.emplace(q.reader(index_));
+  if (eng_.config.io_tiles > 0) {
+    for (std::uint32_t k = 0; k < eng_.config.prefetch_depth; ++k) {
+      auto slot = std::make_unique<Slot>();
+      slot->mem = static_cast<std::byte*>(device_.arena().allocate(
+          link.bytes, "I/O tiles: prefetch " + std::to_string(k) + " for '" + dst.name() + "'"));
+      link.slots.push_back(std::move(slot));
+    }
+  }
+}
+
+void DeviceRun::add_outfeed(OutfeedQueue<Tensor>& q, const DeviceBuffer& src, OutfeedQueue<Tensor>::Writer* w) {
+  auto [it, fresh] = outs_.try_emplace(&q);
+  OutLink& link = it->second;
+  if (fresh) link.writer.emplace(std::move(*w));
+  if (eng_.config.io_tiles > 0 && eng_.config.synthetic == SyntheticData::kOff) {
+    // One outbound I/O buffer per prefetch step, sized for the largest source.
+    if (link.slots.empty()) {
+      for (std::uint32_t k = 0; k < eng_.config.prefetch_depth; ++k) link.slots.push_back(std::make_unique<Slot>());
+    }
+    link.bytes = std::max(link.bytes, src.bytes());
+  }
+}
+
+void DeviceRun::allocate_out_slots() {
+  for (auto& [q, link] : outs_) {
+    for (std::size_t k = 0; k < link.slots.size(); ++k) {
+      link.slots[k]->mem = static_cast<std::byte*>(device_.arena().allocate(
+          link.bytes, "I/O tiles: outbound " + std::to_string(k)));
+    }
+  }
+}
+
+void DeviceRun::run(const Program& program) {
+  // Once per device thread (a system call: not once per run).
+  static thread_local const bool slack_lowered = lower_timer_slack();
+  (void)slack_lowered;
+  bool failed = false;
+  try {
+    for (auto& [q, link] : ins_) {
+      for (auto& slot : link.slots) submit_fill(link, *slot);
+    }
+    if (!exec(program) && status_ == RunStatus::kCompleted) status_ = RunStatus::kCancelled;
+  } catch (...) {
+    failed = true;
+    control_.fail(detail::RunControl::Failure{device_.id(), index_, ctx_.iteration, std::current_exception()});
+  }
+  try {
+    finish(!failed && status_ != RunStatus::kCancelled);
+  } catch (...) {
+    if (!failed) control_.fail(detail::RunControl::Failure{device_.id(), index_, ctx_.iteration, std::current_exception()});
+    failed = true;
+  }
+  control_.replica_done(index_, detail::RunControl::ReplicaEnd{device_.id(), iterations_, status_, failed});
+}
+
+void DeviceRun::abandon() noexcept {
+  try {
+    finish(false);
+  } catch (...) {  // the refusal is the error reported
+  }
+  control_.replica_done(index_, detail::RunControl::ReplicaEnd{device_.id(), 0, RunStatus::kCancelled, true});
+}
+
+bool DeviceRun::exec_node(const program::Sequence& s) {
+  for (const Program& step : s.steps) {
+    if (!exec(step)) return false;
+  }
+  return true;
+}
+
+bool DeviceRun::exec_node(const program::Execute& e) {
+  const Clock::time_point t0 = track_ ? Clock::now() : Clock::time_point{};
+  if (e.codelet) {
+    e.codelet(ctx_);
+  } else if (e.work_items == 0) {
+    e.vertex(ctx_, TileWork{0, 0, 0});
+  } else {
+    const std::uint32_t tiles = std::max<std::uint32_t>(1, ctx_.compute_tiles);
+    const std::size_t per = (e.work_items + tiles - 1) / tiles;
+    std::uint32_t tile = 0;
+    for (std::size_t b = 0; b < e.work_items; b += per, ++tile) {
+      e.vertex(ctx_, TileWork{tile, b, std::min(e.work_items, b + per)});
+    }
+  }
+  if (track_) track_->record(Phase::kCompute, t0, Clock::now(), 0, labels_[&e]);
+  return true;
+}
+
+bool DeviceRun::exec_node(const program::FusedRepeat& f) {
+  const program::LoopFrame frame{&ctx_, &stop_, track_, fused_label_, &iterations_};
+  const RunStatus end = f.loop(frame);
+  if (end == RunStatus::kCompleted) return true;
+  status_ = end;
+  return false;
+}
+
+bool DeviceRun::exec_node(const program::RemoteCopy& r) {
+  const Clock::time_point t0 = Clock::now();
+  const std::size_t bytes = r.copy(ctx_);
+  wait_until_deadline(t0 + eng_.config.host_link.duration(bytes));
+  if (track_) track_->record(Phase::kStreamCopyMid, t0, Clock::now(), bytes, 0, r.to_host);
+  return true;
+}
+
+bool DeviceRun::exec_node(const program::Sync& s) {
+  const Clock::time_point t0 = track_ ? Clock::now() : Clock::time_point{};
+  const bool ok = s.group->arrive_and_wait(stop_, device_.placement().sharing > 1
+                                                      ? detail::Spin::kYield
+                                                      : detail::Spin::kTight);
+  if (track_) track_->record(Phase::kSync, t0, Clock::now());
+  return ok;
+}
+
+bool DeviceRun::exec_node(const program::Copy& c) {
+  // Between devices the copy takes the device link's modeled time (none on one device).
+  const std::chrono::nanoseconds link = &c.src->device() != &c.dst->device()
+                                            ? eng_.config.device_link.duration(c.dst->bytes())
+                                            : std::chrono::nanoseconds{0};
+  const Clock::time_point t0 = track_ || link.count() > 0 ? Clock::now() : Clock::time_point{};
+  std::memcpy(c.dst->raw().data(), c.src->raw().data(), c.dst->bytes());
+  if (link.count() > 0) wait_until_deadline(t0 + link);
+  if (track_) track_->record(Phase::kExchange, t0, Clock::now(), c.dst->bytes());
+  return true;
+}
+
+bool DeviceRun::exec_node(const program::StreamCopy& s) {
+  DeviceBuffer& buf = *s.buffer;
+  if (s.infeed != nullptr) {
+    InLink& link = ins_.at(s.infeed);
+    if (eng_.config.synthetic != SyntheticData::kOff) return synthesize(buf);
+    return eng_.config.io_tiles > 0 ? copy_in_from_io_tiles(link, buf) : copy_in(link, buf);
+  }
+  if (eng_.config.synthetic != SyntheticData::kOff) return true;  // nothing leaves either
+  OutLink& link = outs_.at(s.outfeed);
+  return eng_.config.io_tiles > 0 ? copy_out_to_io_tiles(link, buf) : copy_out(link, buf);
+}
+
+bool DeviceRun::synthesize(DeviceBuffer& buf) {
+  if (!synthesized_.insert(&buf).second) return true;  // filled once, then left in place
+  const Clock::time_point t0 = track_ ? Clock::now() : Clock::time_point{};
+  fill_synthetic(buf, eng_.config.synthetic, mix_seed(eng_.config.seed, device_.id(), index_));
+  if (track_) track_->record(Phase::kCompute, t0, Clock::now(), 0, track_->add_label("synthetic data"));
+  return true;
+}
+
+std::string DeviceRun::tensor_mismatch(const InLink& link, const Tensor& t) {
+  if (t.dtype() == link.dtype && t.bytes() == link.bytes) return {};
+  return "infeed element for buffer '" + link.name + "' is " + std::to_string(t.elements()) + " " +
+         to_string(t.dtype()) + " (" + std::to_string(t.bytes()) + " bytes); the buffer takes " +
+         std::to_string(link.bytes / dtype_size(link.dtype)) + " " + to_string(link.dtype) + " (" +
+         std::to_string(link.bytes) + " bytes)";
+}
+
+void DeviceRun::transfer_and_wait(Clock::time_point start, std::size_t bytes, bool to_host,
+                       std::function<void()> copy) {
+  std::atomic<int> done{0};
+  const auto modeled = eng_.config.host_link.duration(bytes);
+  const Clock::time_point earliest_end = start + modeled;
+  eng_.io->submit(index_, IoEngine::Transfer{
+      bytes, modeled,
+      [&copy] {
+        copy();
+        return IoEngine::Start::kGo;
+      },
+      [&, keep = owner_.lock()](const IoEngine::Times& t, bool) {
+        record_io(t, bytes, to_host);
+        done.store(1, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
+        point_.notify();
+      }});
+  auto arrived = [&] { return done.load(std::memory_order_seq_cst) != 0; };
+  sleep_until_near(earliest_end);
+  const Clock::time_point spin_end = earliest_end + tunables::kSpinBudget;
+  for (unsigned i = 0; !arrived(); ++i) {
+    detail::cpu_relax();
+    if ((i & 63u) == 0 && Clock::now() >= spin_end) {
+      point_.wait(arrived);
+      break;
+    }
+  }
+}
+
+bool DeviceRun::copy_in(InLink& link, DeviceBuffer& buf) {
+  const Clock::time_point t0 = Clock::now();
+  if (!link.reader->try_pop(link.staging) && !link.reader->pop(link.staging, &stop_)) {
+    if (link.reader->end_of_data()) status_ = RunStatus::kEndOfData;
+    return false;
+  }
+  const Clock::time_point t1 = Clock::now();
+  if (std::string wrong = tensor_mismatch(link, link.staging); !wrong.empty()) throw Error(wrong);
+  transfer_and_wait(t1, link.bytes, false,
+                    [&] { std::memcpy(buf.raw().data(), link.staging.raw().data(), link.bytes); });
+  const Clock::time_point t2 = Clock::now();
+  link.staging = Tensor();  // the host buffer goes back (to its pool, if it has one)
+  if (track_) {
+    if (t1 - t0 > std::chrono::nanoseconds(0)) track_->record(Phase::kStreamCopyBegin, t0, t1);
+    track_->record(Phase::kStreamCopyMid, t1, t2, link.bytes);
+    track_->record(Phase::kStreamCopyEnd, t2, Clock::now());
+  }
+  return true;
+}
+
+bool DeviceRun::copy_in_from_io_tiles(InLink& link, DeviceBuffer& buf) {
+  Slot& slot = *link.slots[link.next_use % link.slots.size()];
+  const Clock::time_point t0 = Clock::now();
+  auto arrived = [&] { return slot.state.load(std::memory_order_seq_cst) >= kReady || stop_.requested(); };
+  if (!arrived()) point_.wait(arrived);
+  const Clock::time_point t1 = Clock::now();
+  if (track_ && t1 - t0 > std::chrono::microseconds(1)) track_->record(Phase::kStreamCopyBegin, t0, t1);
+  const int state = slot.state.load(std::memory_order_acquire);
+  if (state == kEnd) {
+    status_ = RunStatus::kEndOfData;
+    return false;
+  }
+  if (state == kFailed) throw Error(slot.error);
+  if (state != kReady) return false;  // stopped
+  std::memcpy(buf.raw().data(), slot.mem, link.bytes);  // I/O tiles -> compute tiles
+  slot.tensor = Tensor();
+  slot.state.store(kFree, std::memory_order_relaxed);  // relaxed: only this thread reads it now
+  ++link.next_use;
+  submit_fill(link, slot);
+  if (track_) track_->record(Phase::kStreamCopyEnd, t1, Clock::now(), link.bytes);
+  return true;
+}
+
+void DeviceRun::submit_fill(InLink& link, Slot& slot) {
+  slot.state.store(kFilling, std::memory_order_relaxed);  // relaxed: published by the post
+  ++in_flight_;
+  const auto modeled = eng_.config.host_link.duration(link.bytes);
+  eng_.io->submit(index_, IoEngine::Transfer{
+      link.bytes, modeled,
+      [this, &link, &slot] {  // engine thread: the reader's consumer while the run lasts
+        if (stop_.requested() || link.closing.load(std::memory_order_acquire)) {
+          slot.state.store(kSkipped, std::memory_order_relaxed);  // relaxed: done() publishes
+          return IoEngine::Start::kSkip;
+        }
+        if (!link.reader->try_pop(slot.tensor)) {
+          if (!link.reader->at_end()) return IoEngine::Start::kWait;
+          slot.state.store(kEnd, std::memory_order_relaxed);
+          return IoEngine::Start::kSkip;
+        }
+        slot.error = tensor_mismatch(link, slot.tensor);
+        if (!slot.error.empty()) {
+          slot.state.store(kFailed, std::memory_order_relaxed);
+          return IoEngine::Start::kSkip;
+        }
+        std::memcpy(slot.mem, slot.tensor.raw().data(), link.bytes);
+        return IoEngine::Start::kGo;
+      },
+      [this, keep = owner_.lock(), &link, &slot](const IoEngine::Times& t, bool cancelled) {
+        int s = slot.state.load(std::memory_order_relaxed);
+        if (s == kFilling) {
+          if (!cancelled) record_io(t, link.bytes, false);
+          s = cancelled ? kSkipped : kReady;
+        }
+        slot.state.store(s, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
+        in_flight_.fetch_sub(1, std::memory_order_seq_cst);
+        point_.notify();
+      }});
+}
+
+bool DeviceRun::copy_out(OutLink& link, DeviceBuffer& buf) {
+  const Clock::time_point t0 = Clock::now();
+  Tensor out(buf.dtype(), {buf.elements()}, Tensor::Init::kNone);
+  transfer_and_wait(t0, buf.bytes(), true,
+                    [&] { std::memcpy(out.raw().data(), buf.raw().data(), buf.bytes()); });
+  const Clock::time_point t1 = Clock::now();
+  const bool ok = link.writer->write(ctx_.iteration, std::move(out), &stop_);
+  if (track_) {
+    track_->record(Phase::kStreamCopyMid, t0, t1, buf.bytes(), 0, true);
+    track_->record(Phase::kStreamCopyEnd, t1, Clock::now());
+  }
+  return ok;
+}
+
+bool DeviceRun::copy_out_to_io_tiles(OutLink& link, DeviceBuffer& buf) {
+  Slot& slot = *link.slots[link.next_use % link.slots.size()];
+  const Clock::time_point t0 = Clock::now();
+  auto room = [&] { return slot.state.load(std::memory_order_seq_cst) != kFilling || stop_.requested(); };
+  if (!room()) point_.wait(room);
+  const Clock::time_point t1 = Clock::now();
+  if (track_ && t1 - t0 > std::chrono::microseconds(1)) track_->record(Phase::kStreamCopyBegin, t0, t1);
+  if (stop_.requested()) return false;
+  const std::size_t bytes = buf.bytes();
+  std::memcpy(slot.mem, buf.raw().data(), bytes);  // compute tiles -> I/O tiles
+  slot.iteration = ctx_.iteration;
+  slot.state.store(kFilling, std::memory_order_relaxed);  // relaxed: published by the post
+  ++link.next_use;
+  ++in_flight_;
+  const DType dtype = buf.dtype();
+  const std::size_t elements = buf.elements();
+  eng_.io->submit(index_, IoEngine::Transfer{
+      bytes, eng_.config.host_link.duration(bytes),
+      [&slot, dtype, elements, bytes] {
+        slot.tensor = Tensor(dtype, {elements}, Tensor::Init::kNone);
+        std::memcpy(slot.tensor.raw().data(), slot.mem, bytes);
+        return IoEngine::Start::kGo;
+      },
+      [this, keep = owner_.lock(), &link, &slot, bytes](const IoEngine::Times& t, bool cancelled) {
+        if (!cancelled) {
+          record_io(t, bytes, true);
+          // The engine thread writes while the device computes on; the device flushes and
+          // finishes the writer only after every outbound transfer has ended.
+          try {
+            if (!link.writer->write(slot.iteration, std::move(slot.tensor), &stop_)) lost_.fetch_add(1);
+          } catch (...) {
+            lost_.fetch_add(1);
+          }
+        }
+        slot.tensor = Tensor();
+        slot.state.store(kFree, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
+        in_flight_.fetch_sub(1, std::memory_order_seq_cst);
+        point_.notify();
+      }});
+  if (track_) track_->record(Phase::kStreamCopyEnd, t1, Clock::now(), bytes, 0, true);
+  return true;
+}
+
+void DeviceRun::finish(bool deliver) {
+  for (const program::FusedRepeat* f : fused_) f->finish(deliver);
+  const Clock::time_point t0 = Clock::now();
+  for (auto& [q, link] : ins_) link.closing.store(true, std::memory_order_release);
+  point_.wait([&] { return in_flight_.load(std::memory_order_seq_cst) == 0; });
+  if (track_ && Clock::now() - t0 > std::chrono::microseconds(1)) track_->record(Phase::kIdle, t0, Clock::now());
+  for (auto& [q, link] : ins_) {
+    if (!link.reader) continue;
+    for (std::size_t k = 0; k < link.slots.size(); ++k) {  // oldest first
+      Slot& slot = *link.slots[(link.next_use + k) % link.slots.size()];
+      if (slot.state.load(std::memory_order_acquire) == kReady) link.reader->put_back(std::move(slot.tensor));
+    }
+    link.reader.reset();
+    for (auto& slot : link.slots) device_.arena().release(slot->mem);
+  }
+  for (auto& [q, link] : outs_) {
+    if (link.writer) link.writer->finish(deliver && lost_.load() == 0, &stop_);
+    link.writer.reset();
+    for (auto& slot : link.slots) device_.arena().release(slot->mem);
+  }
+  if (lost_.load() != 0) {
+    throw Error(std::to_string(lost_.load()) + " outfeed entr" + (lost_.load() == 1 ? "y" : "ies") +
+                " could not be delivered (the run was stopped while the outfeed was full)");
+  }
+}
+
+}  // namespace bspflow::detail

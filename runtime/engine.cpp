@@ -1,0 +1,339 @@
+// The Engine (see bspflow/runtime/engine.hpp): checks a run's programs against the devices
+// and the config, sets up the links and one DeviceRun (the interpreter) per device, and
+// collects the end.
+#include "bspflow/runtime/engine.hpp"
+
+#include <map>
+#include <mutex>
+#include <set>
+#include <string>
+
+#include "bspflow/base/error.hpp"
+#include "bspflow/devices/io_engine.hpp"
+#include "detail/device_run.hpp"
+
+namespace bspflow {
+
+using Clock = std::chrono::steady_clock;
+using detail::DeviceRun;
+using detail::EngineState;
+
+// ---- config ----
+
+EngineConfig EngineConfig::from(const Options& options) {
+  EngineConfig c;
+  c.io_tiles = options.io_tiles();
+  c.prefetch_depth = options.prefetch_depth();
+  if (options.synthetic_data()) c.synthetic = SyntheticData::kRandomNormal;
+  return c;
+}
+
+void EngineConfig::validate() const {
+  if (prefetch_depth < tunables::kMinPrefetchDepth || prefetch_depth > tunables::kMaxPrefetchDepth) {
+    detail::throw_bad_value("prefetch_depth", prefetch_depth, "must be in 1..255");
+  }
+  if (io_tiles % 2 != 0) {
+    detail::throw_bad_value("io_tiles", io_tiles, "must be 0 or an even number");
+  }
+  host_link.validate("host link");
+  device_link.validate("device link");
+}
+
+std::optional<std::uint32_t> Engine::suggest_io_tiles(std::size_t bytes, const DeviceConfig& config) {
+  const double need = 1.05 * static_cast<double>(bytes) / static_cast<double>(config.bytes_per_tile);
+  for (std::uint64_t n = 2; n < config.tiles; n *= 2) {
+    if (static_cast<double>(n) >= need) return static_cast<std::uint32_t>(n);
+  }
+  return std::nullopt;
+}
+
+namespace {
+
+// One run's shared state: held by every device job and I/O callback of the run, so the
+// last one to finish frees it (the host may return before they have all let go).
+struct RunShared {
+  RunShared(std::uint32_t devices, std::uint64_t requested) : control(devices, requested) {}
+  detail::RunControl control;
+  std::vector<Program> programs;
+  std::vector<std::unique_ptr<DeviceRun>> runs;
+  std::map<OutfeedQueue<Tensor>*, std::vector<OutfeedQueue<Tensor>::Writer>> writers;
+  std::set<SyncGroup*> groups;
+  std::set<InfeedQueue<Tensor>*> infeeds;
+};
+
+// What a program uses, gathered before the run.
+struct Uses {
+  std::vector<const program::StreamCopy*> streams;
+  std::vector<const program::Execute*> executes;
+  const program::FusedRepeat* fused = nullptr;  // only ever the whole program
+  std::set<SyncGroup*> groups;
+  std::vector<const DeviceBuffer*> buffers;  // buffers the device itself touches
+  std::optional<std::uint64_t> outer_count;
+};
+
+void gather(const Program& p, Uses& u, bool in_repeat, const Program& root) {
+  std::visit(
+      [&](const auto& n) {
+        using N = std::decay_t<decltype(n)>;
+        if constexpr (std::is_same_v<N, program::Sequence>) {
+          for (const Program& s : n.steps) gather(s, u, in_repeat, root);
+        } else if constexpr (std::is_same_v<N, program::Execute>) {
+          u.executes.push_back(&n);
+        } else if constexpr (std::is_same_v<N, program::Sync>) {
+          u.groups.insert(n.group.get());
+        } else if constexpr (std::is_same_v<N, program::Copy>) {
+          u.buffers.push_back(n.dst.get());
+        } else if constexpr (std::is_same_v<N, program::StreamCopy>) {
+          u.streams.push_back(&n);
+          u.buffers.push_back(n.buffer.get());
+        } else if constexpr (std::is_same_v<N, program::Repeat>) {
+          if (!in_repeat && !u.outer_count) u.outer_count = n.count;
+          gather(n.body.front(), u, true, root);
+        } else if constexpr (std::is_same_v<N, program::RemoteCopy>) {
+          // host memory of the program's own: nothing to set up
+        } else if constexpr (std::is_same_v<N, program::FusedRepeat>) {
+          if (&n != std::get_if<program::FusedRepeat>(&root.node())) {
+            throw Error("FusedRepeat '" + n.name + "' must be a device's whole program, not "
+                        "part of a Sequence or Repeat (it runs every trip itself)");
+          }
+          u.fused = &n;
+          u.outer_count = n.count;
+        } else {
+          gather(n.body.front(), u, true, root);
+        }
+      },
+      p.node());
+}
+
+}  // namespace
+
+// ---- Engine ----
+
+struct Engine::Impl : EngineState {
+  std::mutex current_mutex;
+  std::shared_ptr<RunShared> current;  // the run in progress, for cancel()
+};
+
+Engine::Engine(DeviceList devices, EngineConfig config) : impl_(std::make_unique<Impl>()) {
+  config.validate();
+  if (devices.size() == 0) throw Error("Engine needs at least one device");
+  for (std::uint32_t d = 0; d < devices.size(); ++d) {
+    Device& dev = devices[d];
+    if (config.io_tiles >= dev.config().tiles) {
+      detail::throw_bad_value("io_tiles", config.io_tiles,
+                              "must be below the device's " + std::to_string(dev.config().tiles) +
+                                  " tiles (an even number, leaving tiles to compute on)");
+    }
+    impl_->devices.push_back(&dev);
+  }
+  if (std::string env = detail::trace_path_from_env(); !env.empty()) {
+    config.trace = true;
+    if (config.trace_path.empty()) config.trace_path = std::move(env);
+  }
+  impl_->compute_tiles = impl_->devices.front()->config().tiles - config.io_tiles;
+  impl_->config = std::move(config);
+  std::vector<std::uint32_t> cores;
+  for (Device* d : impl_->devices) {
+    if (d->placement().core) cores.push_back(*d->placement().core);
+  }
+  impl_->io = std::make_unique<IoEngine>(devices.size(), "I/O engine", IoEngine::pick_core(cores));
+}
+
+Engine::~Engine() = default;
+
+EngineResult Engine::run(const Program& program) {
+  return run(std::vector<Program>(impl_->devices.size(), program));
+}
+
+EngineResult Engine::run(const std::vector<Program>& programs) { return run(programs, nullptr); }
+
+EngineResult Engine::run(const std::vector<Program>& programs, std::function<void()> wake) {
+  Impl& im = *impl_;
+  const auto n = static_cast<std::uint32_t>(im.devices.size());
+  if (programs.size() != n) {
+    throw Error("Engine::run: " + std::to_string(programs.size()) + " programs for " +
+                std::to_string(n) + " devices (give one program per device, or one for all)");
+  }
+  // Check the programs against the devices and the config.
+  std::vector<Uses> uses(n);
+  std::map<SyncGroup*, std::uint32_t> group_users;
+  for (std::uint32_t d = 0; d < n; ++d) {
+    gather(programs[d], uses[d], false, programs[d]);
+    for (const DeviceBuffer* b : uses[d].buffers) {
+      if (&b->device() != im.devices[d]) {
+        throw Error("the program of device " + std::to_string(im.devices[d]->id()) + " uses buffer '" +
+                    b->name() + "' of device " + std::to_string(b->device().id()) +
+                    ": stream copies and the destination of a Copy must be on the device that runs them");
+      }
+    }
+    for (SyncGroup* g : uses[d].groups) ++group_users[g];
+    std::size_t micro_batch = 0;
+    std::set<const InfeedQueue<Tensor>*> seen;
+    for (const program::StreamCopy* s : uses[d].streams) {
+      if (s->infeed && seen.insert(s->infeed).second) micro_batch += s->buffer->bytes();
+      if (s->infeed && s->infeed->replicas() != n) {
+        throw Error("infeed of buffer '" + s->buffer->name() + "' has " + std::to_string(s->infeed->replicas()) +
+                    " replica lane(s) but the engine runs " + std::to_string(n) +
+                    " device(s): device d reads lane d (InfeedConfig::replicas = " + std::to_string(n) + ")");
+      }
+      if (s->outfeed && s->outfeed->replicas() != n) {
+        throw Error("outfeed of buffer '" + s->buffer->name() + "' has " + std::to_string(s->outfeed->replicas()) +
+                    " replica(s) but the engine runs " + std::to_string(n) +
+                    " device(s) (OutfeedConfig::replicas = " + std::to_string(n) + ")");
+      }
+    }
+    const DeviceConfig& dc = im.devices[d]->config();
+    if (im.config.io_tiles > 0 && micro_batch > 0 &&
+        static_cast<double>(im.config.io_tiles) * static_cast<double>(dc.bytes_per_tile) <
+            1.05 * static_cast<double>(micro_batch)) {
+      const auto suggestion = suggest_io_tiles(micro_batch, dc);
+      throw Error("io_tiles = " + std::to_string(im.config.io_tiles) + " hold " +
+                  detail::format_bytes(std::uint64_t{im.config.io_tiles} * dc.bytes_per_tile) +
+                  ", too little for one micro-batch of " + detail::format_bytes(micro_batch) +
+                  " (with 5% headroom) on device " + std::to_string(im.devices[d]->id()) + ": " +
+                  (suggestion ? "use io_tiles = " + std::to_string(*suggestion) + " (leaving " +
+                                    std::to_string(dc.tiles - *suggestion) + " compute tiles)"
+                              : std::string("no even count below the device's ") +
+                                    std::to_string(dc.tiles) + " tiles holds it; shrink the micro-batch"));
+    }
+  }
+  for (auto& [g, users] : group_users) {
+    if (users != g->participants()) {
+      throw Error("a sync group of " + std::to_string(g->participants()) + " participants is used by " +
+                  std::to_string(users) + " device program(s): every participant must sync on it, "
+                  "or the others would wait forever");
+    }
+  }
+
+  // Set up the run: tracks, links (readers claim lanes, writers attach), device runs.
+  const Clock::time_point origin = Clock::now();
+  std::unique_ptr<Trace> trace;
+  if (im.config.trace) trace = std::make_unique<Trace>(origin);
+  std::vector<TraceTrack*> tracks(n, nullptr), io_tracks(n, nullptr);
+  if (trace) {
+    for (std::uint32_t d = 0; d < n; ++d) {
+      tracks[d] = &trace->add_track("device " + std::to_string(im.devices[d]->id()), TraceTrack::Kind::kDevice, d);
+    }
+    for (std::uint32_t d = 0; d < n; ++d) {
+      io_tracks[d] = &trace->add_track("I/O engine: link " + std::to_string(im.devices[d]->id()), TraceTrack::Kind::kIo, d);
+    }
+  }
+  auto shared = std::make_shared<RunShared>(n, uses.front().outer_count.value_or(1));
+  RunShared& rs = *shared;
+  detail::RunControl& control = rs.control;
+  rs.programs = programs;
+  for (std::uint32_t d = 0; d < n; ++d) {
+    rs.runs.push_back(std::make_unique<DeviceRun>(im, *im.devices[d], d, control, tracks[d], io_tracks[d]));
+    DeviceRun& run = *rs.runs[d];
+    run.set_owner(shared);
+    for (const program::Execute* e : uses[d].executes) run.label(*e);
+    if (uses[d].fused) run.add_fused(*uses[d].fused);
+    for (const program::StreamCopy* s : uses[d].streams) {
+      if (s->infeed) {
+        run.add_infeed(*s->infeed, *s->buffer);
+        rs.infeeds.insert(s->infeed);
+      } else {
+        auto it = rs.writers.find(s->outfeed);
+        if (it == rs.writers.end()) it = rs.writers.emplace(s->outfeed, s->outfeed->begin_run()).first;
+        run.add_outfeed(*s->outfeed, *s->buffer, &it->second[d]);
+      }
+    }
+    run.allocate_out_slots();
+  }
+  for (auto& [g, users] : group_users) {
+    g->reset();  // a run stopped midway may have left arrivals behind
+    rs.groups.insert(g);
+  }
+  control.set_waker([&rs, wake = std::move(wake)] {  // called only while the run is open: rs is alive
+    if (wake) wake();
+    for (SyncGroup* g : rs.groups) g->wake();
+    for (InfeedQueue<Tensor>* q : rs.infeeds) q->wake_all();
+    for (auto& [q, w] : rs.writers) q->wake_all();
+    for (auto& r : rs.runs) r->wake();
+  });
+
+  {
+    std::lock_guard lock(im.current_mutex);
+    im.current = shared;
+  }
+  for (std::uint32_t d = 0; d < n; ++d) {
+    try {
+      im.devices[d]->submit(DeviceJob{[shared, d] { shared->runs[d]->run(shared->programs[d]); },
+                                      [shared] { shared->control.cancel(); }});
+    } catch (...) {
+      control.fail(detail::RunControl::Failure{im.devices[d]->id(), d, 0, std::current_exception()});
+      for (std::uint32_t k = d; k < n; ++k) rs.runs[k]->abandon();
+      break;
+    }
+  }
+  control.wait();
+  const Clock::time_point end = Clock::now();
+  // Every device has reported its end and no longer reads its program: let go of the
+  // programs here, so buffers they hold are freed on this thread, not by whichever device
+  // thread drops the run's shared state last (perhaps while the host destroys a device).
+  rs.programs.clear();
+  {
+    std::lock_guard lock(im.current_mutex);
+    im.current.reset();
+  }
+  if (trace) {
+    trace->set_end(end);
+    im.trace = std::move(trace);
+    if (!im.config.trace_path.empty()) im.trace->write_chrome_json(im.config.trace_path);
+  }
+  EngineResult result;
+  result.elapsed = end - origin;
+  result.status = control.finish(result.iterations, result.message);
+  return result;
+}
+
+void Engine::cancel() noexcept {
+  std::lock_guard lock(impl_->current_mutex);
+  if (impl_->current) impl_->current->control.cancel();
+}
+
+namespace detail {
+namespace {
+// A one-device engine for a loop built elsewhere: no link, no I/O engine, every tile computes.
+struct LoneRun {
+  LoneRun(Device& device, std::uint32_t replica, const Program& program, RunControl& control,
+          TraceTrack* track) {
+    gather(program, uses, false, program);
+    if (uses.fused == nullptr) {  // (gather() allows a FusedRepeat only as the whole program)
+      throw Error("run_on_device: only a FusedRepeat program runs outside an Engine");
+    }
+    state.compute_tiles = device.config().tiles;
+    run.emplace(state, device, replica, control, track, nullptr);
+    run->add_fused(*uses.fused);
+  }
+  Uses uses;
+  EngineState state;
+  std::optional<DeviceRun> run;
+};
+}  // namespace
+
+void run_on_device(Device& device, std::uint32_t replica, const Program& program,
+                   RunControl& control, TraceTrack* track) {
+  LoneRun lone(device, replica, program, control, track);
+  lone.run->run(program);
+}
+
+void abandon_on_device(Device& device, std::uint32_t replica, const Program& program,
+                       RunControl& control) noexcept {
+  try {
+    LoneRun lone(device, replica, program, control, nullptr);
+    lone.run->abandon();
+  } catch (...) {  // not a FusedRepeat: nothing to finish
+    control.replica_done(replica, RunControl::ReplicaEnd{device.id(), 0, RunStatus::kCancelled, true});
+  }
+}
+}  // namespace detail
+
+const Trace* Engine::trace() const noexcept { return impl_->trace.get(); }
+TraceSummary Engine::summary() const { return impl_->trace ? impl_->trace->summary() : TraceSummary{}; }
+const EngineConfig& Engine::config() const noexcept { return impl_->config; }
+std::uint32_t Engine::devices() const noexcept { return static_cast<std::uint32_t>(impl_->devices.size()); }
+std::uint32_t Engine::compute_tiles() const noexcept { return impl_->compute_tiles; }
+bool Engine::low_timer_slack() const noexcept { return impl_->io->low_timer_slack(); }
+
+}  // namespace bspflow

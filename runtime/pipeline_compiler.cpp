@@ -1,0 +1,184 @@
+// The compiler from a pipeline config to one Program per device (see
+// detail/pipeline_impl.hpp): the schedule's cycles, syncs and exchanges (bsp) or hand-offs
+// (dataflow), and the weight update at the end of each step.
+#include <functional>
+
+#include "detail/pipeline_impl.hpp"
+
+namespace bspflow {
+
+namespace {
+// Poplar's If: runs `then` when `condition` holds (a RepeatWhile of at most one trip).
+Program when(std::function<bool(const ComputeContext&)> condition, Program then) {
+  return program::RepeatWhile(std::move(condition), std::move(then), 1);
+}
+std::span<float> floats(const Buffer& b) { return b ? b->as<float>() : std::span<float>{}; }
+}  // namespace
+
+// The weight update at the end of a step: with replicas, sync, all-reduce, sync, so every
+// replica reads the others' accumulated gradients before anyone resets them.
+Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
+                                 const std::shared_ptr<SyncGroup>& group) {
+  std::vector<Program> steps;
+  if (!config.training) return program::Sequence(std::move(steps));
+  const bool replicated = config.replicas > 1;
+  if (replicated) steps.emplace_back(program::Sync(group));
+  steps.emplace_back(program::Execute(replicated ? "all-reduce" : "reduce", [this, on_device](const ComputeContext&) {
+    for (StageRun* sr : on_device) reduce(*sr);
+  }));
+  if (replicated) steps.emplace_back(program::Sync(group));
+  // Offload: the optimiser state streams in before the update and out after it.
+  auto stream_state = [on_device](bool to_host) {
+    return program::RemoteCopy(to_host ? "optimiser state out" : "optimiser state in", to_host,
+                               [on_device, to_host](const ComputeContext&) {
+                                 std::size_t bytes = 0;
+                                 for (StageRun* sr : on_device) {
+                                   bytes += to_host ? sr->state_to_host() : sr->state_from_host();
+                                 }
+                                 return bytes;
+                               });
+  };
+  if (config.offload_optimizer) steps.emplace_back(stream_state(false));
+  steps.emplace_back(program::Execute("update", [this, on_device](const ComputeContext&) {
+    for (StageRun* sr : on_device) update(*sr);
+  }));
+  if (config.offload_optimizer) steps.emplace_back(stream_state(true));
+  return program::Sequence(std::move(steps));
+}
+
+Program Pipeline::Impl::compile_device_of_pipeline(StageRun& sr, std::uint64_t steps) {
+  StageRun* st = &sr;
+  const std::uint32_t n = stages;
+  const bool first = sr.s == 0, last = sr.s + 1 == n;
+  const bool bsp = config.sync == SyncMode::kBsp;
+  const std::uint64_t cycles = plan.cycles();
+  const PipelinePlan* p = &plan;
+  const std::string name = sr.stage->name();
+  std::vector<Program> body;
+
+  // Forward pass of this cycle's micro-batch.
+  body.push_back(when(
+      [st, p](const ComputeContext&) { return p->at(st->s, st->cycle).forward >= 0; },
+      program::Execute(name + " forward", [this, st, first, last, bsp](const ComputeContext& ctx) {
+        const std::uint64_t i = static_cast<std::uint64_t>(plan.at(st->s, st->cycle).forward);
+        if (bsp) {
+          const std::span<const float> in = first ? std::span<const float>{} : floats(st->in_fwd);
+          forward(*st, i, in, last ? std::span<float>(st->local_out) : floats(st->out_fwd[st->cycle % 2]), ctx.stop);
+          return;
+        }
+        std::span<const float> in;
+        if (!first) {
+          const float* m = st->fwd_in->front(*ctx.stop);
+          if (m == nullptr) return;
+          in = {m, st->in_elements};
+        }
+        std::span<float> out(st->local_out);
+        if (!last) {
+          float* m = st->fwd_out->acquire(*ctx.stop);
+          if (m == nullptr) return;
+          out = {m, st->out_elements};
+        }
+        const bool ok = forward(*st, i, in, out, ctx.stop);
+        if (!first) st->fwd_in->release();
+        if (!last && ok) st->fwd_out->publish();
+      })));
+
+  if (config.training) {
+    body.push_back(when(
+        [st, p](const ComputeContext&) { return p->at(st->s, st->cycle).backward >= 0; },
+        program::Execute(name + " backward", [this, st, first, last, bsp](const ComputeContext& ctx) {
+          const std::uint64_t i = static_cast<std::uint64_t>(plan.at(st->s, st->cycle).backward);
+          if (bsp) {
+            backward(*st, i, last ? std::span<const float>{} : floats(st->in_bwd),
+                     first ? std::span<float>{} : floats(st->out_bwd[st->cycle % 2]));
+            return;
+          }
+          std::span<const float> grad_out;
+          if (!last) {
+            const float* m = st->bwd_in->front(*ctx.stop);
+            if (m == nullptr) return;
+            grad_out = {m, st->out_elements};
+          }
+          std::span<float> grad_in;
+          if (!first) {
+            float* m = st->bwd_out->acquire(*ctx.stop);
+            if (m == nullptr) return;
+            grad_in = {m, st->in_elements};
+          }
+          backward(*st, i, grad_out, grad_in);
+          if (!last) st->bwd_in->release();
+          if (!first) st->bwd_out->publish();
+        })));
+  }
+
+  if (bsp && n > 1) {
+    body.emplace_back(program::Sync(replica_groups[sr.r]));
+    // Exchange: pull what the neighbours produced this cycle (by parity) into our inputs.
+    if (!first) {
+      const StageRun& prev = run_of(sr.r, sr.s - 1);
+      for (std::uint64_t parity = 0; parity < 2; ++parity) {
+        body.push_back(when(
+            [st, p, parity](const ComputeContext&) {
+              return st->cycle % 2 == parity && p->at(st->s - 1, st->cycle).forward >= 0;
+            },
+            program::Copy(prev.out_fwd[parity], sr.in_fwd)));
+      }
+    }
+    if (!last && config.training) {
+      const StageRun& next = run_of(sr.r, sr.s + 1);
+      for (std::uint64_t parity = 0; parity < 2; ++parity) {
+        body.push_back(when(
+            [st, p, parity](const ComputeContext&) {
+              return st->cycle % 2 == parity && p->at(st->s + 1, st->cycle).backward >= 0;
+            },
+            program::Copy(next.out_bwd[parity], sr.in_bwd)));
+      }
+    }
+  }
+
+  Program cycle_loop = counted(st, &StageRun::cycle, cycles, program::Sequence(std::move(body)));
+  return program::Repeat(outer_trips(steps), program::Sequence{cycle_loop, step_end({st}, reduce_groups[sr.s])});
+}
+
+// All stages of a replica on one device: micro-batch by micro-batch, forward through the
+// stages and backward through them again.
+Program Pipeline::Impl::compile_single(std::uint32_t replica, std::uint64_t steps) {
+  std::vector<StageRun*> on_device;
+  for (std::uint32_t s = 0; s < stages; ++s) on_device.push_back(&run_of(replica, s));
+  StageRun* head = on_device.front();
+  std::vector<Program> body;
+  for (std::uint32_t s = 0; s < stages; ++s) {
+    StageRun* st = on_device[s];
+    StageRun* prev = s > 0 ? on_device[s - 1] : nullptr;
+    body.emplace_back(program::Execute(st->stage->name() + " forward", [this, st, prev, head](const ComputeContext& ctx) {
+      st->step = head->step;
+      forward(*st, head->micro_batch, prev ? std::span<const float>(prev->local_out) : std::span<const float>{},
+              st->local_out, ctx.stop);
+    }));
+  }
+  if (config.training) {
+    for (std::uint32_t s = stages; s-- > 0;) {
+      StageRun* st = on_device[s];
+      StageRun* next = s + 1 < stages ? on_device[s + 1] : nullptr;
+      body.emplace_back(program::Execute(st->stage->name() + " backward", [this, st, next, head](const ComputeContext&) {
+        st->step = head->step;
+        backward(*st, head->micro_batch, next ? std::span<const float>(next->local_grad) : std::span<const float>{},
+                 st->local_grad);
+      }));
+    }
+  }
+  Program loop = counted(head, &StageRun::micro_batch, plan.micro_batches, program::Sequence(std::move(body)));
+  return program::Repeat(outer_trips(steps), program::Sequence{loop, step_end(on_device, reduce_groups.front())});
+}
+
+std::vector<Program> Pipeline::Impl::compile(std::uint64_t steps) {
+  std::vector<Program> programs(devices.size(), program::Sequence{});
+  if (config.strategy == ExecutionStrategy::kSingle) {
+    for (std::uint32_t r = 0; r < config.replicas; ++r) programs[r] = compile_single(r, steps);
+  } else {
+    for (auto& sr : runs) programs[device_of(sr->r, sr->s)] = compile_device_of_pipeline(*sr, steps);
+  }
+  return programs;
+}
+
+}  // namespace bspflow
