@@ -5,7 +5,7 @@
 #include <functional>
 #include <string>
 
-#include <bspflow/error.hpp>
+#include <bspflow/base/error.hpp>
 
 namespace test {
 

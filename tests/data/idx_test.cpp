@@ -1,6 +1,8 @@
-// feeds/: the IDX reader (MNIST / Fashion-MNIST files), on files written here.
+// data/: the IDX reader and writer (bspflow/data/idx.hpp; MNIST / Fashion-MNIST files), on files
+// written here.
 #include <doctest/doctest.h>
 
+#include <unistd.h>
 #include <zlib.h>
 
 #include <cstring>
@@ -9,7 +11,7 @@
 #include <string>
 #include <vector>
 
-#include <bspflow/idx.hpp>
+#include <bspflow/data/idx.hpp>
 
 #include "test_util.hpp"
 
@@ -80,7 +82,7 @@ idx::Array labels(std::uint32_t n) {
 
 }  // namespace
 
-TEST_SUITE("data") {
+TEST_SUITE("idx") {
 
 TEST_CASE("idx: write then read gives the same array, gzip or plain") {
   TempDir dir;

@@ -6,9 +6,9 @@
 #include <set>
 #include <vector>
 
-#include <bspflow/data_loader.hpp>
-#include <bspflow/dataset.hpp>
-#include <bspflow/idx.hpp>
+#include <bspflow/data/data_loader.hpp>
+#include <bspflow/data/dataset.hpp>
+#include <bspflow/data/idx.hpp>
 
 int main(int argc, char** argv) {
   const std::filesystem::path dir = argc > 1 ? argv[1] : bspflow::idx::kDebianFashionMnistDir;

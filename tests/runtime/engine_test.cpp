@@ -1,23 +1,26 @@
-// runtime/: programs (Sequence, Execute, Sync, Copy, StreamCopy, Repeat, RepeatWhile), the
-// Engine, I/O tiles, the host-link model, synthetic data and traces.
+// runtime/: Engine programs (bspflow/runtime/engine.hpp running program.hpp's nodes on
+// sync_group.hpp's groups and device_buffer.hpp's buffers): Sequence, Repeat, RepeatWhile,
+// Execute over the compute tiles, Sync, Copy, StreamCopy with and without I/O tiles, end of
+// data, prefetch kept between runs, I/O tile sizing, checks before a run, errors reaching the
+// host, cancel(), synthetic data, FusedRepeat.
 #include <doctest/doctest.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstdio>
-#include <cstdlib>
-#include <fstream>
-#include <mutex>
-#include <nlohmann/json.hpp>
+#include <cmath>
+#include <cstdint>
+#include <memory>
 #include <numeric>
 #include <set>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include <bspflow/bspflow.hpp>
 
+#include "runtime_test_util.hpp"
 #include "test_util.hpp"
 
 using namespace bspflow;
@@ -25,73 +28,11 @@ using namespace bspflow::program;
 using namespace std::chrono_literals;
 using test::contains;
 using test::error_of;
+using test::filled;
+using test::kSmall;
+using test::with_link;
 
-namespace {
-const DeviceConfig kSmall{64, 16 * 1024};  // 64 tiles x 16 KiB
-
-Tensor filled(std::size_t n, float v) {
-  Tensor t(DType::kFloat32, {n});
-  for (float& x : t.as<float>()) x = v;
-  return t;
-}
-
-// A host link on which `bytes` take `d`.
-EngineConfig with_link(std::chrono::nanoseconds d, std::size_t bytes, std::uint32_t io_tiles = 0,
-                       std::uint32_t prefetch = 1) {
-  EngineConfig c;
-  c.host_link = LinkModel::taking(d, bytes);
-  c.io_tiles = io_tiles;
-  c.prefetch_depth = prefetch;
-  return c;
-}
-}  // namespace
-
-TEST_SUITE("programs") {
-
-TEST_CASE("link model: latency + bytes / bandwidth, validated") {
-  const LinkModel l{1e9, 2us};
-  CHECK(l.duration(1000) == 3us);
-  CHECK(LinkModel::taking(100us, 4096).duration(4096) == 100us);
-  CHECK(LinkModel::taking(100us, 4096).duration(2048) == 50us);
-  CHECK(contains(error_of([] { LinkModel{0, 0ns}.validate("host link"); }), "host link bandwidth"));
-  CHECK(contains(error_of([] { LinkModel{1e9, -1ns}.validate("host link"); }), "host link latency"));
-  CHECK(contains(LinkModel::host().describe(), "GB/s"));
-}
-
-TEST_CASE("I/O engine: a transfer does its copy and takes at least its modeled time") {
-  IoEngine io(2);
-  std::atomic<int> done{0};
-  std::vector<char> src(1000, 'x'), dst(1000, 0);
-  IoEngine::Times times;
-  io.submit(1, IoEngine::Transfer{1000, 300us,
-                                  [&] {
-                                    std::copy(src.begin(), src.end(), dst.begin());
-                                    return IoEngine::Start::kGo;
-                                  },
-                                  [&](const IoEngine::Times& t, bool cancelled) {
-                                    times = t;
-                                    done.store(cancelled ? 2 : 1);
-                                  }});
-  while (done.load() == 0) std::this_thread::sleep_for(50us);
-  CHECK(done.load() == 1);
-  CHECK(times.end - times.begin >= 300us);
-  CHECK(dst == src);
-  CHECK(contains(error_of([&] { io.submit(2, {}); }), "I/O engine channel = 2"));
-}
-
-TEST_CASE("I/O engine: transfers still queued at shutdown end as cancelled") {
-  std::atomic<int> cancelled{0}, finished{0};
-  {
-    IoEngine io(1);
-    for (int i = 0; i < 3; ++i) {
-      io.submit(0, IoEngine::Transfer{0, 200ms, [] { return IoEngine::Start::kGo; },
-                                      [&](const IoEngine::Times&, bool c) { (c ? cancelled : finished)++; }});
-    }
-    std::this_thread::sleep_for(5ms);
-  }
-  CHECK(cancelled.load() + finished.load() == 3);
-  CHECK(cancelled.load() >= 2);
-}
+TEST_SUITE("engine") {
 
 TEST_CASE("Sequence runs in order, Repeat counts trips, the outermost trip is the iteration") {
   Device dev(0, kSmall);
@@ -448,102 +389,6 @@ TEST_CASE("synthetic data: no host copies, seeded differently per device") {
   CHECK(infeed.total_pushed(0) == 0);
 }
 
-TEST_CASE("trace: valid Chrome JSON, per-device phases add up to the run, summary shares to 100%") {
-  Device dev(0, kSmall);
-  EngineConfig c = with_link(200us, 4096, 0);
-  c.trace = true;
-  Engine engine(dev, c);
-  InfeedQueue<Tensor> infeed(InfeedConfig{1, 64, 1});
-  OutfeedQueue<Tensor> outfeed;
-  Buffer x = make_buffer(dev, "x", DType::kFloat32, 1024);
-  auto p = infeed.make_producer();
-  const int n = 20;
-  for (int i = 0; i < n; ++i) p.push(filled(1024, 1.0f));
-  const auto spin = [](std::chrono::microseconds d) {
-    const auto end = std::chrono::steady_clock::now() + d;
-    while (std::chrono::steady_clock::now() < end) {
-    }
-  };
-  const EngineResult r = engine.run(Repeat(n, Sequence{StreamCopy(infeed, x),
-                                                       Execute("work", [&](const ComputeContext&) { spin(300us); }),
-                                                       StreamCopy(x, outfeed)}));
-  CHECK(r.completed());
-  const Trace& trace = *engine.trace();
-  const auto doc = nlohmann::json::parse(trace.chrome_json());
-  REQUIRE(doc.contains("traceEvents"));
-  double device_us = 0;
-  int computes = 0, transfers = 0;
-  for (const auto& e : doc["traceEvents"]) {
-    if (e["ph"] != "X") continue;
-    CHECK(e["dur"].get<double>() >= 0);
-    if (e["tid"] == 1) device_us += e["dur"].get<double>();
-    if (e["cat"] == "Compute") ++computes;
-    if (e["cat"] == "Transfer") ++transfers;
-  }
-  CHECK(computes == n);
-  CHECK(transfers == 2 * n);
-  const double run_us = static_cast<double>(trace.run_ns()) / 1e3;
-  // Every phase the device spends is recorded: what is left is the interpreter's own steps.
-  CHECK(device_us <= run_us * 1.001);
-  CHECK(device_us >= run_us * 0.9);
-  const TraceSummary s = engine.summary();
-  REQUIRE(s.tracks.size() == 2);
-  for (const TrackSummary& t : s.tracks) {
-    double total = 0;
-    for (double v : t.share) total += v;
-    CHECK(total == doctest::Approx(1.0).epsilon(1e-9));
-  }
-  CHECK(s.tracks[0].iterations == n);
-  CHECK(s.tracks[0].bytes_to_device == n * 4096u);
-  CHECK(s.tracks[0].bytes_to_host == n * 4096u);
-  CHECK(s.tracks[1].bytes_to_device == n * 4096u);
-  CHECK(contains(s.to_string(), "device 0"));
-  CHECK(contains(s.to_string(), "20 iterations"));
-  // Modeled copies take at least their modeled time.
-  for (const TraceEvent& e : trace.tracks()[1].events()) CHECK(e.end_ns - e.begin_ns >= 200'000);
-}
-
-TEST_CASE("loops::repeat runs through the interpreter: BSPFLOW_TRACE traces it") {
-  const std::string path = "bspflow_repeat_trace_test.json";
-  ::setenv("BSPFLOW_TRACE", path.c_str(), 1);
-  DeviceGroup devices(2, kSmall);
-  InfeedQueue<int> infeed(InfeedConfig{2, 64, 2});
-  OutfeedQueue<int> outfeed(OutfeedConfig{2});
-  auto p = infeed.make_producer();
-  const int n = 25;
-  for (int i = 0; i < 2 * n; ++i) p.push(i);
-  const auto r = loops::repeat(devices, n, [](int& s, int& x) { s += x; return x * 2; }, 0, infeed, outfeed);
-  ::unsetenv("BSPFLOW_TRACE");
-  CHECK(r.completed());
-  REQUIRE(r.trace != nullptr);
-  REQUIRE(r.trace->tracks().size() == 2);
-  for (const TraceTrack& t : r.trace->tracks()) {
-    int copies_in = 0, copies_out = 0, computes = 0;
-    std::int64_t last_end = 0;
-    for (const TraceEvent& e : t.events()) {
-      CHECK(e.begin_ns >= last_end);  // phases follow each other on the device's timeline
-      last_end = e.end_ns;
-      if (e.phase == Phase::kStreamCopyMid) (e.to_host ? copies_out : copies_in)++;
-      if (e.phase == Phase::kCompute) {
-        ++computes;
-        CHECK(t.label(e) == "loop body");
-      }
-    }
-    CHECK(copies_in == n);
-    CHECK(copies_out == n);
-    CHECK(computes == n);
-    CHECK(t.iterations() == static_cast<std::uint64_t>(n));
-  }
-  std::ifstream f(path);
-  REQUIRE(f.good());
-  CHECK(nlohmann::json::parse(f)["traceEvents"].size() > 4u * n);
-  f.close();
-  std::remove(path.c_str());
-  // Without the variable nothing is recorded.
-  for (int i = 0; i < 2; ++i) p.push(i);
-  CHECK(loops::repeat(devices, 1, [](int& s, int& x) { s += x; return x; }, 0, infeed, outfeed).trace == nullptr);
-}
-
 TEST_CASE("FusedRepeat: runs as a whole program on an Engine, refused inside another node") {
   Device dev(0, kSmall);
   Engine engine(dev);
@@ -573,14 +418,6 @@ TEST_CASE("FusedRepeat: runs as a whole program on an Engine, refused inside ano
                        doctest::Contains("must be a device's whole program"), Error);
   CHECK_THROWS_WITH_AS(program::FusedRepeat("x", 1, nullptr, [](bool) {}),
                        doctest::Contains("the loop is empty"), Error);
-}
-
-TEST_CASE("trace: off by default, records nothing") {
-  Device dev(0, kSmall);
-  Engine engine(dev);
-  engine.run(Execute("x", [](const ComputeContext&) {}));
-  CHECK(engine.trace() == nullptr);
-  CHECK(engine.summary().tracks.empty());
 }
 
 }  // TEST_SUITE

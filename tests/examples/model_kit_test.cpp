@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "../examples/common/model_kit.hpp"
+#include "model_kit.hpp"
 
 using namespace kit;
 

@@ -1,66 +1,41 @@
-// runtime/: Options and loops::repeat end to end (feeds -> devices -> outfeeds).
+// runtime/: loops::repeat (bspflow/runtime/repeat.hpp) end to end (feeds -> devices ->
+// outfeeds): loop state, with and without feeds, end of data, body exceptions, exactly once
+// under load, output modes, backpressure, oversubscription, launch errors, prefetch buffers
+// in device memory, outfeed write-combining, and BSPFLOW_TRACE.
 #include <doctest/doctest.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <limits>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <stdexcept>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include <bspflow/bspflow.hpp>
 
+#include "runtime_test_util.hpp"
 #include "test_util.hpp"
 
 using namespace bspflow;
 using namespace std::chrono_literals;
 using test::contains;
 using test::error_of;
+using test::kSmall;
 
 namespace {
-// Small devices: tests do not need 897 MiB of address space each.
-const DeviceConfig kSmall{64, 16 * 1024};
 constexpr std::uint64_t kForever = std::numeric_limits<std::uint64_t>::max();
 }  // namespace
 
-TEST_SUITE("runtime") {
-
-TEST_CASE("options: each bad value is an error naming the option, the value and what is allowed") {
-  Options o;
-  CHECK(contains(error_of([&] { o.device_iterations(0); }), "device_iterations = 0"));
-  CHECK(contains(error_of([&] { o.replication_factor(0); }), "replication_factor = 0 is not allowed: must be in 1..1024"));
-  CHECK(contains(error_of([&] { o.gradient_accumulation(0); }), "gradient_accumulation = 0"));
-  CHECK(contains(error_of([&] { o.prefetch_depth(0); }), "prefetch_depth = 0 is not allowed: must be in 1..255"));
-  CHECK(contains(error_of([&] { o.prefetch_depth(256); }), "1..255"));
-  CHECK(contains(error_of([&] { o.io_tiles(3); }), "io_tiles = 3"));
-  CHECK(contains(error_of([&] { o.tiles_per_device(0); }), "tiles_per_device = 0"));
-  CHECK(contains(error_of([&] { o.bytes_per_tile(1); }), "bytes_per_tile = 1"));
-  CHECK(contains(error_of([&] { o.infeed_capacity(0); }), "infeed_capacity = 0"));
-  // Cross-option rules are checked by validate() and by the config getters.
-  o.tiles_per_device(32).io_tiles(32);
-  CHECK(contains(error_of([&] { o.validate(); }), "io_tiles = 32 is not allowed: must be below tiles_per_device (32)"));
-  o.io_tiles(16);
-  o.prefetch_depth(8).infeed_capacity(4);
-  CHECK(contains(error_of([&] { (void)o.infeed_config(); }), "infeed_capacity = 4"));
-  o.infeed_capacity(8);
-  CHECK(error_of([&] { o.validate(); }) == "<no error>");
-  CHECK(contains(o.describe(), "prefetch_depth = 8"));
-}
-
-TEST_CASE("options: samples per step = micro-batch x iterations x accumulation x replicas") {
-  Options o;
-  o.device_iterations(10).gradient_accumulation(4).replication_factor(2);
-  CHECK(o.samples_per_step(16) == 16 * 10 * 4 * 2);
-  CHECK(contains(error_of([&] { (void)o.samples_per_step(0); }), "micro_batch = 0"));
-  o.device_iterations(std::numeric_limits<std::uint64_t>::max() / 2);
-  CHECK(contains(error_of([&] { (void)o.samples_per_step(16); }), "overflows"));
-  const InfeedConfig in = Options().replication_factor(3).prefetch_depth(2).infeed_config();
-  CHECK(in.replicas == 3);
-  CHECK(in.prefetch_depth == 2);
-  const OutfeedConfig out = Options().output_mode(OutputMode::every_n(5)).outfeed_config();
-  CHECK(out.mode == OutputMode::every_n(5));
-}
+TEST_SUITE("repeat") {
 
 TEST_CASE("repeat runs n iterations on the device and returns the loop state") {
   Device device(0, kSmall);
@@ -408,30 +383,45 @@ TEST_CASE("outfeed write-combining keeps every entry, in order, across batch bou
   CHECK(next == kN);
 }
 
-TEST_CASE("cancel, dropping the Run handle, or destroying the device never hangs") {
-  InfeedQueue<int> in;  // never fed: the loop waits on it
-  SUBCASE("cancel") {
-    Device device(0, kSmall);
-    auto run = loops::repeat_async(device, 10, [](int&, int&) {}, 0, in);
-    CHECK_FALSE(run.wait_for(5ms));
-    run.cancel();
-    auto r = run.get();
-    CHECK(r.status == RunStatus::kCancelled);
-    CHECK(contains(r.message, "cancelled"));
-  }
-  SUBCASE("dropping the handle cancels and waits") {
-    Device device(0, kSmall);
-    { auto run = loops::repeat_async(device, 10, [](int&, int&) {}, 0, in); }
-    CHECK(device.arena().used() == 0);
-  }
-  SUBCASE("destroying the device cancels its run") {
-    Run<int> run;
-    {
-      Device device(0, kSmall);
-      run = loops::repeat_async(device, 10, [](int&, int&) {}, 0, in);
+TEST_CASE("loops::repeat runs through the interpreter: BSPFLOW_TRACE traces it") {
+  const std::string path = "bspflow_repeat_trace_test.json";
+  ::setenv("BSPFLOW_TRACE", path.c_str(), 1);
+  DeviceGroup devices(2, kSmall);
+  InfeedQueue<int> infeed(InfeedConfig{2, 64, 2});
+  OutfeedQueue<int> outfeed(OutfeedConfig{2});
+  auto p = infeed.make_producer();
+  const int n = 25;
+  for (int i = 0; i < 2 * n; ++i) p.push(i);
+  const auto r = loops::repeat(devices, n, [](int& s, int& x) { s += x; return x * 2; }, 0, infeed, outfeed);
+  ::unsetenv("BSPFLOW_TRACE");
+  CHECK(r.completed());
+  REQUIRE(r.trace != nullptr);
+  REQUIRE(r.trace->tracks().size() == 2);
+  for (const TraceTrack& t : r.trace->tracks()) {
+    int copies_in = 0, copies_out = 0, computes = 0;
+    std::int64_t last_end = 0;
+    for (const TraceEvent& e : t.events()) {
+      CHECK(e.begin_ns >= last_end);  // phases follow each other on the device's timeline
+      last_end = e.end_ns;
+      if (e.phase == Phase::kStreamCopyMid) (e.to_host ? copies_out : copies_in)++;
+      if (e.phase == Phase::kCompute) {
+        ++computes;
+        CHECK(t.label(e) == "loop body");
+      }
     }
-    CHECK(run.get().status == RunStatus::kCancelled);
+    CHECK(copies_in == n);
+    CHECK(copies_out == n);
+    CHECK(computes == n);
+    CHECK(t.iterations() == static_cast<std::uint64_t>(n));
   }
+  std::ifstream f(path);
+  REQUIRE(f.good());
+  CHECK(nlohmann::json::parse(f)["traceEvents"].size() > 4u * n);
+  f.close();
+  std::remove(path.c_str());
+  // Without the variable nothing is recorded.
+  for (int i = 0; i < 2; ++i) p.push(i);
+  CHECK(loops::repeat(devices, 1, [](int& s, int& x) { s += x; return x; }, 0, infeed, outfeed).trace == nullptr);
 }
 
 }  // TEST_SUITE

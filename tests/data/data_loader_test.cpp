@@ -1,50 +1,33 @@
-// feeds/: tensors, datasets and the DataLoader (plan arithmetic, exactly-once delivery,
-// shuffling, modes, early stop, errors), and the loader feeding a replicated loop.
+// data/: DataLoader (bspflow/data/data_loader.hpp): plan arithmetic, config validation,
+// exactly-once delivery, routing to replicas, shuffling, sync and async modes, early stop,
+// errors, drop_last, 8-bit I/O, streaming datasets, and the loader feeding a replicated
+// loops::repeat loop.
 #include <doctest/doctest.h>
 
 #include <atomic>
 #include <chrono>
-#include <cmath>
-#include <cstring>
-#include <filesystem>
-#include <map>
+#include <cstddef>
+#include <cstdint>
+#include <exception>
 #include <set>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
+// The umbrella: the loader takes bspflow::Options, and the last test feeds a loops::repeat loop.
 #include <bspflow/bspflow.hpp>
 
+#include "data_test_util.hpp"
 #include "test_util.hpp"
 
 using namespace bspflow;
 using test::contains;
+using test::CountingDataset;
 using test::error_of;
 
 namespace {
-
-// A small dataset whose sample i is recognisable: every element equals i, label i % 7.
-// Counts reads; throws on `bad` indices.
-class CountingDataset {
- public:
-  explicit CountingDataset(std::size_t n, std::set<std::size_t> bad = {}) : n_(n), bad_(std::move(bad)) {}
-  std::size_t size() const { return n_; }
-  SampleSpec spec() const { return {DType::kInt32, {2, 3}}; }
-  Sample get(std::size_t i) const {
-    reads_.fetch_add(1, std::memory_order_relaxed);  // relaxed: a statistic
-    if (bad_.count(i) != 0) throw std::runtime_error("corrupt record " + std::to_string(i));
-    Sample s{Tensor(DType::kInt32, {2, 3}), static_cast<std::int32_t>(i % 7)};
-    for (auto& v : s.data.as<std::int32_t>()) v = static_cast<std::int32_t>(i);
-    return s;
-  }
-  std::uint64_t reads() const { return reads_.load(std::memory_order_relaxed); }
-
- private:
-  std::size_t n_;
-  std::set<std::size_t> bad_;
-  mutable std::atomic<std::uint64_t> reads_{0};
-};
 
 // A stream of n samples 0..n-1 (element = position), rewindable; `stop_at` ends it early.
 class CountingStream {
@@ -137,96 +120,7 @@ LoaderConfig async_config(std::size_t batch, std::uint32_t workers) {
 
 }  // namespace
 
-TEST_SUITE("data") {
-
-TEST_CASE("tensors: element types, fp16 storage, conversion") {
-  Tensor t(DType::kFloat32, {2, 3});
-  CHECK(t.bytes() == 24);
-  CHECK(t.elements() == 6);
-  CHECK(t.as<float>()[5] == 0.0f);
-  CHECK(contains(error_of([&] { (void)t.as<std::uint8_t>(); }), "holds fp32 elements, read as uint8"));
-  Tensor copy = t;
-  copy.as<float>()[0] = 1.5f;
-  CHECK(t.as<float>()[0] == 0.0f);  // deep copy
-
-  CHECK(to_half(1.0f) == 0x3C00);
-  CHECK(to_half(-2.0f) == 0xC000);
-  CHECK(to_half(65504.0f) == 0x7BFF);
-  CHECK(to_half(1e6f) == 0x7C00);              // overflow -> infinity
-  CHECK(to_half(5.9604645e-8f) == 0x0001);     // smallest subnormal
-  CHECK(from_half(0x3555) == doctest::Approx(0.333251953f));
-  for (float f : {0.0f, 0.5f, -3.25f, 1000.0f, 6.103515625e-05f}) CHECK(from_half(to_half(f)) == f);
-  CHECK(std::isnan(from_half(to_half(std::nanf("")))));
-
-  const std::uint8_t px[3] = {0, 128, 255};
-  float out[3];
-  convert(DType::kUint8, reinterpret_cast<const std::byte*>(px), DType::kFloat32,
-          reinterpret_cast<std::byte*>(out), 3);
-  CHECK(out[0] == 0.0f);
-  CHECK(out[1] == 128.0f);
-  CHECK(out[2] == 255.0f);
-  std::uint8_t back[3];
-  const float in[3] = {-4.0f, 12.4f, 300.0f};
-  convert(DType::kFloat32, reinterpret_cast<const std::byte*>(in), DType::kUint8,
-          reinterpret_cast<std::byte*>(back), 3);
-  CHECK(back[0] == 0);
-  CHECK(back[1] == 12);
-  CHECK(back[2] == 255);  // saturates
-}
-
-TEST_CASE("synthetic dataset: seeded, order-independent, normal") {
-  SyntheticDataset::Config cfg;
-  cfg.size = 100;
-  cfg.spec = {DType::kFloat32, {4, 64}};
-  cfg.seed = 7;
-  SyntheticDataset a(cfg), b(cfg);
-  const Sample s1 = a.get(42);
-  (void)a.get(3);
-  const Sample s2 = b.get(42);
-  CHECK(std::memcmp(s1.data.raw().data(), s2.data.raw().data(), s1.data.bytes()) == 0);
-  CHECK(s1.label == s2.label);
-  CHECK(s1.label == a.label(42));
-  cfg.seed = 8;
-  SyntheticDataset c(cfg);
-  CHECK(std::memcmp(s1.data.raw().data(), c.get(42).data.raw().data(), s1.data.bytes()) != 0);
-
-  // Mean ~0, variance ~1 over 100 x 256 values.
-  double sum = 0, sq = 0;
-  std::set<std::int32_t> labels;
-  for (std::size_t i = 0; i < a.size(); ++i) {
-    const Sample s = a.get(i);
-    labels.insert(s.label);
-    for (float v : s.data.as<float>()) {
-      sum += v;
-      sq += static_cast<double>(v) * v;
-    }
-  }
-  const double n = 100.0 * 256.0;
-  CHECK(std::abs(sum / n) < 0.05);
-  CHECK(std::abs(sq / n - 1.0) < 0.05);
-  CHECK(labels.size() == 10);
-  CHECK(*labels.begin() >= 0);
-  CHECK(*labels.rbegin() <= 9);
-
-  cfg.spec = {DType::kUint8, {1, 28, 28}};
-  cfg.distribution = SyntheticDataset::Distribution::kUniform;
-  CHECK(contains(error_of([&] { SyntheticDataset bad(cfg); }), "needs fp32 or fp16"));
-  cfg.spec = {DType::kFloat32, {}};
-  CHECK(contains(error_of([&] { SyntheticDataset bad(cfg); }), "shape"));
-}
-
-TEST_CASE("tensor dataset: materialize, read, size checks") {
-  CountingDataset src(10);
-  const TensorDataset mem = TensorDataset::materialize(src);
-  CHECK(mem.size() == 10);
-  CHECK(mem.get(6).data.as<std::int32_t>()[3] == 6);
-  CHECK(mem.get(6).label == 6);
-  CHECK(contains(error_of([&] { (void)mem.get(10); }), "must be below its size 10"));
-  CHECK(contains(error_of([&] {
-          TensorDataset bad(SampleSpec{DType::kUint8, {4}}, std::vector<std::byte>(7), {1, 2});
-        }),
-        "7 bytes of data for 2 labels"));
-}
+TEST_SUITE("data_loader") {
 
 TEST_CASE("plan: steps per epoch, drop and pad counts, the combined batch") {
   struct Case {
@@ -267,7 +161,7 @@ TEST_CASE("plan: steps per epoch, drop and pad counts, the combined batch") {
   CHECK(contains(error_of([&] { detail::LoadPlan(StepShape{1, 1, 1}, 0, cfg); }), "empty"));
   // The loader takes bspflow::Options directly.
   Options opts;
-  opts.device_iterations(50).replication_factor(2);
+  opts.device_iterations(50).replicas(2);
   CountingDataset data(10000);
   DataLoader loader(opts, data, cfg);
   CHECK(loader.steps() == 6);
@@ -568,26 +462,9 @@ TEST_CASE("streaming dataset: read in order, rewound per epoch, short streams ar
                        LoaderError);
 }
 
-TEST_CASE("IDX files load as a uint8 dataset") {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("bspflow-loader-" + std::to_string(::getpid()));
-  std::filesystem::create_directories(dir);
-  idx::Array images{idx::Type::kUint8, {3, 28, 28}, std::vector<std::byte>(3 * 28 * 28)};
-  for (std::size_t i = 0; i < images.data.size(); ++i) images.data[i] = std::byte(i % 251);
-  idx::Array labels{idx::Type::kUint8, {3}, {std::byte{4}, std::byte{0}, std::byte{9}}};
-  idx::write(dir / "train-images-idx3-ubyte.gz", images);
-  idx::write(dir / "train-labels-idx1-ubyte.gz", labels);
-  const TensorDataset ds = mnist_dataset(dir, "train");
-  std::filesystem::remove_all(dir);
-  CHECK(ds.size() == 3);
-  CHECK(ds.spec() == SampleSpec{DType::kUint8, {1, 28, 28}});
-  CHECK(ds.get(2).label == 9);
-  CHECK(ds.get(1).data.as<std::uint8_t>()[0] == (784 % 251));
-}
-
 TEST_CASE("the loader feeds a replicated loop: each replica its own samples, all once") {
   Options opts;
-  opts.device_iterations(4).gradient_accumulation(2).replication_factor(2).infeed_capacity(64);
+  opts.device_iterations(4).gradient_accumulation(2).replicas(2).infeed_capacity(64);
   const std::uint64_t n = 8 * 4 * 2 * 2 * 5 + 3;  // 5 steps, 3 dropped
   CountingDataset data(n);
   LoaderConfig c = async_config(8, 2);

@@ -1,16 +1,18 @@
-// devices/: Topology, Arena, Device, DeviceGroup.
+// devices/: Device and DeviceGroup (bspflow/devices/device.hpp): config validation, jobs in
+// order on the device's own pinned thread, cancel-and-join on destruction, more devices than
+// cores.
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cstring>
+#include <cstdint>
 #include <thread>
 #include <vector>
 
-#include <bspflow/arena.hpp>
-#include <bspflow/detail/wait.hpp>
-#include <bspflow/device.hpp>
-#include <bspflow/topology.hpp>
+#include <bspflow/base/detail/wait.hpp>
+#include <bspflow/devices/device.hpp>
+#include <bspflow/devices/topology.hpp>
 
 #include "test_util.hpp"
 
@@ -18,91 +20,7 @@ using namespace bspflow;
 using test::contains;
 using test::error_of;
 
-TEST_SUITE("devices") {
-
-TEST_CASE("topology is discovered once and describes the machine") {
-  const Topology& a = Topology::get();
-  const Topology& b = Topology::get();
-  CHECK(&a == &b);
-  CHECK(a.cores() >= 1);
-  CHECK(a.pus() >= a.cores());
-  CHECK(a.numa_nodes() >= 1);
-  CHECK(contains(a.describe(), "core"));
-}
-
-TEST_CASE("placement: a core per device from the top, then sharing") {
-  const Topology& topo = Topology::get();
-  const std::uint32_t cores = topo.cores();
-  auto one = topo.place(1);
-  REQUIRE(one.size() == 1);
-  CHECK(one[0].sharing == 1);
-  if (topo.has_hwloc()) {
-    REQUIRE(one[0].core.has_value());
-    CHECK(*one[0].core == cores - 1);
-  }
-  auto many = topo.place(2 * cores);
-  REQUIRE(many.size() == 2 * cores);
-  for (const Placement& p : many) CHECK(p.sharing == 2);
-  if (topo.has_hwloc()) {
-    // Device i and device i + cores share a core.
-    for (std::uint32_t i = 0; i < cores; ++i) CHECK(*many[i].core == *many[i + cores].core);
-  }
-  for (const Placement& p : topo.place(3, /*pin=*/false)) CHECK_FALSE(p.core.has_value());
-}
-
-TEST_CASE("arena: named allocations, release, coalescing") {
-  Arena arena(64 * 1024, 0, "device 7");
-  CHECK(arena.capacity() == 64 * 1024);
-  void* a = arena.allocate(1000, "weights");
-  void* b = arena.allocate(1, "bias");
-  void* c = arena.allocate(4096, "activations");
-  CHECK(a != b);
-  CHECK(reinterpret_cast<std::uintptr_t>(b) % 64 == 0);
-  CHECK(arena.used() == 1024 + 64 + 4096);
-  auto allocs = arena.allocations();
-  REQUIRE(allocs.size() == 3);
-  CHECK(allocs[0].name == "activations");  // largest first
-  // Memory is usable.
-  std::memset(c, 0xab, 4096);
-  arena.release(b);
-  arena.release(a);
-  arena.release(c);
-  CHECK(arena.used() == 0);
-  CHECK(arena.largest_free_block() == 64 * 1024);  // fully coalesced
-  arena.release(nullptr);  // ignored
-  int not_ours = 0;
-  arena.release(&not_ours);  // ignored
-}
-
-TEST_CASE("arena out of memory says what was asked, what is free and who holds the rest") {
-  Arena arena(16 * 1024, 0, "device 3");
-  arena.allocate(8 * 1024, "weights");
-  arena.allocate(4 * 1024, "optimiser state");
-  try {
-    arena.allocate(6 * 1024, "activations");
-    FAIL("expected OutOfMemoryError");
-  } catch (const OutOfMemoryError& e) {
-    const std::string msg = e.what();
-    CHECK(contains(msg, "device 3"));
-    CHECK(contains(msg, "6.0 KiB for 'activations'"));
-    CHECK(contains(msg, "4.0 KiB free of 16.0 KiB"));
-    CHECK(contains(msg, "'weights' 8.0 KiB"));
-    CHECK(contains(msg, "'optimiser state' 4.0 KiB"));
-    CHECK(e.requested() == 6 * 1024);
-    CHECK(e.free_bytes() == 4 * 1024);
-  }
-}
-
-TEST_CASE("arena reports fragmentation when the free total would fit") {
-  Arena arena(4 * 1024, 0, "device 0");
-  std::vector<void*> blocks;
-  for (int i = 0; i < 4; ++i) blocks.push_back(arena.allocate(1024, "block"));
-  arena.release(blocks[0]);
-  arena.release(blocks[2]);
-  const std::string msg = error_of([&] { arena.allocate(2048, "big"); });
-  CHECK(contains(msg, "fragmented"));
-  CHECK(contains(msg, "'block' 2.0 KiB (2 allocations)"));
-}
+TEST_SUITE("device") {
 
 TEST_CASE("device config is validated with the allowed range") {
   CHECK(contains(error_of([] { DeviceConfig{0}.validate(); }), "tiles = 0"));

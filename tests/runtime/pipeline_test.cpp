@@ -295,7 +295,7 @@ TEST_CASE("pipelined training reaches the weights of plain sequential training: 
     feed(infeed, k * steps, 1);
     const PipelineResult r = pipe.run(infeed, steps, &outfeed);
     REQUIRE(r.completed());
-    CHECK(r.steps == steps);
+    CHECK(r.iterations == steps);
     CHECK(r.micro_batches == k * steps);
     const auto entries = outfeed.drain();
     REQUIRE(entries.size() == k * steps);
@@ -516,7 +516,7 @@ TEST_CASE("an infeed that ends mid-run ends it with kEndOfData and says what was
   infeed.close();
   const PipelineResult r = pipe.run(infeed, 3);
   CHECK(r.status == RunStatus::kEndOfData);
-  CHECK(r.steps == 1);
+  CHECK(r.iterations == 1);
   CHECK(test::contains(r.message, "step 1, micro-batch 2"));
   CHECK(dense(pipe, 0, 0).updates == 1);
 }

@@ -1,0 +1,54 @@
+// runtime/: Options (bspflow/runtime/options.hpp): each bad value an error naming the option,
+// the cross-option rules, samples per step, the feed configs it makes.
+#include <doctest/doctest.h>
+
+#include <cstdint>
+#include <limits>
+
+#include <bspflow/bspflow.hpp>
+
+#include "test_util.hpp"
+
+using namespace bspflow;
+using test::contains;
+using test::error_of;
+
+TEST_SUITE("options") {
+
+TEST_CASE("options: each bad value is an error naming the option, the value and what is allowed") {
+  Options o;
+  CHECK(contains(error_of([&] { o.device_iterations(0); }), "device_iterations = 0"));
+  CHECK(contains(error_of([&] { o.replicas(0); }), "replicas = 0 is not allowed: must be in 1..1024"));
+  CHECK(contains(error_of([&] { o.gradient_accumulation(0); }), "gradient_accumulation = 0"));
+  CHECK(contains(error_of([&] { o.prefetch_depth(0); }), "prefetch_depth = 0 is not allowed: must be in 1..255"));
+  CHECK(contains(error_of([&] { o.prefetch_depth(256); }), "1..255"));
+  CHECK(contains(error_of([&] { o.io_tiles(3); }), "io_tiles = 3"));
+  CHECK(contains(error_of([&] { o.tiles_per_device(0); }), "tiles_per_device = 0"));
+  CHECK(contains(error_of([&] { o.bytes_per_tile(1); }), "bytes_per_tile = 1"));
+  CHECK(contains(error_of([&] { o.infeed_capacity(0); }), "infeed_capacity = 0"));
+  // Cross-option rules are checked by validate() and by the config getters.
+  o.tiles_per_device(32).io_tiles(32);
+  CHECK(contains(error_of([&] { o.validate(); }), "io_tiles = 32 is not allowed: must be below tiles_per_device (32)"));
+  o.io_tiles(16);
+  o.prefetch_depth(8).infeed_capacity(4);
+  CHECK(contains(error_of([&] { (void)o.infeed_config(); }), "infeed_capacity = 4"));
+  o.infeed_capacity(8);
+  CHECK(error_of([&] { o.validate(); }) == "<no error>");
+  CHECK(contains(o.describe(), "prefetch_depth = 8"));
+}
+
+TEST_CASE("options: samples per step = micro-batch x iterations x accumulation x replicas") {
+  Options o;
+  o.device_iterations(10).gradient_accumulation(4).replicas(2);
+  CHECK(o.samples_per_step(16) == 16 * 10 * 4 * 2);
+  CHECK(contains(error_of([&] { (void)o.samples_per_step(0); }), "micro_batch = 0"));
+  o.device_iterations(std::numeric_limits<std::uint64_t>::max() / 2);
+  CHECK(contains(error_of([&] { (void)o.samples_per_step(16); }), "overflows"));
+  const InfeedConfig in = Options().replicas(3).prefetch_depth(2).infeed_config();
+  CHECK(in.replicas == 3);
+  CHECK(in.prefetch_depth == 2);
+  const OutfeedConfig out = Options().output_mode(OutputMode::every_n(5)).outfeed_config();
+  CHECK(out.mode == OutputMode::every_n(5));
+}
+
+}  // TEST_SUITE
