@@ -4,24 +4,68 @@
 //
 //   bspflow-info              # placement of 1, 2 and 4 devices
 //   bspflow-info --devices 8  # placement of 8 devices
+//
+// It also prints the hwloc release and API version it was compiled against and those of
+// the hwloc library loaded at run time (built with hwloc's headers when meson found hwloc).
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include <bspflow/bspflow.hpp>
 
+#if BSPFLOW_INFO_HWLOC
+#include <hwloc.h>
+
+namespace {
+
+std::string api_version(unsigned v) {  // hwloc packs X.Y.Z as (X << 16) + (Y << 8) + Z
+  return std::to_string(v >> 16) + '.' + std::to_string((v >> 8) & 0xff) + '.' + std::to_string(v & 0xff);
+}
+
+// Compiled against: HWLOC_VERSION and HWLOC_API_VERSION from the headers. At run time:
+// hwloc_get_api_version() from the loaded library, and its release, which hwloc records as
+// the "hwlocVersion" info of a topology's root object when it discovers the machine.
+void print_hwloc_versions() {
+  std::string runtime_release = "unknown";
+  hwloc_topology_t topology = nullptr;
+  if (hwloc_topology_init(&topology) == 0) {
+    if (hwloc_topology_load(topology) == 0) {
+      const char* v = hwloc_obj_get_info_by_name(hwloc_get_root_obj(topology), "hwlocVersion");
+      if (v != nullptr) runtime_release = v;
+    }
+    hwloc_topology_destroy(topology);
+  }
+  const unsigned runtime_api = hwloc_get_api_version();
+  std::printf("hwloc: compiled against %s (API %s); running with library %s (API %s)%s\n", HWLOC_VERSION,
+              api_version(HWLOC_API_VERSION).c_str(), runtime_release.c_str(), api_version(runtime_api).c_str(),
+              runtime_api == HWLOC_API_VERSION ? "" : ": API versions differ, rebuild bspflow against this hwloc");
+}
+
+}  // namespace
+#endif
+
 int main(int argc, char** argv) {
   CLI::App app{"bspflow-info: topology and device placement"};
-  std::vector<std::uint32_t> counts;
-  app.add_option("-d,--devices", counts, "device counts to show placement for (default 1 2 4)")
+  app.option_defaults()->always_capture_default();  // --help shows every option's default
+  std::vector<std::uint32_t> counts{1, 2, 4};
+  app.add_option("-d,--devices", counts, "device counts to show placement for (repeat the option for several)")
       ->check(CLI::Range(1u, bspflow::tunables::kMaxReplicas));
   bool start = true;
-  app.add_flag("!--no-start", start, "only print the plan; do not start devices");
-  CLI11_PARSE(app, argc, argv);
-  if (counts.empty()) counts = {1, 2, 4};
+  app.add_flag("!--no-start", start, "only print the plan; do not start devices (default: start them)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;  // --help: 0; an unknown or bad argument: 2
+  }
 
   const bspflow::Topology& topo = bspflow::Topology::get();
   std::printf("topology: %s", topo.describe().c_str());
+#if BSPFLOW_INFO_HWLOC
+  print_hwloc_versions();
+#else
+  std::printf("hwloc: this tool was built without hwloc's headers; the library line above says what it uses\n");
+#endif
   bspflow::DeviceConfig config;
   std::printf("device memory: %u tiles x %s = %s per device\n", config.tiles,
               bspflow::detail::format_bytes(config.bytes_per_tile).c_str(),

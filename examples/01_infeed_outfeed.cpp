@@ -7,6 +7,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <string_view>
 #include <thread>
 
 #include <bspflow/bspflow.hpp>
@@ -35,7 +36,15 @@ Pair make_pair(int k) {
 
 }  // namespace
 
-int main() {
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
+      std::puts("usage: 01_infeed_outfeed\n  no options: runs the loop, checks the outfeed, exits 0 if right");
+      return 0;
+    }
+    std::fprintf(stderr, "01_infeed_outfeed: unknown argument '%s' (try --help)\n", argv[i]);
+    return 2;
+  }
   bspflow::InfeedQueue<Pair> infeed;
   bspflow::OutfeedQueue<Result> outfeed;  // OutputMode::all(): one entry per iteration
   bspflow::Device device(0);

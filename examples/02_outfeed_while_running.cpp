@@ -7,11 +7,20 @@
 // waiting for the end.
 #include <chrono>
 #include <cstdio>
+#include <string_view>
 #include <thread>
 
 #include <bspflow/bspflow.hpp>
 
-int main() {
+int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
+      std::puts("usage: 02_outfeed_while_running\n  no options: runs the loop, prints entries as they arrive, exits 0 if right");
+      return 0;
+    }
+    std::fprintf(stderr, "02_outfeed_while_running: unknown argument '%s' (try --help)\n", argv[i]);
+    return 2;
+  }
   constexpr int kIterations = 100;
   bspflow::OutfeedQueue<int> outfeed;
   bspflow::Device device(0);

@@ -1,9 +1,9 @@
-// 05_fashion_mnist_pipeline: PopTorch's pipelining tutorial in C++ on real data. Trains a
+// 08_fashion_mnist_pipeline: PopTorch's pipelining tutorial in C++ on real data. Trains a
 // classifier on Fashion-MNIST pipelined over 4 emulated IPUs (batch 40, 10 device
 // iterations, gradient accumulation 10, AdamW lr 0.001), then evaluates it with an
 // inference pipeline (batch 8, 100 device iterations) and prints the test accuracy.
 //
-//   05_fashion_mnist_pipeline [--epochs N] [--batch-size B] [--test-batch-size B]
+//   08_fashion_mnist_pipeline [--epochs N] [--batch-size B] [--test-batch-size B]
 //       [--device-iterations D] [--gradient-accumulation K] [--replicas R]
 //       [--learning-rate LR] [--strategy pipelined|sharded] [--schedule grouped|interleaved|
 //       sequential] [--sync bsp|dataflow] [--eight-bit-io] [--offload-optimiser] [--trace FILE]
@@ -28,7 +28,7 @@
 
 #include <bspflow/bspflow.hpp>
 
-#include "common/model_kit.hpp"
+#include "model_kit.hpp"
 
 namespace {
 
@@ -241,7 +241,8 @@ int run(const Settings& st) {
 
 int main(int argc, char** argv) {
   Settings st;
-  CLI::App app{"05_fashion_mnist_pipeline: train Fashion-MNIST pipelined over 4 emulated IPUs, then test it"};
+  CLI::App app{"08_fashion_mnist_pipeline: train Fashion-MNIST pipelined over 4 emulated IPUs, then test it"};
+  app.option_defaults()->always_capture_default();  // --help shows every option's default
   app.add_option("--batch-size", st.batch, "micro-batch size for training")->check(CLI::Range(1, 4096));
   app.add_option("--test-batch-size", st.test_batch, "micro-batch size for evaluation")->check(CLI::Range(1, 4096));
   app.add_option("--device-iterations", st.device_iterations, "steps per host call")->check(CLI::Range(1, 100000));
@@ -253,20 +254,24 @@ int main(int argc, char** argv) {
   app.add_option("--strategy", st.strategy, "execution strategy")->check(CLI::IsMember({"pipelined", "sharded"}));
   app.add_option("--schedule", st.schedule, "pipeline schedule")->check(CLI::IsMember({"grouped", "interleaved", "sequential"}));
   app.add_option("--sync", st.sync, "bsp (IPU-faithful) or dataflow")->check(CLI::IsMember({"bsp", "dataflow"}));
-  app.add_flag("--eight-bit-io", st.eight_bit, "send images as uint8, normalised on the device");
-  app.add_flag("--offload-optimiser", st.offload, "keep AdamW's state in host memory, streamed around each update");
-  app.add_option("--trace", st.trace, "write the last training step's trace (Chrome JSON) here");
+  app.add_flag("--eight-bit-io", st.eight_bit, "send images as uint8, normalised on the device (default: off, fp32 widened on the host)");
+  app.add_flag("--offload-optimiser", st.offload, "keep AdamW's state in host memory, streamed around each update (default: off)");
+  app.add_option("--trace", st.trace, "write the last training step's trace (Chrome JSON) here (default: none)");
   app.add_option("--data-dir", st.data_dir, "Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)");
   app.add_option("--model", st.model, "the tutorial's conv net, or an MLP")->check(CLI::IsMember({"conv", "mlp"}));
   app.add_option("--max-steps", st.max_steps, "host steps per epoch (0: the whole epoch)");
   app.add_option("--test-samples", st.test_samples, "test images to evaluate (0: all)");
   app.add_option("--min-accuracy", st.min_accuracy, "exit 1 if the test accuracy is below this (0..1)")
       ->check(CLI::Range(0.0, 1.0));
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;  // --help: 0; an unknown or bad argument: 2
+  }
   try {
     return run(st);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "05_fashion_mnist_pipeline: %s\n", e.what());
+    std::fprintf(stderr, "08_fashion_mnist_pipeline: %s\n", e.what());
     return 1;
   }
 }

@@ -1,4 +1,4 @@
-// 03_data_loading: PopTorch's "efficient data loading" tutorial in C++. Is the host's data
+// 06_data_loading: PopTorch's "efficient data loading" tutorial in C++. Is the host's data
 // loader the bottleneck, or the device?
 //
 // A synthetic dataset of 10000 samples of 1x128x128 floats with labels (the tutorial's:
@@ -12,7 +12,7 @@
 // sample: --work dot products of the sample with resident weight vectors (so the figures
 // mean something); its label checksum is checked against the dataset.
 //
-//   03_data_loading [--samples N] [--batch-size B] [--device-iterations D] [--workers W]
+//   06_data_loading [--samples N] [--batch-size B] [--device-iterations D] [--workers W]
 //                   [--work K] [--replicas R ...] [--eight-bit-io] [--data-dir DIR]
 //
 // --data-dir DIR measures the same on real data: Fashion-MNIST's 60000 training images
@@ -87,7 +87,7 @@ Figures measure(const Settings& st, const bspflow::TensorDataset& data, std::uin
                 int& failures) {
   bspflow::Options opts;
   opts.device_iterations(st.device_iterations)
-      .replication_factor(replicas)
+      .replicas(replicas)
       .infeed_capacity(2 * st.device_iterations);  // room for the next step while one runs
   bspflow::LoaderConfig lc;
   lc.batch_size = st.batch;
@@ -173,7 +173,8 @@ Figures measure(const Settings& st, const bspflow::TensorDataset& data, std::uin
 
 int main(int argc, char** argv) {
   Settings st;
-  CLI::App app{"bspflow 03_data_loading: is the data loader the bottleneck?"};
+  CLI::App app{"bspflow 06_data_loading: is the data loader the bottleneck?"};
+  app.option_defaults()->always_capture_default();  // --help shows every option's default
   app.add_option("--samples", st.samples, "dataset size")->check(CLI::PositiveNumber);
   app.add_option("--batch-size", st.batch, "micro-batch size")->check(CLI::PositiveNumber);
   app.add_option("--device-iterations", st.device_iterations, "device iterations per step")
@@ -181,16 +182,20 @@ int main(int argc, char** argv) {
   app.add_option("--workers", st.workers, "loader worker threads")->check(CLI::Range(1, 256));
   app.add_option("--work", st.work, "dot products per sample on the device")
       ->check(CLI::Range(0, 1000));
-  app.add_option("--replicas", st.replicas, "replica counts to measure")
+  app.add_option("--replicas", st.replicas, "replica counts to measure (repeat the option for several)")
       ->check(CLI::Range(1, 64));
   app.add_flag("--eight-bit-io", st.eight_bit,
-               "keep samples as uint8 (4x fewer bytes than fp32), normalise on the device");
+               "keep samples as uint8 (4x fewer bytes than fp32), normalise on the device (default: off, fp32)");
   app.add_option("--data-dir", st.data_dir,
                  "load Fashion-MNIST (train split) from this directory instead of the "
-                 "synthetic dataset; Debian's dataset-fashion-mnist installs it in " +
-                     std::string(bspflow::idx::kDebianFashionMnistDir))
+                 "synthetic dataset (default: none, synthetic data); Debian's dataset-fashion-mnist "
+                 "installs it in " + std::string(bspflow::idx::kDebianFashionMnistDir))
       ->check(CLI::ExistingDirectory);
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;  // --help: 0; an unknown or bad argument: 2
+  }
 
   // The tutorial's dataset: uniform noise plus the label, generated once, held in memory.
   bspflow::SyntheticDataset::Config cfg;

@@ -1,4 +1,4 @@
-// 04_io_overlap: what I/O tiles and prefetch buy (the IPU optimisation guide's figures 4.6
+// 07_io_overlap: what I/O tiles and prefetch buy (the IPU optimisation guide's figures 4.6
 // and 4.7, made runnable).
 //
 // One device runs the same workload four ways: I/O tiles 0 or 32, prefetch depth 1 or 3.
@@ -57,26 +57,34 @@ double consume(DeviceBuffer& x, std::chrono::microseconds compute, Clock::time_p
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"04_io_overlap: step time with and without I/O tiles, prefetch 1 and 3"};
+  CLI::App app{"07_io_overlap: step time with and without I/O tiles, prefetch 1 and 3"};
+  app.option_defaults()->always_capture_default();  // --help shows every option's default
   std::size_t elements = 24576;
-  double link_gbps = 1.0;
+  double link_gbytes_per_s = 1.0;  // gigabytes (not gigabits) per second
   int compute_us = 100;
   std::uint64_t steps = 300;
   std::string dtype_name = "fp32";
   std::string trace_dir = ".";
   app.add_option("--elements", elements, "elements per micro-batch")->check(CLI::Range(1, 1 << 26));
   app.add_option("--compute-us", compute_us, "compute per step, microseconds")->check(CLI::Range(1, 100000));
-  app.add_option("--link-gbps", link_gbps, "host link bandwidth, GB/s (5 us latency per copy)")
+  app.add_option("--link-gbytes-per-s", link_gbytes_per_s, "host link bandwidth, GB/s (5 us latency per copy)")
       ->check(CLI::Range(0.001, 1000.0));
+  app.add_option("--link-gbps", link_gbytes_per_s, "old name of --link-gbytes-per-s (it was GB/s, not Gb/s)")
+      ->check(CLI::Range(0.001, 1000.0))
+      ->group("");  // hidden from --help; still accepted
   app.add_option("--steps", steps, "steps per run")->check(CLI::Range(2, 1000000));
   app.add_option("--dtype", dtype_name, "transfer element type")->check(CLI::IsMember({"fp32", "fp16", "uint8"}));
   app.add_option("--trace-dir", trace_dir, "write the four traces here ('' = none)");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;  // --help: 0; an unknown or bad argument: 2
+  }
 
   const DType dtype = parse_dtype(dtype_name);
   const std::size_t bytes = elements * dtype_size(dtype);
   LinkModel link = LinkModel::host();
-  link.bytes_per_second = link_gbps * 1e9;
+  link.bytes_per_second = link_gbytes_per_s * 1e9;
   const auto io = link.duration(bytes);
   const auto compute = std::chrono::microseconds(compute_us);
   std::printf("micro-batch: %zu %s = %s; host link %s -> modeled I/O %.1f us; compute %d us\n",
@@ -95,12 +103,12 @@ int main(int argc, char** argv) {
     config.host_link = link;
     config.trace = true;
     if (!trace_dir.empty()) {
-      config.trace_path = trace_dir + "/04_io_overlap_io" + std::to_string(s.io_tiles) + "_p" +
+      config.trace_path = trace_dir + "/07_io_overlap_io" + std::to_string(s.io_tiles) + "_p" +
                           std::to_string(s.prefetch) + ".json";
     }
     Engine engine(device, config);
     // The host queues every micro-batch up front, so the step times show the device and the
-    // link alone (03_data_loading is about keeping a host producer fast enough).
+    // link alone (06_data_loading is about keeping a host producer fast enough).
     InfeedQueue<Tensor> infeed(InfeedConfig{1, steps, s.prefetch});
     Buffer x = make_buffer(device, "x", dtype, elements);
     double device_sum = 0;
