@@ -26,7 +26,7 @@ const DeviceConfig& validated(const DeviceConfig& c) {
 Placement placement_for(std::uint32_t id, const DeviceConfig& config,
                         const std::optional<Placement>& given) {
   if (given) return *given;
-  Placement p = Topology::get().place(id + 1, config.pin)[id];
+  Placement p = Topology::get().place(id + 1, config.pin, config.host_cores)[id];
   p.sharing = 1;  // alone, as far as this device knows
   return p;
 }
@@ -112,12 +112,13 @@ DeviceGroup::DeviceGroup(std::uint32_t count, DeviceConfig config) {
   }
   config.validate();
   const Topology& topo = Topology::get();
-  const std::vector<Placement> placements = topo.place(count, config.pin);
+  const std::vector<Placement> placements = topo.place(count, config.pin, config.host_cores);
   for (const Placement& p : placements) max_sharing_ = std::max(max_sharing_, p.sharing);
-  if (count > topo.cores()) {
+  if (max_sharing_ > 1) {
     std::ostringstream os;
-    os << count << " devices on " << topo.cores() << (topo.cores() == 1 ? " core" : " cores")
-       << ": devices share cores (up to " << max_sharing_
+    os << count << " devices on " << topo.cores() << (topo.cores() == 1 ? " core" : " cores");
+    if (!config.host_cores.empty()) os << " (" << config.host_cores.size() << " kept for host threads)";
+    os << ": devices share cores (up to " << max_sharing_
        << " per core); waits park after a short spin, so this works, but expect lower "
           "throughput than with a core per device";
     log(LogLevel::kWarning, os.str());

@@ -8,6 +8,7 @@
 #include <sstream>
 #include <thread>
 
+#include "bspflow/base/error.hpp"
 #include "bspflow/base/log.hpp"
 
 #if BSPFLOW_HAVE_HWLOC
@@ -77,18 +78,40 @@ const Topology& Topology::get() {
   return topology;
 }
 
-std::vector<Placement> Topology::place(std::uint32_t devices, bool pin) const {
+std::vector<Placement> Topology::place(std::uint32_t devices, bool pin,
+                                       const std::vector<std::uint32_t>& host_cores) const {
+  const auto ncores = static_cast<std::uint32_t>(cores_.size());
+  std::vector<bool> reserved(ncores, false);
+  for (std::uint32_t c : host_cores) {
+    if (c >= ncores) {
+      detail::throw_bad_value("host core", c,
+                              "must be below the machine's " + std::to_string(ncores) + " cores");
+    }
+    reserved[c] = true;
+  }
+  // The cores devices may take, highest first; all of them if every core is reserved.
+  std::vector<const CoreInfo*> usable;
+  for (std::uint32_t i = ncores; i-- > 0;) {
+    if (!reserved[i]) usable.push_back(&cores_[i]);
+  }
+  const bool on_host_cores = usable.empty();
+  if (on_host_cores) {
+    for (std::uint32_t i = ncores; i-- > 0;) usable.push_back(&cores_[i]);
+  }
+  const auto n = static_cast<std::uint32_t>(usable.size());
+  const bool pinned = pin && has_hwloc();
   std::vector<Placement> out;
   out.reserve(devices);
-  const auto ncores = static_cast<std::uint32_t>(cores_.size());
   for (std::uint32_t d = 0; d < devices; ++d) {
-    const CoreInfo& core = cores_[ncores - 1 - (d % ncores)];
+    const CoreInfo& core = *usable[d % n];
     Placement p;
     p.device = d;
-    if (pin && has_hwloc()) p.core = core.index;
+    if (pinned) p.core = core.index;
     p.numa_node = core.numa_node;
-    // Devices sharing this core: those with the same d % ncores.
-    p.sharing = devices / ncores + ((d % ncores) < (devices % ncores) ? 1 : 0);
+    // Devices sharing this core: those with the same d % n.
+    p.sharing = devices / n + ((d % n) < (devices % n) ? 1 : 0);
+    // Unpinned devices may run anywhere, the reserved cores included.
+    p.shares_host = !host_cores.empty() && (on_host_cores || !pinned);
     out.push_back(p);
   }
   return out;

@@ -51,6 +51,10 @@ int main(int argc, char** argv) {
   std::vector<std::uint32_t> counts{1, 2, 4};
   app.add_option("-d,--devices", counts, "device counts to show placement for (repeat the option for several)")
       ->check(CLI::Range(1u, bspflow::tunables::kMaxReplicas));
+  std::vector<std::uint32_t> host_cores;
+  app.add_option("--host-cores", host_cores,
+                 "cores the application keeps for its own threads (DeviceConfig::host_cores); "
+                 "devices are placed elsewhere (default: none)");
   bool start = true;
   app.add_flag("!--no-start", start, "only print the plan; do not start devices (default: start them)");
   try {
@@ -67,16 +71,25 @@ int main(int argc, char** argv) {
   std::printf("hwloc: this tool was built without hwloc's headers; the library line above says what it uses\n");
 #endif
   bspflow::DeviceConfig config;
+  config.host_cores = host_cores;
+  for (std::uint32_t c : host_cores) {
+    if (c >= topo.cores()) {
+      std::fprintf(stderr, "bspflow-info: --host-cores %u is not allowed: this machine has cores 0..%u\n",
+                   c, topo.cores() - 1);
+      return 2;
+    }
+  }
   std::printf("device memory: %u tiles x %s = %s per device\n", config.tiles,
               bspflow::detail::format_bytes(config.bytes_per_tile).c_str(),
               bspflow::detail::format_bytes(config.memory_bytes()).c_str());
 
   for (std::uint32_t n : counts) {
     std::printf("\n%u device%s:\n", n, n == 1 ? "" : "s");
-    for (const bspflow::Placement& p : topo.place(n)) {
+    for (const bspflow::Placement& p : topo.place(n, config.pin, host_cores)) {
       if (p.core) {
-        std::printf("  device %u -> core %u (NUMA node %d)%s\n", p.device, *p.core, p.numa_node,
-                    p.sharing > 1 ? ", shares its core" : "");
+        std::printf("  device %u -> core %u (NUMA node %d)%s%s\n", p.device, *p.core, p.numa_node,
+                    p.sharing > 1 ? ", shares its core with other devices" : "",
+                    p.shares_host ? ", shares a reserved host core: spins capped" : "");
       } else {
         std::printf("  device %u -> unpinned\n", p.device);
       }

@@ -173,7 +173,7 @@ bool DeviceRun::exec_node(const program::RemoteCopy& r) {
 
 bool DeviceRun::exec_node(const program::Sync& s) {
   const Clock::time_point t0 = track_ ? Clock::now() : Clock::time_point{};
-  const bool ok = s.group->arrive_and_wait(stop_, device_.placement().sharing > 1
+  const bool ok = s.group->arrive_and_wait(stop_, device_.placement().shares_core()
                                                       ? detail::Spin::kYield
                                                       : detail::Spin::kTight);
   if (track_) track_->record(Phase::kSync, t0, Clock::now());

@@ -94,7 +94,7 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
       for (std::uint32_t s = 0; s + 1 < n; ++s) {
         Impl::StageRun& a = im.run_of(r, s);
         Impl::StageRun& b = im.run_of(r, s + 1);
-        const detail::Spin spin_a = a.device->placement().sharing > 1 ? detail::Spin::kYield : detail::Spin::kTight;
+        const detail::Spin spin_a = a.device->placement().shares_core() ? detail::Spin::kYield : detail::Spin::kTight;
         im.handoffs.push_back(std::make_unique<Handoff>(capacity, a.out_elements, spin_a));
         a.fwd_out = b.fwd_in = im.handoffs.back().get();
         if (config.training) {

@@ -2,6 +2,8 @@
 #include <doctest/doctest.h>
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include <bspflow/devices/topology.hpp>
 
@@ -40,6 +42,32 @@ TEST_CASE("placement: a core per device from the top, then sharing") {
     for (std::uint32_t i = 0; i < cores; ++i) CHECK(*many[i].core == *many[i + cores].core);
   }
   for (const Placement& p : topo.place(3, /*pin=*/false)) CHECK_FALSE(p.core.has_value());
+}
+
+TEST_CASE("placement keeps devices off the host's reserved cores") {
+  const Topology& topo = Topology::get();
+  const std::uint32_t cores = topo.cores();
+  // Reserve core 0: devices take the others (sharing them when they outnumber them).
+  if (cores >= 2) {
+    auto ps = topo.place(cores, true, {0});
+    for (const Placement& p : ps) {
+      CHECK_FALSE(p.shares_host);
+      if (p.core) CHECK(*p.core != 0);
+    }
+    CHECK(ps.back().sharing == 2);  // cores devices on cores - 1 cores: two share one
+    CHECK(ps.back().shares_core());
+  }
+  // Every core reserved: devices must sit beside host threads, and know it.
+  std::vector<std::uint32_t> all;
+  for (std::uint32_t c = 0; c < cores; ++c) all.push_back(c);
+  for (const Placement& p : topo.place(2, true, all)) {
+    CHECK(p.shares_host);
+    CHECK(p.shares_core());
+  }
+  // No reservation: nothing shares a host core.
+  for (const Placement& p : topo.place(1)) CHECK_FALSE(p.shares_host);
+  CHECK(contains(test::error_of([&] { (void)topo.place(1, true, {cores}); }),
+                 "host core = " + std::to_string(cores) + " is not allowed: must be below"));
 }
 
 }  // TEST_SUITE

@@ -31,6 +31,10 @@ struct DeviceConfig {
   std::uint32_t tiles = tunables::kDefaultTiles;               // 1..kMaxTiles
   std::size_t bytes_per_tile = tunables::kDefaultBytesPerTile;  // kArenaAlignment..kMaxBytesPerTile
   bool pin = true;  // pin the worker thread to its placed core (needs hwloc)
+  // Cores the application keeps for its own host threads (clients, the I/O engine's
+  // neighbours): devices are placed on other cores, and a device that must sit on one of
+  // these never spins long there (Placement::shares_host). Each must be below the core count.
+  std::vector<std::uint32_t> host_cores{};
   // Throws bspflow::Error naming the field, the value and the allowed range.
   void validate() const;
   std::size_t memory_bytes() const noexcept { return std::size_t{tiles} * bytes_per_tile; }

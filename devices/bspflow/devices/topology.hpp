@@ -2,9 +2,12 @@
 // placement policy for emulated devices. The only file in bspflow that includes hwloc.
 //
 // Placement policy: device i goes on its own physical core, taken from the highest core
-// down (core 0 is where the host's main thread and the OS usually run). When devices
-// outnumber cores they share cores round-robin, a warning is logged, and because every wait
-// in bspflow spins only briefly before parking, nothing livelocks.
+// down (core 0 is where the host's main thread and the OS usually run). Cores the
+// application reserves for its own host threads (DeviceConfig::host_cores) are skipped;
+// devices go there only when every core is reserved, and then say so (shares_host), so they
+// never spin long on a core a host thread uses. When devices outnumber the cores left they
+// share cores round-robin, a warning is logged, and because every wait in bspflow spins only
+// briefly before parking there, nothing livelocks.
 // Without hwloc (built with -Dhwloc=disabled, or discovery failed) devices run unpinned.
 #pragma once
 
@@ -28,6 +31,10 @@ struct Placement {
   std::optional<std::uint32_t> core;  // nullopt: unpinned
   int numa_node = 0;
   std::uint32_t sharing = 1;  // devices placed on this core (1 = a core of its own)
+  bool shares_host = false;   // on a core reserved for host threads (or unpinned beside them)
+  // Whether a thread on this placement must not spin long (it would take the core from a
+  // device or host thread beside it): waits yield, and spin budgets are capped.
+  bool shares_core() const noexcept { return sharing > 1 || shares_host; }
 };
 
 class Topology {
@@ -41,8 +48,11 @@ class Topology {
   std::uint32_t numa_nodes() const noexcept { return numa_nodes_; }
   const std::vector<CoreInfo>& core_list() const noexcept { return cores_; }
 
-  // Where `devices` devices would be placed (see the policy above). Pure; logs nothing.
-  std::vector<Placement> place(std::uint32_t devices, bool pin = true) const;
+  // Any thread. Where `devices` devices would be placed (see the policy above), keeping off
+  // `host_cores` where it can. Pure; logs nothing. Throws bspflow::Error if a host core is
+  // not below cores().
+  std::vector<Placement> place(std::uint32_t devices, bool pin = true,
+                               const std::vector<std::uint32_t>& host_cores = {}) const;
 
   // Any thread: binds the calling thread to `core`'s first hardware thread. Returns false
   // (and leaves the thread unpinned) without hwloc or if the OS refuses.

@@ -39,6 +39,10 @@ inline constexpr std::size_t kOutfeedCombine = 32;
 inline constexpr std::chrono::nanoseconds kOutfeedCombineBelow{2'000};
 inline constexpr std::uint32_t kOutfeedClockEvery = 8;
 
+// Streams: hand-off ring slots between the devices of a stream (requests in flight between
+// two neighbouring stages), default and limit.
+inline constexpr std::size_t kDefaultStreamCapacity = 64;
+
 // Replicas per feed / devices per group.
 inline constexpr std::uint32_t kMaxReplicas = 1024;
 
@@ -52,6 +56,12 @@ inline constexpr std::uint32_t kMaxLoaderBuffer = 1024;
 // catch a partner thread that answers within a few microseconds, short enough that a
 // thread sharing its core with another (4 devices on 2 cores) gives the core up quickly.
 inline constexpr std::chrono::nanoseconds kSpinBudget{20'000};
+
+// WaitPolicy (wait_policy.hpp): the longest spin a spin-then-park policy may ask for, and the
+// spin a waiter that shares its core (with another device, or with a host thread the
+// application reserved) is capped to, yielding between checks, before it parks.
+inline constexpr std::chrono::nanoseconds kMaxSpinBudget{1'000'000'000};
+inline constexpr std::chrono::nanoseconds kSharedCoreSpinBudget{5'000};
 
 // A device with a core of its own waiting at a BSP sync spins this long before parking. A
 // device idles a whole stage time while a pipeline fills and drains; parking then costs a

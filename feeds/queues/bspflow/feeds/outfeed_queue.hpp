@@ -172,7 +172,7 @@ class OutfeedQueue {
    public:
     Writer(Writer&& o) noexcept
         : q_(std::exchange(o.q_, nullptr)), replica_(o.replica_), token_(std::move(o.token_)),
-          staged_(std::move(o.staged_)), last_check_(o.last_check_),
+          staged_(std::move(o.staged_)), dropped_(o.dropped_), last_check_(o.last_check_),
           since_check_(o.since_check_), check_every_(o.check_every_), held_(std::move(o.held_)) {}
     Writer& operator=(Writer&&) = delete;
     ~Writer() {
@@ -219,9 +219,14 @@ class OutfeedQueue {
       if (staged_.empty()) return true;
       const std::size_t n = staged_.size();
       const std::size_t pushed = q_->queue_.push_bulk(token_, staged_.begin(), n, stop);
+      dropped_ += n - pushed;
       staged_.clear();
       return pushed == n;
     }
+
+    // Device thread. Entries dropped because `stop` was set while the outfeed was full
+    // (written but never handed to the host). Never blocks.
+    std::uint64_t dropped() const noexcept { return dropped_; }
 
     // Device thread. Ends this replica's part of the run, delivering the final()/sum()
     // value when `deliver_held` (false after a failure: a partial sum is no result). The
@@ -249,6 +254,7 @@ class OutfeedQueue {
     std::uint32_t replica_;
     typename Queue::Token token_;
     std::vector<Entry> staged_;  // write-combining: entries not yet handed over
+    std::uint64_t dropped_ = 0;  // staged entries a stop kept from the host
     std::chrono::steady_clock::time_point last_check_{};
     std::uint32_t since_check_ = 0;  // entries staged since the clock was last read
     std::uint32_t check_every_ = 1;

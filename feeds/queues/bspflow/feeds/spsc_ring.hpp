@@ -1,0 +1,168 @@
+// SpscRing<T>: a bounded single-producer single-consumer ring with close, the hand-off
+// between two neighbouring stages of a stream that run on different devices.
+//
+// Capacity is fixed at construction (slots are default-constructed once, so pushing and
+// popping never allocate). Each side keeps its own copy of the other's index and re-reads
+// the shared one only when its copy says the ring is full (producer) or empty (consumer), so
+// a busy ring moves about one cache line per element, the element itself. Indices are
+// published with release stores and a light fence (WaitPoint::notify_light); a waiter
+// waits as its WaitPolicy says, parking with the matching heavy fence.
+//
+// Threads: exactly one producer thread (push, try_push, close) and one consumer thread
+// (front, try_front, pop) at a time; wake() from any thread.
+//
+// Ordering: FIFO. End: after close(), the consumer drains what was pushed before, then
+// front() reports the end (nullptr with closed_and_drained() true).
+#pragma once
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bspflow/base/detail/wait.hpp"
+#include "bspflow/base/error.hpp"
+#include "bspflow/base/tunables.hpp"
+#include "bspflow/base/wait_policy.hpp"
+
+namespace bspflow {
+
+template <class T>
+class SpscRing {
+ public:
+  // Setup path: `capacity` slots (1..tunables::kMaxQueueCapacity), default-constructed.
+  // Throws bspflow::Error outside that range, std::bad_alloc without memory.
+  explicit SpscRing(std::size_t capacity) {
+    if (capacity < 1 || capacity > tunables::kMaxQueueCapacity) {
+      detail::throw_bad_value("ring capacity", capacity,
+                              "must be in 1.." + std::to_string(tunables::kMaxQueueCapacity));
+    }
+    slots_.resize(capacity);
+  }
+  SpscRing(const SpscRing&) = delete;
+  SpscRing& operator=(const SpscRing&) = delete;
+
+  std::size_t capacity() const noexcept { return slots_.size(); }
+
+  // ---- producer ----
+
+  // Never blocks, never allocates. Moves `value` in and returns true if there is room;
+  // false (value untouched) if the ring is full.
+  bool try_push(T&& value) {
+    const std::uint64_t t = producer_.tail;
+    if (t - producer_.head_seen >= slots_.size()) {
+      producer_.head_seen = head_.load(std::memory_order_acquire);
+      if (t - producer_.head_seen >= slots_.size()) return false;
+    }
+    publish(t, std::move(value));
+    return true;
+  }
+
+  // Blocks while full, waiting as `policy` says. Returns false (value untouched) if `stop`
+  // was set first. Never allocates.
+  bool push(T&& value, const WaitPolicy& policy, const detail::StopFlag& stop) {
+    const std::uint64_t t = producer_.tail;
+    if (t - producer_.head_seen >= slots_.size()) {
+      detail::wait_with(not_full_, policy, [&] {
+        producer_.head_seen = head_.load(std::memory_order_seq_cst);
+        return t - producer_.head_seen < slots_.size() || stop.requested();
+      }, detail::Fence::kAsymmetric);
+      if (t - producer_.head_seen >= slots_.size()) return false;
+    }
+    publish(t, std::move(value));
+    return true;
+  }
+
+  // No more pushes: the consumer drains what is there, then sees the end. Never blocks.
+  void close() noexcept {
+    closed_.store(true, std::memory_order_seq_cst);
+    not_empty_.notify();
+  }
+
+  // ---- consumer ----
+
+  // Never blocks. The oldest element, or nullptr if the ring is empty now.
+  T* try_front() noexcept {
+    const std::uint64_t h = consumer_.head;
+    if (consumer_.tail_seen <= h) {
+      consumer_.tail_seen = tail_.load(std::memory_order_acquire);
+      if (consumer_.tail_seen <= h) return nullptr;
+    }
+    return &slots_[h % slots_.size()];
+  }
+
+  // Blocks until an element is there (returns it, in place: read or move from it, then
+  // pop()), the ring is closed and drained, or `stop` is set (both: nullptr). Waits as
+  // `policy` says. Never allocates.
+  T* front(const WaitPolicy& policy, const detail::StopFlag& stop) {
+    if (T* f = try_front()) return f;
+    const std::uint64_t h = consumer_.head;
+    detail::wait_with(not_empty_, policy, [&] {
+      consumer_.tail_seen = tail_.load(std::memory_order_seq_cst);
+      return consumer_.tail_seen > h || closed_.load(std::memory_order_seq_cst) ||
+             stop.requested();
+    }, detail::Fence::kAsymmetric);
+    if (consumer_.tail_seen <= h) {
+      // Closed (or stopped): the producer published its last index before closing.
+      consumer_.tail_seen = tail_.load(std::memory_order_seq_cst);
+      if (consumer_.tail_seen <= h) return nullptr;
+    }
+    return &slots_[h % slots_.size()];
+  }
+
+  // Releases the element front() returned. Never blocks.
+  void pop() noexcept {
+    head_.store(++consumer_.head, std::memory_order_release);  // done with the slot
+    not_full_.notify_light();
+  }
+
+  // Consumer thread: true once the ring is closed and everything pushed was popped.
+  bool closed_and_drained() const noexcept {
+    return closed_.load(std::memory_order_seq_cst) &&
+           tail_.load(std::memory_order_seq_cst) == consumer_.head;
+  }
+
+  // Between runs only (neither side in use): empty and open again. Never blocks.
+  void reset() noexcept {
+    producer_ = {};
+    consumer_ = {};
+    head_.store(0, std::memory_order_relaxed);       // relaxed: nobody is using the ring
+    tail_.store(0, std::memory_order_relaxed);       // relaxed: likewise
+    closed_.store(false, std::memory_order_relaxed);  // relaxed: likewise
+  }
+
+  // Any thread: wakes a parked side so it re-checks its stop flag. Never blocks.
+  void wake() noexcept {
+    not_full_.notify();
+    not_empty_.notify();
+  }
+
+ private:
+  void publish(std::uint64_t t, T&& value) {
+    slots_[t % slots_.size()] = std::move(value);
+    tail_.store(++producer_.tail, std::memory_order_release);  // the element, then its index
+    not_empty_.notify_light();
+  }
+
+  // Each side's own counters, on its own cache line: only that side's thread touches them.
+  struct alignas(tunables::kCacheLine) ProducerSide {
+    std::uint64_t tail = 0;       // the next element's index
+    std::uint64_t head_seen = 0;  // the consumer's index when last read
+  };
+  struct alignas(tunables::kCacheLine) ConsumerSide {
+    std::uint64_t head = 0;       // the next element to read
+    std::uint64_t tail_seen = 0;  // the producer's index when last read
+  };
+  std::vector<T> slots_;
+  ProducerSide producer_;
+  ConsumerSide consumer_;
+  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> head_{0};
+  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> tail_{0};
+  alignas(tunables::kCacheLine) std::atomic<bool> closed_{false};
+  detail::WaitPoint not_empty_;
+  detail::WaitPoint not_full_;
+};
+
+}  // namespace bspflow
