@@ -98,6 +98,11 @@ void StreamCore::check_placement() const {
   }
 }
 
+WaitPolicy StreamCore::policy_for(std::uint32_t index) const {
+  const WaitPolicy policy = config.device_wait.empty() ? config.wait : config.device_wait.at(index);
+  return devices[index].placement().shares_core() ? policy.capped_for_sharing() : policy;
+}
+
 void StreamCore::start(std::function<void()> wake_feeds) {
   for (auto& reset : ring_resets) reset();
   state_ = std::make_shared<StreamRunState>(static_cast<std::uint32_t>(segments.size()));
@@ -110,10 +115,7 @@ void StreamCore::start(std::function<void()> wake_feeds) {
   for (std::size_t i = 0; i < segments.size(); ++i) {
     SegmentBase* seg = segments[i].get();
     Device& device = devices[seg->device_index];
-    WaitPolicy policy = config.device_wait.empty() ? config.wait : config.device_wait[seg->device_index];
-    if (device.placement().shares_core()) {
-      policy = policy.capped_for_sharing();
-    }
+    const WaitPolicy policy = policy_for(seg->device_index);
     auto state = state_;
     const OnError on_error = config.on_error;
     try {

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -122,6 +123,7 @@ TEST_CASE("typed stages change the type; consecutive stages share a device") {
   CHECK(stream.device_of(1) == 0);
   CHECK(stream.device_of(2) == 1);
   CHECK(stream.stage_name(2) == "length");
+  CHECK(stream.wait_policy_of(0).strategy == WaitStrategy::kSpinThenPark);
   InfeedQueue<Request<int>> in;
   OutfeedQueue<Response<std::size_t>> out;
   stream.start(in, out);
@@ -133,6 +135,23 @@ TEST_CASE("typed stages change the type; consecutive stages share a device") {
   for (auto& e : out) sizes.push_back(*e.value.value);
   CHECK(sizes == std::vector<std::size_t>{2, 8});
   CHECK(stream.wait().answered == 2);
+}
+
+TEST_CASE("a stage may be a move-only callable with state of its own") {
+  DeviceGroup group(1);
+  auto counter = std::make_unique<int>(0);
+  auto stream = StreamBuilder<int>(group)
+                    .stage("count", [c = std::move(counter)](int x) { return x + ++*c; })
+                    .build();
+  InfeedQueue<Request<int>> in;
+  OutfeedQueue<Response<int>> out;
+  RequestProducer<int> p(in);
+  for (int i = 0; i < 3; ++i) p.push(100);
+  in.close();
+  CHECK(stream.run(in, out).answered == 3);
+  std::vector<int> got;
+  for (auto& e : out) got.push_back(*e.value.value);
+  CHECK(got == std::vector<int>{101, 102, 103});
 }
 
 TEST_CASE("a failing request gets an error response and the stream goes on") {
@@ -294,6 +313,10 @@ TEST_CASE("devices keep off reserved host cores and still serve") {
     CHECK(group[0].placement().shares_core());  // on 2 cores both devices share core 1
   }
   auto stream = add_ones(group, 2, StreamConfig{.wait = WaitPolicy::busy_spin()});
+  if (group[0].placement().shares_core()) {  // busy-spin is capped beside another thread
+    CHECK(stream.wait_policy_of(0).strategy == WaitStrategy::kSpinThenPark);
+    CHECK(stream.wait_policy_of(0).yields);
+  }
   InfeedQueue<Request<std::uint64_t>> in;
   OutfeedQueue<Response<std::uint64_t>> out;
   stream.start(in, out);

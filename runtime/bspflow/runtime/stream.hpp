@@ -19,8 +19,9 @@
 //   requests.close();                                  // the stream drains, then ends
 //   StreamResult r = stream.wait();                    // r.status == kDrained, r.answered
 //
-// Stages. A stage is a callable from its input type to its output type (any movable types;
-// a stage takes its input by value or rvalue reference). Consecutive stages may share a
+// Stages. A stage is a callable (movable; copyable not needed) from its input type to its
+// output type (any movable types; a stage takes its input by value or rvalue reference). A
+// stage runs on one device thread only, so it may keep state of its own without locking. Consecutive stages may share a
 // device: they run one after the other on its thread with no hand-off between them. Stages
 // on different devices are joined by a bounded single-producer single-consumer ring
 // (SpscRing, `StreamConfig::capacity` requests). Each device of the stream runs one
@@ -326,23 +327,7 @@ class InfeedSource final : public Source {
     return true;
   }
   bool next(Item& out, const WaitPolicy& policy, const StopFlag& stop) override {
-    if (policy.strategy != WaitStrategy::kPark) {
-      const auto ready = [&] {
-        if (reader_->try_pop(request_)) return has_request_ = true;
-        return reader_->at_end() || stop.requested();
-      };
-      if (policy.strategy == WaitStrategy::kBusySpin) {
-        while (!ready()) cpu_relax();
-      } else {
-        spin_until(ready, policy.yields ? Spin::kYield : Spin::kTight, policy.spin);
-      }
-      if (has_request_) {
-        take(out);
-        return true;
-      }
-      if (stop.requested() || reader_->at_end()) return false;
-    }
-    if (!reader_->pop(request_, &stop)) return false;  // parks (the infeed's own wait)
+    if (!reader_->pop(request_, &stop, &policy)) return false;
     take(out);
     return true;
   }
@@ -352,12 +337,10 @@ class InfeedSource final : public Source {
     out.id = request_.id;
     out.value = request_.value ? &*request_.value : nullptr;
     out.error.reset();
-    has_request_ = false;
     ++accepted_;
   }
   std::optional<typename InfeedQueue<Request<In>>::Reader> reader_;
   Request<In> request_;
-  bool has_request_ = false;
   std::uint64_t accepted_ = 0;  // device thread only; read by the host after the run
 };
 
@@ -513,6 +496,8 @@ class StreamCore {
 
   // Setup path: checks the stage placement against the devices (throws bspflow::Error).
   void check_placement() const;
+  // The wait policy device `index` of the list uses (capped when it shares its core).
+  WaitPolicy policy_for(std::uint32_t index) const;
   // Host thread: starts one job per segment; `wake` wakes the feeds on cancel.
   void start(std::function<void()> wake_feeds);
   // Host thread: blocks until the run ends.
@@ -606,6 +591,9 @@ class Stream {
   std::uint32_t stages() const noexcept {
     return static_cast<std::uint32_t>(core_->stage_names.size());
   }
+  // How stage s's device waits: the configured policy, capped when the device shares its
+  // core (WaitPolicy::capped_for_sharing). Never blocks.
+  WaitPolicy wait_policy_of(std::uint32_t s) const { return core_->policy_for(device_of(s)); }
   // The device (index in the DeviceList) stage s runs on.
   std::uint32_t device_of(std::uint32_t s) const { return core_->stage_devices.at(s); }
   const std::string& stage_name(std::uint32_t s) const { return core_->stage_names.at(s); }
@@ -651,6 +639,7 @@ class StreamBuilder {
   // hand-off) or a later one.
   template <class F>
   auto stage(std::string name, F f, std::uint32_t device) && {
+    static_assert(std::is_move_constructible_v<F>, "a stream stage must be movable");
     static_assert(std::is_invocable_v<F&, Cur&&>,
                   "a stream stage must be callable with the previous stage's output (rvalue)");
     using Next = std::decay_t<std::invoke_result_t<F&, Cur&&>>;
@@ -669,9 +658,10 @@ class StreamBuilder {
                   ": stages go on the same device as the previous one or a later one");
     }
     const auto k = static_cast<std::uint32_t>(core_->stage_names.size());
-    auto tagged = [f = std::move(f), k](Cur&& x) mutable -> Next {
+    // Held through a shared_ptr so that move-only callables (owning their state) work too.
+    auto tagged = [fp = std::make_shared<F>(std::move(f)), k](Cur&& x) -> Next {
       try {
-        return f(std::move(x));
+        return (*fp)(std::move(x));
       } catch (...) {
         throw detail::StageFailure{k, std::current_exception()};
       }

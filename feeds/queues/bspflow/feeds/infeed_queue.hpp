@@ -155,12 +155,13 @@ class InfeedQueue {
       return pos_ == count_ && lane_->carry.empty() && lane_->queue.drained();
     }
 
-    // Device thread. Moves the next element into `out`. Blocks (spin, then park) while the
-    // lane is empty. Returns false at end of data (closed and drained: end_of_data() is
-    // then true) or when `stop` is set.
-    bool pop(T& out, const detail::StopFlag* stop = nullptr) {
+    // Device thread. Moves the next element into `out`. Blocks while the lane is empty,
+    // waiting as `policy` says (null: spin, then park). Returns false at end of data (closed
+    // and drained: end_of_data() is then true) or when `stop` is set.
+    bool pop(T& out, const detail::StopFlag* stop = nullptr, const WaitPolicy* policy = nullptr) {
       if (pos_ == count_ && !refilled_from_carry() &&
-          !refilled(lane_->queue.pop_bulk(buffer_.data(), buffer_.size(), stop, &lane_->consumer))) {
+          !refilled(lane_->queue.pop_bulk(buffer_.data(), buffer_.size(), stop, &lane_->consumer,
+                                          policy))) {
         end_of_data_ = lane_->queue.drained();
         return false;
       }

@@ -33,6 +33,7 @@
 #include "bspflow/base/detail/fence.hpp"
 #include "bspflow/base/detail/wait.hpp"
 #include "bspflow/base/tunables.hpp"
+#include "bspflow/base/wait_policy.hpp"
 #include "bspflow/feeds/detail/moodycamel.hpp"
 #include "bspflow/feeds/push_result.hpp"
 
@@ -207,11 +208,13 @@ class BoundedQueue {
 
   // Consumer. Blocks until at least one element is available and returns how many it
   // moved (1..max); returns 0 when the queue is closed and drained (end of data) or `stop`
-  // was set.
+  // was set. Waits as `policy` says (null: spin tunables::kSpinBudget, then park).
   std::size_t pop_bulk(T* out, std::size_t max, const StopFlag* stop = nullptr,
-                       ConsumerToken* ctok = nullptr) {
+                       ConsumerToken* ctok = nullptr, const WaitPolicy* policy = nullptr) {
     std::size_t n = try_pop_bulk(out, max, ctok);
     if (n != 0) return n;
+    const Spin mode = policy != nullptr && policy->yields ? Spin::kYield : Spin::kTight;
+    const std::chrono::nanoseconds budget = spin_budget(policy);
     // Spin on dequeue attempts first: a producer mid-enqueue (slot reserved, element not yet
     // visible) finishes within the spin, without a syscall.
     // End of data and stop are checked every 64th try only: reading reserved_ on every spin
@@ -223,7 +226,7 @@ class BoundedQueue {
       if (n != 0) return true;
       ended = (++tries & 63u) == 0 && (drained() || stopped(stop));
       return ended;
-    });
+    }, mode, budget);
     for (;;) {
       if (n != 0) return n;
       if (ended || drained() || stopped(stop)) return 0;
@@ -232,11 +235,24 @@ class BoundedQueue {
         // (oversubscribed cores); give it the core.
         std::this_thread::yield();
       } else {
-        not_empty_.wait([&] { return pending() || is_closed() || stopped(stop); }, Spin::kTight,
-                        biased_ ? Fence::kAsymmetric : Fence::kSymmetric);
+        not_empty_.wait([&] { return pending() || is_closed() || stopped(stop); }, mode,
+                        biased_ ? Fence::kAsymmetric : Fence::kSymmetric,
+                        policy != nullptr ? std::chrono::nanoseconds{0} : tunables::kSpinBudget);
       }
       n = try_pop_bulk(out, max, ctok);
     }
+  }
+
+  // How long a consumer spins before it parks: the policy's budget (busy-spin: for as long
+  // as it takes), or the default.
+  static std::chrono::nanoseconds spin_budget(const WaitPolicy* policy) noexcept {
+    if (policy == nullptr) return tunables::kSpinBudget;
+    switch (policy->strategy) {
+      case WaitStrategy::kBusySpin: return std::chrono::hours(24 * 365);
+      case WaitStrategy::kSpinThenPark: return policy->spin;
+      case WaitStrategy::kPark: return std::chrono::nanoseconds{0};
+    }
+    return tunables::kSpinBudget;
   }
 
   // Any thread. End of data: pushes fail from now on; consumers drain what is left, then
