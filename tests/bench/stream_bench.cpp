@@ -164,10 +164,20 @@ struct StreamRig {
     if (n == 2) return std::move(b).stage("s1", work).build();
     return std::move(b).stage("s1", work).stage("s2", work).stage("s3", work).build();
   }
+  // The same interface as RefChain's, so both are measured by the same code.
+  void send(const Req& r) { producer.push(r); }
+  bool try_send(const Req& r) { return producer.try_push(Req(r)).has_value(); }
+  bool try_receive(Req& r) {
+    auto e = out.try_pop();
+    if (e) r = *e->value.value;
+    return e.has_value();
+  }
+
   DeviceGroup group;
   Stream<Req, Req> stream;
   InfeedQueue<Request<Req>> in;
   OutfeedQueue<Response<Req>> out;
+  RequestProducer<Req> producer{in};
 };
 
 // Closed loop: `n` requests, one in flight; latencies in ns.
@@ -232,6 +242,13 @@ std::pair<std::vector<double>, std::uint64_t> open_loop(double rate, double seco
   return {lat, total - lat.size()};
 }
 
+// A stream's closed-loop latencies over `devices` devices.
+std::vector<double> stream_closed_loop(std::uint32_t devices, std::uint64_t n) {
+  StreamRig rig(devices);
+  return closed_loop(n, [&](const Req& r) { rig.send(r); },
+                     [&](Req& r) { return rig.try_receive(r); });
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -258,14 +275,7 @@ int main(int argc, char** argv) {
     std::vector<double> s50, s99, c50, c99;
     for (int round = 0; round < 3; ++round) {
       {
-        StreamRig rig(devices);
-        RequestProducer<Req> p(rig.in);
-        auto lat = closed_loop(n, [&](const Req& r) { p.push(r); },
-                               [&](Req& r) {
-                                 auto e = rig.out.try_pop();
-                                 if (e) r = *e->value.value;
-                                 return e.has_value();
-                               });
+        auto lat = stream_closed_loop(devices, n);
         s50.push_back(bench::quantile(lat, 0.5));
         s99.push_back(bench::quantile(lat, 0.99));
       }
@@ -290,13 +300,8 @@ int main(int argc, char** argv) {
     for (int round = 0; round < 3; ++round) {
       {
         StreamRig rig(2);
-        RequestProducer<Req> p(rig.in);
-        st.push_back(throughput(n * 5, [&](Req r) { return p.try_push(std::move(r)).has_value(); },
-                                [&](Req& r) {
-                                  auto e = rig.out.try_pop();
-                                  if (e) r = *e->value.value;
-                                  return e.has_value();
-                                }));
+        st.push_back(throughput(n * 5, [&](const Req& r) { return rig.try_send(r); },
+                                [&](Req& r) { return rig.try_receive(r); }));
       }
       {
         RefChain chain(2, capped);
@@ -315,14 +320,7 @@ int main(int argc, char** argv) {
     std::vector<double> s50, t50;
     for (int round = 0; round < 3; ++round) {
       {
-        StreamRig rig(2);
-        RequestProducer<Req> p(rig.in);
-        auto lat = closed_loop(n, [&](const Req& r) { p.push(r); },
-                               [&](Req& r) {
-                                 auto e = rig.out.try_pop();
-                                 if (e) r = *e->value.value;
-                                 return e.has_value();
-                               });
+        auto lat = stream_closed_loop(2, n);
         s50.push_back(bench::quantile(lat, 0.5));
       }
       {
@@ -369,13 +367,8 @@ int main(int argc, char** argv) {
     double s99 = 0;
     {
       StreamRig rig(devices);
-      RequestProducer<Req> p(rig.in);
-      auto [lat, l] = open_loop(50'000, open_seconds, [&](const Req& r) { p.push(r); },
-                                [&](Req& r) {
-                                  auto e = rig.out.try_pop();
-                                  if (e) r = *e->value.value;
-                                  return e.has_value();
-                                });
+      auto [lat, l] = open_loop(50'000, open_seconds, [&](const Req& r) { rig.send(r); },
+                                [&](Req& r) { return rig.try_receive(r); });
       lost = l;
       s99 = bench::quantile(lat, 0.99);
     }
