@@ -2,7 +2,6 @@
 // checks, starting one device job per segment, cancel, and the result.
 #include "bspflow/runtime/stream.hpp"
 
-#include <set>
 #include <string>
 
 #include "bspflow/base/log.hpp"
@@ -84,17 +83,6 @@ StreamCore::~StreamCore() {
   if (running_) {
     cancel();
     wait_segments();
-  }
-}
-
-void StreamCore::check_placement() const {
-  std::set<std::uint32_t> used;
-  for (const auto& seg : segments) {
-    if (!used.insert(seg->device_index).second) {
-      throw Error("stream: device " + std::to_string(seg->device_index) +
-                  " would run two separate runs of stages; a device runs consecutive stages "
-                  "only");
-    }
   }
 }
 

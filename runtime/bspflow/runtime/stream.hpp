@@ -267,7 +267,6 @@ class StreamBuilder {
     detail::OutfeedSink<Cur>* out = sink.get();
     close_segment(*sink, static_cast<std::uint32_t>(core_->stage_names.size() - 1));
     core_->owned.push_back(std::move(sink));
-    core_->check_placement();
     return Stream<In, Cur>(std::move(core_), infeed_source_, out);
   }
 

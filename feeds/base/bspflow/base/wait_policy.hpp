@@ -46,6 +46,18 @@ struct WaitPolicy {
   WaitPolicy capped_for_sharing() const noexcept;
   // Whether waits yield the core between checks (a capped policy does).
   bool yields = false;
+
+  // How a wait under this policy spins before it parks, and for how long (busy-spin: for
+  // as long as it takes; park: not at all). Never throws.
+  detail::Spin spin_mode() const noexcept { return yields ? detail::Spin::kYield : detail::Spin::kTight; }
+  std::chrono::nanoseconds spin_budget() const noexcept {
+    switch (strategy) {
+      case WaitStrategy::kBusySpin: return std::chrono::hours(24 * 365);
+      case WaitStrategy::kSpinThenPark: return spin;
+      case WaitStrategy::kPark: return std::chrono::nanoseconds{0};
+    }
+    return spin;
+  }
 };
 
 namespace detail {
@@ -55,17 +67,7 @@ namespace detail {
 template <class Ready>
 void wait_with(WaitPoint& point, const WaitPolicy& policy, Ready&& ready,
                Fence fence = Fence::kSymmetric) {
-  switch (policy.strategy) {
-    case WaitStrategy::kBusySpin:
-      while (!ready()) cpu_relax();
-      return;
-    case WaitStrategy::kSpinThenPark:
-      point.wait(ready, policy.yields ? Spin::kYield : Spin::kTight, fence, policy.spin);
-      return;
-    case WaitStrategy::kPark:
-      point.wait(ready, Spin::kTight, fence, std::chrono::nanoseconds{0});
-      return;
-  }
+  point.wait(ready, policy.spin_mode(), fence, policy.spin_budget());
 }
 
 }  // namespace detail

@@ -317,8 +317,6 @@ class StreamCore {
   std::vector<std::shared_ptr<void>> owned;    // rings, sources, sinks
   std::vector<std::function<void()>> ring_resets, ring_wakes;
 
-  // Setup path: checks the stage placement against the devices (throws bspflow::Error).
-  void check_placement() const;
   // The wait policy device `index` of the list uses (capped when it shares its core).
   WaitPolicy policy_for(std::uint32_t index) const;
   // Host thread: starts one job per segment; `wake` wakes the feeds on cancel.

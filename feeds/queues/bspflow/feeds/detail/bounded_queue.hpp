@@ -213,8 +213,9 @@ class BoundedQueue {
                        ConsumerToken* ctok = nullptr, const WaitPolicy* policy = nullptr) {
     std::size_t n = try_pop_bulk(out, max, ctok);
     if (n != 0) return n;
-    const Spin mode = policy != nullptr && policy->yields ? Spin::kYield : Spin::kTight;
-    const std::chrono::nanoseconds budget = spin_budget(policy);
+    const Spin mode = policy != nullptr ? policy->spin_mode() : Spin::kTight;
+    const std::chrono::nanoseconds budget =
+        policy != nullptr ? policy->spin_budget() : tunables::kSpinBudget;
     // Spin on dequeue attempts first: a producer mid-enqueue (slot reserved, element not yet
     // visible) finishes within the spin, without a syscall.
     // End of data and stop are checked every 64th try only: reading reserved_ on every spin
@@ -241,18 +242,6 @@ class BoundedQueue {
       }
       n = try_pop_bulk(out, max, ctok);
     }
-  }
-
-  // How long a consumer spins before it parks: the policy's budget (busy-spin: for as long
-  // as it takes), or the default.
-  static std::chrono::nanoseconds spin_budget(const WaitPolicy* policy) noexcept {
-    if (policy == nullptr) return tunables::kSpinBudget;
-    switch (policy->strategy) {
-      case WaitStrategy::kBusySpin: return std::chrono::hours(24 * 365);
-      case WaitStrategy::kSpinThenPark: return policy->spin;
-      case WaitStrategy::kPark: return std::chrono::nanoseconds{0};
-    }
-    return tunables::kSpinBudget;
   }
 
   // Any thread. End of data: pushes fail from now on; consumers drain what is left, then
