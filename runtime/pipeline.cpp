@@ -147,6 +147,10 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
       sr.cycle = sr.next_cycle = sr.step = sr.micro_batch = 0;
       sr.max_fifo = 0;
       sr.forwards = 0;
+      sr.taken = sr.last_take = 0;
+      sr.ended = sr.done = sr.got = false;
+      sr.out_id[0] = sr.out_id[1] = sr.in_id = -1;
+      sr.end_cycle.store(Impl::StageRun::kNever, std::memory_order_relaxed);  // relaxed: no device runs yet
       sr.accumulated = 0;
       std::fill(sr.accum.begin(), sr.accum.end(), 0.0f);
     }
@@ -158,6 +162,24 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
       im.run_of(r, im.stages - 1).writer = nullptr;
     }
     for (auto& w : writers) w.finish(deliver, nullptr);
+  };
+
+  // Inference, after a stop or a failure: micro-batches taken but not answered go back to
+  // the front of their lanes, oldest first, for the next run (all but `failed`, the one a
+  // stage threw on, which the StageError names). Returns how many went back.
+  auto give_back = [&](std::optional<std::pair<std::uint32_t, std::uint64_t>> failed) {
+    std::uint64_t returned = 0;
+    if (im.config.training) return returned;
+    for (std::uint32_t r = 0; r < replicas; ++r) {
+      Impl::StageRun& head = im.run_of(r, 0);
+      std::vector<Batch>& ring = im.batches[r];
+      for (std::uint64_t j = im.run_of(r, im.stages - 1).forwards; j < head.taken; ++j) {
+        if (failed && failed->first == r && failed->second == j) continue;
+        head.reader->put_back(std::move(ring[j % ring.size()]));
+        ++returned;
+      }
+    }
+    return returned;
   };
 
   std::vector<Program> programs;
@@ -174,6 +196,20 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
     };
     er = im.engine->run(programs, wake);
   } catch (const DeviceError& e) {
+    if (!im.config.training) {
+      // A stage threw: the micro-batches around it were good and go back to the infeed.
+      try {
+        if (e.cause()) std::rethrow_exception(e.cause());
+      } catch (const StageError& se) {
+        const std::uint64_t returned = give_back(std::pair{se.replica(), se.micro_batch()});
+        detach(false);
+        throw StageError(std::string(se.what()) + " (" + std::to_string(returned) +
+                             " other micro-batch(es) in flight went back to the infeed)",
+                         se.stage(), se.device(), se.replica(), se.step(), se.micro_batch(), se.cause());
+      } catch (...) {
+      }
+      give_back(std::nullopt);
+    }
     detach(false);
     if (e.cause()) {
       try {
@@ -189,6 +225,42 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
   } catch (...) {
     detach(false);
     throw;
+  }
+  if (!im.config.training) {
+    // Inference: every micro-batch taken was answered unless the run was stopped.
+    const bool stopped = er.status == RunStatus::kCancelled;
+    const std::uint64_t returned = stopped ? give_back(std::nullopt) : 0;
+    detach(!stopped);
+    std::uint64_t taken = 0, fewest = ~std::uint64_t{0}, dropped = 0;
+    bool infeed_ended = false;
+    for (std::uint32_t r = 0; r < replicas; ++r) {
+      const Impl::StageRun& head = im.run_of(r, 0);
+      const std::uint64_t answered = im.run_of(r, im.stages - 1).forwards;
+      taken += head.taken;
+      result.micro_batches += answered;
+      fewest = std::min(fewest, answered);
+      infeed_ended = infeed_ended || (head.ended && head.taken < im.plan.micro_batches);
+      if (r < writers.size()) dropped += writers[r].dropped();
+    }
+    result.elapsed = er.elapsed;
+    result.fifo_depth.assign(im.stages, 0);
+    result.iterations = fewest / im.k();
+    result.status = stopped ? RunStatus::kCancelled : infeed_ended ? RunStatus::kEndOfData : RunStatus::kCompleted;
+    const std::string asked = std::to_string(im.plan.micro_batches * replicas);
+    if (stopped) {
+      result.message = "cancelled: " + std::to_string(result.micro_batches) + " of " + std::to_string(taken) +
+                       " micro-batch(es) taken were answered; " + std::to_string(returned) +
+                       " went back to the infeed";
+    } else if (infeed_ended) {
+      result.message = "the infeed ended after " + std::to_string(taken) + " of " + asked +
+                       " micro-batch(es); all " + std::to_string(result.micro_batches) + " were answered";
+    } else {
+      result.message = "answered all " + asked + " micro-batch(es)";
+    }
+    if (dropped != 0) {
+      result.message += "; " + std::to_string(dropped) + " answer(s) were dropped: the stop came while the outfeed was full";
+    }
+    return result;
   }
   if (!ended) detach(er.completed());
   for (std::uint32_t s = 0; s < im.stages; ++s) result.fifo_depth.push_back(im.run_of(0, s).max_fifo);

@@ -140,6 +140,149 @@ Program Pipeline::Impl::compile_device_of_pipeline(StageRun& sr, std::uint64_t s
   return program::Repeat(outer_trips(steps), program::Sequence{cycle_loop, step_end({st}, reduce_groups[sr.s])});
 }
 
+// Inference over one device per stage. bsp: a cycle is forward, sync, exchange, as in
+// training, but stage 0 takes a micro-batch only when one is ready and runs a bubble
+// cycle (no forward) while others are in flight, so the micro-batches ahead keep moving
+// one stage per cycle without waiting for more input; it waits for input only once the
+// pipeline is empty. A micro-batch taken in cycle t leaves the last stage in cycle
+// t+N-1; when stage 0 finds the end in cycle e, every stage runs through cycle e+N-2 and
+// stops, so each one passes the same number of syncs. dataflow: stage 0 closes its
+// hand-off at the end and each stage passes the close on once it has drained its input.
+Program Pipeline::Impl::compile_inference(StageRun& sr) {
+  StageRun* st = &sr;
+  StageRun* head = &run_of(sr.r, 0);
+  const std::uint32_t n = stages;
+  const bool first = sr.s == 0, last = sr.s + 1 == n;
+  const std::string name = sr.stage->name();
+
+  if (config.sync == SyncMode::kDataflow) {
+    Program pass = program::Execute(name + " forward", [this, st, first, last](const ComputeContext& ctx) {
+      std::uint64_t i = 0;
+      std::span<const float> in;
+      if (first) {
+        const Take t = take(*st, ctx.stop, /*block=*/true);
+        if (t == Take::kStopped) return;
+        if (t == Take::kEnd) {
+          st->ended = st->done = true;
+          if (!last) st->fwd_out->close();
+          return;
+        }
+        i = st->taken - 1;
+      } else {
+        // About to wait for input: hand over the responses held here first.
+        if (last && st->writer != nullptr && !st->fwd_in->ready()) st->writer->flush(ctx.stop);
+        const float* m = st->fwd_in->front(*ctx.stop);
+        if (m == nullptr) {
+          if (st->fwd_in->ended()) {
+            st->done = true;
+            if (!last) st->fwd_out->close();
+          }
+          return;
+        }
+        in = {m, st->in_elements};
+        i = st->micro_batch++;  // messages arrive in the order stage 0 took them
+      }
+      std::span<float> out(st->local_out);
+      if (!last) {
+        float* m = st->fwd_out->acquire(*ctx.stop);
+        if (m == nullptr) return;
+        out = {m, st->out_elements};
+      }
+      const bool ok = forward(*st, i, in, out, ctx.stop);
+      if (!first) st->fwd_in->release();
+      if (!last && ok) st->fwd_out->publish();
+    });
+    return program::RepeatWhile([st](const ComputeContext&) { return !st->done; }, std::move(pass));
+  }
+
+  std::vector<Program> body;
+  body.push_back(program::Execute(name + " forward", [this, st, first, last, n](const ComputeContext& ctx) {
+    const std::uint64_t c = st->cycle;
+    std::int64_t id = -1;
+    if (first) {
+      if (!st->ended) {
+        // Block only when nothing taken still needs a sync to move on: the latest take
+        // left the last stage at cycle last_take+N-1 and its response was handed over
+        // after that cycle's exchange.
+        const bool in_flight = st->taken > 0 && c - st->last_take < n;
+        const Take t = take(*st, ctx.stop, !in_flight);
+        if (t == Take::kStopped) return;
+        if (t == Take::kGot) {
+          id = static_cast<std::int64_t>(st->taken - 1);
+          st->last_take = c;
+        } else if (t == Take::kEnd) {
+          st->ended = true;
+          st->end_cycle.store(c, std::memory_order_relaxed);  // see StageRun::end_cycle
+        }
+      }
+    } else {
+      id = st->in_id;
+    }
+    st->out_id[c % 2] = id;
+    if (id < 0) return;  // a bubble
+    const auto i = static_cast<std::uint64_t>(id);
+    const std::span<const float> in = first ? std::span<const float>{} : floats(st->in_fwd);
+    forward(*st, i, in, last ? std::span<float>(st->local_out) : floats(st->out_fwd[c % 2]), ctx.stop);
+  }));
+  if (n > 1) {
+    body.emplace_back(program::Sync(replica_groups[sr.r]));
+    if (!first) {
+      StageRun* prev = &run_of(sr.r, sr.s - 1);
+      for (std::uint64_t parity = 0; parity < 2; ++parity) {
+        body.push_back(when(
+            [st, prev, parity](const ComputeContext&) {
+              if (st->cycle % 2 != parity) return false;
+              st->in_id = prev->out_id[parity];
+              return st->in_id >= 0;
+            },
+            program::Copy(prev->out_fwd[parity], sr.in_fwd)));
+      }
+    }
+    if (last && sr.writer != nullptr) {
+      // Nothing arrives for the next cycle: this device would idle at the sync, so the
+      // responses it holds go to the host now.
+      body.push_back(when([st](const ComputeContext&) { return st->in_id < 0; },
+                          program::Execute(name + " hand over", [st](const ComputeContext& ctx) {
+                            st->writer->flush(ctx.stop);
+                          })));
+    }
+  }
+  return program::RepeatWhile(
+      [st, head, n](const ComputeContext&) {
+        st->cycle = st->next_cycle++;
+        const std::uint64_t e = head->end_cycle.load(std::memory_order_relaxed);
+        return e == StageRun::kNever || st->cycle + 1 < e + n;
+      },
+      program::Sequence(std::move(body)));
+}
+
+// Inference with every stage of a replica on one device: take a micro-batch, run it
+// through the stages, until the infeed ends or the run's count is taken.
+Program Pipeline::Impl::compile_single_inference(std::uint32_t replica) {
+  StageRun* head = &run_of(replica, 0);
+  std::vector<Program> body;
+  body.push_back(program::Execute("take", [this, head](const ComputeContext& ctx) {
+    head->got = false;
+    const Take t = take(*head, ctx.stop, /*block=*/true);
+    if (t == Take::kEnd) head->ended = head->done = true;
+    if (t != Take::kGot) return;
+    head->got = true;
+    head->micro_batch = head->taken - 1;
+  }));
+  for (std::uint32_t s = 0; s < stages; ++s) {
+    StageRun* st = &run_of(replica, s);
+    StageRun* prev = s > 0 ? &run_of(replica, s - 1) : nullptr;
+    body.push_back(when([head](const ComputeContext&) { return head->got; },
+                        program::Execute(st->stage->name() + " forward", [this, st, prev, head](const ComputeContext& ctx) {
+                          forward(*st, head->micro_batch,
+                                  prev ? std::span<const float>(prev->local_out) : std::span<const float>{},
+                                  st->local_out, ctx.stop);
+                        })));
+  }
+  return program::RepeatWhile([head](const ComputeContext&) { return !head->done; },
+                              program::Sequence(std::move(body)));
+}
+
 // All stages of a replica on one device: micro-batch by micro-batch, forward through the
 // stages and backward through them again.
 Program Pipeline::Impl::compile_single(std::uint32_t replica, std::uint64_t steps) {
@@ -173,7 +316,13 @@ Program Pipeline::Impl::compile_single(std::uint32_t replica, std::uint64_t step
 
 std::vector<Program> Pipeline::Impl::compile(std::uint64_t steps) {
   std::vector<Program> programs(devices.size(), program::Sequence{});
-  if (config.strategy == ExecutionStrategy::kSingle) {
+  if (!config.training) {
+    if (config.strategy == ExecutionStrategy::kSingle) {
+      for (std::uint32_t r = 0; r < config.replicas; ++r) programs[r] = compile_single_inference(r);
+    } else {
+      for (auto& sr : runs) programs[device_of(sr->r, sr->s)] = compile_inference(*sr);
+    }
+  } else if (config.strategy == ExecutionStrategy::kSingle) {
     for (std::uint32_t r = 0; r < config.replicas; ++r) programs[r] = compile_single(r, steps);
   } else {
     for (auto& sr : runs) programs[device_of(sr->r, sr->s)] = compile_device_of_pipeline(*sr, steps);

@@ -28,7 +28,7 @@ void Pipeline::Impl::reduce(StageRun& sr) {
 bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const float> input, std::span<float> output,
              const detail::StopFlag* stop) {
   std::vector<Batch>& batches_of = *sr.batches;
-  if (sr.s == 0) {
+  if (sr.s == 0 && config.training) {  // inference: take() already put it in the ring
     if (!sr.reader->pop(batches_of[i % batches_of.size()], stop)) {
       if (sr.reader->end_of_data()) throw EndOfInput{sr.step, i};
       return false;
@@ -55,6 +55,22 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
     return sr.writer->write(sr.step * k() + i, std::vector<float>(output.begin(), output.end()), stop);
   }
   return true;
+}
+
+Pipeline::Impl::Take Pipeline::Impl::take(StageRun& sr, const detail::StopFlag* stop, bool block) {
+  if (sr.taken >= plan.micro_batches) return Take::kEnd;
+  Batch& slot = (*sr.batches)[sr.taken % sr.batches->size()];
+  if (!sr.reader->try_pop(slot)) {
+    if (sr.reader->at_end()) return Take::kEnd;
+    if (!block) return Take::kNone;
+    // About to wait for input: responses this device holds go to the host first (with
+    // one stage per device, the last stage is elsewhere and hands over its own).
+    StageRun& last = run_of(sr.r, stages - 1);
+    if (last.device == sr.device && last.writer != nullptr) last.writer->flush(stop);
+    if (!sr.reader->pop(slot, stop)) return sr.reader->end_of_data() ? Take::kEnd : Take::kStopped;
+  }
+  ++sr.taken;
+  return Take::kGot;
 }
 
 void Pipeline::Impl::backward(StageRun& sr, std::uint64_t i, std::span<const float> grad_output,

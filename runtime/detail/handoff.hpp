@@ -51,19 +51,43 @@ class Handoff {
     tail_.store(++producer_.tail, std::memory_order_release);  // the message, then its index
     not_empty_.notify_light();
   }
-  // Consumer. The oldest message (waits for one); nullptr if stopped first.
+  // Producer. No message follows: the consumer's front() returns nullptr once it has
+  // read every message published before this, and ended() is then true.
+  void close() {
+    closed_.store(true, std::memory_order_seq_cst);  // after every publish(); see front()
+    not_empty_.notify();
+  }
+  // Consumer. Never blocks: a message is ready, or the queue is closed and drained (so
+  // front() would return at once).
+  bool ready() {
+    const std::uint64_t h = consumer_.head;
+    if (consumer_.tail_seen > h) return true;
+    consumer_.tail_seen = tail_.load(std::memory_order_acquire);
+    return consumer_.tail_seen > h || closed_.load(std::memory_order_acquire);
+  }
+  // Consumer. The oldest message (waits for one); nullptr if stopped first or if the
+  // producer closed the queue and every message has been read (ended()).
   const float* front(const detail::StopFlag& stop) {
     const std::uint64_t h = consumer_.head;
     if (consumer_.tail_seen <= h) {
       not_empty_.wait(
           [&] {
             consumer_.tail_seen = tail_.load(std::memory_order_seq_cst);
-            return consumer_.tail_seen > h || stop.requested();
+            return consumer_.tail_seen > h || stop.requested() || closed_.load(std::memory_order_seq_cst);
           },
           spin_, detail::Fence::kAsymmetric);
-      if (consumer_.tail_seen <= h) return nullptr;
+      if (consumer_.tail_seen <= h) {
+        // Closed: everything published before close() is visible now; read the index once
+        // more, since the load above may predate the last publish().
+        consumer_.tail_seen = tail_.load(std::memory_order_acquire);
+        if (consumer_.tail_seen <= h) return nullptr;
+      }
     }
     return slots_[h % slots_.size()].data();
+  }
+  // Consumer: closed, and every message read.
+  bool ended() const noexcept {
+    return closed_.load(std::memory_order_acquire) && tail_.load(std::memory_order_acquire) <= consumer_.head;
   }
   void release() {
     head_.store(++consumer_.head, std::memory_order_release);  // done reading the slot
@@ -75,6 +99,7 @@ class Handoff {
     consumer_ = {};
     head_.store(0, std::memory_order_relaxed);  // relaxed: nobody is using the queue
     tail_.store(0, std::memory_order_relaxed);  // relaxed: likewise, between runs
+    closed_.store(false, std::memory_order_relaxed);  // relaxed: likewise
   }
   void wake() noexcept {
     not_full_.notify();
@@ -97,6 +122,7 @@ class Handoff {
   Consumer consumer_;
   alignas(tunables::kCacheLine) std::atomic<std::uint64_t> head_{0};
   alignas(tunables::kCacheLine) std::atomic<std::uint64_t> tail_{0};
+  std::atomic<bool> closed_{false};  // written once per run, after the last message
   detail::WaitPoint not_empty_;
   detail::WaitPoint not_full_;
 };

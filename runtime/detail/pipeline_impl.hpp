@@ -4,6 +4,7 @@
 // pipeline.cpp.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -67,6 +68,23 @@ struct Pipeline::Impl {
     std::uint64_t cycle = 0, next_cycle = 0, step = 0, micro_batch = 0;
     std::uint32_t max_fifo = 0;
     std::uint64_t forwards = 0;
+    // Inference (see compile_inference): stage 0 takes micro-batches as they come and the
+    // others follow what reaches them, until the infeed ends or the run's count is taken.
+    std::uint64_t taken = 0;      // stage 0: micro-batches taken off the lane this run
+    std::uint64_t last_take = 0;  // stage 0, bsp: the cycle of the latest take
+    bool ended = false;           // stage 0: the lane closed and drained (end of data)
+    bool done = false;            // dataflow: the end has passed through this stage
+    bool got = false;             // single: this trip took a micro-batch
+    // bsp: the micro-batch this stage forwarded in the last cycle of each parity (-1: a
+    // bubble), read by the next stage's exchange after the cycle's sync; and the one its
+    // own exchange brought for the next cycle. The sync orders the writes and the reads.
+    std::int64_t out_id[2] = {-1, -1};
+    std::int64_t in_id = -1;
+    // bsp, stage 0: the first cycle in which it took nothing and will take nothing more.
+    // Written before that cycle's sync and read by every stage's loop condition; relaxed:
+    // the sync orders it for the cycles whose exit depends on it (see compile_inference).
+    std::atomic<std::uint64_t> end_cycle{kNever};
+    static constexpr std::uint64_t kNever = ~std::uint64_t{0};
     // stage 0 / last stage
     std::optional<InfeedQueue<Batch>::Reader> reader;
     OutfeedQueue<std::vector<float>>::Writer* writer = nullptr;
@@ -115,6 +133,11 @@ struct Pipeline::Impl {
   bool forward(StageRun& sr, std::uint64_t i, std::span<const float> input, std::span<float> output,
                const detail::StopFlag* stop);
 
+  // Inference, stage 0: the next micro-batch into the replica's ring. `block`: wait for one
+  // (after handing over responses this device holds); else take one only if it is ready.
+  enum class Take { kGot, kNone, kEnd, kStopped };
+  Take take(StageRun& sr, const detail::StopFlag* stop, bool block);
+
   // The backward pass of micro-batch i (the oldest in the FIFO).
   void backward(StageRun& sr, std::uint64_t i, std::span<const float> grad_output,
                 std::span<float> grad_input);
@@ -136,6 +159,12 @@ struct Pipeline::Impl {
   std::vector<Program> compile(std::uint64_t steps);
   Program compile_device_of_pipeline(StageRun& sr, std::uint64_t steps);
   Program compile_single(std::uint32_t replica, std::uint64_t steps);
+  // Inference: stage 0 takes micro-batches as they arrive (up to plan.micro_batches) and the
+  // run ends when the infeed ends, after everything taken has been answered. bsp runs
+  // bubble cycles while micro-batches are in flight and waits for input only when the
+  // pipeline is empty; the last stage hands its responses over before it would idle.
+  Program compile_inference(StageRun& sr);
+  Program compile_single_inference(std::uint32_t replica);
   Program step_end(const std::vector<StageRun*>& on_device, const std::shared_ptr<SyncGroup>& group);
   // `limit` trips of `body` per step; the condition keeps the trip in st->*trip (and the
   // step, from the outermost Repeat, at trip 0).

@@ -231,7 +231,8 @@ struct PipelineResult {
   // Device iterations completed (training: weights updated), per replica (the fewest any
   // device completed).
   std::uint64_t iterations = 0;
-  std::uint64_t micro_batches = 0;  // forward passes of the last stage, all replicas
+  // Forward passes of the last stage, all replicas (inference: micro-batches answered).
+  std::uint64_t micro_batches = 0;
   std::string message;              // one line saying how the run ended
   std::chrono::nanoseconds elapsed{0};  // wall time of the Engine run
   // Per stage (replica 0): the most inputs its activation FIFO held while a forward pass
@@ -274,6 +275,16 @@ class Pipeline {
   // stopped; any other device failure as DeviceError. An infeed that ends mid-run ends it
   // with kEndOfData; a step cut short is not applied (the message says how many
   // micro-batches it dropped). cancel() ends it with kCancelled.
+  // Inference (training = false): stage 0 takes up to device_iterations x K micro-batches
+  // as they arrive, so a large count and a closed infeed make a serving loop that ends
+  // when the infeed ends. Every micro-batch taken is answered before the run returns
+  // kEndOfData (micro_batches says how many; the message says how many of the count were
+  // taken). bsp runs bubble cycles while micro-batches are in flight, so a client that
+  // waits for each answer before sending the next is answered at any depth; the last stage
+  // hands its entries to the outfeed before its device would idle (no entry is held while
+  // the pipeline waits for input). After a cancel, or a stage exception (StageError), the
+  // good micro-batches still in flight go back to the front of their lanes, oldest first,
+  // for the next run; the one a stage threw on does not (the error names it).
   PipelineResult run(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
                      OutfeedQueue<std::vector<float>>* outfeed = nullptr);
 
