@@ -66,6 +66,7 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
       sr->accum.assign(g, 0.0f);
       sr->reduced.assign(g, 0.0f);
       sr->batches = &im.batches[r];
+      if (sr->device->placement().shares_core()) sr->wait = sr->wait.capped_for_sharing();
       sr->local_out.assign(sr->out_elements, 0.0f);
       sr->local_grad.assign(sr->in_elements, 0.0f);
       if (config.recompute) sr->scratch.assign(sr->out_elements, 0.0f);
@@ -94,11 +95,10 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
       for (std::uint32_t s = 0; s + 1 < n; ++s) {
         Impl::StageRun& a = im.run_of(r, s);
         Impl::StageRun& b = im.run_of(r, s + 1);
-        const detail::Spin spin_a = a.device->placement().shares_core() ? detail::Spin::kYield : detail::Spin::kTight;
-        im.handoffs.push_back(std::make_unique<Handoff>(capacity, a.out_elements, spin_a));
+        im.handoffs.push_back(std::make_unique<Handoff>(capacity, std::vector<float>(a.out_elements)));
         a.fwd_out = b.fwd_in = im.handoffs.back().get();
         if (config.training) {
-          im.handoffs.push_back(std::make_unique<Handoff>(capacity, a.out_elements, spin_a));
+          im.handoffs.push_back(std::make_unique<Handoff>(capacity, std::vector<float>(a.out_elements)));
           b.bwd_out = a.bwd_in = im.handoffs.back().get();
         }
       }

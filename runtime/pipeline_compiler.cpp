@@ -68,18 +68,18 @@ Program Pipeline::Impl::compile_device_of_pipeline(StageRun& sr, std::uint64_t s
         }
         std::span<const float> in;
         if (!first) {
-          const float* m = st->fwd_in->front(*ctx.stop);
+          const std::vector<float>* m = st->fwd_in->front(st->wait, *ctx.stop);
           if (m == nullptr) return;
-          in = {m, st->in_elements};
+          in = *m;
         }
         std::span<float> out(st->local_out);
         if (!last) {
-          float* m = st->fwd_out->acquire(*ctx.stop);
+          std::vector<float>* m = st->fwd_out->claim(st->wait, *ctx.stop);
           if (m == nullptr) return;
-          out = {m, st->out_elements};
+          out = *m;
         }
         const bool ok = forward(*st, i, in, out, ctx.stop);
-        if (!first) st->fwd_in->release();
+        if (!first) st->fwd_in->pop();
         if (!last && ok) st->fwd_out->publish();
       })));
 
@@ -95,18 +95,18 @@ Program Pipeline::Impl::compile_device_of_pipeline(StageRun& sr, std::uint64_t s
           }
           std::span<const float> grad_out;
           if (!last) {
-            const float* m = st->bwd_in->front(*ctx.stop);
+            const std::vector<float>* m = st->bwd_in->front(st->wait, *ctx.stop);
             if (m == nullptr) return;
-            grad_out = {m, st->out_elements};
+            grad_out = *m;
           }
           std::span<float> grad_in;
           if (!first) {
-            float* m = st->bwd_out->acquire(*ctx.stop);
+            std::vector<float>* m = st->bwd_out->claim(st->wait, *ctx.stop);
             if (m == nullptr) return;
-            grad_in = {m, st->in_elements};
+            grad_in = *m;
           }
           backward(*st, i, grad_out, grad_in);
-          if (!last) st->bwd_in->release();
+          if (!last) st->bwd_in->pop();
           if (!first) st->bwd_out->publish();
         })));
   }
@@ -170,26 +170,26 @@ Program Pipeline::Impl::compile_inference(StageRun& sr) {
         i = st->taken - 1;
       } else {
         // About to wait for input: hand over the responses held here first.
-        if (last && st->writer != nullptr && !st->fwd_in->ready()) st->writer->flush(ctx.stop);
-        const float* m = st->fwd_in->front(*ctx.stop);
+        if (last && st->writer != nullptr && st->fwd_in->try_front() == nullptr) st->writer->flush(ctx.stop);
+        const std::vector<float>* m = st->fwd_in->front(st->wait, *ctx.stop);
         if (m == nullptr) {
-          if (st->fwd_in->ended()) {
+          if (st->fwd_in->closed_and_drained()) {
             st->done = true;
             if (!last) st->fwd_out->close();
           }
           return;
         }
-        in = {m, st->in_elements};
+        in = *m;
         i = st->micro_batch++;  // messages arrive in the order stage 0 took them
       }
       std::span<float> out(st->local_out);
       if (!last) {
-        float* m = st->fwd_out->acquire(*ctx.stop);
+        std::vector<float>* m = st->fwd_out->claim(st->wait, *ctx.stop);
         if (m == nullptr) return;
-        out = {m, st->out_elements};
+        out = *m;
       }
       const bool ok = forward(*st, i, in, out, ctx.stop);
-      if (!first) st->fwd_in->release();
+      if (!first) st->fwd_in->pop();
       if (!last && ok) st->fwd_out->publish();
     });
     return program::RepeatWhile([st](const ComputeContext&) { return !st->done; }, std::move(pass));

@@ -14,13 +14,19 @@
 
 #include "bspflow/runtime/engine.hpp"
 #include "bspflow/runtime/pipeline.hpp"
-#include "detail/handoff.hpp"
+#include "bspflow/feeds/spsc_ring.hpp"
 
 namespace bspflow {
 
 using Clock = std::chrono::steady_clock;
-using detail::EndOfInput;
-using detail::Handoff;
+// The input ended mid-run in training (thrown by stage 0, turned into kEndOfData).
+struct EndOfInput {
+  std::uint64_t step;
+  std::uint64_t micro_batch;
+};
+// dataflow: the hand-off between neighbouring stages, a ring of activation (or gradient)
+// buffers the producer fills in place (claim, publish) and the consumer reads in place.
+using Handoff = SpscRing<std::vector<float>>;
 
 struct Pipeline::Impl {
   struct Stashed {
@@ -43,6 +49,7 @@ struct Pipeline::Impl {
     Handoff* fwd_out = nullptr;
     Handoff* bwd_in = nullptr;
     Handoff* bwd_out = nullptr;
+    WaitPolicy wait;  // how this stage waits on its hand-offs (capped when sharing a core)
     // single: the neighbour on the same device reads these directly.
     std::vector<float> local_out, local_grad;
     std::vector<float> scratch;  // recomputation's output
@@ -78,15 +85,18 @@ struct Pipeline::Impl {
     // bsp: the micro-batch this stage forwarded in the last cycle of each parity (-1: a
     // bubble), read by the next stage's exchange after the cycle's sync; and the one its
     // own exchange brought for the next cycle. The sync orders the writes and the reads.
-    std::int64_t out_id[2] = {-1, -1};
+    // Each on a cache line of its own: neighbours read them every cycle, and the stage's
+    // other fields change every cycle.
     std::int64_t in_id = -1;
+    alignas(tunables::kCacheLine) std::int64_t out_id[2] = {-1, -1};
     // bsp, stage 0: the first cycle in which it took nothing and will take nothing more.
     // Written before that cycle's sync and read by every stage's loop condition; relaxed:
     // the sync orders it for the cycles whose exit depends on it (see compile_inference).
-    std::atomic<std::uint64_t> end_cycle{kNever};
+    alignas(tunables::kCacheLine) std::atomic<std::uint64_t> end_cycle{kNever};
+    static_assert(tunables::kCacheLine >= 2 * sizeof(std::int64_t));
     static constexpr std::uint64_t kNever = ~std::uint64_t{0};
-    // stage 0 / last stage
-    std::optional<InfeedQueue<Batch>::Reader> reader;
+    // stage 0 / last stage (the reader on a line of its own: it changes with every take)
+    alignas(tunables::kCacheLine) std::optional<InfeedQueue<Batch>::Reader> reader;
     OutfeedQueue<std::vector<float>>::Writer* writer = nullptr;
     std::vector<Batch>* batches = nullptr;  // the replica's ring, micro-batch i in slot i % size
   };

@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <bspflow/feeds/spsc_ring.hpp>
 
@@ -35,6 +36,35 @@ TEST_CASE("FIFO within the bound; full, then room again") {
     ring.pop();
   }
   CHECK(ring.try_front() == nullptr);
+}
+
+TEST_CASE("claim and publish fill slots in place: their buffers are reused, never reallocated") {
+  SpscRing<std::vector<float>> ring(2, std::vector<float>(8, 0.0f));
+  detail::StopFlag stop;
+  std::vector<const float*> buffers;
+  for (int round = 0; round < 6; ++round) {
+    std::vector<float>* slot = ring.claim(WaitPolicy{}, stop);
+    REQUIRE(slot != nullptr);
+    REQUIRE(slot->size() == 8);
+    (*slot)[0] = static_cast<float>(round);
+    buffers.push_back(slot->data());
+    ring.publish();
+    const std::vector<float>* got = ring.front(WaitPolicy{}, stop);
+    REQUIRE(got != nullptr);
+    CHECK((*got)[0] == static_cast<float>(round));
+    CHECK(got->data() == buffers.back());
+    ring.pop();
+  }
+  CHECK(buffers[0] == buffers[2]);  // two slots, used in turn
+  CHECK(buffers[1] == buffers[3]);
+  CHECK(buffers[0] != buffers[1]);
+  // Full: a claim waits; a stop ends the wait with nullptr.
+  REQUIRE(ring.claim(WaitPolicy{}, stop) != nullptr);
+  ring.publish();
+  REQUIRE(ring.claim(WaitPolicy{}, stop) != nullptr);
+  ring.publish();
+  stop.set();
+  CHECK(ring.claim(WaitPolicy::park(), stop) == nullptr);
 }
 
 TEST_CASE("close: the consumer drains, then sees the end; reset opens it again") {

@@ -15,7 +15,9 @@
 // front() reports the end (nullptr with closed_and_drained() true).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -39,12 +41,19 @@ class SpscRing {
       detail::throw_bad_value("ring capacity", capacity,
                               "must be in 1.." + std::to_string(tunables::kMaxQueueCapacity));
     }
-    slots_.resize(capacity);
+    capacity_ = capacity;
+    slots_.resize(std::bit_ceil(capacity));  // a power of two: a slot is an index & mask
+    mask_ = slots_.size() - 1;
+  }
+  // Setup path: `capacity` slots, each a copy of `prototype` (a buffer the producer fills in
+  // place with claim()/publish(), so the steady state never allocates).
+  SpscRing(std::size_t capacity, const T& prototype) : SpscRing(capacity) {
+    std::fill(slots_.begin(), slots_.end(), prototype);
   }
   SpscRing(const SpscRing&) = delete;
   SpscRing& operator=(const SpscRing&) = delete;
 
-  std::size_t capacity() const noexcept { return slots_.size(); }
+  std::size_t capacity() const noexcept { return capacity_; }
 
   // ---- producer ----
 
@@ -52,27 +61,44 @@ class SpscRing {
   // false (value untouched) if the ring is full.
   bool try_push(T&& value) {
     const std::uint64_t t = producer_.tail;
-    if (t - producer_.head_seen >= slots_.size()) {
+    if (t - producer_.head_seen >= capacity_) {
       producer_.head_seen = head_.load(std::memory_order_acquire);
-      if (t - producer_.head_seen >= slots_.size()) return false;
+      if (t - producer_.head_seen >= capacity_) return false;
     }
-    publish(t, std::move(value));
+    slots_[t & mask_] = std::move(value);
+    publish();
     return true;
   }
 
   // Blocks while full, waiting as `policy` says. Returns false (value untouched) if `stop`
   // was set first. Never allocates.
   bool push(T&& value, const WaitPolicy& policy, const detail::StopFlag& stop) {
+    T* slot = claim(policy, stop);
+    if (slot == nullptr) return false;
+    *slot = std::move(value);
+    publish();
+    return true;
+  }
+
+  // In place (the Disruptor's claim, then publish): the next free slot, to fill and then
+  // publish(); blocks while full, waiting as `policy` says; nullptr if `stop` was set
+  // first. The slot holds whatever it held before (its buffers are reused). Never
+  // allocates.
+  T* claim(const WaitPolicy& policy, const detail::StopFlag& stop) {
     const std::uint64_t t = producer_.tail;
-    if (t - producer_.head_seen >= slots_.size()) {
+    if (t - producer_.head_seen >= capacity_) {
       detail::wait_with(not_full_, policy, [&] {
         producer_.head_seen = head_.load(std::memory_order_seq_cst);
-        return t - producer_.head_seen < slots_.size() || stop.requested();
+        return t - producer_.head_seen < capacity_ || stop.requested();
       }, detail::Fence::kAsymmetric);
-      if (t - producer_.head_seen >= slots_.size()) return false;
+      if (t - producer_.head_seen >= capacity_) return nullptr;
     }
-    publish(t, std::move(value));
-    return true;
+    return &slots_[t & mask_];
+  }
+  // Hands the slot claim() returned to the consumer. Never blocks.
+  void publish() noexcept {
+    tail_.store(++producer_.tail, std::memory_order_release);  // the element, then its index
+    not_empty_.notify_light();
   }
 
   // No more pushes: the consumer drains what is there, then sees the end. Never blocks.
@@ -90,7 +116,7 @@ class SpscRing {
       consumer_.tail_seen = tail_.load(std::memory_order_acquire);
       if (consumer_.tail_seen <= h) return nullptr;
     }
-    return &slots_[h % slots_.size()];
+    return &slots_[h & mask_];
   }
 
   // Blocks until an element is there (returns it, in place: read or move from it, then
@@ -109,7 +135,7 @@ class SpscRing {
       consumer_.tail_seen = tail_.load(std::memory_order_seq_cst);
       if (consumer_.tail_seen <= h) return nullptr;
     }
-    return &slots_[h % slots_.size()];
+    return &slots_[h & mask_];
   }
 
   // Releases the element front() returned. Never blocks.
@@ -140,12 +166,6 @@ class SpscRing {
   }
 
  private:
-  void publish(std::uint64_t t, T&& value) {
-    slots_[t % slots_.size()] = std::move(value);
-    tail_.store(++producer_.tail, std::memory_order_release);  // the element, then its index
-    not_empty_.notify_light();
-  }
-
   // Each side's own counters, on its own cache line: only that side's thread touches them.
   struct alignas(tunables::kCacheLine) ProducerSide {
     std::uint64_t tail = 0;       // the next element's index
@@ -155,7 +175,9 @@ class SpscRing {
     std::uint64_t head = 0;       // the next element to read
     std::uint64_t tail_seen = 0;  // the producer's index when last read
   };
-  std::vector<T> slots_;
+  std::vector<T> slots_;  // bit_ceil(capacity) of them; at most capacity_ hold elements
+  std::size_t capacity_ = 0;
+  std::size_t mask_ = 0;
   ProducerSide producer_;
   ConsumerSide consumer_;
   alignas(tunables::kCacheLine) std::atomic<std::uint64_t> head_{0};
