@@ -273,8 +273,11 @@ struct SlowMove {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   }
-  SlowMove& operator=(SlowMove&& o) noexcept {
+  SlowMove& operator=(SlowMove&& o) noexcept {  // slow too: a ring moves into its slots
     v = o.v;
+    if (v == kSlow && !entered().exchange(true)) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
     return *this;
   }
 };
@@ -396,6 +399,166 @@ TEST_CASE("close wakes a producer blocked on a full lane") {
   std::this_thread::sleep_for(std::chrono::milliseconds(20));
   q.close();
   t.join();
+  CHECK_FALSE(result);
+}
+
+// ---- ProducerType::kSingle: each lane a single-producer ring ----
+
+namespace {
+InfeedConfig single(std::uint32_t replicas, std::size_t capacity, std::uint32_t prefetch = 1) {
+  InfeedConfig c{replicas, capacity, prefetch};
+  c.producer_type = ProducerType::kSingle;
+  return c;
+}
+}  // namespace
+
+TEST_CASE("single producer: a second live producer is an error; after the first is gone, fine") {
+  InfeedQueue<int> q(single(1, 8));
+  {
+    auto p = q.make_producer();
+    const std::string msg = error_of([&] { auto again = q.make_producer(); });
+    CHECK(contains(msg, "one producer at a time"));
+    CHECK(contains(msg, "ProducerType::kMulti"));
+    auto moved = std::move(p);  // a moved Producer is still the one
+    CHECK(contains(error_of([&] { auto again = q.make_producer(); }), "already has one"));
+    REQUIRE(moved.push(1));
+  }
+  auto next = q.make_producer();
+  REQUIRE(next.push(2));
+  q.close();
+  auto reader = q.reader(0);
+  int v = 0;
+  REQUIRE(reader.pop(v));
+  CHECK(v == 1);
+  REQUIRE(reader.pop(v));
+  CHECK(v == 2);
+  CHECK_FALSE(reader.pop(v));
+  CHECK(reader.end_of_data());
+}
+
+TEST_CASE("single producer: round-robin, the bound, try_push Full and Closed, drain on close") {
+  InfeedQueue<int> q(single(2, 3));
+  auto p = q.make_producer();
+  for (int i = 0; i < 6; ++i) REQUIRE(p.try_push(int{i}) == PushResult::kOk);
+  int seven = 7;
+  CHECK(p.try_push(std::move(seven)) == PushResult::kFull);
+  CHECK(seven == 7);  // untouched
+  CHECK(q.size_approx(0) == 3);
+  CHECK(q.total_pushed(1) == 3);
+  q.close();
+  CHECK(q.closed());
+  CHECK(p.try_push(std::move(seven)) == PushResult::kClosed);
+  CHECK_FALSE(p.push(8));
+  for (std::uint32_t r = 0; r < 2; ++r) {
+    auto reader = q.reader(r);
+    int v = 0;
+    for (int want = static_cast<int>(r); want < 6; want += 2) {
+      REQUIRE(reader.pop(v));
+      CHECK(v == want);
+    }
+    CHECK_FALSE(reader.pop(v));
+    CHECK(reader.end_of_data());
+  }
+}
+
+TEST_CASE("single producer: exactly once and in order through a small lane, bulk and single") {
+  for (bool bulk : {false, true}) {
+    CAPTURE(bulk);
+    InfeedQueue<std::uint64_t> q(single(1, 7, 3));
+    const std::uint64_t n = test::scaled(1'000'000, 10'000);
+    std::thread producer([&] {
+      auto p = q.make_producer();
+      std::vector<std::uint64_t> chunk;
+      for (std::uint64_t i = 0; i < n;) {
+        if (!bulk) {
+          REQUIRE(p.push(i++));
+          continue;
+        }
+        chunk.clear();
+        for (std::uint64_t k = 0; k < 5 && i < n; ++k) chunk.push_back(i++);
+        REQUIRE(p.push_bulk(0, chunk) == chunk.size());
+      }
+      q.close();
+    });
+    auto reader = q.reader(0);
+    std::uint64_t v = 0, got = 0;
+    bool in_order = true;
+    while (reader.pop(v)) in_order = in_order && v == got++;
+    producer.join();
+    CHECK(in_order);
+    CHECK(got == n);
+    CHECK(reader.end_of_data());
+  }
+}
+
+TEST_CASE("single producer: close() while it pushes is exact") {
+  for (int round = 0; round < 20; ++round) {
+    InfeedQueue<std::uint64_t> q(single(1, 32));
+    std::uint64_t accepted = 0;
+    std::thread producer([&] {
+      auto p = q.make_producer();
+      for (std::uint64_t s = 0;; ++s) {
+        if (!p.push(s)) break;
+        accepted = s + 1;
+      }
+    });
+    auto reader = q.reader(0);
+    std::uint64_t v = 0, got = 0;
+    bool in_order = true;
+    const std::uint64_t close_after = test::scaled(5000, 100) + static_cast<std::uint64_t>(round) * 37;
+    while (reader.pop(v)) {
+      in_order = in_order && v == got;
+      if (++got == close_after) q.close();
+    }
+    producer.join();
+    CHECK(in_order);
+    CHECK(got == accepted);
+    CHECK(reader.end_of_data());
+  }
+}
+
+TEST_CASE("single producer: close() racing a push in flight delivers the push that succeeded") {
+  InfeedQueue<SlowMove> q(single(1, 16));
+  SlowMove::entered() = false;
+  bool accepted = false;
+  std::thread producer([&] {
+    auto p = q.make_producer();
+    SlowMove slow(SlowMove::kSlow);
+    accepted = p.try_push(std::move(slow)) == PushResult::kOk;
+  });
+  while (!SlowMove::entered().load()) std::this_thread::yield();
+  q.close();  // waits for the push in flight
+  auto reader = q.reader(0);
+  SlowMove v;
+  std::uint64_t got = 0;
+  while (reader.pop(v)) ++got;
+  producer.join();
+  CHECK(accepted);
+  CHECK(got == 1);
+  CHECK(reader.end_of_data());
+}
+
+TEST_CASE("single producer: stop wakes a parked reader; close wakes a blocked producer") {
+  InfeedQueue<int> q(single(1, 1));
+  detail::StopFlag stop;
+  bool popped = true;
+  std::thread t([&] {
+    auto reader = q.reader(0);
+    int v = 0;
+    popped = reader.pop(v, &stop);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  stop.set();
+  q.wake_all();
+  t.join();
+  CHECK_FALSE(popped);
+  auto p = q.make_producer();
+  REQUIRE(p.push(1));
+  bool result = true;
+  std::thread blocked([&] { result = p.push(2); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  q.close();
+  blocked.join();
   CHECK_FALSE(result);
 }
 

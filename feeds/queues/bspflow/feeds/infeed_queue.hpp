@@ -11,6 +11,11 @@
 // Backpressure: each lane holds at most `capacity` elements. push() blocks while the lane
 // it targets is full; try_push() returns PushResult::kFull instead.
 //
+// Producers: ProducerType::kMulti (default) lets any number of Producers share a lane
+// (moodycamel ConcurrentQueue underneath). kSingle (the LMAX Disruptor's ProducerType.SINGLE)
+// promises one Producer at a time: each lane is then a single-producer ring (SpscLane), about
+// a cache line per element instead of several, and a second live Producer is an error.
+//
 // End of data: close() makes further pushes fail; each replica drains what was pushed
 // before, then its reader reports end of data.
 //
@@ -32,14 +37,20 @@
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/tunables.hpp"
 #include "bspflow/feeds/detail/bounded_queue.hpp"
+#include "bspflow/feeds/detail/spsc_lane.hpp"
 #include "bspflow/feeds/push_result.hpp"
 
 namespace bspflow {
+
+// Who pushes into an infeed: one Producer at a time, or several at once.
+enum class ProducerType { kMulti, kSingle };
 
 struct InfeedConfig {
   std::uint32_t replicas = 1;                                   // 1..kMaxReplicas
   std::size_t capacity = tunables::kDefaultInfeedCapacity;      // per lane, >= prefetch_depth
   std::uint32_t prefetch_depth = tunables::kDefaultPrefetchDepth;  // 1..255
+  // kSingle: at most one live Producer (faster lanes); kMulti: any number.
+  ProducerType producer_type = ProducerType::kMulti;
   // Throws bspflow::Error naming the field, the value and the allowed range.
   void validate() const;
 };
@@ -56,7 +67,7 @@ class InfeedQueue {
     config_.validate();
     lanes_.reserve(config_.replicas);
     for (std::uint32_t r = 0; r < config_.replicas; ++r) {
-      lanes_.push_back(std::make_unique<LaneSlot>(config_.capacity));
+      lanes_.push_back(std::make_unique<LaneSlot>(config_.capacity, single()));
     }
   }
   InfeedQueue(const InfeedQueue&) = delete;
@@ -73,7 +84,9 @@ class InfeedQueue {
     // Never blocks. kOk: pushed (moved from value). kFull / kClosed: value untouched,
     // and the round-robin position stays, so a retry targets the same replica.
     PushResult try_push(T&& value) {
-      const PushResult r = queue_->lane(cursor_).try_push(tokens_[cursor_], std::move(value));
+      LaneSlot& l = *queue_->lanes_[cursor_];
+      const PushResult r = l.spsc ? l.spsc->try_push(std::move(value))
+                                  : l.mpmc->try_push(tokens_[cursor_], std::move(value));
       if (r == PushResult::kOk) advance();
       return r;
     }
@@ -81,17 +94,28 @@ class InfeedQueue {
     // Explicit routing. Blocks while that lane is full; false once closed.
     bool push_to(std::uint32_t replica, T value) {
       check_replica(replica);
-      return queue_->lane(replica).push(tokens_[replica], std::move(value));
+      LaneSlot& l = *queue_->lanes_[replica];
+      return l.spsc ? l.spsc->push(std::move(value)) : l.mpmc->push(tokens_[replica], std::move(value));
     }
 
     // Moves `values` into one replica's lane in order, in bulk (far cheaper per element
     // than push). Blocks while full. Returns how many were pushed (fewer once closed).
     std::size_t push_bulk(std::uint32_t replica, std::span<T> values) {
       check_replica(replica);
-      return queue_->lane(replica).push_bulk(tokens_[replica], values.begin(), values.size());
+      LaneSlot& l = *queue_->lanes_[replica];
+      return l.spsc ? l.spsc->push_bulk(values.begin(), values.size())
+                    : l.mpmc->push_bulk(tokens_[replica], values.begin(), values.size());
     }
 
-    std::uint32_t replicas() const noexcept { return static_cast<std::uint32_t>(tokens_.size()); }
+    std::uint32_t replicas() const noexcept { return queue_->replicas(); }
+
+    Producer(Producer&& o) noexcept
+        : queue_(std::exchange(o.queue_, nullptr)), tokens_(std::move(o.tokens_)), cursor_(o.cursor_) {}
+    Producer& operator=(Producer&&) = delete;
+    // A single-producer queue accepts a new Producer once this one is gone.
+    ~Producer() {
+      if (queue_ != nullptr && queue_->single()) queue_->producer_live_.store(false, std::memory_order_release);
+    }
 
     std::uint32_t next_replica() {
       const std::uint32_t r = cursor_;
@@ -102,20 +126,28 @@ class InfeedQueue {
    private:
     friend class InfeedQueue;
     explicit Producer(InfeedQueue& q) : queue_(&q) {
+      if (q.single()) {
+        if (q.producer_live_.exchange(true, std::memory_order_acq_rel)) {
+          throw Error("this infeed takes one producer at a time (InfeedConfig::producer_type = "
+                      "ProducerType::kSingle) and already has one: keep using it, destroy it "
+                      "first, or configure ProducerType::kMulti");
+        }
+        return;
+      }
       tokens_.reserve(q.replicas());
-      for (std::uint32_t r = 0; r < q.replicas(); ++r) tokens_.push_back(q.lane(r).make_token());
+      for (std::uint32_t r = 0; r < q.replicas(); ++r) tokens_.push_back(q.lanes_[r]->mpmc->make_token());
     }
-    void advance() noexcept { cursor_ = cursor_ + 1 == tokens_.size() ? 0 : cursor_ + 1; }
+    void advance() noexcept { cursor_ = cursor_ + 1 == queue_->replicas() ? 0 : cursor_ + 1; }
     void check_replica(std::uint32_t replica) const {
-      if (replica >= tokens_.size()) {
+      if (replica >= queue_->replicas()) {
         detail::throw_bad_value("replica", replica,
                                 "must be below the infeed's replica count " +
-                                    std::to_string(tokens_.size()));
+                                    std::to_string(queue_->replicas()));
       }
     }
 
     InfeedQueue* queue_;
-    std::vector<typename Lane::Token> tokens_;
+    std::vector<typename Lane::Token> tokens_;  // kMulti: one per lane
     std::uint32_t cursor_ = 0;
   };
 
@@ -152,7 +184,7 @@ class InfeedQueue {
     // Reader's thread. Never blocks: true when the lane is closed and nothing is left for
     // this reader (what pop() reports as end of data).
     bool at_end() const noexcept {
-      return pos_ == count_ && lane_->carry.empty() && lane_->queue.drained();
+      return pos_ == count_ && lane_->carry.empty() && lane_->drained();
     }
 
     // Device thread. Moves the next element into `out`. Blocks while the lane is empty,
@@ -160,9 +192,8 @@ class InfeedQueue {
     // and drained: end_of_data() is then true) or when `stop` is set.
     bool pop(T& out, const detail::StopFlag* stop = nullptr, const WaitPolicy* policy = nullptr) {
       if (pos_ == count_ && !refilled_from_carry() &&
-          !refilled(lane_->queue.pop_bulk(buffer_.data(), buffer_.size(), stop, &lane_->consumer,
-                                          policy))) {
-        end_of_data_ = lane_->queue.drained();
+          !refilled(lane_->pop_bulk(buffer_.data(), buffer_.size(), stop, policy))) {
+        end_of_data_ = lane_->drained();
         return false;
       }
       out = std::move(buffer_[pos_++]);
@@ -173,7 +204,7 @@ class InfeedQueue {
     // the prefetch buffer or on the lane) and returns true; else false.
     bool try_pop(T& out) {
       if (pos_ == count_ && !refilled_from_carry() &&
-          !refilled(lane_->queue.try_pop_bulk(buffer_.data(), buffer_.size(), &lane_->consumer))) {
+          !refilled(lane_->try_pop_bulk(buffer_.data(), buffer_.size()))) {
         return false;
       }
       out = std::move(buffer_[pos_++]);
@@ -246,13 +277,16 @@ class InfeedQueue {
 
   // Any thread. End of data (see the class comment). Idempotent.
   void close() noexcept {
-    for (auto& l : lanes_) l->queue.close();
+    for (auto& l : lanes_) l->spsc ? l->spsc->close() : l->mpmc->close();
   }
-  bool closed() const noexcept { return lanes_.front()->queue.is_closed(); }
+  bool closed() const noexcept {
+    const LaneSlot& l = *lanes_.front();
+    return l.spsc ? l.spsc->is_closed() : l.mpmc->is_closed();
+  }
 
   // Any thread. Wakes parked readers and producers so they re-check their stop flags.
   void wake_all() noexcept {
-    for (auto& l : lanes_) l->queue.wake_all();
+    for (auto& l : lanes_) l->spsc ? l->spsc->wake_all() : l->mpmc->wake_all();
   }
 
   std::uint32_t replicas() const noexcept { return config_.replicas; }
@@ -261,30 +295,47 @@ class InfeedQueue {
   const InfeedConfig& config() const noexcept { return config_; }
   // Elements in a lane (pushed, not yet taken by its reader); approximate while running.
   std::size_t size_approx(std::uint32_t replica) const noexcept {
-    return lanes_[replica]->queue.size_approx();
+    const LaneSlot& l = *lanes_[replica];
+    return l.spsc ? l.spsc->size_approx() : l.mpmc->size_approx();
   }
   std::uint64_t total_pushed(std::uint32_t replica) const noexcept {
-    return lanes_[replica]->queue.total_pushed();
+    const LaneSlot& l = *lanes_[replica];
+    return l.spsc ? l.spsc->total_pushed() : l.mpmc->total_pushed();
   }
 
  private:
   struct LaneSlot {
-    // Single consumer (one Reader at a time, handed over through reader_active) and a
-    // biased first producer: the per-element paths need no locked instruction.
-    explicit LaneSlot(std::size_t capacity)
-        : queue(capacity, /*single_consumer=*/true, /*biased=*/true),
-          consumer(queue.make_consumer_token()) {}
-    Lane queue;
-    typename Lane::ConsumerToken consumer;  // used by the lane's one active Reader
+    // kMulti: moodycamel under a bound, single consumer (one Reader at a time, handed over
+    // through reader_active) and a biased first producer. kSingle: a single-producer ring.
+    LaneSlot(std::size_t capacity, bool single_producer) {
+      if (single_producer) {
+        spsc.emplace(capacity);
+      } else {
+        mpmc.emplace(capacity, /*single_consumer=*/true, /*biased=*/true);
+        consumer.emplace(mpmc->make_consumer_token());
+      }
+    }
+    std::size_t pop_bulk(T* out, std::size_t max, const detail::StopFlag* stop, const WaitPolicy* policy) {
+      return spsc ? spsc->pop_bulk(out, max, stop, policy) : mpmc->pop_bulk(out, max, stop, &*consumer, policy);
+    }
+    std::size_t try_pop_bulk(T* out, std::size_t max) {
+      return spsc ? spsc->try_pop_bulk(out, max) : mpmc->try_pop_bulk(out, max, &*consumer);
+    }
+    bool drained() const noexcept { return spsc ? spsc->drained() : mpmc->drained(); }
+
+    std::optional<detail::SpscLane<T>> spsc;
+    std::optional<Lane> mpmc;
+    std::optional<typename Lane::ConsumerToken> consumer;  // used by the lane's one active Reader
     std::atomic<bool> reader_active{false};
     // Taken off the lane by an earlier Reader and not handed out: the next Reader serves
     // these first. Touched only by the active Reader (handed over through reader_active).
     std::deque<T> carry;
   };
-  Lane& lane(std::uint32_t r) noexcept { return lanes_[r]->queue; }
+  bool single() const noexcept { return config_.producer_type == ProducerType::kSingle; }
 
   InfeedConfig config_;
   std::vector<std::unique_ptr<LaneSlot>> lanes_;
+  std::atomic<bool> producer_live_{false};  // kSingle: a Producer exists
 };
 
 }  // namespace bspflow

@@ -1,0 +1,219 @@
+// SpscLane<T>: an infeed lane with one producer (InfeedConfig::producer_type = kSingle).
+//
+// A bounded ring like SpscRing (each side caches the other's index and re-reads the shared
+// one only when its copy says full or empty; a power-of-two slot count), plus what an
+// infeed lane needs on top: close() from any thread, bulk push and pop, stop flags and the
+// lane's wait policy.
+//
+// close() and a push racing it: the producer marks itself busy (a plain store and a light
+// fence) before it checks the closed flag and clears the mark after publishing; close()
+// sets the flag, runs a heavy fence and waits until the producer is not busy, then seals
+// the lane. So a push either fails (it saw the flag) or is published before the seal, and
+// the consumer, which reports end of data only once sealed and drained, never misses it.
+// The hot path has no locked instruction (fence.hpp).
+//
+// Threads: one producer thread at a time (push, try_push, push_bulk), one consumer thread
+// at a time (pop_bulk, try_pop_bulk); close, wake_all and the queries from any thread.
+#pragma once
+
+#include <atomic>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "bspflow/base/detail/fence.hpp"
+#include "bspflow/base/detail/wait.hpp"
+#include "bspflow/base/tunables.hpp"
+#include "bspflow/base/wait_policy.hpp"
+#include "bspflow/feeds/push_result.hpp"
+
+namespace bspflow::detail {
+
+template <class T>
+class SpscLane {
+ public:
+  // Setup path: room for `capacity` elements (>= 1; the caller validates the range).
+  explicit SpscLane(std::size_t capacity)
+      : slots_(std::bit_ceil(capacity)), capacity_(capacity), mask_(slots_.size() - 1) {}
+  SpscLane(const SpscLane&) = delete;
+  SpscLane& operator=(const SpscLane&) = delete;
+
+  // ---- producer ----
+
+  // Never blocks. kOk (moved from value), kFull or kClosed (value untouched).
+  PushResult try_push(T&& value) {
+    if (!enter()) return PushResult::kClosed;
+    const bool room = has_room(1);
+    if (room) put(std::move(value));
+    leave();
+    return room ? PushResult::kOk : PushResult::kFull;
+  }
+
+  // Blocks while full. false (value untouched) once closed, or if `stop` was set first.
+  bool push(T&& value, const StopFlag* stop = nullptr) {
+    for (;;) {
+      if (!enter()) return false;
+      if (has_room(1)) {
+        put(std::move(value));
+        leave();
+        return true;
+      }
+      leave();
+      if (!wait_for_room(stop)) return false;
+    }
+  }
+
+  // Moves n elements from `first`, in order, as many as fit at a time. Blocks while full.
+  // Returns how many were pushed: n, or fewer once closed or stopped.
+  template <class It>
+  std::size_t push_bulk(It first, std::size_t n, const StopFlag* stop = nullptr) {
+    std::size_t done = 0;
+    while (done < n) {
+      if (!enter()) return done;
+      std::size_t fit = room_for(n - done);
+      for (std::size_t i = 0; i < fit; ++i, ++first) {
+        slots_[(producer_.tail + i) & mask_] = std::move(*first);
+      }
+      if (fit != 0) publish(producer_.tail + fit);
+      leave();
+      done += fit;
+      if (done < n && fit == 0 && !wait_for_room(stop)) return done;
+    }
+    return done;
+  }
+
+  // ---- consumer ----
+
+  // Never blocks. Moves up to `max` elements into out[0..); returns the count.
+  std::size_t try_pop_bulk(T* out, std::size_t max) {
+    const std::uint64_t h = consumer_.head;
+    if (consumer_.tail_seen == h) consumer_.tail_seen = tail_.load(std::memory_order_acquire);
+    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(consumer_.tail_seen - h, max));
+    for (std::size_t i = 0; i < n; ++i) out[i] = std::move(slots_[(h + i) & mask_]);
+    if (n != 0) {
+      consumer_.head = h + n;
+      head_.store(consumer_.head, std::memory_order_release);  // done with the slots
+      not_full_.notify_light();
+    }
+    return n;
+  }
+
+  // Blocks until at least one element is there and returns how many it moved (1..max);
+  // 0 once the lane is closed and drained, or `stop` is set. Waits as `policy` says (null:
+  // the default spin, then park).
+  std::size_t pop_bulk(T* out, std::size_t max, const StopFlag* stop = nullptr,
+                       const WaitPolicy* policy = nullptr) {
+    for (;;) {
+      if (const std::size_t n = try_pop_bulk(out, max)) return n;
+      if (sealed_.load(std::memory_order_seq_cst)) {
+        if (const std::size_t n = try_pop_bulk(out, max)) return n;  // published before the seal
+        return 0;
+      }
+      if (stopped(stop)) return 0;
+      const std::uint64_t h = consumer_.head;
+      wait_with(not_empty_, policy ? *policy : WaitPolicy{}, [&] {
+        return tail_.load(std::memory_order_seq_cst) != h || sealed_.load(std::memory_order_seq_cst) ||
+               stopped(stop);
+      }, Fence::kAsymmetric);
+    }
+  }
+
+  // ---- any thread ----
+
+  // End of data: pushes fail from now on; the consumer drains what was pushed, then sees the
+  // end. Idempotent. Waits (briefly) for a push in progress to finish.
+  void close() noexcept {
+    closed_.store(true, std::memory_order_seq_cst);
+    heavy_fence();  // pairs with enter()'s light fence
+    while (busy_.load(std::memory_order_acquire)) std::this_thread::yield();
+    sealed_.store(true, std::memory_order_seq_cst);
+    not_empty_.notify();
+    not_full_.notify();
+  }
+  bool is_closed() const noexcept { return closed_.load(std::memory_order_acquire); }
+  // Sealed and every pushed element popped.
+  bool drained() const noexcept {
+    return sealed_.load(std::memory_order_seq_cst) &&
+           tail_.load(std::memory_order_seq_cst) == head_.load(std::memory_order_seq_cst);
+  }
+  void wake_all() noexcept {
+    not_empty_.notify();
+    not_full_.notify();
+  }
+  std::size_t size_approx() const noexcept {
+    const std::uint64_t h = head_.load(std::memory_order_acquire);
+    const std::uint64_t t = tail_.load(std::memory_order_acquire);
+    return t >= h ? static_cast<std::size_t>(t - h) : 0;
+  }
+  std::uint64_t total_pushed() const noexcept { return tail_.load(std::memory_order_acquire); }
+
+ private:
+  static bool stopped(const StopFlag* stop) noexcept { return stop != nullptr && stop->requested(); }
+
+  // The producer's way in: busy, light fence, then the closed flag (see the file comment).
+  bool enter() noexcept {
+    busy_.store(true, std::memory_order_relaxed);  // relaxed: ordered by the fence below
+    light_fence();
+    if (closed_.load(std::memory_order_relaxed)) {  // relaxed: the fences order it
+      busy_.store(false, std::memory_order_release);
+      return false;
+    }
+    return true;
+  }
+  void leave() noexcept { busy_.store(false, std::memory_order_release); }  // after the publish
+
+  // Room for up to `want`, checked against the producer's cached head first.
+  std::size_t room_for(std::size_t want) noexcept {
+    std::uint64_t free_slots = capacity_ - (producer_.tail - producer_.head_seen);
+    if (free_slots < want) {
+      producer_.head_seen = head_.load(std::memory_order_acquire);
+      free_slots = capacity_ - (producer_.tail - producer_.head_seen);
+    }
+    return static_cast<std::size_t>(std::min<std::uint64_t>(free_slots, want));
+  }
+  bool has_room(std::size_t n) noexcept { return room_for(n) == n; }
+  void put(T&& value) {
+    slots_[producer_.tail & mask_] = std::move(value);
+    publish(producer_.tail + 1);
+  }
+  void publish(std::uint64_t tail) noexcept {
+    producer_.tail = tail;
+    tail_.store(tail, std::memory_order_release);  // the elements, then their index
+    not_empty_.notify_light();
+  }
+  // false once closed or stopped; true when there may be room now.
+  bool wait_for_room(const StopFlag* stop) {
+    const std::uint64_t t = producer_.tail;
+    not_full_.wait([&] {
+      producer_.head_seen = head_.load(std::memory_order_seq_cst);
+      return t - producer_.head_seen < capacity_ || closed_.load(std::memory_order_seq_cst) || stopped(stop);
+    }, Spin::kBackoff, Fence::kAsymmetric);
+    return !closed_.load(std::memory_order_acquire) && !stopped(stop);
+  }
+
+  struct alignas(tunables::kCacheLine) ProducerSide {
+    std::uint64_t tail = 0;       // the next element's index
+    std::uint64_t head_seen = 0;  // the consumer's index when last read
+  };
+  struct alignas(tunables::kCacheLine) ConsumerSide {
+    std::uint64_t head = 0;
+    std::uint64_t tail_seen = 0;
+  };
+  std::vector<T> slots_;
+  const std::uint64_t capacity_;
+  const std::uint64_t mask_;
+  ProducerSide producer_;
+  ConsumerSide consumer_;
+  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> head_{0};
+  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> tail_{0};
+  alignas(tunables::kCacheLine) std::atomic<bool> busy_{false};  // the producer's; read by close()
+  alignas(tunables::kCacheLine) std::atomic<bool> closed_{false};
+  std::atomic<bool> sealed_{false};  // closed, and no push in progress any more
+  WaitPoint not_empty_;
+  WaitPoint not_full_;
+};
+
+}  // namespace bspflow::detail
