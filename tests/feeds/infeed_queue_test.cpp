@@ -1,6 +1,6 @@
 // feeds/: InfeedQueue (bspflow/feeds/infeed_queue.hpp): validation, round-robin and explicit
 // routing, try_push and PushResult, end of data, one reader per lane, prefetch, backpressure,
-// many and biased producers, close() racing pushes, parked readers and producers woken,
+// many producers on a shared lane and single-producer lanes, close() racing pushes, parked readers and producers woken,
 // push_bulk.
 #include <doctest/doctest.h>
 
@@ -189,10 +189,9 @@ TEST_CASE("many producers into one lane: nothing lost, per-producer order kept")
   CHECK(count == per * kProducers);
 }
 
-TEST_CASE("biased producer: a second producer joining mid-stream loses and reorders nothing") {
-  // The first producer counts its pushes without a locked instruction; a second one, made
-  // while the first is pushing, revokes that bias. Every element must still arrive once, in
-  // order per producer.
+TEST_CASE("shared lane: a second producer joining mid-stream loses and reorders nothing") {
+  // A second producer made while the first is pushing: every element must still arrive
+  // once, in order per producer.
   const std::uint64_t per = test::scaled(200000, 2000);
   InfeedQueue<std::pair<int, std::uint64_t>> q(InfeedConfig{1, 64, 1});
   std::atomic<std::uint64_t> first_pushed{0};
@@ -205,7 +204,7 @@ TEST_CASE("biased producer: a second producer joining mid-stream loses and reord
   });
   std::thread second([&] {
     while (first_pushed.load(std::memory_order_relaxed) < per / 4) std::this_thread::yield();
-    auto p = q.make_producer();  // revokes the bias while the first producer is busy
+    auto p = q.make_producer();  // joins while the first producer is busy
     for (std::uint64_t s = 0; s < per; ++s) CHECK(p.push({1, s}));
   });
   std::thread closer([&] {
@@ -228,7 +227,7 @@ TEST_CASE("biased producer: a second producer joining mid-stream loses and reord
   CHECK(reader.end_of_data());
 }
 
-TEST_CASE("biased producer: close() while it pushes is exact") {
+TEST_CASE("shared lane: close() while it pushes is exact") {
   // Whatever push() reported as pushed is delivered, and nothing after close() slips in.
   for (int round = 0; round < 20; ++round) {
     InfeedQueue<std::uint64_t> q(InfeedConfig{1, 32, 1});
@@ -304,7 +303,7 @@ TEST_CASE("close() racing a push in flight: a push that succeeded is delivered")
   CHECK(reader.end_of_data());
 }
 
-TEST_CASE("biased producer: a later producer takes over after the first is gone") {
+TEST_CASE("shared lane: a later producer takes over after the first is gone") {
   InfeedQueue<int> q(InfeedConfig{1, 8, 1});
   auto reader = q.reader(0);
   int v = 0;

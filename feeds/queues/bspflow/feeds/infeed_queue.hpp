@@ -306,12 +306,12 @@ class InfeedQueue {
  private:
   struct LaneSlot {
     // kMulti: moodycamel under a bound, single consumer (one Reader at a time, handed over
-    // through reader_active) and a biased first producer. kSingle: a single-producer ring.
+    // through reader_active). kSingle: a single-producer ring.
     LaneSlot(std::size_t capacity, bool single_producer) {
       if (single_producer) {
         spsc.emplace(capacity);
       } else {
-        mpmc.emplace(capacity, /*single_consumer=*/true, /*biased=*/true);
+        mpmc.emplace(capacity, /*single_consumer=*/true);
         consumer.emplace(mpmc->make_consumer_token());
       }
     }

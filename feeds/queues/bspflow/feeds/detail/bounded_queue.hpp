@@ -9,14 +9,10 @@
 //    element can slip in after close() and be lost or half-counted;
 //  - blocking push/pop that spin briefly and then park (WaitPoint), and can be stopped.
 //
-// Biased single producer. While a queue has had only one live producer token, that token
-// counts its pushes in a word only it writes (no locked instruction per element). A second
-// token, or close(), first revokes the bias: it sets the mode or the closed bit, runs a
-// heavy fence, and waits until the owner is outside any push (the owner sets a busy flag,
-// light fence, then checks mode and closed bit: an asymmetric Dekker pair, fence.hpp). After
-// that every producer reserves with the shared compare-and-swap. The same idea lets a queue
-// with a single consumer (an infeed lane's one reader) publish its pop count with a plain
-// store. Elements pushed = reserved count + biased count.
+// A lane with one producer does not come here: it is a single-producer ring (SpscLane,
+// InfeedConfig::producer_type = kSingle), which needs no shared reservation at all. A queue
+// with a single consumer (an infeed lane's one reader) publishes its pop count with a plain
+// store.
 //
 // Ordering: FIFO per producer token (moodycamel's guarantee); no order across producers.
 #pragma once
@@ -25,12 +21,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
-#include <mutex>
 #include <new>
 #include <thread>
 #include <utility>
 
-#include "bspflow/base/detail/fence.hpp"
 #include "bspflow/base/detail/wait.hpp"
 #include "bspflow/base/tunables.hpp"
 #include "bspflow/base/wait_policy.hpp"
@@ -41,68 +35,28 @@ namespace bspflow {
 
 namespace detail {
 
-// A biased push's result: a PushResult, or kRevoked when the bias was revoked under it and
-// the caller must reserve like a shared producer (never returned to callers).
-enum class BiasedPush { kOk, kFull, kClosed, kRevoked };
-static_assert(static_cast<int>(BiasedPush::kOk) == static_cast<int>(PushResult::kOk) &&
-              static_cast<int>(BiasedPush::kFull) == static_cast<int>(PushResult::kFull) &&
-              static_cast<int>(BiasedPush::kClosed) == static_cast<int>(PushResult::kClosed));
-
 template <class T>
 class BoundedQueue {
  public:
   // A producer's handle: its moodycamel sub-queue, and the last consumer count it saw (so
   // the bound is checked against the shared counter only when the lane looks full).
-  class Token {
-   public:
-    Token(Token&& o) noexcept
-        : token(std::move(o.token)), popped_seen(o.popped_seen),
-          queue_(std::exchange(o.queue_, nullptr)), id_(o.id_) {}
-    Token& operator=(Token&&) = delete;
-    ~Token() {
-      if (queue_ != nullptr) queue_->release_token();
-    }
+  struct Token {
+    explicit Token(BoundedQueue& q) : token(q.queue_) {}
     moodycamel::ProducerToken token;
     std::uint64_t popped_seen = 0;
-
-   private:
-    friend class BoundedQueue;
-    Token(BoundedQueue& q, std::uint64_t id) : token(q.queue_), queue_(&q), id_(id) {}
-    BoundedQueue* queue_;
-    std::uint64_t id_;
   };
   using ConsumerToken = moodycamel::ConsumerToken;
 
   // capacity 0 = unbounded. single_consumer: at most one thread pops at a time (an infeed
-  // lane's reader), so the pop count is published with a plain store. biased: the first
-  // producer token counts its pushes without a locked instruction (see the file comment);
-  // waiters then pay a heavy fence when they park.
-  explicit BoundedQueue(std::size_t capacity, bool single_consumer = false, bool biased = false)
-      : queue_(initial_slots(capacity)), capacity_(capacity), single_consumer_(single_consumer),
-        biased_(biased), mode_(biased ? Mode::kUnowned : Mode::kShared) {}
+  // lane's reader), so the pop count is published with a plain store.
+  explicit BoundedQueue(std::size_t capacity, bool single_consumer = false)
+      : queue_(initial_slots(capacity)), capacity_(capacity), single_consumer_(single_consumer) {}
 
   BoundedQueue(const BoundedQueue&) = delete;
   BoundedQueue& operator=(const BoundedQueue&) = delete;
 
-  // Any thread, setup path: allocates. The token must not outlive the queue. The first
-  // token (or the next one after every token died) is the biased owner; a second live
-  // token revokes the bias for good (see the file comment).
-  Token make_token() {
-    std::lock_guard lock(tokens_mutex_);
-    Token t(*this, ++next_token_id_);
-    const Mode mode = mode_.load(std::memory_order_relaxed);  // relaxed: under the lock
-    if (!biased_) {
-      // every producer reserves with the shared compare-and-swap
-    } else if (mode == Mode::kUnowned || (mode == Mode::kBiased && live_tokens_ == 0)) {
-      owner_id_ = t.id_;
-      owner_id_atomic_.store(t.id_, std::memory_order_seq_cst);
-      mode_.store(Mode::kBiased, std::memory_order_seq_cst);
-    } else if (mode == Mode::kBiased) {
-      revoke_bias(Mode::kShared);
-    }
-    ++live_tokens_;
-    return t;
-  }
+  // Any thread, setup path: allocates. The token must not outlive the queue.
+  Token make_token() { return Token(*this); }
   // Setup path: a consumer token (faster dequeues for a consumer that keeps one).
   ConsumerToken make_consumer_token() { return ConsumerToken(queue_); }
 
@@ -110,10 +64,6 @@ class BoundedQueue {
 
   // Producer (holder of `token`). Never blocks. Moves from `value` only on kOk.
   PushResult try_push(Token& token, T&& value) {
-    if (is_owner(token)) {
-      const BiasedPush r = biased_push(token, std::move(value));
-      if (r != BiasedPush::kRevoked) return static_cast<PushResult>(r);
-    }
     const PushResult r = try_reserve(token, 1);
     if (r != PushResult::kOk) return r;
     commit(token, std::move(value));
@@ -141,22 +91,6 @@ class BoundedQueue {
     while (done < n) {
       std::size_t want = n - done;
       if (capacity_ != 0 && want > capacity_) want = capacity_;
-      if (is_owner(token)) {
-        std::size_t pushed = 0;
-        const BiasedPush b = biased_push_bulk(token, first, want, pushed);
-        if (b == BiasedPush::kOk) {
-          std::advance(first, static_cast<std::ptrdiff_t>(pushed));
-          done += pushed;
-          continue;
-        }
-        if (b == BiasedPush::kClosed) return done;
-        if (b == BiasedPush::kFull) {
-          if (stop != nullptr && stop->requested()) return done;
-          wait_for_room(stop);
-          continue;
-        }
-        // kRevoked: reserve like everybody else from now on
-      }
       PushResult r = try_reserve(token, want);
       if (r == PushResult::kFull) {
         const std::size_t room = free_slots();
@@ -237,7 +171,7 @@ class BoundedQueue {
         std::this_thread::yield();
       } else {
         not_empty_.wait([&] { return pending() || is_closed() || stopped(stop); }, mode,
-                        biased_ ? Fence::kAsymmetric : Fence::kSymmetric,
+                        Fence::kSymmetric,
                         policy != nullptr ? std::chrono::nanoseconds{0} : tunables::kSpinBudget);
       }
       n = try_pop_bulk(out, max, ctok);
@@ -248,20 +182,12 @@ class BoundedQueue {
   // see end of data. Wakes everybody parked. Idempotent.
   void close() noexcept {
     reserved_.fetch_or(kClosedBit, std::memory_order_seq_cst);
-    if (biased_) {
-      // A biased owner may be inside a push that saw the queue open: let it finish, so the
-      // count is final before anyone may conclude "drained".
-      heavy_fence();
-      wait_until_owner_idle();
-    }
-    close_done_.store(true, std::memory_order_seq_cst);
     not_empty_.notify();
     not_full_.notify();
   }
 
   // Any thread, when no producer is active: accept pushes again (outfeeds between runs).
   void reopen() noexcept {
-    close_done_.store(false, std::memory_order_seq_cst);
     reserved_.fetch_and(~kClosedBit, std::memory_order_seq_cst);
   }
 
@@ -274,9 +200,9 @@ class BoundedQueue {
   bool is_closed() const noexcept {
     return (reserved_.load(std::memory_order_seq_cst) & kClosedBit) != 0;
   }
-  // Closed (and its grace period over) and every pushed element popped.
+  // Closed, and every element pushed (or reserved before the close) popped.
   bool drained() const noexcept {
-    return close_done_.load(std::memory_order_seq_cst) &&
+    return is_closed() &&
            total_pushed() == popped_.load(std::memory_order_seq_cst);
   }
   // Elements reserved but not popped (approximate while producers run).
@@ -285,10 +211,9 @@ class BoundedQueue {
     const std::uint64_t p = popped_.load(std::memory_order_acquire);
     return r > p ? static_cast<std::size_t>(r - p) : 0;
   }
-  // Elements pushed (reserved by shared producers plus counted by the biased owner).
+  // Elements pushed (reserved).
   std::uint64_t total_pushed() const noexcept {
-    return (reserved_.load(std::memory_order_seq_cst) & kCountMask) +
-           biased_pushed_.load(std::memory_order_seq_cst);
+    return reserved_.load(std::memory_order_seq_cst) & kCountMask;
   }
   std::uint64_t total_popped() const noexcept { return popped_.load(std::memory_order_acquire); }
 
@@ -335,13 +260,11 @@ class BoundedQueue {
   // consumer's cache line.
   PushResult try_reserve(Token& token, std::size_t n) noexcept {
     std::uint64_t r = reserved_.load(std::memory_order_relaxed);  // relaxed: the CAS re-checks
-    // Frozen once the bias is revoked (and a shared producer only gets here after that).
-    const std::uint64_t biased = biased_pushed_.load(std::memory_order_acquire);
     for (;;) {
       if ((r & kClosedBit) != 0) return PushResult::kClosed;
-      if (capacity_ != 0 && (r & kCountMask) + biased + n - token.popped_seen > capacity_) {
+      if (capacity_ != 0 && (r & kCountMask) + n - token.popped_seen > capacity_) {
         token.popped_seen = popped_.load(std::memory_order_seq_cst);
-        if ((r & kCountMask) + biased + n - token.popped_seen > capacity_) {
+        if ((r & kCountMask) + n - token.popped_seen > capacity_) {
           return PushResult::kFull;
         }
       }
@@ -351,8 +274,6 @@ class BoundedQueue {
       }
     }
   }
-
-  enum class Mode : std::uint32_t { kUnowned, kBiased, kShared };
 
   // Moves n elements from `first` into the producer's sub-queue. false: out of memory.
   template <class It>
@@ -367,98 +288,6 @@ class BoundedQueue {
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
-  }
-
-  // relaxed loads: a stale kBiased is caught inside enter_biased (busy flag, fence,
-  // re-check); the owner id is set before the owning token is handed out.
-  bool is_owner(const Token& token) const noexcept {
-    return mode_.load(std::memory_order_relaxed) == Mode::kBiased &&
-           owner_id_atomic_.load(std::memory_order_relaxed) == token.id_;
-  }
-
-  // The owner's way in: busy flag, light fence, then check that the bias and the queue
-  // still hold. Returns kRevoked when the caller must reserve like a shared producer.
-  bool enter_biased() noexcept {
-    owner_busy_.store(true, std::memory_order_relaxed);  // relaxed: ordered by the fence pair
-    light_fence();
-    if (mode_.load(std::memory_order_relaxed) == Mode::kBiased &&  // relaxed: fence pair
-        (reserved_.load(std::memory_order_relaxed) & kClosedBit) == 0) {
-      return true;
-    }
-    owner_busy_.store(false, std::memory_order_release);
-    return false;
-  }
-  void leave_biased(std::uint64_t new_count) noexcept {
-    biased_pushed_.store(new_count, std::memory_order_release);
-    owner_busy_.store(false, std::memory_order_release);
-    not_empty_.notify_light();
-  }
-  BiasedPush revoked_result() const noexcept {
-    return (reserved_.load(std::memory_order_seq_cst) & kClosedBit) != 0 ? BiasedPush::kClosed
-                                                                         : BiasedPush::kRevoked;
-  }
-  // Room for n more, checked against the owner's cached view of the consumer first.
-  bool biased_room(Token& token, std::uint64_t count, std::size_t n) noexcept {
-    if (capacity_ == 0) return true;
-    const std::uint64_t base = reserved_.load(std::memory_order_relaxed) & kCountMask;  // relaxed: constant while biased
-    if (base + count + n - token.popped_seen <= capacity_) return true;
-    token.popped_seen = popped_.load(std::memory_order_acquire);
-    return base + count + n - token.popped_seen <= capacity_;
-  }
-
-  BiasedPush biased_push(Token& token, T&& value) {
-    if (!enter_biased()) return revoked_result();
-    const std::uint64_t count = biased_pushed_.load(std::memory_order_relaxed);  // relaxed: our own word
-    if (!biased_room(token, count, 1)) {
-      owner_busy_.store(false, std::memory_order_release);
-      return BiasedPush::kFull;
-    }
-    if (!queue_.enqueue(token.token, std::move(value))) {
-      owner_busy_.store(false, std::memory_order_release);
-      throw std::bad_alloc();
-    }
-    leave_biased(count + 1);
-    return BiasedPush::kOk;
-  }
-
-  template <class It>
-  BiasedPush biased_push_bulk(Token& token, It first, std::size_t want, std::size_t& pushed) {
-    if (!enter_biased()) return revoked_result();
-    const std::uint64_t count = biased_pushed_.load(std::memory_order_relaxed);  // relaxed: our own word
-    std::size_t n = want;
-    if (!biased_room(token, count, n)) {
-      const std::uint64_t base = reserved_.load(std::memory_order_relaxed) & kCountMask;  // relaxed: constant while biased
-      const std::uint64_t used = base + count - token.popped_seen;
-      n = used >= capacity_ ? 0 : static_cast<std::size_t>(capacity_ - used);
-      if (n > want) n = want;
-      if (n == 0) {
-        owner_busy_.store(false, std::memory_order_release);
-        return BiasedPush::kFull;
-      }
-    }
-    const bool enqueued = enqueue_bulk(token, first, n);
-    if (!enqueued) {
-      owner_busy_.store(false, std::memory_order_release);
-      throw std::bad_alloc();
-    }
-    pushed = n;
-    leave_biased(count + n);
-    return BiasedPush::kOk;
-  }
-
-  // Revoking side (close, a second token): after publishing the change and a heavy fence,
-  // wait for an owner that entered before it to leave.
-  void wait_until_owner_idle() noexcept {
-    while (owner_busy_.load(std::memory_order_acquire)) std::this_thread::yield();
-  }
-  void revoke_bias(Mode to) noexcept {  // under tokens_mutex_
-    mode_.store(to, std::memory_order_seq_cst);
-    heavy_fence();
-    wait_until_owner_idle();
-  }
-  void release_token() noexcept {
-    std::lock_guard lock(tokens_mutex_);
-    --live_tokens_;
   }
 
   void unreserve(std::size_t n) noexcept {
@@ -478,22 +307,10 @@ class BoundedQueue {
   moodycamel::ConcurrentQueue<T> queue_;
   const std::size_t capacity_;
   const bool single_consumer_;
-  const bool biased_;
   // Written by producers (CAS) and close(); read by consumers when they find nothing.
   alignas(tunables::kCacheLine) std::atomic<std::uint64_t> reserved_{0};
   // Written by consumers; read by producers only to check the bound.
   alignas(tunables::kCacheLine) std::atomic<std::uint64_t> popped_{0};
-  // Written by the biased owner only (its count, and whether it is inside a push).
-  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> biased_pushed_{0};
-  std::atomic<bool> owner_busy_{false};
-  // Rarely written: producer mode, who owns the bias, close() finished.
-  alignas(tunables::kCacheLine) std::atomic<Mode> mode_;
-  std::atomic<std::uint64_t> owner_id_atomic_{0};
-  std::atomic<bool> close_done_{false};
-  std::mutex tokens_mutex_;  // token creation and release (setup paths)
-  std::uint64_t next_token_id_ = 0;
-  std::uint64_t owner_id_ = 0;
-  std::uint32_t live_tokens_ = 0;
   WaitPoint not_empty_;
   WaitPoint not_full_;
 };
