@@ -46,6 +46,20 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
   return program::Sequence(std::move(steps));
 }
 
+void Pipeline::Impl::forward_handed_off(StageRun& sr, std::uint64_t i, std::span<const float> input,
+                                        const detail::StopFlag* stop) {
+  const bool first = sr.s == 0, last = sr.s + 1 == stages;
+  std::span<float> out(sr.local_out);
+  if (!last) {
+    std::vector<float>* m = sr.fwd_out->claim(sr.wait, *stop);
+    if (m == nullptr) return;  // stopped: the input stays unread
+    out = *m;
+  }
+  const bool ok = forward(sr, i, input, out, stop);
+  if (!first) sr.fwd_in->pop();
+  if (!last && ok) sr.fwd_out->publish();
+}
+
 Program Pipeline::Impl::compile_device_of_pipeline(StageRun& sr, std::uint64_t steps) {
   StageRun* st = &sr;
   const std::uint32_t n = stages;
@@ -72,15 +86,7 @@ Program Pipeline::Impl::compile_device_of_pipeline(StageRun& sr, std::uint64_t s
           if (m == nullptr) return;
           in = *m;
         }
-        std::span<float> out(st->local_out);
-        if (!last) {
-          std::vector<float>* m = st->fwd_out->claim(st->wait, *ctx.stop);
-          if (m == nullptr) return;
-          out = *m;
-        }
-        const bool ok = forward(*st, i, in, out, ctx.stop);
-        if (!first) st->fwd_in->pop();
-        if (!last && ok) st->fwd_out->publish();
+        forward_handed_off(*st, i, in, ctx.stop);
       })));
 
   if (config.training) {
@@ -182,15 +188,7 @@ Program Pipeline::Impl::compile_inference(StageRun& sr) {
         in = *m;
         i = st->micro_batch++;  // messages arrive in the order stage 0 took them
       }
-      std::span<float> out(st->local_out);
-      if (!last) {
-        std::vector<float>* m = st->fwd_out->claim(st->wait, *ctx.stop);
-        if (m == nullptr) return;
-        out = *m;
-      }
-      const bool ok = forward(*st, i, in, out, ctx.stop);
-      if (!first) st->fwd_in->pop();
-      if (!last && ok) st->fwd_out->publish();
+      forward_handed_off(*st, i, in, ctx.stop);
     });
     return program::RepeatWhile([st](const ComputeContext&) { return !st->done; }, std::move(pass));
   }

@@ -143,6 +143,12 @@ struct Pipeline::Impl {
   bool forward(StageRun& sr, std::uint64_t i, std::span<const float> input, std::span<float> output,
                const detail::StopFlag* stop);
 
+  // dataflow: forward pass i from `input` (the front of fwd_in; empty for stage 0) into a
+  // claimed slot of fwd_out (the last stage: local_out), then the input is released and the
+  // output published. Returns early, reading nothing, if stopped while waiting for room.
+  void forward_handed_off(StageRun& sr, std::uint64_t i, std::span<const float> input,
+                          const detail::StopFlag* stop);
+
   // Inference, stage 0: the next micro-batch into the replica's ring. `block`: wait for one
   // (after handing over responses this device holds); else take one only if it is ready.
   enum class Take { kGot, kNone, kEnd, kStopped };

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include <CLI/CLI.hpp>
+#include <bspflow/base/detail/wait.hpp>  // cpu_relax
 #include <bspflow/devices/topology.hpp>
 #include <nlohmann/json.hpp>
 
@@ -60,6 +61,36 @@ double on_placed_threads(std::uint32_t threads, F&& f) {
   }
   for (auto& t : ts) t.join();
   return seconds_since(t0);
+}
+
+// Pins the calling thread to `core` (where hwloc can pin; a no-op elsewhere).
+inline void pin(std::uint32_t core) {
+  if (bspflow::Topology::get().has_hwloc()) bspflow::Topology::get().pin_current_thread(core);
+}
+
+// The floor of any hand-off between two cores: n atomic ping-pong round trips (ns each), the
+// calling thread pinned to `host`, its peer to `peer`.
+inline std::vector<double> pingpong(std::uint64_t n, std::uint32_t host, std::uint32_t peer) {
+  alignas(64) std::atomic<std::uint64_t> ping{0};
+  alignas(64) std::atomic<std::uint64_t> pong{0};
+  std::thread peer_thread([&] {
+    pin(peer);
+    for (std::uint64_t i = 1; i <= n; ++i) {
+      while (ping.load(std::memory_order_acquire) != i) bspflow::detail::cpu_relax();
+      pong.store(i, std::memory_order_release);
+    }
+  });
+  pin(host);
+  std::vector<double> rtt;
+  rtt.reserve(n);
+  for (std::uint64_t i = 1; i <= n; ++i) {
+    const auto t0 = Clock::now();
+    ping.store(i, std::memory_order_release);
+    while (pong.load(std::memory_order_acquire) != i) bspflow::detail::cpu_relax();
+    rtt.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
+  }
+  peer_thread.join();
+  return rtt;
 }
 
 // Value at quantile q (0..1) of `v` (sorted in place).

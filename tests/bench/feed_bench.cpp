@@ -39,7 +39,7 @@ Cores pick_cores() {
   return c;
 }
 
-void pin(std::uint32_t core) { bspflow::Topology::get().pin_current_thread(core); }
+using bench::pin;
 
 // Raw moodycamel, one producer and one consumer thread, one element per call.
 double moodycamel_rate(std::uint64_t n, const Cores& cores) {
@@ -106,29 +106,6 @@ double bspflow_rate(std::uint64_t steps, bool bulk, std::uint32_t prefetch, cons
   return static_cast<double>(n) / t;
 }
 
-// Atomic ping-pong round trips (ns each).
-std::vector<double> pingpong(std::uint64_t n, const Cores& cores) {
-  alignas(64) std::atomic<std::uint64_t> ping{0};
-  alignas(64) std::atomic<std::uint64_t> pong{0};
-  std::thread peer([&] {
-    pin(cores.device);
-    for (std::uint64_t i = 1; i <= n; ++i) {
-      while (ping.load(std::memory_order_acquire) != i) bspflow::detail::cpu_relax();
-      pong.store(i, std::memory_order_release);
-    }
-  });
-  pin(cores.host);
-  std::vector<double> rtt;
-  rtt.reserve(n);
-  for (std::uint64_t i = 1; i <= n; ++i) {
-    const auto t0 = Clock::now();
-    ping.store(i, std::memory_order_release);
-    while (pong.load(std::memory_order_acquire) != i) bspflow::detail::cpu_relax();
-    rtt.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
-  }
-  peer.join();
-  return rtt;
-}
 
 // One element host -> device -> host through infeed, a running loop and outfeed (ns each).
 std::vector<double> roundtrip(std::uint64_t n, const Cores& cores, bspflow::Device& device) {
@@ -200,7 +177,7 @@ int main(int argc, char** argv) {
   report.ratio("feed_bulk_throughput_vs_moodycamel", bulk_rate / raw_rate, ">= 0.5",
                bulk_rate / raw_rate >= 0.5);
 
-  std::vector<double> pp = pingpong(trips, cores);
+  std::vector<double> pp = bench::pingpong(trips, cores.host, cores.device);
   std::vector<double> rt = roundtrip(trips, cores, device);
   const double pp50 = bench::quantile(pp, 0.5), pp99 = bench::quantile(pp, 0.99);
   const double rt50 = bench::quantile(rt, 0.5), rt99 = bench::quantile(rt, 0.99);

@@ -40,9 +40,7 @@ using bspflow::detail::cpu_relax;
 
 constexpr std::size_t kCapacity = 1024;
 
-void pin(std::uint32_t core) {
-  if (bspflow::Topology::get().has_hwloc()) bspflow::Topology::get().pin_current_thread(core);
-}
+using bench::pin;
 std::uint32_t peer_core() { return bspflow::Topology::get().cores() > 1 ? 1 : 0; }
 
 // The three queues behind one interface: push (spins while full), pop (spins while empty).
@@ -108,28 +106,6 @@ std::vector<double> round_trips(std::uint64_t n) {
   return rtt;
 }
 
-std::vector<double> pingpong(std::uint64_t n) {
-  alignas(64) std::atomic<std::uint64_t> ping{0};
-  alignas(64) std::atomic<std::uint64_t> pong{0};
-  std::thread peer([&] {
-    pin(peer_core());
-    for (std::uint64_t i = 1; i <= n; ++i) {
-      while (ping.load(std::memory_order_acquire) != i) cpu_relax();
-      pong.store(i, std::memory_order_release);
-    }
-  });
-  pin(0);
-  std::vector<double> rtt;
-  rtt.reserve(n);
-  for (std::uint64_t i = 1; i <= n; ++i) {
-    const auto t0 = Clock::now();
-    ping.store(i, std::memory_order_release);
-    while (pong.load(std::memory_order_acquire) != i) cpu_relax();
-    rtt.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
-  }
-  peer.join();
-  return rtt;
-}
 
 // Elements/s streamed from the host thread to the peer.
 template <class Q>
@@ -171,7 +147,7 @@ int main(int argc, char** argv) {
   // Interleaved repeats, medians of each: drift on a shared machine hits every queue alike.
   std::vector<double> pp50, ring50, ring99, rwq50, rwq99, mpmc50, ring_rate, rwq_rate, mpmc_rate;
   for (int r = 0; r < kRepeats; ++r) {
-    auto pp = pingpong(trips);
+    auto pp = bench::pingpong(trips, 0, peer_core());
     pp50.push_back(bench::quantile(pp, 0.5));
     auto ring = round_trips<Ring>(trips);
     ring50.push_back(bench::quantile(ring, 0.5));

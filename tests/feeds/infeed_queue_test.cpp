@@ -227,31 +227,36 @@ TEST_CASE("shared lane: a second producer joining mid-stream loses and reorders 
   CHECK(reader.end_of_data());
 }
 
-TEST_CASE("shared lane: close() while it pushes is exact") {
+TEST_CASE("close() while a producer pushes is exact: shared and single-producer lanes") {
   // Whatever push() reported as pushed is delivered, and nothing after close() slips in.
-  for (int round = 0; round < 20; ++round) {
-    InfeedQueue<std::uint64_t> q(InfeedConfig{1, 32, 1});
-    std::uint64_t accepted = 0;
-    std::thread producer([&] {
-      auto p = q.make_producer();
-      for (std::uint64_t s = 0;; ++s) {
-        if (!p.push(s)) break;
-        accepted = s + 1;
+  for (ProducerType type : {ProducerType::kMulti, ProducerType::kSingle}) {
+    CAPTURE(static_cast<int>(type));
+    for (int round = 0; round < 20; ++round) {
+      InfeedConfig config{1, 32, 1};
+      config.producer_type = type;
+      InfeedQueue<std::uint64_t> q(config);
+      std::uint64_t accepted = 0;
+      std::thread producer([&] {
+        auto p = q.make_producer();
+        for (std::uint64_t s = 0;; ++s) {
+          if (!p.push(s)) break;
+          accepted = s + 1;
+        }
+      });
+      auto reader = q.reader(0);
+      std::uint64_t v = 0;
+      std::uint64_t got = 0;
+      bool in_order = true;
+      const std::uint64_t close_after = test::scaled(5000, 100) + static_cast<std::uint64_t>(round) * 37;
+      while (reader.pop(v)) {
+        in_order = in_order && v == got;
+        if (++got == close_after) q.close();
       }
-    });
-    auto reader = q.reader(0);
-    std::uint64_t v = 0;
-    std::uint64_t got = 0;
-    bool in_order = true;
-    const std::uint64_t close_after = test::scaled(5000, 100) + static_cast<std::uint64_t>(round) * 37;
-    while (reader.pop(v)) {
-      in_order = in_order && v == got;
-      if (++got == close_after) q.close();
+      producer.join();
+      CHECK(in_order);
+      CHECK(got == accepted);
+      CHECK(reader.end_of_data());
     }
-    producer.join();
-    CHECK(in_order);
-    CHECK(got == accepted);
-    CHECK(reader.end_of_data());
   }
 }
 
@@ -486,32 +491,6 @@ TEST_CASE("single producer: exactly once and in order through a small lane, bulk
     producer.join();
     CHECK(in_order);
     CHECK(got == n);
-    CHECK(reader.end_of_data());
-  }
-}
-
-TEST_CASE("single producer: close() while it pushes is exact") {
-  for (int round = 0; round < 20; ++round) {
-    InfeedQueue<std::uint64_t> q(single(1, 32));
-    std::uint64_t accepted = 0;
-    std::thread producer([&] {
-      auto p = q.make_producer();
-      for (std::uint64_t s = 0;; ++s) {
-        if (!p.push(s)) break;
-        accepted = s + 1;
-      }
-    });
-    auto reader = q.reader(0);
-    std::uint64_t v = 0, got = 0;
-    bool in_order = true;
-    const std::uint64_t close_after = test::scaled(5000, 100) + static_cast<std::uint64_t>(round) * 37;
-    while (reader.pop(v)) {
-      in_order = in_order && v == got;
-      if (++got == close_after) q.close();
-    }
-    producer.join();
-    CHECK(in_order);
-    CHECK(got == accepted);
     CHECK(reader.end_of_data());
   }
 }
