@@ -37,7 +37,15 @@ void InfeedConfig::validate() const {
 
 void OutfeedConfig::validate() const {
   check_replicas(replicas);
-  if (capacity > tunables::kMaxQueueCapacity) {
+  if (consumer_type == ConsumerType::kSingle) {
+    if (capacity < 1 || capacity > tunables::kMaxQueueCapacity) {
+      detail::throw_bad_value("outfeed capacity", capacity,
+                              "must be in 1.." + std::to_string(tunables::kMaxQueueCapacity) +
+                                  " entries per replica with ConsumerType::kSingle (each "
+                                  "replica writes into a ring, which needs a bound; 0 = "
+                                  "unbounded needs ConsumerType::kMulti)");
+    }
+  } else if (capacity > tunables::kMaxQueueCapacity) {
     detail::throw_bad_value("outfeed capacity", capacity,
                             "must be 0 (unbounded) or at most " +
                                 std::to_string(tunables::kMaxQueueCapacity) + " entries");

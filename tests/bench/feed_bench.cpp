@@ -8,6 +8,8 @@
 //    ping-pong between two threads pinned to the same two cores.
 // The infeeds have one producer and say so (ProducerType::kSingle: single-producer lanes);
 // feed_multi_throughput_vs_moodycamel is the element-wise figure with ProducerType::kMulti.
+// The round trip's outfeed has one reader and says so (ConsumerType::kSingle: a ring per
+// replica); roundtrip_multi_p50_vs_pingpong is the same trip with ConsumerType::kMulti.
 //
 //   feed_bench [--json FILE] [--quick]
 #include <CLI/CLI.hpp>
@@ -108,11 +110,15 @@ double bspflow_rate(std::uint64_t steps, bool bulk, std::uint32_t prefetch, cons
 
 
 // One element host -> device -> host through infeed, a running loop and outfeed (ns each).
-std::vector<double> roundtrip(std::uint64_t n, const Cores& cores, bspflow::Device& device) {
+std::vector<double> roundtrip(std::uint64_t n, const Cores& cores, bspflow::Device& device,
+                              bspflow::ConsumerType readers) {
   bspflow::InfeedConfig config;
   config.producer_type = bspflow::ProducerType::kSingle;
   bspflow::InfeedQueue<std::uint64_t> infeed(config);
-  bspflow::OutfeedQueue<std::uint64_t> outfeed;
+  bspflow::OutfeedConfig out_config;
+  out_config.consumer_type = readers;
+  if (readers == bspflow::ConsumerType::kSingle) out_config.capacity = 1024;
+  bspflow::OutfeedQueue<std::uint64_t> outfeed(out_config);
   auto run = bspflow::loops::repeat_async(device, n, [](int&, std::uint64_t& x) { return x; }, 0,
                                           infeed, outfeed);
   auto producer = infeed.make_producer();
@@ -178,15 +184,19 @@ int main(int argc, char** argv) {
                bulk_rate / raw_rate >= 0.5);
 
   std::vector<double> pp = bench::pingpong(trips, cores.host, cores.device);
-  std::vector<double> rt = roundtrip(trips, cores, device);
+  std::vector<double> rt = roundtrip(trips, cores, device, bspflow::ConsumerType::kSingle);
+  std::vector<double> rt_multi = roundtrip(trips, cores, device, bspflow::ConsumerType::kMulti);
   const double pp50 = bench::quantile(pp, 0.5), pp99 = bench::quantile(pp, 0.99);
   const double rt50 = bench::quantile(rt, 0.5), rt99 = bench::quantile(rt, 0.99);
+  const double rtm50 = bench::quantile(rt_multi, 0.5);
   report.figure("pingpong_p50_ns", pp50);
   report.figure("pingpong_p99_ns", pp99);
   report.figure("roundtrip_p50_ns", rt50);
   report.figure("roundtrip_p99_ns", rt99);
   report.ratio("roundtrip_p50_vs_pingpong", rt50 / pp50, "<= 1.5", rt50 / pp50 <= 1.5);
   report.ratio("roundtrip_p99_vs_pingpong", rt99 / pp99, "(no target)", true);
+  report.figure("roundtrip_multi_p50_ns", rtm50);
+  report.ratio("roundtrip_multi_p50_vs_pingpong", rtm50 / pp50, "(no target)", true);
 
   if (!report.write(args.json_path)) {
     std::fprintf(stderr, "could not write %s\n", args.json_path.c_str());

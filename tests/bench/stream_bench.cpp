@@ -18,6 +18,8 @@
 // same wait primitive; its rings are a minimal SPSC ring (cache-line padded indices, each
 // side caching the other's). The client waits for its answer by spinning on its own core, in
 // both. Every ratio's reference is measured in the same run, alternating with the stream.
+// The stream's infeed and outfeed say they have one client thread each side
+// (ProducerType::kSingle, ConsumerType::kSingle), as the chain's rings do.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -146,7 +148,8 @@ struct StreamRig {
   explicit StreamRig(std::uint32_t devices)
       : group(devices, devices_off_core0()),
         stream(build(group, devices)),
-        in(InfeedConfig{.capacity = 1024}) {
+        in(InfeedConfig{.capacity = 1024, .producer_type = ProducerType::kSingle}),
+        out(OutfeedConfig{.capacity = 4096, .consumer_type = ConsumerType::kSingle}) {
     stream.start(in, out);
   }
   ~StreamRig() {

@@ -1,10 +1,13 @@
 // feeds/: OutfeedQueue (bspflow/feeds/outfeed_queue.hpp): what each output mode lets the host
 // see per replica, sum() needing a summable type, runs (one at a time, reading outside one),
-// and a reader on another thread while the writers run.
+// and a reader on another thread while the writers run; all of these also with one reader
+// (ConsumerType::kSingle: a ring per replica), plus its bound and its one-reader check.
 #include <doctest/doctest.h>
 
 #include <array>
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -81,8 +84,18 @@ TEST_CASE("sum() needs a summable type") {
   CHECK(contains(msg, "sum()"));
 }
 
+OutfeedConfig config_for(ConsumerType readers, std::uint32_t replicas = 1,
+                         OutputMode mode = OutputMode::all(), std::size_t capacity = 0) {
+  OutfeedConfig c{replicas, mode, capacity};
+  c.consumer_type = readers;
+  if (readers == ConsumerType::kSingle && capacity == 0) c.capacity = 64;
+  return c;
+}
+
 TEST_CASE("outfeed runs: reading before a run ends at once; one run at a time") {
-  OutfeedQueue<int> q;
+  for (ConsumerType readers : {ConsumerType::kMulti, ConsumerType::kSingle}) {
+  CAPTURE(static_cast<int>(readers));
+  OutfeedQueue<int> q(config_for(readers));
   int seen = 0;
   for (auto& e : q) seen += e.value;  // no run attached: must not hang
   CHECK(seen == 0);
@@ -101,10 +114,13 @@ TEST_CASE("outfeed runs: reading before a run ends at once; one run at a time") 
   auto all = q.drain();
   REQUIRE(all.size() == 1);
   CHECK(all[0].value == 7);
+  }
 }
 
 TEST_CASE("a reader on another thread sees entries while writers run, then the end") {
-  OutfeedQueue<int> q(OutfeedConfig{1, OutputMode::all(), 4});  // bounded: writer waits
+  for (ConsumerType readers : {ConsumerType::kMulti, ConsumerType::kSingle}) {
+  CAPTURE(static_cast<int>(readers));
+  OutfeedQueue<int> q(config_for(readers, 1, OutputMode::all(), 4));  // bounded: writer waits
   auto writers = q.begin_run();
   const int n = static_cast<int>(test::scaled(10000, 100));
   std::thread device([&] {
@@ -121,6 +137,77 @@ TEST_CASE("a reader on another thread sees entries while writers run, then the e
   device.join();
   CHECK(ordered);
   CHECK(expect == n);
+  }
+}
+
+TEST_CASE("one reader: a ring per replica; every entry once, in order per replica, then the end") {
+  constexpr std::uint32_t kReplicas = 3;
+  for (OutputMode mode : {OutputMode::all(), OutputMode::every_n(3), OutputMode::final()}) {
+    CAPTURE(mode.to_string());
+    // Capacity 4 per replica: the writers keep filling their rings and waiting for the reader.
+    OutfeedQueue<int> q(config_for(ConsumerType::kSingle, kReplicas, mode, 4));
+    const int n = static_cast<int>(test::scaled(20000, 300));
+    for (int run = 0; run < 2; ++run) {  // the same outfeed serves a second run
+      auto writers = q.begin_run();
+      std::vector<std::thread> devices;
+      for (std::uint32_t r = 0; r < kReplicas; ++r) {
+        devices.emplace_back([&, r] {
+          for (int i = 0; i < n; ++i) writers[r].write(static_cast<std::uint64_t>(i), int(r) * n + i);
+          writers[r].finish(true);
+        });
+      }
+      std::vector<std::int64_t> last(kReplicas, -1);
+      std::vector<int> count(kReplicas, 0);
+      bool ordered = true, right = true;
+      for (auto& e : q) {
+        ordered = ordered && static_cast<std::int64_t>(e.iteration) > last[e.replica];
+        right = right && e.value == static_cast<int>(e.replica) * n + static_cast<int>(e.iteration);
+        last[e.replica] = static_cast<std::int64_t>(e.iteration);
+        ++count[e.replica];
+      }
+      for (auto& t : devices) t.join();
+      CHECK(ordered);
+      CHECK(right);
+      const int expect = mode.kind() == OutputMode::Kind::kAll ? n : mode.kind() == OutputMode::Kind::kFinal ? 1 : n / 3;
+      for (std::uint32_t r = 0; r < kReplicas; ++r) {
+        CHECK(count[r] == expect);
+        CHECK(last[r] == n - 1 - (mode.kind() == OutputMode::Kind::kEveryN ? (n % 3) : 0));
+      }
+      CHECK_FALSE(q.try_pop().has_value());
+      CHECK_FALSE(q.running());
+    }
+  }
+}
+
+TEST_CASE("one reader: a ring needs a bound, and two threads reading at once is an error") {
+  OutfeedConfig unbounded;
+  unbounded.consumer_type = ConsumerType::kSingle;
+  const std::string why = error_of([&] { OutfeedQueue<int> q(unbounded); });
+  CHECK(contains(why, "capacity"));
+  CHECK(contains(why, "kMulti"));
+
+  for (std::uint32_t replicas : {1u, 2u}) {
+    CAPTURE(replicas);
+    OutfeedQueue<int> q(config_for(ConsumerType::kSingle, replicas));
+    auto writers = q.begin_run();
+    std::optional<OutfeedEntry<int>> got;
+    std::thread reader([&] { got = q.pop(); });  // parks: nothing written yet
+    // The second reader is caught as soon as the first one is inside pop().
+    std::string second = "<no error>";
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (second == "<no error>" && std::chrono::steady_clock::now() < deadline) {
+      second = error_of([&] { (void)q.try_pop(); });
+      if (second == "<no error>") std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    CHECK(contains(second, "one reader at a time"));
+    writers[replicas - 1].write(0, 42);  // the parked reader gets it
+    for (auto& w : writers) w.finish(true);
+    reader.join();
+    REQUIRE(got.has_value());
+    CHECK(got->value == 42);
+    CHECK(got->replica == replicas - 1);
+    CHECK_FALSE(q.pop().has_value());  // one thread again: fine, and the run has ended
+  }
 }
 
 }  // TEST_SUITE

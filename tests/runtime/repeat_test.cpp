@@ -145,14 +145,23 @@ TEST_CASE("a body exception reaches the host with device, replica and iteration"
 
 TEST_CASE("exactly once under load: M producers x R replicas, counted and checksummed") {
   constexpr int kProducers = 4;
-  for (std::uint32_t replicas : {2u, 3u}) {
+  struct Shape {
+    std::uint32_t replicas;
+    ConsumerType readers;  // kSingle: the outfeed is a ring per replica
+  };
+  for (const Shape shape : {Shape{2, ConsumerType::kMulti}, Shape{3, ConsumerType::kMulti},
+                            Shape{3, ConsumerType::kSingle}}) {
+    const std::uint32_t replicas = shape.replicas;
     CAPTURE(replicas);
+    CAPTURE(static_cast<int>(shape.readers));
     // Per producer a multiple of the replica count, so the round-robin split is exact.
     const std::uint64_t per = test::scaled(600000, 3000) / 6 * 6;
     const std::uint64_t total = per * kProducers;
     DeviceGroup group(replicas, kSmall);
     InfeedQueue<std::uint64_t> infeed(InfeedConfig{replicas, 512, 32});
-    OutfeedQueue<std::uint64_t> outfeed(OutfeedConfig{replicas, OutputMode::all(), 4096});
+    OutfeedConfig out_config{replicas, OutputMode::all(), 4096};
+    out_config.consumer_type = shape.readers;
+    OutfeedQueue<std::uint64_t> outfeed(out_config);
     auto run = loops::repeat_async(group, kForever,
                                    [](std::uint64_t& sum, std::uint64_t& x) {
                                      sum += x;

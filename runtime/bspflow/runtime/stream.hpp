@@ -53,8 +53,9 @@
 // (DeviceConfig::host_cores) never spins long: its policy is capped (capped_for_sharing).
 //
 // Memory: the steady state allocates nothing of its own (the rings and the infeed's
-// prefetch buffer are allocated at start; the outfeed allocates as an unbounded
-// OutfeedQueue does); what the stages allocate is theirs.
+// prefetch buffer are allocated at start; an outfeed with one reader, ConsumerType::kSingle,
+// is a ring allocated when it is made, and an unbounded kMulti outfeed allocates as
+// moodycamel does); what the stages allocate is theirs.
 #pragma once
 
 #include <cstdint>

@@ -12,6 +12,13 @@
 //
 // Ordering guarantee: per replica, in iteration order. Entries of different replicas
 // interleave in no promised order.
+//
+// Readers: ConsumerType::kMulti (default) lets any number of host threads read at once
+// (moodycamel ConcurrentQueue underneath). kSingle (the LMAX Disruptor's single consumer)
+// promises one reading thread at a time: each replica then writes into a ring of its own
+// (SpscLane), a cache line or two per entry instead of several, and two threads caught
+// reading at once get an Error. A ring has a bound, so kSingle needs capacity > 0 (per
+// replica).
 #pragma once
 
 #include <atomic>
@@ -20,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <iterator>
+#include <memory>
 #include <optional>
 #include <ranges>
 #include <string>
@@ -29,14 +37,22 @@
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/tunables.hpp"
 #include "bspflow/feeds/detail/bounded_queue.hpp"
+#include "bspflow/feeds/detail/spsc_lane.hpp"
 #include "bspflow/feeds/output_mode.hpp"
 
 namespace bspflow {
 
+// Who reads an outfeed: one host thread at a time, or several at once.
+enum class ConsumerType { kMulti, kSingle };
+
 struct OutfeedConfig {
   std::uint32_t replicas = 1;                               // 1..kMaxReplicas
   OutputMode mode = OutputMode::all();
-  std::size_t capacity = tunables::kDefaultOutfeedCapacity;  // entries; 0 = unbounded
+  // Entries (kMulti: in all, 0 = unbounded; kSingle: per replica, 1..kMaxQueueCapacity).
+  std::size_t capacity = tunables::kDefaultOutfeedCapacity;
+  // kSingle: one reading thread at a time (faster; needs a capacity); kMulti: any number.
+  ConsumerType consumer_type = ConsumerType::kMulti;
+  // Throws bspflow::Error naming the field, the value and what is allowed.
   void validate() const;
 };
 
@@ -78,6 +94,7 @@ void accumulate(T& acc, const T& v) {
 template <class T>
 class OutfeedQueue {
   using Queue = detail::BoundedQueue<OutfeedEntry<T>>;
+  using Lane = detail::SpscLane<OutfeedEntry<T>>;
 
  public:
   using Entry = OutfeedEntry<T>;
@@ -85,30 +102,40 @@ class OutfeedQueue {
 
   // Setup path: validates (throws bspflow::Error). A sum() outfeed needs a T with += or an
   // array/vector of such elements.
-  explicit OutfeedQueue(OutfeedConfig config = {}) : config_(config), queue_(config.capacity) {
+  explicit OutfeedQueue(OutfeedConfig config = {}) : config_(config) {
     config_.validate();
     if (config_.mode.kind() == OutputMode::Kind::kSum && !detail::kSummable<T>) {
       throw Error("OutputMode sum() needs an outfeed type with += or an array/vector of "
                   "elements with +=; this type has neither (use all(), final() or every_n)");
     }
-    queue_.close();  // no run attached yet: reading now ends at once instead of hanging
+    // No run attached yet: reading now ends at once instead of hanging.
+    if (single()) {
+      lanes_.reserve(config_.replicas);
+      for (std::uint32_t r = 0; r < config_.replicas; ++r) {
+        lanes_.push_back(std::make_unique<Lane>(config_.capacity, &readable_));
+        lanes_.back()->close();
+      }
+    } else {
+      queue_.emplace(config_.capacity);
+      queue_->close();
+    }
   }
   OutfeedQueue(const OutfeedQueue&) = delete;
   OutfeedQueue& operator=(const OutfeedQueue&) = delete;
 
-  // ---- host side: any thread, several readers may share the queue ----
+  // ---- host side: any thread; several at once with ConsumerType::kMulti only ----
 
   // Blocks (spin, then park) until an entry is available; nullopt once no run is attached
   // (or the attached run ended) and every entry was read.
   std::optional<Entry> pop() {
     Entry e;
-    if (queue_.pop_bulk(&e, 1) == 0) return std::nullopt;
+    if (read(&e, 1, true) == 0) return std::nullopt;
     return e;
   }
   // Never blocks.
   std::optional<Entry> try_pop() {
     Entry e;
-    if (queue_.try_pop_bulk(&e, 1) == 0) return std::nullopt;
+    if (read(&e, 1, false) == 0) return std::nullopt;
     return e;
   }
   // Never blocks: every entry available now.
@@ -117,7 +144,7 @@ class OutfeedQueue {
     for (;;) {
       const std::size_t have = out.size();
       out.resize(have + 64);
-      const std::size_t n = queue_.try_pop_bulk(out.data() + have, 64);
+      const std::size_t n = read(out.data() + have, 64, false);
       out.resize(have + n);
       if (n == 0) return out;
     }
@@ -142,16 +169,16 @@ class OutfeedQueue {
 
    private:
     friend class OutfeedQueue;
-    explicit Iterator(OutfeedQueue* q)
-        : q_(q), consumer_(q->queue_.make_consumer_token()), buffer_(kBatch) {
+    explicit Iterator(OutfeedQueue* q) : q_(q), buffer_(kBatch) {
+      if (q->queue_) consumer_.emplace(q->queue_->make_consumer_token());
       refill();
     }
     void refill() {
       pos_ = 0;
-      count_ = q_->queue_.pop_bulk(buffer_.data(), kBatch, nullptr, &consumer_);
+      count_ = q_->read(buffer_.data(), kBatch, true, consumer_ ? &*consumer_ : nullptr);
     }
     OutfeedQueue* q_;
-    typename Queue::ConsumerToken consumer_;
+    std::optional<typename Queue::ConsumerToken> consumer_;  // kMulti
     mutable std::vector<Entry> buffer_;
     std::size_t pos_ = 0;
     std::size_t count_ = 0;
@@ -163,7 +190,12 @@ class OutfeedQueue {
   bool running() const noexcept {
     return active_writers_.load(std::memory_order_acquire) != 0;
   }
-  std::size_t size_approx() const noexcept { return queue_.size_approx(); }
+  std::size_t size_approx() const noexcept {
+    if (queue_) return queue_->size_approx();
+    std::size_t n = 0;
+    for (const auto& lane : lanes_) n += lane->size_approx();
+    return n;
+  }
 
   // ---- device side ----
 
@@ -171,8 +203,8 @@ class OutfeedQueue {
   class Writer {
    public:
     Writer(Writer&& o) noexcept
-        : q_(std::exchange(o.q_, nullptr)), replica_(o.replica_), token_(std::move(o.token_)),
-          staged_(std::move(o.staged_)), dropped_(o.dropped_), last_check_(o.last_check_),
+        : q_(std::exchange(o.q_, nullptr)), replica_(o.replica_), lane_(o.lane_),
+          token_(std::move(o.token_)), staged_(std::move(o.staged_)), dropped_(o.dropped_), last_check_(o.last_check_),
           since_check_(o.since_check_), check_every_(o.check_every_), held_(std::move(o.held_)) {}
     Writer& operator=(Writer&&) = delete;
     ~Writer() {
@@ -218,7 +250,9 @@ class OutfeedQueue {
     bool flush(const detail::StopFlag* stop = nullptr) {
       if (staged_.empty()) return true;
       const std::size_t n = staged_.size();
-      const std::size_t pushed = q_->queue_.push_bulk(token_, staged_.begin(), n, stop);
+      const std::size_t pushed = lane_ != nullptr
+                                     ? lane_->push_bulk(staged_.begin(), n, stop)
+                                     : q_->queue_->push_bulk(*token_, staged_.begin(), n, stop);
       dropped_ += n - pushed;
       staged_.clear();
       return pushed == n;
@@ -237,22 +271,31 @@ class OutfeedQueue {
       if (deliver_held && held_) deliver(std::move(*held_), stop);
       held_.reset();
       OutfeedQueue* q = std::exchange(q_, nullptr);
-      if (q->active_writers_.fetch_sub(1, std::memory_order_acq_rel) == 1) q->queue_.close();
+      if (lane_ != nullptr) lane_->close();  // this replica's ring: its reader sees the end
+      if (q->active_writers_.fetch_sub(1, std::memory_order_acq_rel) == 1 && q->queue_) {
+        q->queue_->close();
+      }
     }
 
    private:
     friend class OutfeedQueue;
-    Writer(OutfeedQueue& q, std::uint32_t replica)
-        : q_(&q), replica_(replica), token_(q.queue_.make_token()) {
+    Writer(OutfeedQueue& q, std::uint32_t replica) : q_(&q), replica_(replica) {
+      if (q.queue_) {
+        token_.emplace(q.queue_->make_token());
+      } else {
+        lane_ = q.lanes_[replica].get();
+      }
       staged_.reserve(tunables::kOutfeedCombine);
     }
     bool deliver(Entry&& e, const detail::StopFlag* stop) {
-      return q_->queue_.push(token_, std::move(e), stop);
+      return lane_ != nullptr ? lane_->push(std::move(e), stop)
+                              : q_->queue_->push(*token_, std::move(e), stop);
     }
 
     OutfeedQueue* q_;
     std::uint32_t replica_;
-    typename Queue::Token token_;
+    Lane* lane_ = nullptr;                        // kSingle: this replica's ring
+    std::optional<typename Queue::Token> token_;  // kMulti: its sub-queue of the shared queue
     std::vector<Entry> staged_;  // write-combining: entries not yet handed over
     std::uint64_t dropped_ = 0;  // staged entries a stop kept from the host
     std::chrono::steady_clock::time_point last_check_{};
@@ -270,7 +313,11 @@ class OutfeedQueue {
       throw Error("outfeed is already attached to a running loop; wait for that run to end "
                   "or use another OutfeedQueue");
     }
-    queue_.reopen();
+    if (queue_) {
+      queue_->reopen();
+    } else {
+      for (auto& lane : lanes_) lane->reopen();
+    }
     std::vector<Writer> writers;
     writers.reserve(config_.replicas);
     for (std::uint32_t r = 0; r < config_.replicas; ++r) writers.push_back(Writer(*this, r));
@@ -278,7 +325,10 @@ class OutfeedQueue {
   }
 
   // Any thread. Wakes parked writers and readers so they re-check their stop flags.
-  void wake_all() noexcept { queue_.wake_all(); }
+  void wake_all() noexcept {
+    if (queue_) queue_->wake_all();
+    for (auto& lane : lanes_) lane->wake_all();
+  }
 
   std::uint32_t replicas() const noexcept { return config_.replicas; }
   OutputMode mode() const noexcept { return config_.mode; }
@@ -286,9 +336,68 @@ class OutfeedQueue {
   const OutfeedConfig& config() const noexcept { return config_; }
 
  private:
+  bool single() const noexcept { return config_.consumer_type == ConsumerType::kSingle; }
+
+  // Moves up to `max` entries into out[0..); waits for the first one when `block`. 0: none
+  // available (not blocking), or the run ended and everything was read.
+  std::size_t read(Entry* out, std::size_t max, bool block,
+                   typename Queue::ConsumerToken* ctok = nullptr) {
+    if (queue_) {
+      return block ? queue_->pop_bulk(out, max, nullptr, ctok) : queue_->try_pop_bulk(out, max, ctok);
+    }
+    ReaderGuard guard(reading_);
+    if (lanes_.size() == 1) return block ? lanes_[0]->pop_bulk(out, max) : lanes_[0]->try_pop_bulk(out, max);
+    for (;;) {
+      if (const std::size_t n = try_lanes(out, max)) return n;
+      if (!block) return 0;
+      bool ended = true;
+      for (const auto& lane : lanes_) ended = ended && lane->drained();
+      if (ended) return try_lanes(out, max);
+      readable_.wait([&] {
+        bool all_sealed = true;
+        for (const auto& lane : lanes_) {
+          if (lane->has_entries()) return true;
+          all_sealed = all_sealed && lane->sealed();
+        }
+        return all_sealed;
+      }, detail::Spin::kTight, detail::Fence::kAsymmetric);
+    }
+  }
+  // kSingle, several replicas: the first lane with entries, starting after the last one read.
+  std::size_t try_lanes(Entry* out, std::size_t max) {
+    for (std::size_t k = 0; k < lanes_.size(); ++k) {
+      next_lane_ = next_lane_ + 1 == lanes_.size() ? 0 : next_lane_ + 1;
+      if (const std::size_t n = lanes_[next_lane_]->try_pop_bulk(out, max)) return n;
+    }
+    return 0;
+  }
+  // kSingle: catches two threads reading at once (an uncontended exchange on a line only
+  // the reader writes).
+  class ReaderGuard {
+   public:
+    explicit ReaderGuard(std::atomic<bool>& flag) : flag_(flag) {
+      if (flag_.exchange(true, std::memory_order_acquire)) {
+        throw Error("this outfeed has one reader at a time (OutfeedConfig::consumer_type = "
+                    "ConsumerType::kSingle) and another thread is reading it now: read it from "
+                    "one thread at a time, or configure ConsumerType::kMulti");
+      }
+    }
+    ~ReaderGuard() { flag_.store(false, std::memory_order_release); }
+    ReaderGuard(const ReaderGuard&) = delete;
+    ReaderGuard& operator=(const ReaderGuard&) = delete;
+
+   private:
+    std::atomic<bool>& flag_;
+  };
+
   OutfeedConfig config_;
-  Queue queue_;
+  std::optional<Queue> queue_;               // kMulti: one queue shared by every replica
+  std::vector<std::unique_ptr<Lane>> lanes_;  // kSingle: a ring per replica
   std::atomic<std::uint32_t> active_writers_{0};
+  // kSingle reader state: written by the one reading thread only.
+  alignas(tunables::kCacheLine) std::atomic<bool> reading_{false};
+  std::size_t next_lane_ = 0;
+  detail::WaitPoint readable_;  // a replica's ring has entries or was sealed
 };
 
 }  // namespace bspflow

@@ -1,4 +1,5 @@
-// SpscLane<T>: an infeed lane with one producer (InfeedConfig::producer_type = kSingle).
+// SpscLane<T>: an infeed lane with one producer (InfeedConfig::producer_type = kSingle), and
+// one replica's share of an outfeed with one reader (OutfeedConfig::consumer_type = kSingle).
 //
 // A bounded ring like SpscRing (each side caches the other's index and re-reads the shared
 // one only when its copy says full or empty; a power-of-two slot count), plus what an
@@ -13,7 +14,11 @@
 // The hot path has no locked instruction (fence.hpp).
 //
 // Threads: one producer thread at a time (push, try_push, push_bulk), one consumer thread
-// at a time (pop_bulk, try_pop_bulk); close, wake_all and the queries from any thread.
+// at a time (pop_bulk, try_pop_bulk); close, wake_all and the queries from any thread;
+// reopen only while no producer is active.
+//
+// Several lanes with one consumer (an outfeed's replicas) may share the WaitPoint that says
+// "something to read": the consumer then waits once for all of them (readable()).
 #pragma once
 
 #include <atomic>
@@ -36,8 +41,11 @@ template <class T>
 class SpscLane {
  public:
   // Setup path: room for `capacity` elements (>= 1; the caller validates the range).
-  explicit SpscLane(std::size_t capacity)
-      : slots_(std::bit_ceil(capacity)), capacity_(capacity), mask_(slots_.size() - 1) {}
+  // `readable`: the WaitPoint publishes and close() notify, shared by lanes with one consumer
+  // (null: the lane's own).
+  explicit SpscLane(std::size_t capacity, WaitPoint* readable = nullptr)
+      : slots_(std::bit_ceil(capacity)), capacity_(capacity), mask_(slots_.size() - 1),
+        readable_(readable != nullptr ? readable : &not_empty_) {}
   SpscLane(const SpscLane&) = delete;
   SpscLane& operator=(const SpscLane&) = delete;
 
@@ -114,7 +122,7 @@ class SpscLane {
       }
       if (stopped(stop)) return 0;
       const std::uint64_t h = consumer_.head;
-      wait_with(not_empty_, policy ? *policy : WaitPolicy{}, [&] {
+      wait_with(*readable_, policy ? *policy : WaitPolicy{}, [&] {
         return tail_.load(std::memory_order_seq_cst) != h || sealed_.load(std::memory_order_seq_cst) ||
                stopped(stop);
       }, Fence::kAsymmetric);
@@ -130,8 +138,13 @@ class SpscLane {
     heavy_fence();  // pairs with enter()'s light fence
     while (busy_.load(std::memory_order_acquire)) std::this_thread::yield();
     sealed_.store(true, std::memory_order_seq_cst);
-    not_empty_.notify();
+    readable_->notify();
     not_full_.notify();
+  }
+  // Accept pushes again (an outfeed's next run). Only while no producer is active.
+  void reopen() noexcept {
+    sealed_.store(false, std::memory_order_seq_cst);
+    closed_.store(false, std::memory_order_seq_cst);
   }
   bool is_closed() const noexcept { return closed_.load(std::memory_order_acquire); }
   // Sealed and every pushed element popped.
@@ -139,8 +152,14 @@ class SpscLane {
     return sealed_.load(std::memory_order_seq_cst) &&
            tail_.load(std::memory_order_seq_cst) == head_.load(std::memory_order_seq_cst);
   }
+  // What a consumer of several lanes waits for (seq_cst reads, for WaitPoint::wait with
+  // Fence::kAsymmetric): something to pop, or the end.
+  bool has_entries() const noexcept {
+    return tail_.load(std::memory_order_seq_cst) != head_.load(std::memory_order_seq_cst);
+  }
+  bool sealed() const noexcept { return sealed_.load(std::memory_order_seq_cst); }
   void wake_all() noexcept {
-    not_empty_.notify();
+    readable_->notify();
     not_full_.notify();
   }
   std::size_t size_approx() const noexcept {
@@ -182,7 +201,7 @@ class SpscLane {
   void publish(std::uint64_t tail) noexcept {
     producer_.tail = tail;
     tail_.store(tail, std::memory_order_release);  // the elements, then their index
-    not_empty_.notify_light();
+    readable_->notify_light();
   }
   // false once closed or stopped; true when there may be room now.
   bool wait_for_room(const StopFlag* stop) {
@@ -214,6 +233,7 @@ class SpscLane {
   std::atomic<bool> sealed_{false};  // closed, and no push in progress any more
   WaitPoint not_empty_;
   WaitPoint not_full_;
+  WaitPoint* const readable_;  // &not_empty_, or the consumer's WaitPoint shared by its lanes
 };
 
 }  // namespace bspflow::detail
