@@ -13,6 +13,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <bspflow/bspflow.hpp>
@@ -56,12 +57,23 @@ Stream<std::uint64_t, std::uint64_t> add_ones(DeviceList devices, std::uint32_t 
 TEST_SUITE("stream") {
 
 TEST_CASE("closing the infeed drains: every accepted request is answered (1, 2, 4 devices)") {
-  for (std::uint32_t devices : {1u, 2u, 4u}) {
+  // The last round says one client thread each side: both feeds are rings, the outfeed a
+  // small bounded one the last device keeps waiting on.
+  for (const auto& [devices, one_each_side] : {std::pair{1u, false}, std::pair{2u, false},
+                                              std::pair{4u, false}, std::pair{2u, true}}) {
     CAPTURE(devices);
+    CAPTURE(one_each_side);
     DeviceGroup group(devices);  // 4 devices on this machine's 2 cores share them
     auto stream = add_ones(group, devices == 1 ? 2 : 4);
-    InfeedQueue<Request<std::uint64_t>> in;
-    OutfeedQueue<Response<std::uint64_t>> out;
+    InfeedConfig in_config;
+    OutfeedConfig out_config;
+    if (one_each_side) {
+      in_config.producer_type = ProducerType::kSingle;
+      out_config.consumer_type = ConsumerType::kSingle;
+      out_config.capacity = 8;
+    }
+    InfeedQueue<Request<std::uint64_t>> in(in_config);
+    OutfeedQueue<Response<std::uint64_t>> out(out_config);
     stream.start(in, out);
     const std::uint64_t n = test::scaled(20'000, 100);
     std::thread client([&] {
