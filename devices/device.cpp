@@ -119,8 +119,8 @@ DeviceGroup::DeviceGroup(std::uint32_t count, DeviceConfig config) {
     os << count << " devices on " << topo.cores() << (topo.cores() == 1 ? " core" : " cores");
     if (!config.host_cores.empty()) os << " (" << config.host_cores.size() << " kept for host threads)";
     os << ": devices share cores (up to " << max_sharing_
-       << " per core); waits park after a short spin, so this works, but expect lower "
-          "throughput than with a core per device";
+       << " per core); waits yield the core and park after a bounded spin, so this works, but "
+          "expect lower throughput than with a core per device";
     log(LogLevel::kWarning, os.str());
   }
   devices_.reserve(count);

@@ -66,7 +66,7 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
       sr->accum.assign(g, 0.0f);
       sr->reduced.assign(g, 0.0f);
       sr->batches = &im.batches[r];
-      if (sr->device->placement().shares_core()) sr->wait = sr->wait.capped_for_sharing();
+      sr->wait = sr->device->placement().wait_policy(sr->wait);
       sr->local_out.assign(sr->out_elements, 0.0f);
       sr->local_grad.assign(sr->in_elements, 0.0f);
       if (config.recompute) sr->scratch.assign(sr->out_elements, 0.0f);

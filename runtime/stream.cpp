@@ -88,7 +88,7 @@ StreamCore::~StreamCore() {
 
 WaitPolicy StreamCore::policy_for(std::uint32_t index) const {
   const WaitPolicy policy = config.device_wait.empty() ? config.wait : config.device_wait.at(index);
-  return devices[index].placement().shares_core() ? policy.capped_for_sharing() : policy;
+  return devices[index].placement().wait_policy(policy);
 }
 
 void StreamCore::start(std::function<void()> wake_feeds) {

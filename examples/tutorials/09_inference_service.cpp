@@ -624,7 +624,7 @@ int run(Settings st, bool min_accuracy_given) {
     for (std::uint32_t s = 0; s < stream.stages(); ++s) {
       if (stream.device_of(s) == d) stages += (stages.empty() ? "" : ", ") + stream.stage_name(s);
     }
-    const bspflow::WaitPolicy w = p.shares_core() ? sc.wait.capped_for_sharing() : sc.wait;
+    const bspflow::WaitPolicy w = p.wait_policy(sc.wait);
     std::printf("  device %u: %s%s  stages %s  waits %s%s\n", d,
                 p.core ? ("core " + std::to_string(*p.core)).c_str() : "unpinned",
                 p.sharing > 1 ? (" (shared by " + std::to_string(p.sharing) + " devices)").c_str() : "",

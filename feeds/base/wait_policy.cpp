@@ -31,9 +31,16 @@ void WaitPolicy::validate() const {
   }
 }
 
-WaitPolicy WaitPolicy::capped_for_sharing() const noexcept {
+WaitPolicy WaitPolicy::capped_for_sharing(CoreSharing with) const noexcept {
   WaitPolicy p = *this;
-  if (p.strategy == WaitStrategy::kBusySpin) {
+  if (with == CoreSharing::kDevices) {
+    if (p.strategy == WaitStrategy::kBusySpin) {
+      p.strategy = WaitStrategy::kSpinThenPark;
+      p.spin = tunables::kDeviceSharedSpinBudget;
+    } else if (p.strategy == WaitStrategy::kSpinThenPark) {
+      p.spin = std::max(p.spin, tunables::kDeviceSharedSpinBudget);
+    }
+  } else if (p.strategy == WaitStrategy::kBusySpin) {
     p.strategy = WaitStrategy::kSpinThenPark;
     p.spin = tunables::kSharedCoreSpinBudget;
   } else if (p.strategy == WaitStrategy::kSpinThenPark) {

@@ -40,6 +40,21 @@ TEST_CASE("a shared core caps busy-spin and long spins, and yields") {
   CHECK(WaitPolicy::park().capped_for_sharing().strategy == WaitStrategy::kPark);
 }
 
+TEST_CASE("a core shared by devices only: waits yield and spin at least the device budget") {
+  const WaitPolicy busy = WaitPolicy::busy_spin().capped_for_sharing(CoreSharing::kDevices);
+  CHECK(busy.strategy == WaitStrategy::kSpinThenPark);
+  CHECK(busy.spin == tunables::kDeviceSharedSpinBudget);
+  CHECK(busy.yields);
+  const WaitPolicy short_spin = WaitPolicy::spin_then_park(1us).capped_for_sharing(CoreSharing::kDevices);
+  CHECK(short_spin.spin == tunables::kDeviceSharedSpinBudget);
+  CHECK(short_spin.yields);
+  const WaitPolicy long_spin = WaitPolicy::spin_then_park(1ms).capped_for_sharing(CoreSharing::kDevices);
+  CHECK(long_spin.spin == 1ms);
+  const WaitPolicy park = WaitPolicy::park().capped_for_sharing(CoreSharing::kDevices);
+  CHECK(park.strategy == WaitStrategy::kPark);
+  CHECK(park.spin_budget() == 0ns);
+}
+
 TEST_CASE("every strategy wakes its waiter") {
   for (const WaitPolicy& policy : {WaitPolicy::busy_spin(), WaitPolicy::spin_then_park(1us),
                                    WaitPolicy::park(), WaitPolicy::busy_spin().capped_for_sharing()}) {

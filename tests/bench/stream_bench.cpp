@@ -12,8 +12,9 @@
 //
 // Placement and waiting (this VM has 2 cores): the client (and, open loop, the pacing
 // producer) run on core 0, which the stream reserves for them (DeviceConfig::host_cores), so
-// the devices go on core 1 and share it (2 or 4 of them). Sharing caps their wait policy to
-// spin-then-park with a 5 us yielding spin (WaitPolicy::capped_for_sharing). The reference
+// the devices go on core 1 and share it (2 or 4 of them). Sharing a core with devices only
+// makes their wait policy spin-then-park with a yielding spin of at least 50 us
+// (WaitPolicy::capped_for_sharing(CoreSharing::kDevices)). The reference
 // chain's threads are pinned to the same core and wait with the same capped policy on the
 // same wait primitive; its rings are a minimal SPSC ring (cache-line padded indices, each
 // side caching the other's). The client waits for its answer by spinning on its own core, in
@@ -270,7 +271,7 @@ int main(int argc, char** argv) {
   bench::Report report("stream");
   const std::uint64_t n = common.quick ? 2'000 : 20'000;
   const double open_seconds = common.quick ? 0.2 : 2.0;
-  const WaitPolicy capped = WaitPolicy{}.capped_for_sharing();
+  const WaitPolicy capped = WaitPolicy{}.capped_for_sharing(CoreSharing::kDevices);
   report.note("placement", "client on core 0 (reserved), devices and chain threads on the other core(s)");
 
   for (std::uint32_t devices : {2u, 4u}) {

@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "bspflow/base/wait_policy.hpp"
+
 namespace bspflow {
 
 struct CoreInfo {
@@ -35,6 +37,12 @@ struct Placement {
   // Whether a thread on this placement must not spin long (it would take the core from a
   // device or host thread beside it): waits yield, and spin budgets are capped.
   bool shares_core() const noexcept { return sharing > 1 || shares_host; }
+  // How a thread on this placement should wait, given `policy`: as is on a core of its own,
+  // else policy.capped_for_sharing() (beside a host thread, or beside devices only).
+  WaitPolicy wait_policy(const WaitPolicy& policy) const noexcept {
+    if (!shares_core()) return policy;
+    return policy.capped_for_sharing(shares_host ? CoreSharing::kHostThread : CoreSharing::kDevices);
+  }
 };
 
 class Topology {

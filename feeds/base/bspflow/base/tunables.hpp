@@ -62,6 +62,13 @@ inline constexpr std::chrono::nanoseconds kSpinBudget{20'000};
 // application reserved) is capped to, yielding between checks, before it parks.
 inline constexpr std::chrono::nanoseconds kMaxSpinBudget{1'000'000'000};
 inline constexpr std::chrono::nanoseconds kSharedCoreSpinBudget{5'000};
+// The yielding spin of a waiter whose core is shared by devices only (no host thread): at
+// least this long. Each check gives the core to whichever device has work, so a longer spin
+// costs them a sched_yield per check, not the core; shorter ones made a chain of devices on
+// one core park between the requests of a closed loop and then pay a wake-up (and, with
+// asymmetric fences, a process-wide barrier) per device per request: 4 devices on one core
+// answered in 12 us or in 220 us, at random, with 5 us (stream_bench).
+inline constexpr std::chrono::nanoseconds kDeviceSharedSpinBudget{50'000};
 
 // A device with a core of its own waiting at a BSP sync spins this long before parking. A
 // device idles a whole stage time while a pipeline fills and drains; parking then costs a

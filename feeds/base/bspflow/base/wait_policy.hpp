@@ -10,9 +10,10 @@
 //   kPark         park at once. No CPU while idle; every wait that is not satisfied at once
 //                 pays a futex wake.
 //
-// A waiter that shares its core with another device or with a host thread the application
-// reserved never spins long there: its policy is capped to spin-then-park with
-// tunables::kSharedCoreSpinBudget, yielding between checks (see capped_for_sharing()).
+// A waiter that shares its core yields between checks (see capped_for_sharing()). Beside a
+// host thread the application reserved, which may spin without yielding, it never spins long
+// there (at most tunables::kSharedCoreSpinBudget); on a core shared by devices only, which
+// all yield, it spins at least tunables::kDeviceSharedSpinBudget before it parks.
 #pragma once
 
 #include <chrono>
@@ -24,6 +25,9 @@
 namespace bspflow {
 
 enum class WaitStrategy { kBusySpin, kSpinThenPark, kPark };
+
+// Who else runs on a waiter's core.
+enum class CoreSharing { kDevices, kHostThread };
 
 // Any thread. "busy_spin", "spin_then_park", "park". Never blocks, never throws.
 const char* to_string(WaitStrategy s) noexcept;
@@ -40,10 +44,12 @@ struct WaitPolicy {
 
   // Any thread. Throws bspflow::Error naming the field, the value and what is allowed.
   void validate() const;
-  // Any thread. This policy as a waiter that shares its core should use it: busy-spin and
-  // long spins become spin-then-park with at most kSharedCoreSpinBudget, yielding. Never
-  // throws.
-  WaitPolicy capped_for_sharing() const noexcept;
+  // Any thread. This policy as a waiter that shares its core should use it; waits yield
+  // between checks. Beside a host thread (kHostThread): busy-spin and long spins become
+  // spin-then-park with at most kSharedCoreSpinBudget. On a core of devices only (kDevices):
+  // busy-spin and spin-then-park spin at least kDeviceSharedSpinBudget. park() stays park().
+  // Never throws.
+  WaitPolicy capped_for_sharing(CoreSharing with = CoreSharing::kHostThread) const noexcept;
   // Whether waits yield the core between checks (a capped policy does).
   bool yields = false;
 
