@@ -22,6 +22,13 @@ std::chrono::nanoseconds LinkModel::duration(std::size_t bytes) const noexcept {
   return latency + std::chrono::nanoseconds{static_cast<std::int64_t>(ns)};
 }
 
+std::chrono::nanoseconds LinkModel::ring_allreduce(std::size_t bytes,
+                                                   std::uint32_t replicas) const noexcept {
+  if (replicas <= 1 || bytes == 0) return std::chrono::nanoseconds{0};
+  const std::size_t chunk = bytes / replicas + (bytes % replicas != 0 ? 1 : 0);
+  return 2 * static_cast<std::int64_t>(replicas - 1) * duration(chunk);
+}
+
 void LinkModel::validate(const std::string& what) const {
   if (!(bytes_per_second > 0) || !std::isfinite(bytes_per_second)) {
     detail::throw_bad_value(what + " bandwidth (bytes/s)", std::to_string(bytes_per_second),

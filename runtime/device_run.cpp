@@ -167,7 +167,15 @@ bool DeviceRun::exec_node(const program::RemoteCopy& r) {
   const Clock::time_point t0 = Clock::now();
   const std::size_t bytes = r.copy(ctx_);
   wait_until_deadline(t0 + eng_.config.host_link.duration(bytes));
-  if (track_) track_->record(Phase::kStreamCopyMid, t0, Clock::now(), bytes, 0, r.to_host);
+  if (track_) track_->record(Phase::kStreamCopyMid, t0, Clock::now(), bytes, labels_[&r], r.to_host);
+  return true;
+}
+
+bool DeviceRun::exec_node(const program::AllReduce& a) {
+  const Clock::time_point t0 = Clock::now();
+  const std::size_t bytes = a.bytes(ctx_);
+  wait_until_deadline(t0 + eng_.config.device_link.ring_allreduce(bytes, a.replicas));
+  if (track_) track_->record(Phase::kExchange, t0, Clock::now(), bytes, labels_[&a]);
   return true;
 }
 

@@ -65,6 +65,7 @@ struct RunShared {
 struct Uses {
   std::vector<const program::StreamCopy*> streams;
   std::vector<const program::Execute*> executes;
+  std::vector<std::pair<const void*, std::string>> transfers;  // RemoteCopy, AllReduce: labels
   const program::FusedRepeat* fused = nullptr;  // only ever the whole program
   std::set<SyncGroup*> groups;
   std::vector<const DeviceBuffer*> buffers;  // buffers the device itself touches
@@ -89,8 +90,9 @@ void gather(const Program& p, Uses& u, bool in_repeat, const Program& root) {
         } else if constexpr (std::is_same_v<N, program::Repeat>) {
           if (!in_repeat && !u.outer_count) u.outer_count = n.count;
           gather(n.body.front(), u, true, root);
-        } else if constexpr (std::is_same_v<N, program::RemoteCopy>) {
-          // host memory of the program's own: nothing to set up
+        } else if constexpr (std::is_same_v<N, program::RemoteCopy> ||
+                             std::is_same_v<N, program::AllReduce>) {
+          u.transfers.emplace_back(&n, n.name);  // host memory, or the device link: a label
         } else if constexpr (std::is_same_v<N, program::FusedRepeat>) {
           if (&n != std::get_if<program::FusedRepeat>(&root.node())) {
             throw Error("FusedRepeat '" + n.name + "' must be a device's whole program, not "
@@ -226,7 +228,8 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
     rs.runs.push_back(std::make_unique<DeviceRun>(im, *im.devices[d], d, control, tracks[d], io_tracks[d]));
     DeviceRun& run = *rs.runs[d];
     run.set_owner(shared);
-    for (const program::Execute* e : uses[d].executes) run.label(*e);
+    for (const program::Execute* e : uses[d].executes) run.label(e, e->name);
+    for (const auto& [node, name] : uses[d].transfers) run.label(node, name);
     if (uses[d].fused) run.add_fused(*uses[d].fused);
     for (const program::StreamCopy* s : uses[d].streams) {
       if (s->infeed) {

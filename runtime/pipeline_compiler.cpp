@@ -23,10 +23,18 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
   if (!config.training) return program::Sequence(std::move(steps));
   const bool replicated = config.replicas > 1;
   if (replicated) steps.emplace_back(program::Sync(group));
-  steps.emplace_back(program::Execute(replicated ? "all-reduce" : "reduce", [this, on_device](const ComputeContext&) {
+  steps.emplace_back(program::Execute("reduce", [this, on_device](const ComputeContext&) {
     for (StageRun* sr : on_device) reduce(*sr);
   }));
-  if (replicated) steps.emplace_back(program::Sync(group));
+  // The gradients' trip around the replicas' ring over the device link (modeled time).
+  if (replicated) {
+    steps.emplace_back(program::AllReduce("all-reduce", config.replicas, [on_device](const ComputeContext&) {
+      std::size_t bytes = 0;
+      for (const StageRun* sr : on_device) bytes += sr->accum.size() * sizeof(float);
+      return bytes;
+    }));
+    steps.emplace_back(program::Sync(group));
+  }
   // Offload: the optimiser state streams in before the update and out after it.
   auto stream_state = [on_device](bool to_host) {
     return program::RemoteCopy(to_host ? "optimiser state out" : "optimiser state in", to_host,

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "bspflow/base/error.hpp"
+#include "bspflow/base/tunables.hpp"
 
 namespace bspflow {
 
@@ -45,6 +46,14 @@ RemoteCopy::RemoteCopy(std::string n, bool h, std::function<std::size_t(const Co
     : name(std::move(n)), to_host(h), copy(std::move(c)) {
   if (!copy) throw Error("RemoteCopy '" + name + "': the copy function is empty");
 }
+AllReduce::AllReduce(std::string n, std::uint32_t r, std::function<std::size_t(const ComputeContext&)> b)
+    : name(std::move(n)), replicas(r), bytes(std::move(b)) {
+  if (replicas == 0 || replicas > tunables::kMaxReplicas) {
+    detail::throw_bad_value("AllReduce '" + name + "' replicas", replicas,
+                            "must be in 1.." + std::to_string(tunables::kMaxReplicas));
+  }
+  if (!bytes) throw Error("AllReduce '" + name + "': the bytes function is empty");
+}
 FusedRepeat::FusedRepeat(std::string n, std::uint64_t c, Loop l, std::function<void(bool)> f)
     : name(std::move(n)), count(c), loop(std::move(l)), finish(std::move(f)) {
   if (!loop) throw Error("FusedRepeat '" + name + "': the loop is empty");
@@ -61,5 +70,6 @@ Program::Program(program::Repeat n) : node_(std::make_shared<const Node>(std::mo
 Program::Program(program::RepeatWhile n) : node_(std::make_shared<const Node>(std::move(n))) {}
 Program::Program(program::FusedRepeat n) : node_(std::make_shared<const Node>(std::move(n))) {}
 Program::Program(program::RemoteCopy n) : node_(std::make_shared<const Node>(std::move(n))) {}
+Program::Program(program::AllReduce n) : node_(std::make_shared<const Node>(std::move(n))) {}
 
 }  // namespace bspflow

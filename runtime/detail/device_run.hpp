@@ -76,7 +76,10 @@ class DeviceRun {
   void add_infeed(InfeedQueue<Tensor>& q, const DeviceBuffer& dst);
   void add_outfeed(OutfeedQueue<Tensor>& q, const DeviceBuffer& src, OutfeedQueue<Tensor>::Writer* w);
   void allocate_out_slots();
-  void label(const program::Execute& e) { labels_[&e] = track_ ? track_->add_label(e.name) : 0; }
+  // A program node's trace label (an Execute, a RemoteCopy, an AllReduce).
+  void label(const void* node, const std::string& name) {
+    labels_[node] = track_ ? track_->add_label(name) : 0;
+  }
   void add_fused(const program::FusedRepeat& f) {
     fused_.push_back(&f);
     fused_label_ = track_ ? track_->add_label(f.name) : 0;
@@ -107,6 +110,8 @@ class DeviceRun {
   bool exec_node(const program::FusedRepeat& f);
 
   bool exec_node(const program::RemoteCopy& r);
+
+  bool exec_node(const program::AllReduce& a);
 
   bool exec_node(const program::Sync& s);
 
@@ -185,7 +190,7 @@ class DeviceRun {
   RunStatus status_ = RunStatus::kCompleted;
   std::map<const InfeedQueue<Tensor>*, InLink> ins_;
   std::map<const OutfeedQueue<Tensor>*, OutLink> outs_;
-  std::map<const program::Execute*, std::uint32_t> labels_;
+  std::map<const void*, std::uint32_t> labels_;  // by program node
   std::vector<const program::FusedRepeat*> fused_;
   std::uint32_t fused_label_ = 0;
   std::set<const DeviceBuffer*> synthesized_;

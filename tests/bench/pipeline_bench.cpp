@@ -12,6 +12,11 @@
 //                       the trace) over (K + N - 1) x stage time           target 0.95..1.05
 //   bubble_host_call_vs_model  the same step timed as the host call (waking the devices and
 //                       being woken at the end included)
+//   allreduce_model_error_p50  2 replicas of a 1-stage training pipeline (2 devices), 1 MB
+//                       of gradients each, the default device link (32 GB/s, 1 us): every
+//                       step's all-reduce exchange from the trace against its modeled ring
+//                       time (LinkModel::ring_allreduce), |measured - modeled| / modeled,
+//                       median over the steps                             target <= 0.05
 //
 // The machine's floor, measured in the same run, interleaved with the pipeline runs (this
 // VM's speed drifts by 20-30% over minutes, so a reference from another time misleads):
@@ -29,6 +34,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -66,6 +72,60 @@ class BusyStage final : public Stage {
 };
 
 LinkModel free_link() { return LinkModel{1e15, std::chrono::nanoseconds{0}}; }
+
+// A trainable stage with `gradients` parameters whose passes do nearly nothing: what the
+// all-reduce benchmark moves.
+class GradientStage final : public Stage {
+ public:
+  explicit GradientStage(std::size_t gradients) : gradients_(gradients) {}
+  std::string name() const override { return "grads"; }
+  std::size_t output_elements() const override { return 1; }
+  std::size_t gradient_elements() const override { return gradients_; }
+  void forward(const StageContext&, ForwardArgs& a) override { a.output[0] = 1.0f; }
+  void backward(const StageContext&, BackwardArgs& a) override { a.gradients[0] = 1.0f; }
+
+ private:
+  std::size_t gradients_;
+};
+
+constexpr std::size_t kGradients = 256 * 1024;  // 1 MB of fp32 per replica
+
+// Each traced all-reduce's |measured - modeled| / modeled, over `steps` steps.
+std::vector<double> allreduce_errors(DeviceGroup& devices, std::uint64_t steps) {
+  PipelineConfig cfg;
+  cfg.replicas = 2;
+  cfg.gradient_accumulation = 1;
+  cfg.trace = true;
+  Pipeline pipe(devices, cfg, [](std::uint32_t) {
+    StageList l;
+    l.push_back(std::make_unique<GradientStage>(kGradients));
+    return l;
+  });
+  InfeedQueue<Batch> infeed(InfeedConfig{2, steps, 1});
+  {
+    auto p = infeed.make_producer();
+    for (std::uint64_t i = 0; i < steps; ++i) {
+      p.push_to(0, Batch{});
+      p.push_to(1, Batch{});
+    }
+  }
+  const PipelineResult r = pipe.run(infeed, steps);
+  if (!r.completed()) std::fprintf(stderr, "all-reduce run: %s\n", r.message.c_str());
+  const double modeled = static_cast<double>(
+      cfg.device_link.ring_allreduce(kGradients * sizeof(float), cfg.replicas).count());
+  std::vector<double> errors;
+  for (const TraceTrack& t : pipe.trace()->tracks()) {
+    for (const TraceEvent& e : t.events()) {
+      if (e.phase != Phase::kExchange || t.label(e) != "all-reduce") continue;
+      errors.push_back(std::abs(static_cast<double>(e.end_ns - e.begin_ns) - modeled) / modeled);
+    }
+  }
+  if (errors.size() != steps * cfg.replicas) {
+    std::fprintf(stderr, "all-reduce: %zu traced, expected %llu\n", errors.size(),
+                 static_cast<unsigned long long>(steps * cfg.replicas));
+  }
+  return errors;
+}
 
 // Cycles per second of the bsp floor: busy work, then a barrier of one atomic word.
 double bsp_floor_rate(std::chrono::nanoseconds work, std::uint64_t cycles) {
@@ -251,6 +311,11 @@ int main(int argc, char** argv) {
     const double b = bench::median(on_devices);
     report.ratio("bubble_vs_model", b, "0.95..1.05", b >= 0.95 && b <= 1.05);
     report.figure("bubble_host_call_vs_model", bench::median(host_call));
+  }
+  {
+    std::vector<double> errors = allreduce_errors(devices, args.quick ? 20 : 200);
+    const double e = errors.empty() ? 1.0 : bench::median(errors);
+    report.ratio("allreduce_model_error_p50", e, "<= 0.05", e <= 0.05);
   }
   return report.write(args.json_path) ? 0 : 1;
 }

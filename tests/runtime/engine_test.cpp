@@ -303,6 +303,38 @@ TEST_CASE("programs are checked before they run") {
   CHECK(contains(error_of([&] { engine.run({Sync(group), idle}); }), "sync group of 2 participants is used by 1"));
   CHECK(contains(error_of([&] { engine.run({idle, StreamCopy(one, on1)}); }), "1 replica lane(s) but the engine runs 2"));
   CHECK(contains(error_of([&] { engine.run(std::vector<Program>{idle}); }), "1 programs for 2 devices"));
+  const auto bytes = [](const ComputeContext&) { return std::size_t{64}; };
+  CHECK(contains(error_of([&] { AllReduce("grads", 0, bytes); }), "AllReduce 'grads' replicas"));
+  CHECK(contains(error_of([&] { AllReduce("grads", 0, bytes); }), "must be in 1.."));
+  CHECK(contains(error_of([&] { AllReduce("grads", 2, nullptr); }), "the bytes function is empty"));
+}
+
+TEST_CASE("AllReduce: each replica's device takes the ring's modeled time, as a labelled exchange") {
+  DeviceGroup devices(2, kSmall);
+  EngineConfig config;
+  config.device_link = LinkModel{1e8, 10us};
+  config.trace = true;
+  Engine engine(devices, config);
+  auto group = std::make_shared<SyncGroup>(2);
+  const std::size_t bytes = 8000;  // 2 steps of 4000 bytes: 2 x (10 us + 40 us) = 100 us
+  const Program p = Repeat(3, Sequence{Sync(group), AllReduce("grads", 2, [&](const ComputeContext&) { return bytes; }),
+                                       Sync(group)});
+  REQUIRE(engine.run({p, p}).completed());
+  const std::chrono::nanoseconds ring = config.device_link.ring_allreduce(bytes, 2);
+  CHECK(ring == 100us);
+  REQUIRE(engine.trace() != nullptr);
+  for (std::uint32_t d = 0; d < 2; ++d) {
+    const TraceTrack& t = engine.trace()->tracks()[d];
+    std::uint32_t seen = 0;
+    for (const TraceEvent& e : t.events()) {
+      if (e.phase != Phase::kExchange) continue;
+      ++seen;
+      CHECK(t.label(e) == "grads");
+      CHECK(e.bytes == bytes);
+      CHECK(e.end_ns - e.begin_ns >= ring.count());
+    }
+    CHECK(seen == 3);
+  }
 }
 
 TEST_CASE("a host tensor of the wrong size is an error naming the buffer") {

@@ -15,6 +15,7 @@
 #include "test_util.hpp"
 
 using namespace bspflow;
+using namespace std::chrono_literals;
 
 namespace {
 
@@ -336,6 +337,42 @@ TEST_CASE("replication: replicas see different samples, reduce gradients, stay b
   }
 }
 
+TEST_CASE("replication: the all-reduce takes the device link's ring time, once per step, labelled") {
+  const std::uint32_t n = 2, k = 3, replicas = 2;
+  const std::uint64_t steps = 3;
+  PipelineConfig cfg;
+  cfg.gradient_accumulation = k;
+  cfg.replicas = replicas;
+  cfg.trace = true;
+  cfg.device_link = LinkModel{1e8, 20us};  // slow enough that the ring time is well above noise
+  DeviceGroup devices(cfg.devices_needed(n), kSmall);
+  Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+  InfeedQueue<Batch> infeed(InfeedConfig{replicas, 64, 1});
+  feed(infeed, k * steps, replicas);
+  REQUIRE(pipe.run(infeed, steps).completed());
+  REQUIRE(pipe.trace() != nullptr);
+  std::uint32_t device_tracks = 0;
+  for (const TraceTrack& t : pipe.trace()->tracks()) {
+    if (t.kind() != TraceTrack::Kind::kDevice) continue;
+    CAPTURE(t.name());
+    const std::uint32_t s = device_tracks++ % n;  // device r*N+s holds replica r's stage s
+    const std::size_t bytes = dense(pipe, 0, s).gradient_elements() * sizeof(float);
+    REQUIRE(bytes > 0);
+    const std::chrono::nanoseconds ring = cfg.device_link.ring_allreduce(bytes, replicas);
+    CHECK(ring == 2 * (replicas - 1) * cfg.device_link.duration((bytes + replicas - 1) / replicas));
+    std::uint64_t all_reduces = 0;
+    for (const TraceEvent& e : t.events()) {
+      if (t.label(e) != "all-reduce") continue;
+      ++all_reduces;
+      CHECK(e.phase == Phase::kExchange);
+      CHECK(e.bytes == bytes);
+      CHECK(e.end_ns - e.begin_ns >= ring.count());  // it waited at least the modeled time
+    }
+    CHECK(all_reduces == steps);
+  }
+  CHECK(device_tracks == replicas * n);
+}
+
 TEST_CASE("optimiser state offload: streamed in and out around each update, same weights") {
   const std::uint32_t n = 2, k = 3;
   const std::uint64_t steps = 3;
@@ -369,6 +406,14 @@ TEST_CASE("optimiser state offload: streamed in and out around each update, same
     std::uint64_t state_bytes = 0;
     for (std::uint32_t s = 0; s < n; ++s) state_bytes += dense(pipe, 0, s).optimizer_state().size_bytes();
     CHECK(bytes_in == steps * state_bytes);
+    // Labelled as what they are, so the trace tells offload from other stream copies.
+    for (const TraceTrack& t : pipe.trace()->tracks()) {
+      for (const TraceEvent& e : t.events()) {
+        if (e.phase == Phase::kStreamCopyMid) {
+          CHECK(t.label(e) == (e.to_host ? "optimiser state out" : "optimiser state in"));
+        }
+      }
+    }
   }
 }
 

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 namespace bspflow {
@@ -33,6 +34,12 @@ struct LinkModel {
   // whole nanosecond. Any thread. Never blocks, never allocates, never throws. Meaningful
   // only for a model validate() accepts (an Engine validates its links before use).
   std::chrono::nanoseconds duration(std::size_t bytes) const noexcept;
+  // Modeled time of a ring all-reduce of `bytes` (each replica's share) across `replicas`
+  // devices: 2(R-1) steps (reduce-scatter, then all-gather), each moving ceil(bytes/R) over
+  // this link, so 2(R-1) x duration(ceil(bytes/R)) = 2(R-1)/R x bytes / bandwidth plus a
+  // latency per step. Zero for one replica or no bytes. Any thread. Never blocks, never
+  // allocates, never throws.
+  std::chrono::nanoseconds ring_allreduce(std::size_t bytes, std::uint32_t replicas) const noexcept;
   // Any thread. Never blocks, never allocates. Throws bspflow::Error naming the field
   // ("<what> bandwidth (bytes/s)", "<what> latency (ns)", `what` being say "host link"),
   // the value and what is allowed if a field is out of range.

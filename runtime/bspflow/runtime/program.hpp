@@ -113,6 +113,17 @@ struct RemoteCopy {
   bool to_host;
   std::function<std::size_t(const ComputeContext&)> copy;
 };
+// The data movement of an all-reduce across `replicas` devices, one AllReduce on each of
+// them (between two Syncs of their group, so no one reads a peer's gradients early): the
+// device takes the device link's modeled time for a ring all-reduce of the bytes `bytes`
+// returns, its own contribution (LinkModel::ring_allreduce). The summing itself is an
+// Execute before it. Exchange in the trace, labelled `name`.
+struct AllReduce {
+  AllReduce(std::string name, std::uint32_t replicas, std::function<std::size_t(const ComputeContext&)> bytes);
+  std::string name;
+  std::uint32_t replicas;
+  std::function<std::size_t(const ComputeContext&)> bytes;
+};
 struct Repeat {
   Repeat(std::uint64_t count, Program body);
   std::uint64_t count;
@@ -158,7 +169,7 @@ class Program {
  public:
   using Node = std::variant<program::Sequence, program::Execute, program::Sync, program::Copy,
                             program::StreamCopy, program::Repeat, program::RepeatWhile,
-                            program::FusedRepeat, program::RemoteCopy>;
+                            program::FusedRepeat, program::RemoteCopy, program::AllReduce>;
   Program(program::Sequence n);    // NOLINT: implicit, like Poplar's program classes
   Program(program::Execute n);     // NOLINT
   Program(program::Sync n);        // NOLINT
@@ -168,6 +179,7 @@ class Program {
   Program(program::RepeatWhile n); // NOLINT
   Program(program::FusedRepeat n); // NOLINT
   Program(program::RemoteCopy n);  // NOLINT
+  Program(program::AllReduce n);   // NOLINT
   const Node& node() const noexcept { return *node_; }
 
  private:
