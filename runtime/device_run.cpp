@@ -4,10 +4,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <thread>
 
 #include "bspflow/base/detail/random.hpp"
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/log.hpp"
+#include "bspflow/devices/device_tunables.hpp"
 
 namespace bspflow::detail {
 
@@ -166,17 +168,36 @@ bool DeviceRun::exec_node(const program::FusedRepeat& f) {
 bool DeviceRun::exec_node(const program::RemoteCopy& r) {
   const Clock::time_point t0 = Clock::now();
   const std::size_t bytes = r.copy(ctx_);
-  wait_until_deadline(t0 + eng_.config.host_link.duration(bytes));
+  const bool ok = take_modeled_time(t0 + eng_.config.host_link.duration(bytes));
   if (track_) track_->record(Phase::kStreamCopyMid, t0, Clock::now(), bytes, labels_[&r], r.to_host);
-  return true;
+  return ok;
 }
 
 bool DeviceRun::exec_node(const program::AllReduce& a) {
   const Clock::time_point t0 = Clock::now();
   const std::size_t bytes = a.bytes(ctx_);
-  wait_until_deadline(t0 + eng_.config.device_link.ring_allreduce(bytes, a.replicas));
+  const bool ok = take_modeled_time(t0 + eng_.config.device_link.ring_allreduce(bytes, a.replicas));
   if (track_) track_->record(Phase::kExchange, t0, Clock::now(), bytes, labels_[&a]);
-  return true;
+  return ok;
+}
+
+bool DeviceRun::take_modeled_time(Clock::time_point deadline) {
+  const bool yield = device_.placement().shares_core();
+  for (;;) {
+    if (stop_.requested()) return false;
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline) return true;
+    const Clock::duration left = deadline - now;
+    if (left > tunables::kTimerMargin) {
+      // Sleep toward the margin in slices, so a stop is seen within a slice.
+      std::this_thread::sleep_for(std::min<Clock::duration>(left - tunables::kTimerMargin,
+                                                            tunables::kModeledWaitSlice));
+    } else if (yield) {
+      std::this_thread::yield();  // a neighbour on this core may have work
+    } else {
+      detail::cpu_relax();
+    }
+  }
 }
 
 bool DeviceRun::exec_node(const program::Sync& s) {
@@ -195,9 +216,9 @@ bool DeviceRun::exec_node(const program::Copy& c) {
                                             : std::chrono::nanoseconds{0};
   const Clock::time_point t0 = track_ || link.count() > 0 ? Clock::now() : Clock::time_point{};
   std::memcpy(c.dst->raw().data(), c.src->raw().data(), c.dst->bytes());
-  if (link.count() > 0) wait_until_deadline(t0 + link);
+  const bool ok = link.count() == 0 || take_modeled_time(t0 + link);
   if (track_) track_->record(Phase::kExchange, t0, Clock::now(), c.dst->bytes());
-  return true;
+  return ok;
 }
 
 bool DeviceRun::exec_node(const program::StreamCopy& s) {

@@ -629,7 +629,7 @@ int run(Settings st, bool min_accuracy_given) {
                 p.core ? ("core " + std::to_string(*p.core)).c_str() : "unpinned",
                 p.sharing > 1 ? (" (shared by " + std::to_string(p.sharing) + " devices)").c_str() : "",
                 stages.c_str(), bspflow::to_string(w.strategy),
-                p.shares_core() ? " (capped: it shares its core)" : "");
+                p.shares_core() ? " (adjusted: it shares its core)" : "");
   }
 
   bspflow::InfeedQueue<Request<Image>> requests;

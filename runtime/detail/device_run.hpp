@@ -113,6 +113,12 @@ class DeviceRun {
 
   bool exec_node(const program::AllReduce& a);
 
+  // Takes a modeled transfer's time on this device's thread (Copy between devices,
+  // RemoteCopy, AllReduce): sleeps in slices while the deadline is further than the timer
+  // margin, then spins the rest, yielding the core when it shares it. false: a stop came
+  // first.
+  bool take_modeled_time(Clock::time_point deadline);
+
   bool exec_node(const program::Sync& s);
 
   bool exec_node(const program::Copy& c);

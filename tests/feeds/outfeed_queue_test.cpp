@@ -165,7 +165,9 @@ TEST_CASE("one reader: a ring per replica; every entry once, in order per replic
         last[e.replica] = static_cast<std::int64_t>(e.iteration);
         ++count[e.replica];
       }
+      const bool running_after_end = q.running();  // the end comes after the last writer left
       for (auto& t : devices) t.join();
+      CHECK_FALSE(running_after_end);
       CHECK(ordered);
       CHECK(right);
       const int expect = mode.kind() == OutputMode::Kind::kAll ? n : mode.kind() == OutputMode::Kind::kFinal ? 1 : n / 3;

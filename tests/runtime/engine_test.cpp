@@ -393,6 +393,25 @@ TEST_CASE("cancel() stops a run that would not end by itself; waits for data wak
   CHECK(engine.run(Execute("ok", [](const ComputeContext&) {})).completed());
 }
 
+TEST_CASE("cancel() reaches a device inside a long modeled transfer (AllReduce, RemoteCopy)") {
+  DeviceGroup devices(2, kSmall);
+  EngineConfig config;
+  config.device_link = LinkModel{1e3, 0ns};  // 1 kB/s: each transfer below models 20 s
+  config.host_link = LinkModel{1e3, 0ns};
+  Engine engine(devices, config);
+  const auto twenty_kb = [](const ComputeContext&) { return std::size_t{20'000}; };
+  std::thread canceller([&] {
+    std::this_thread::sleep_for(20ms);
+    engine.cancel();
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  const EngineResult r = engine.run({AllReduce("grads", 2, twenty_kb), RemoteCopy("state in", false, twenty_kb)});
+  const auto took = std::chrono::steady_clock::now() - t0;
+  canceller.join();
+  CHECK(r.status == RunStatus::kCancelled);
+  CHECK(took < 5s);  // liveness, not speed: the modeled transfers take 20 s each
+}
+
 TEST_CASE("synthetic data: no host copies, seeded differently per device") {
   DeviceGroup devices(2, kSmall);
   EngineConfig c;

@@ -313,6 +313,16 @@ TEST_CASE("bad launches are clear errors, before anything runs") {
   OutfeedQueue<int> small(OutfeedConfig{1, OutputMode::all(), 5});
   CHECK(contains(error_of([&] { loops::repeat(device, 10, [](int& s) { return s; }, 0, small); }),
                  "outfeed capacity 5 < 10 entries"));
+  {
+    // One reader: each replica has a ring of `capacity` entries, so the bound is per replica.
+    DeviceGroup pair(2, kSmall);
+    OutfeedQueue<int> rings(OutfeedConfig{2, OutputMode::all(), 10, ConsumerType::kSingle});
+    loops::repeat(pair, 10, [](int& s) { return s++; }, 0, rings);  // 2 x 10 entries: fits
+    CHECK(rings.drain().size() == 20);
+    const std::string e = error_of([&] { loops::repeat(pair, 11, [](int& s) { return s; }, 0, rings); });
+    CHECK(contains(e, "outfeed capacity 10 per replica < 11 entries this run delivers to each replica"));
+    CHECK(!contains(e, "0 = unbounded"));  // a ring has a bound
+  }
   // A lane can feed one loop at a time.
   InfeedQueue<int> in;
   auto first = loops::repeat_async(device, 1, [](int&, int&) {}, 0, in);

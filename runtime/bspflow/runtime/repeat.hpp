@@ -361,13 +361,16 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
 template <class OutQ>
 void check_sync_outfeed(const OutQ* outfeed, std::uint64_t n) {
   if constexpr (!std::is_same_v<OutQ, NoFeed>) {
-    const std::uint64_t entries = outfeed->mode().entries_for(n) * outfeed->replicas();
+    // kSingle: each replica has a ring of `capacity` entries; kMulti: one queue for all.
+    const bool per_replica = outfeed->config().consumer_type == ConsumerType::kSingle;
+    const std::uint64_t entries = outfeed->mode().entries_for(n) * (per_replica ? 1 : outfeed->replicas());
     if (outfeed->capacity() != 0 && entries > outfeed->capacity()) {
-      throw Error("outfeed capacity " + std::to_string(outfeed->capacity()) + " < " +
-                  std::to_string(entries) +
-                  " entries this run delivers, and loops::repeat reads nothing until the loop "
-                  "ends: use loops::repeat_async and read the outfeed while it runs, or raise "
-                  "the capacity (0 = unbounded)");
+      throw Error("outfeed capacity " + std::to_string(outfeed->capacity()) +
+                  (per_replica ? " per replica" : "") + " < " + std::to_string(entries) +
+                  " entries this run delivers" + (per_replica ? " to each replica" : "") +
+                  ", and loops::repeat reads nothing until the loop ends: use "
+                  "loops::repeat_async and read the outfeed while it runs, or raise the capacity" +
+                  (per_replica ? "" : " (0 = unbounded)"));
     }
   }
 }

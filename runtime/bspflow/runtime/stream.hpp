@@ -49,8 +49,9 @@
 //
 // Waiting. StreamConfig::wait (or one WaitPolicy per device) says how a device waits for its
 // next request: busy-spin, spin-then-park (default) or park (see wait_policy.hpp). A device
-// that shares its core with another device or with a reserved host core
-// (DeviceConfig::host_cores) never spins long: its policy is capped (capped_for_sharing).
+// that shares its core yields between checks (Placement::wait_policy): beside a reserved host
+// core's thread (DeviceConfig::host_cores) it spins at most 5 us, beside devices only at
+// least 50 us, then parks.
 //
 // Memory: the steady state allocates nothing of its own (the rings and the infeed's
 // prefetch buffer are allocated at start; an outfeed with one reader, ConsumerType::kSingle,
@@ -153,8 +154,8 @@ class Stream {
   std::uint32_t stages() const noexcept {
     return static_cast<std::uint32_t>(core_->stage_names.size());
   }
-  // How stage s's device waits: the configured policy, capped when the device shares its
-  // core (WaitPolicy::capped_for_sharing). Never blocks.
+  // How stage s's device waits: the configured policy, adjusted when the device shares its
+  // core (Placement::wait_policy). Never blocks.
   WaitPolicy wait_policy_of(std::uint32_t s) const { return core_->policy_for(device_of(s)); }
   // The device (index in the DeviceList) stage s runs on.
   std::uint32_t device_of(std::uint32_t s) const { return core_->stage_devices.at(s); }

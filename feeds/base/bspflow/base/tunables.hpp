@@ -58,8 +58,8 @@ inline constexpr std::uint32_t kMaxLoaderBuffer = 1024;
 inline constexpr std::chrono::nanoseconds kSpinBudget{20'000};
 
 // WaitPolicy (wait_policy.hpp): the longest spin a spin-then-park policy may ask for, and the
-// spin a waiter that shares its core (with another device, or with a host thread the
-// application reserved) is capped to, yielding between checks, before it parks.
+// spin a waiter that shares its core with a host thread the application reserved is capped
+// to, yielding between checks, before it parks (beside devices only, see below).
 inline constexpr std::chrono::nanoseconds kMaxSpinBudget{1'000'000'000};
 inline constexpr std::chrono::nanoseconds kSharedCoreSpinBudget{5'000};
 // The yielding spin of a waiter whose core is shared by devices only (no host thread): at

@@ -271,9 +271,12 @@ class OutfeedQueue {
       if (deliver_held && held_) deliver(std::move(*held_), stop);
       held_.reset();
       OutfeedQueue* q = std::exchange(q_, nullptr);
-      if (lane_ != nullptr) lane_->close();  // this replica's ring: its reader sees the end
-      if (q->active_writers_.fetch_sub(1, std::memory_order_acq_rel) == 1 && q->queue_) {
-        q->queue_->close();
+      // The last writer ends the run for the readers, after the count reached 0: a reader
+      // that saw the end also sees running() false (and may attach the next run at once).
+      // No other writer pushes any more, so it may close their rings too.
+      if (q->active_writers_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        if (q->queue_) q->queue_->close();
+        for (auto& lane : q->lanes_) lane->close();
       }
     }
 
