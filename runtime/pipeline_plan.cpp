@@ -33,6 +33,14 @@ void Stage::update(const StageContext&, std::span<const float>) {}
 
 // ---- config and plan ----
 
+PipelineConfig PipelineConfig::from(const Options& options) {
+  options.validate();
+  PipelineConfig c;
+  c.replicas = options.replicas();
+  c.gradient_accumulation = options.gradient_accumulation();
+  return c;
+}
+
 std::uint32_t PipelineConfig::devices_needed(std::uint32_t stages) const {
   return strategy == ExecutionStrategy::kSingle ? replicas : stages * replicas;
 }

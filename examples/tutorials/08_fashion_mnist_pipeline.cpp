@@ -89,15 +89,28 @@ void progress(bool tty, std::uint32_t epoch, std::uint32_t epochs, std::uint64_t
   std::fflush(stdout);
 }
 
-bspflow::PipelineConfig pipeline_config(const Settings& st) {
-  bspflow::PipelineConfig cfg;
+// The run shape, stated once: the pipeline, the infeed, the outfeed and the loader all
+// take it from these Options (as PopTorch's tutorial passes one poptorch.Options to its
+// DataLoader and its model).
+bspflow::Options training_options(const Settings& st) {
+  bspflow::Options opts;
+  opts.device_iterations(st.device_iterations)
+      .gradient_accumulation(st.gradient_accumulation)
+      .replicas(st.replicas)
+      .infeed_capacity(2 * st.device_iterations * st.gradient_accumulation)  // a step ahead
+      .prefetch_depth(2)
+      .output_mode(bspflow::OutputMode::final())  // PopTorch's default for training
+      .outfeed_capacity(0);
+  return opts;
+}
+
+bspflow::PipelineConfig pipeline_config(const Settings& st, const bspflow::Options& opts) {
+  bspflow::PipelineConfig cfg = bspflow::PipelineConfig::from(opts);
   cfg.strategy = st.strategy == "sharded" ? bspflow::ExecutionStrategy::kSharded : bspflow::ExecutionStrategy::kPipelined;
   cfg.schedule = st.schedule == "interleaved"  ? bspflow::PipelineSchedule::kInterleaved
                  : st.schedule == "sequential" ? bspflow::PipelineSchedule::kSequential
                                                : bspflow::PipelineSchedule::kGrouped;
   cfg.sync = st.sync == "dataflow" ? bspflow::SyncMode::kDataflow : bspflow::SyncMode::kBsp;
-  cfg.replicas = st.replicas;
-  cfg.gradient_accumulation = st.gradient_accumulation;
   cfg.offload_optimizer = st.offload;
   cfg.trace = true;  // for the utilisation summary (costs about nothing: see device_bench)
   return cfg;
@@ -110,7 +123,8 @@ int run(const Settings& st) {
   kit::AdamW adamw;
   adamw.lr = st.lr;
 
-  bspflow::PipelineConfig cfg = pipeline_config(st);
+  const bspflow::Options opts = training_options(st);
+  bspflow::PipelineConfig cfg = pipeline_config(st, opts);
   bspflow::DeviceGroup devices(cfg.devices_needed(kStages));
   const kit::Model model = st.model == "mlp" ? kit::Model::kMlp : kit::Model::kConv;
   bspflow::Pipeline pipe(devices, cfg, [&](std::uint32_t) { return kit::make_model(model, kStages, st.batch, adamw); });
@@ -122,8 +136,7 @@ int run(const Settings& st) {
   lc.mode = bspflow::LoaderMode::kAsync;
   lc.num_workers = 1;
   if (!st.eight_bit) lc.output_dtype = bspflow::DType::kFloat32;  // widened on the host
-  const bspflow::StepShape shape{st.device_iterations, st.gradient_accumulation, st.replicas};
-  bspflow::DataLoader loader(shape, train, lc);
+  bspflow::DataLoader loader(opts, train, lc);
   const std::uint64_t steps = st.max_steps ? std::min(st.max_steps, loader.steps()) : loader.steps();
   const std::uint64_t per_step = loader.plan().samples_per_step();
 
@@ -139,9 +152,8 @@ int run(const Settings& st) {
   double train_seconds = 0;
   std::uint64_t trained = 0;
   for (std::uint32_t epoch = 1; epoch <= st.epochs; ++epoch) {
-    bspflow::InfeedQueue<bspflow::Batch> infeed(
-        bspflow::InfeedConfig{st.replicas, 2 * st.device_iterations * st.gradient_accumulation, 2});
-    bspflow::OutfeedQueue<std::vector<float>> outfeed(bspflow::OutfeedConfig{st.replicas, bspflow::OutputMode::final(), 0});
+    bspflow::InfeedQueue<bspflow::Batch> infeed(opts.infeed_config());
+    bspflow::OutfeedQueue<std::vector<float>> outfeed(opts.outfeed_config());
     // The loader thread stays up to one step ahead of the devices (the infeed's capacity).
     std::jthread feeder([&] {
       auto producer = infeed.make_producer();
@@ -154,7 +166,7 @@ int run(const Settings& st) {
     double loss = 0, acc = 0;
     const auto t0 = Clock::now();
     for (std::uint64_t s = 1; s <= steps; ++s) {
-      const bspflow::PipelineResult r = pipe.run(infeed, st.device_iterations, &outfeed);
+      const bspflow::PipelineResult r = pipe.run(infeed, opts.device_iterations(), &outfeed);
       if (!r.completed()) {
         std::fprintf(stderr, "training stopped: %s\n", r.message.c_str());
         return 1;
@@ -178,9 +190,16 @@ int run(const Settings& st) {
   if (!st.trace.empty() && pipe.trace() != nullptr) pipe.trace()->write_chrome_json(st.trace);
 
   // Evaluation: an inference pipeline over the same devices with the trained weights.
-  bspflow::PipelineConfig icfg = pipeline_config(st);
+  // Its own run shape: 100 device iterations of one micro-batch, every output kept (All,
+  // PopTorch's default for inference).
+  const std::uint64_t test_iterations = 100;
+  bspflow::Options topts = opts;
+  topts.device_iterations(test_iterations)
+      .gradient_accumulation(1)
+      .infeed_capacity(2 * test_iterations)
+      .output_mode(bspflow::OutputMode::all());
+  bspflow::PipelineConfig icfg = pipeline_config(st, topts);
   icfg.training = false;
-  icfg.gradient_accumulation = 1;
   bspflow::Pipeline infer(devices, icfg, [&](std::uint32_t) {
     bspflow::StageList stages = kit::make_model(model, kStages, st.test_batch, adamw);
     for (std::uint32_t s = 0; s < kStages; ++s) {
@@ -193,10 +212,9 @@ int run(const Settings& st) {
   tl.batch_size = st.test_batch;
   tl.drop_last = false;  // every test image counts; the last step is padded (label -1)
   if (!st.eight_bit) tl.output_dtype = bspflow::DType::kFloat32;
-  const std::uint64_t test_iterations = 100;
-  bspflow::DataLoader test_loader(bspflow::StepShape{test_iterations, 1, st.replicas}, test, tl);
-  bspflow::InfeedQueue<bspflow::Batch> tin(bspflow::InfeedConfig{st.replicas, 2 * test_iterations, 2});
-  bspflow::OutfeedQueue<std::vector<float>> tout(bspflow::OutfeedConfig{st.replicas, bspflow::OutputMode::all(), 0});
+  bspflow::DataLoader test_loader(topts, test, tl);
+  bspflow::InfeedQueue<bspflow::Batch> tin(topts.infeed_config());
+  bspflow::OutfeedQueue<std::vector<float>> tout(topts.outfeed_config());
   auto producer = tin.make_producer();
   double correct = 0, valid = 0;
   const std::uint64_t test_steps =
@@ -204,7 +222,7 @@ int run(const Settings& st) {
                       : test_loader.steps();
   const auto e0 = Clock::now();
   for (std::uint64_t s = 0; s < test_steps && test_loader.feed_next(producer); ++s) {
-    const bspflow::PipelineResult r = infer.run(tin, test_iterations, &tout);
+    const bspflow::PipelineResult r = infer.run(tin, topts.device_iterations(), &tout);
     if (!r.completed()) {
       std::fprintf(stderr, "evaluation stopped: %s\n", r.message.c_str());
       return 1;

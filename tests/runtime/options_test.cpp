@@ -51,4 +51,36 @@ TEST_CASE("options: samples per step = micro-batch x iterations x accumulation x
   CHECK(out.mode == OutputMode::every_n(5));
 }
 
+TEST_CASE("options: one run shape for the pipeline, its feeds and its loader") {
+  Options o;
+  o.device_iterations(3).gradient_accumulation(5).replicas(2).infeed_capacity(30).prefetch_depth(2);
+  o.output_mode(OutputMode::final()).outfeed_capacity(0);
+  const PipelineConfig p = PipelineConfig::from(o);
+  CHECK(p.replicas == 2);
+  CHECK(p.gradient_accumulation == 5);
+  CHECK(p.training);  // everything else keeps its default
+  CHECK(p.schedule == PipelineConfig{}.schedule);
+  const InfeedConfig in = o.infeed_config();
+  CHECK(in.replicas == p.replicas);
+  CHECK(in.capacity == 30);
+  const OutfeedConfig out = o.outfeed_config();
+  CHECK(out.replicas == p.replicas);
+  CHECK(out.mode == OutputMode::final());
+  CHECK(out.capacity == 0);
+  // The loader fills steps of micro-batch x device iterations x accumulation x replicas.
+  SyntheticDataset::Config dc;
+  dc.size = 300;
+  dc.spec = SampleSpec{DType::kFloat32, {4}};
+  const SyntheticDataset data(dc);
+  LoaderConfig lc;
+  lc.batch_size = 2;
+  DataLoader loader(o, data, lc);
+  CHECK(loader.plan().samples_per_step() == o.samples_per_step(2));  // 2 x 3 x 5 x 2 = 60
+  CHECK(loader.steps() == 300 / 60);
+  // A bad shape is refused where it is built, naming the option.
+  Options bad;
+  bad.prefetch_depth(4).infeed_capacity(2);
+  CHECK(contains(error_of([&] { (void)PipelineConfig::from(bad); }), "infeed_capacity"));
+}
+
 }  // TEST_SUITE

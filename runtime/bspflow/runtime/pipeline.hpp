@@ -57,6 +57,7 @@
 #include "bspflow/devices/link_model.hpp"
 #include "bspflow/feeds/infeed_queue.hpp"
 #include "bspflow/feeds/outfeed_queue.hpp"
+#include "bspflow/runtime/options.hpp"
 #include "bspflow/runtime/run.hpp"
 #include "bspflow/runtime/trace.hpp"
 
@@ -161,6 +162,13 @@ struct PipelineConfig {
   LinkModel device_link = LinkModel::device();
   LinkModel host_link = LinkModel::host();      // optimiser state offload
   bool trace = false;            // also on with BSPFLOW_TRACE=FILE
+
+  // Any thread. The run shape from Options (as poptorch.Options gives a model its
+  // replication factor and gradient accumulation): replicas and gradient_accumulation;
+  // every other field keeps its default. The infeed, the outfeed and the DataLoader take
+  // the same Options (infeed_config(), outfeed_config(), DataLoader(options, ...)), so the
+  // four agree. Never blocks, never allocates. Throws what Options::validate() throws.
+  static PipelineConfig from(const Options& options);
 
   // Any thread. Devices the strategy needs for `stages` stages: stages x replicas
   // (single: replicas). Never blocks, never allocates, never throws.
