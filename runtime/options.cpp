@@ -96,6 +96,16 @@ Options& Options::bytes_per_tile(std::size_t bytes) {
   return *this;
 }
 
+Options& Options::infeed_producer(ProducerType type) noexcept {
+  infeed_producer_ = type;
+  return *this;
+}
+
+Options& Options::outfeed_consumer(ConsumerType type) noexcept {
+  outfeed_consumer_ = type;
+  return *this;
+}
+
 Options& Options::pin_devices(bool on) noexcept {
   pin_devices_ = on;
   return *this;
@@ -111,6 +121,12 @@ void Options::validate() const {
     detail::throw_bad_value("infeed_capacity", infeed_capacity_,
                             "must be at least prefetch_depth (" + std::to_string(prefetch_depth_) +
                                 ")");
+  }
+  if (outfeed_consumer_ == ConsumerType::kSingle && outfeed_capacity_ == 0) {
+    detail::throw_bad_value("outfeed_capacity", outfeed_capacity_,
+                            "must be at least 1 with outfeed_consumer(ConsumerType::kSingle): each "
+                            "replica writes into a ring, which needs a bound (0 = unbounded needs "
+                            "ConsumerType::kMulti)");
   }
 }
 
@@ -130,12 +146,14 @@ std::uint64_t Options::samples_per_step(std::uint64_t micro_batch) const {
 
 InfeedConfig Options::infeed_config() const {
   validate();
-  return InfeedConfig{replicas_, infeed_capacity_, prefetch_depth_};
+  InfeedConfig c{replicas_, infeed_capacity_, prefetch_depth_};
+  c.producer_type = infeed_producer_;
+  return c;
 }
 
 OutfeedConfig Options::outfeed_config() const {
   validate();
-  return OutfeedConfig{replicas_, output_mode_, outfeed_capacity_};
+  return OutfeedConfig{replicas_, output_mode_, outfeed_capacity_, outfeed_consumer_};
 }
 
 DeviceConfig Options::device_config() const {
@@ -153,6 +171,8 @@ std::string Options::describe() const {
      << "infeed_capacity = " << infeed_capacity_ << '\n'
      << "outfeed_capacity = " << outfeed_capacity_ << (outfeed_capacity_ == 0 ? " (unbounded)" : "")
      << '\n'
+     << "infeed_producer = " << (infeed_producer_ == ProducerType::kSingle ? "single" : "multi") << '\n'
+     << "outfeed_consumer = " << (outfeed_consumer_ == ConsumerType::kSingle ? "single" : "multi") << '\n'
      << "io_tiles = " << io_tiles_ << '\n'
      << "synthetic_data = " << (synthetic_data_ ? "true" : "false") << '\n'
      << "tiles_per_device = " << tiles_per_device_ << '\n'

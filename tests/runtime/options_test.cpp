@@ -83,4 +83,26 @@ TEST_CASE("options: one run shape for the pipeline, its feeds and its loader") {
   CHECK(contains(error_of([&] { (void)PipelineConfig::from(bad); }), "infeed_capacity"));
 }
 
+TEST_CASE("options: one client thread each side, said once") {
+  Options o;
+  CHECK(o.infeed_config().producer_type == ProducerType::kMulti);  // defaults: shared
+  CHECK(o.outfeed_config().consumer_type == ConsumerType::kMulti);
+  o.infeed_producer(ProducerType::kSingle).outfeed_consumer(ConsumerType::kSingle).outfeed_capacity(64);
+  CHECK(o.infeed_config().producer_type == ProducerType::kSingle);
+  const OutfeedConfig out = o.outfeed_config();
+  CHECK(out.consumer_type == ConsumerType::kSingle);
+  CHECK(out.capacity == 64);
+  CHECK(contains(o.describe(), "infeed_producer = single"));
+  CHECK(contains(o.describe(), "outfeed_consumer = single"));
+  // The queues they build behave as said: a second producer is refused.
+  InfeedQueue<int> in(o.infeed_config());
+  auto first = in.make_producer();
+  CHECK(contains(error_of([&] { auto second = in.make_producer(); }), "ProducerType::kSingle"));
+  // A ring needs a bound.
+  o.outfeed_capacity(0);
+  const std::string why = error_of([&] { o.validate(); });
+  CHECK(contains(why, "outfeed_capacity = 0"));
+  CHECK(contains(why, "ConsumerType::kMulti"));
+}
+
 }  // TEST_SUITE

@@ -58,9 +58,19 @@ class Options {
   Options& infeed_capacity(std::size_t elements);
   std::size_t infeed_capacity() const noexcept { return infeed_capacity_; }
 
-  // Outfeed capacity, entries; 0 = unbounded. 0..kMaxQueueCapacity.
+  // Outfeed capacity, entries; 0 = unbounded. 0..kMaxQueueCapacity. (With
+  // outfeed_consumer(kSingle): per replica, and validate() asks for at least 1.)
   Options& outfeed_capacity(std::size_t entries);
   std::size_t outfeed_capacity() const noexcept { return outfeed_capacity_; }
+
+  // One producer thread per infeed (kSingle: a ring per lane, faster) or several (kMulti,
+  // default); one reading thread per outfeed (kSingle: a ring per replica, needs a bounded
+  // outfeed_capacity) or several (kMulti, default). See InfeedConfig::producer_type and
+  // OutfeedConfig::consumer_type. Never throw.
+  Options& infeed_producer(ProducerType type) noexcept;
+  ProducerType infeed_producer() const noexcept { return infeed_producer_; }
+  Options& outfeed_consumer(ConsumerType type) noexcept;
+  ConsumerType outfeed_consumer() const noexcept { return outfeed_consumer_; }
 
   // Tiles per device reserved for I/O (stream copies overlapping compute). 0, or an even
   // number below tiles_per_device: the setter checks evenness, validate() the bound. Used
@@ -87,7 +97,7 @@ class Options {
   bool pin_devices() const noexcept { return pin_devices_; }
 
   // Any thread. Cross-option rules (io_tiles below tiles_per_device, infeed_capacity >=
-  // prefetch_depth). Never blocks, never allocates. Throws bspflow::Error naming the field,
+  // prefetch_depth, a bounded outfeed_capacity with outfeed_consumer kSingle). Never blocks, never allocates. Throws bspflow::Error naming the field,
   // the value and what is allowed.
   void validate() const;
 
@@ -114,6 +124,8 @@ class Options {
   std::uint32_t prefetch_depth_ = tunables::kDefaultPrefetchDepth;
   std::size_t infeed_capacity_ = tunables::kDefaultInfeedCapacity;
   std::size_t outfeed_capacity_ = tunables::kDefaultOutfeedCapacity;
+  ProducerType infeed_producer_ = ProducerType::kMulti;
+  ConsumerType outfeed_consumer_ = ConsumerType::kMulti;
   std::uint32_t io_tiles_ = 0;
   bool synthetic_data_ = false;
   std::uint32_t tiles_per_device_ = tunables::kDefaultTiles;
