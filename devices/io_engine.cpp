@@ -40,9 +40,25 @@ void sleep_until_near(std::chrono::steady_clock::time_point deadline) noexcept {
   }
 }
 
-void wait_until_deadline(std::chrono::steady_clock::time_point deadline) noexcept {
-  sleep_until_near(deadline);
-  while (std::chrono::steady_clock::now() < deadline) detail::cpu_relax();
+bool wait_until_deadline(std::chrono::steady_clock::time_point deadline,
+                         const detail::StopFlag* stop, bool yield) noexcept {
+  using Clock = std::chrono::steady_clock;
+  if (stop == nullptr) sleep_until_near(deadline);
+  for (;;) {
+    if (stop != nullptr && stop->requested()) return false;
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline) return true;
+    const Clock::duration left = deadline - now;
+    if (left > tunables::kTimerMargin) {
+      // Only with a stop flag: sleep toward the margin in slices, so a stop is seen within one.
+      std::this_thread::sleep_for(std::min<Clock::duration>(left - tunables::kTimerMargin,
+                                                            tunables::kModeledWaitSlice));
+    } else if (yield) {
+      std::this_thread::yield();  // a neighbour on this core may have work
+    } else {
+      detail::cpu_relax();
+    }
+  }
 }
 
 struct IoEngine::Impl {

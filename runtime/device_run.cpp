@@ -4,12 +4,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <thread>
 
 #include "bspflow/base/detail/random.hpp"
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/log.hpp"
-#include "bspflow/devices/device_tunables.hpp"
 
 namespace bspflow::detail {
 
@@ -181,24 +179,6 @@ bool DeviceRun::exec_node(const program::AllReduce& a) {
   return ok;
 }
 
-bool DeviceRun::take_modeled_time(Clock::time_point deadline) {
-  const bool yield = device_.placement().shares_core();
-  for (;;) {
-    if (stop_.requested()) return false;
-    const Clock::time_point now = Clock::now();
-    if (now >= deadline) return true;
-    const Clock::duration left = deadline - now;
-    if (left > tunables::kTimerMargin) {
-      // Sleep toward the margin in slices, so a stop is seen within a slice.
-      std::this_thread::sleep_for(std::min<Clock::duration>(left - tunables::kTimerMargin,
-                                                            tunables::kModeledWaitSlice));
-    } else if (yield) {
-      std::this_thread::yield();  // a neighbour on this core may have work
-    } else {
-      detail::cpu_relax();
-    }
-  }
-}
 
 bool DeviceRun::exec_node(const program::Sync& s) {
   const Clock::time_point t0 = track_ ? Clock::now() : Clock::time_point{};

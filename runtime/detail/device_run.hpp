@@ -114,10 +114,11 @@ class DeviceRun {
   bool exec_node(const program::AllReduce& a);
 
   // Takes a modeled transfer's time on this device's thread (Copy between devices,
-  // RemoteCopy, AllReduce): sleeps in slices while the deadline is further than the timer
-  // margin, then spins the rest, yielding the core when it shares it. false: a stop came
-  // first.
-  bool take_modeled_time(Clock::time_point deadline);
+  // RemoteCopy, AllReduce), seeing a stop and yielding the core when it shares it. false: a
+  // stop came first.
+  bool take_modeled_time(Clock::time_point deadline) {
+    return wait_until_deadline(deadline, &stop_, device_.placement().shares_core());
+  }
 
   bool exec_node(const program::Sync& s);
 

@@ -21,9 +21,10 @@ inline constexpr std::size_t kArenaAlignment = 64;
 // rest. Covers the wake-up latency of a timer on a loaded VM, so a modeled 50 us copy ends
 // within about a microsecond of its deadline; a smaller margin saves CPU and costs accuracy.
 inline constexpr std::chrono::nanoseconds kTimerMargin{60'000};
-// A device taking a modeled transfer's time itself (Copy between devices, RemoteCopy,
-// AllReduce) sleeps toward the margin in slices of at most this, checking for a stop between
-// them: a cancel is seen within a slice.
+// A thread waiting out a modeled duration that can be stopped (a device taking a Copy between
+// devices, a RemoteCopy or an AllReduce: wait_until_deadline with a stop flag) sleeps toward
+// the margin in slices of at most this, checking for a stop between them: a cancel is seen
+// within a slice.
 inline constexpr std::chrono::nanoseconds kModeledWaitSlice{1'000'000};
 
 // The I/O engine polls an empty infeed for the next prefetch with this interval, doubling up

@@ -28,6 +28,10 @@
 
 #include "bspflow/devices/device_tunables.hpp"
 
+namespace bspflow::detail {
+class StopFlag;
+}  // namespace bspflow::detail
+
 namespace bspflow {
 
 class IoEngine {
@@ -97,8 +101,12 @@ bool lower_timer_slack() noexcept;
 // first half of meeting a deadline precisely; the caller spins the rest.
 void sleep_until_near(std::chrono::steady_clock::time_point deadline) noexcept;
 
-// Blocks the calling thread until `deadline`: sleep_until_near(), then spins. For modeled
-// durations; bounded by the deadline, so it never spins forever.
-void wait_until_deadline(std::chrono::steady_clock::time_point deadline) noexcept;
+// Blocks the calling thread until `deadline`: sleeps until kTimerMargin before it, then spins
+// the rest (yielding the core between checks when `yield`: a thread that shares its core).
+// For modeled durations; bounded by the deadline, so it never spins forever. With a `stop`
+// flag it sleeps in slices of at most kModeledWaitSlice and returns false as soon as the flag
+// is set; true: the deadline passed.
+bool wait_until_deadline(std::chrono::steady_clock::time_point deadline,
+                         const detail::StopFlag* stop = nullptr, bool yield = false) noexcept;
 
 }  // namespace bspflow
