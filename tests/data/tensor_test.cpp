@@ -1,9 +1,11 @@
 // data/: Tensor (bspflow/data/tensor.hpp): element types, fp16 storage, conversion.
 #include <doctest/doctest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include <bspflow/data/tensor.hpp>
 
@@ -51,3 +53,39 @@ TEST_CASE("tensors: element types, fp16 storage, conversion") {
 }
 
 }  // TEST_SUITE
+
+TEST_CASE("fp16: the array conversions (F16C where the CPU has it) give the scalar ones' bits") {
+  // Every fp16 value, and floats around each rounding boundary (halfway cases, subnormals,
+  // overflow, infinities, NaN), in runs that are not multiples of 8 (the vector tails).
+  std::vector<float> values;
+  for (std::uint32_t h = 0; h < 0x10000; ++h) {
+    const float f = from_half(static_cast<std::uint16_t>(h));
+    values.push_back(f);
+    if (std::isfinite(f)) {
+      values.push_back(std::nextafter(f, 1e30f));
+      values.push_back(std::nextafter(f, -1e30f));
+    }
+  }
+  for (float f : {65504.0f, 65519.0f, 65520.0f, 1e30f, -1e30f, 2.9802322e-8f, 2.98023259e-8f, 1e-8f}) values.push_back(f);
+  values.push_back(3.0f);  // 3 leftover values after the last full vector of 8
+  std::vector<std::uint16_t> bulk(values.size());
+  to_half(values, bulk);
+  std::vector<float> rounded = values;
+  round_to_half(rounded);
+  std::vector<float> back(values.size());
+  from_half(bulk, back);
+  std::size_t mismatches = 0;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const std::uint16_t want = to_half(values[i]);
+    if (std::isnan(values[i])) {
+      mismatches += (bulk[i] & 0x7C00u) == 0x7C00u && (bulk[i] & 0x3FFu) != 0 ? 0 : 1;  // a NaN either way
+      mismatches += std::isnan(rounded[i]) && std::isnan(back[i]) ? 0 : 1;
+      continue;
+    }
+    mismatches += bulk[i] == want ? 0 : 1;
+    mismatches += std::bit_cast<std::uint32_t>(rounded[i]) == std::bit_cast<std::uint32_t>(from_half(want)) ? 0 : 1;
+    mismatches += std::bit_cast<std::uint32_t>(back[i]) == std::bit_cast<std::uint32_t>(from_half(want)) ? 0 : 1;
+  }
+  CHECK(values.size() > 190000);
+  CHECK(mismatches == 0);
+}
