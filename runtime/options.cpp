@@ -79,6 +79,12 @@ Options& Options::synthetic_data(bool on) noexcept {
   return *this;
 }
 
+Options& Options::precision(const Precision& p) {
+  p.validate();
+  precision_ = p;
+  return *this;
+}
+
 Options& Options::tiles_per_device(std::uint32_t tiles) {
   if (tiles < 1 || tiles > tunables::kMaxTiles) {
     detail::throw_bad_value("tiles_per_device", tiles, range(1, tunables::kMaxTiles));
@@ -177,7 +183,9 @@ std::string Options::describe() const {
      << "synthetic_data = " << (synthetic_data_ ? "true" : "false") << '\n'
      << "tiles_per_device = " << tiles_per_device_ << '\n'
      << "bytes_per_tile = " << bytes_per_tile_ << '\n'
-     << "pin_devices = " << (pin_devices_ ? "true" : "false") << '\n';
+     << "pin_devices = " << (pin_devices_ ? "true" : "false") << '\n'
+     << "precision = storage " << to_string(precision_.storage) << ", partials " << to_string(precision_.partials)
+     << ", loss scaling " << precision_.loss_scaling << '\n';
   return os.str();
 }
 

@@ -71,20 +71,6 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
       sr->local_grad.assign(sr->in_elements, 0.0f);
       if (config.recompute) sr->scratch.assign(sr->out_elements, 0.0f);
       if (config.offload_optimizer && config.training) sr->state_to_host();  // starts in host memory
-      const std::string tag = " (replica " + std::to_string(r) + ", stage " + std::to_string(s) + ")";
-      if (bsp_exchange) {
-        Device& dev = *sr->device;
-        if (s + 1 < n) {
-          for (int k = 0; k < 2; ++k) sr->out_fwd[k] = make_buffer(dev, "activations out" + tag, DType::kFloat32, sr->out_elements);
-        }
-        if (s > 0) {
-          sr->in_fwd = make_buffer(dev, "activations in" + tag, DType::kFloat32, sr->in_elements);
-          if (config.training) {
-            for (int k = 0; k < 2; ++k) sr->out_bwd[k] = make_buffer(dev, "gradients out" + tag, DType::kFloat32, sr->in_elements);
-          }
-        }
-        if (s + 1 < n && config.training) sr->in_bwd = make_buffer(dev, "gradients in" + tag, DType::kFloat32, sr->out_elements);
-      }
       im.runs.push_back(std::move(sr));
     }
   }
@@ -104,6 +90,101 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
       }
     }
   }
+  // The memory plan: every tensor each device holds, checked against what its arena has
+  // free before anything is allocated, so a model that does not fit gets the whole report.
+  {
+    MemoryInputs mi;
+    mi.config = config;
+    mi.plan = im.plan;
+    mi.stages = n;
+    mi.handoff_capacity = config.strategy == ExecutionStrategy::kPipelined && config.sync == SyncMode::kDataflow ? capacity : 0;
+    for (Device* d : im.devices) mi.devices.emplace_back(d->id(), d->arena().free_bytes());
+    for (const auto& sr : im.runs) {
+      StageMemory declared = sr->stage->memory();
+      StageShape shape;
+      shape.s = sr->s;
+      shape.r = sr->r;
+      shape.device = im.device_of(sr->r, sr->s);
+      shape.name = sr->stage->name();
+      shape.in = sr->in_elements;
+      shape.out = sr->out_elements;
+      shape.gradients = sr->grads.size();
+      shape.parameters = declared.parameters == StageMemory::kAuto ? sr->stage->gradient_elements() : declared.parameters;
+      shape.optimizer = !config.training ? 0
+                        : declared.optimizer_state == StageMemory::kAuto ? sr->stage->optimizer_state().size()
+                                                                         : declared.optimizer_state;
+      shape.saved = declared.saved;
+      shape.working = declared.working;
+      sr->saved_limit = declared.saved;
+      mi.shapes.push_back(std::move(shape));
+    }
+    im.memory = plan_memory_with_advice(mi);
+  }
+  auto out_of_memory = [&](const std::string& first_line) {
+    std::size_t asked = 0, available = 0;
+    std::string lines;
+    for (const DeviceMemory& d : im.memory.devices) {
+      if (d.fits()) continue;
+      if (asked == 0) {
+        asked = d.peak();
+        available = d.capacity;
+      }
+      lines += "device " + std::to_string(d.device) + " needs " + detail::format_bytes(d.peak()) + " at its peak, has " +
+               detail::format_bytes(d.capacity) + " (largest: ";
+      for (std::size_t i = 0; i < d.tensors.size() && i < 3; ++i) {
+        lines += (i ? ", '" : "'") + d.tensors[i].name + "' " + detail::format_bytes(d.tensors[i].bytes);
+      }
+      lines += "); ";
+    }
+    std::string help;
+    for (const std::string& h : im.memory.suggestions) help += "\n  - " + h;
+    throw PipelineOutOfMemoryError("Pipeline: out of device memory: " + first_line + lines + "what would help:" + help,
+                                   asked, available, im.memory);
+  };
+  if (!im.memory.fits()) out_of_memory("");
+  // Hold it: the exchange buffers are the device buffers the programs copy between; the
+  // rest is held in the arena by name (the stages keep their values in host memory).
+  try {
+    const DType store = config.precision.storage;
+    for (auto& srp : im.runs) {
+      Impl::StageRun* sr = srp.get();
+      const std::uint32_t s = sr->s;
+      const std::string tag = " (replica " + std::to_string(sr->r) + ", stage " + std::to_string(s) + ")";
+      if (bsp_exchange) {
+        Device& dev = *sr->device;
+        if (s + 1 < n) {
+          for (int k = 0; k < 2; ++k) sr->out_fwd[k] = make_buffer(dev, "activations out" + tag, store, sr->out_elements);
+        }
+        if (s > 0) {
+          sr->in_fwd = make_buffer(dev, "activations in" + tag, store, sr->in_elements);
+          if (config.training) {
+            for (int k = 0; k < 2; ++k) sr->out_bwd[k] = make_buffer(dev, "gradients out" + tag, store, sr->in_elements);
+          }
+        }
+        if (s + 1 < n && config.training) sr->in_bwd = make_buffer(dev, "gradients in" + tag, store, sr->out_elements);
+      }
+    }
+    for (std::size_t d = 0; d < im.devices.size(); ++d) {
+      const DeviceMemory& dm = im.memory.devices[d];
+      for (const TensorMemory& t : dm.tensors) {
+        const bool exchange_buffer = bsp_exchange && t.category == MemoryCategory::kExchange &&
+                                     t.name.find("outfeed") == std::string::npos;
+        if (t.liveness == Liveness::kAlways && !exchange_buffer) {
+          im.held.push_back(std::make_unique<Impl::Held>(im.devices[d]->arena(), t.bytes, t.name));
+        }
+      }
+      if (dm.not_always_live() > 0) {
+        im.held.push_back(std::make_unique<Impl::Held>(
+            im.devices[d]->arena(), dm.not_always_live(),
+            "not always live (compute phase " + detail::format_bytes(dm.phase(Liveness::kCompute)) + ", update phase " +
+                detail::format_bytes(dm.phase(Liveness::kUpdate)) + ")"));
+      }
+    }
+  } catch (const OutOfMemoryError& e) {
+    // The plan fitted, but the arena could not place it (alignment or fragmentation).
+    out_of_memory(std::string(e.what()) + "; ");
+  }
+
   // Sync groups: the stages of one replica (every cycle), and the copies of one stage
   // across replicas (the all-reduce).
   if (config.strategy != ExecutionStrategy::kSingle) {
@@ -293,6 +374,7 @@ Stage& Pipeline::stage(std::uint32_t replica, std::uint32_t s) {
   return *impl_->stage_lists[replica][s];
 }
 const PipelinePlan& Pipeline::plan() const noexcept { return impl_->plan; }
+const MemoryReport& Pipeline::memory() const noexcept { return impl_->memory; }
 const Trace* Pipeline::trace() const noexcept { return impl_->engine->trace(); }
 TraceSummary Pipeline::summary() const { return impl_->engine->summary(); }
 

@@ -12,7 +12,6 @@ namespace {
 Program when(std::function<bool(const ComputeContext&)> condition, Program then) {
   return program::RepeatWhile(std::move(condition), std::move(then), 1);
 }
-std::span<float> floats(const Buffer& b) { return b ? b->as<float>() : std::span<float>{}; }
 }  // namespace
 
 // The weight update at the end of a step: with replicas, sync, all-reduce, sync, so every
@@ -28,9 +27,9 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
   }));
   // The gradients' trip around the replicas' ring over the device link (modeled time).
   if (replicated) {
-    steps.emplace_back(program::AllReduce("all-reduce", config.replicas, [on_device](const ComputeContext&) {
+    steps.emplace_back(program::AllReduce("all-reduce", config.replicas, [this, on_device](const ComputeContext&) {
       std::size_t bytes = 0;
-      for (const StageRun* sr : on_device) bytes += sr->accum.size() * sizeof(float);
+      for (const StageRun* sr : on_device) bytes += sr->accum.size() * dtype_size(config.precision.partials);
       return bytes;
     }));
     steps.emplace_back(program::Sync(group));
@@ -81,11 +80,10 @@ Program Pipeline::Impl::compile_device_of_pipeline(StageRun& sr, std::uint64_t s
   // Forward pass of this cycle's micro-batch.
   body.push_back(when(
       [st, p](const ComputeContext&) { return p->at(st->s, st->cycle).forward >= 0; },
-      program::Execute(name + " forward", [this, st, first, last, bsp](const ComputeContext& ctx) {
+      program::Execute(name + " forward", [this, st, first, bsp](const ComputeContext& ctx) {
         const std::uint64_t i = static_cast<std::uint64_t>(plan.at(st->s, st->cycle).forward);
         if (bsp) {
-          const std::span<const float> in = first ? std::span<const float>{} : floats(st->in_fwd);
-          forward(*st, i, in, last ? std::span<float>(st->local_out) : floats(st->out_fwd[st->cycle % 2]), ctx.stop);
+          forward_exchanged(*st, i, st->cycle, ctx.stop);
           return;
         }
         std::span<const float> in;
@@ -103,8 +101,7 @@ Program Pipeline::Impl::compile_device_of_pipeline(StageRun& sr, std::uint64_t s
         program::Execute(name + " backward", [this, st, first, last, bsp](const ComputeContext& ctx) {
           const std::uint64_t i = static_cast<std::uint64_t>(plan.at(st->s, st->cycle).backward);
           if (bsp) {
-            backward(*st, i, last ? std::span<const float>{} : floats(st->in_bwd),
-                     first ? std::span<float>{} : floats(st->out_bwd[st->cycle % 2]));
+            backward_exchanged(*st, i, st->cycle);
             return;
           }
           std::span<const float> grad_out;
@@ -227,8 +224,7 @@ Program Pipeline::Impl::compile_inference(StageRun& sr) {
     st->out_id[c % 2] = id;
     if (id < 0) return;  // a bubble
     const auto i = static_cast<std::uint64_t>(id);
-    const std::span<const float> in = first ? std::span<const float>{} : floats(st->in_fwd);
-    forward(*st, i, in, last ? std::span<float>(st->local_out) : floats(st->out_fwd[c % 2]), ctx.stop);
+    forward_exchanged(*st, i, c, ctx.stop);
   }));
   if (n > 1) {
     body.emplace_back(program::Sync(replica_groups[sr.r]));

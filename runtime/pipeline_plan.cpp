@@ -38,6 +38,7 @@ PipelineConfig PipelineConfig::from(const Options& options) {
   PipelineConfig c;
   c.replicas = options.replicas();
   c.gradient_accumulation = options.gradient_accumulation();
+  c.precision = options.precision();
   return c;
 }
 
@@ -65,6 +66,7 @@ void PipelineConfig::validate(std::uint32_t stages) const {
   if (gradient_accumulation == 0) {
     detail::throw_bad_value("gradient_accumulation", gradient_accumulation, "must be at least 1");
   }
+  precision.validate();
   if (strategy == ExecutionStrategy::kSingle && schedule == PipelineSchedule::kInterleaved &&
       stages > 1) {
     throw Error("the Interleaved schedule needs each stage on a device of its own, but strategy "

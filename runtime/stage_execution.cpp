@@ -5,6 +5,50 @@
 
 namespace bspflow {
 
+namespace {
+std::span<float> floats(const Buffer& b) { return b ? b->as<float>() : std::span<float>{}; }
+// An exchange buffer's values as fp32: the buffer itself, or (fp16) a copy in `wide`.
+std::span<float> widened(const Buffer& b, std::vector<float>& wide) {
+  if (!b) return {};
+  if (b->dtype() == DType::kFloat32) return floats(b);
+  const std::span<const std::uint16_t> h = b->as<std::uint16_t>();
+  wide.resize(h.size());
+  from_half(h, wide);
+  return wide;
+}
+// Where a pass writes a buffer's values: the buffer itself, or (fp16) `wide`, stored by
+// narrow() after the pass.
+std::span<float> writable(const Buffer& b, std::vector<float>& wide) {
+  if (!b) return {};
+  if (b->dtype() == DType::kFloat32) return floats(b);
+  wide.resize(b->elements());
+  return wide;
+}
+void narrow(const Buffer& b, std::span<const float> wide) {
+  if (!b || b->dtype() == DType::kFloat32) return;
+  to_half(wide, b->as<std::uint16_t>());
+}
+}  // namespace
+
+void Pipeline::Impl::forward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle,
+                                       const detail::StopFlag* stop) {
+  const bool first = sr.s == 0, last = sr.s + 1 == stages;
+  const std::span<const float> in = first ? std::span<const float>{} : widened(sr.in_fwd, sr.wide_in);
+  const Buffer& out_buf = sr.out_fwd[cycle % 2];
+  const std::span<float> out = last ? std::span<float>(sr.local_out) : writable(out_buf, sr.wide_out);
+  forward(sr, i, in, out, stop);
+  if (!last) narrow(out_buf, out);
+}
+
+void Pipeline::Impl::backward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle) {
+  const bool first = sr.s == 0, last = sr.s + 1 == stages;
+  const std::span<const float> grad_out = last ? std::span<const float>{} : widened(sr.in_bwd, sr.wide_in);
+  const Buffer& out_buf = sr.out_bwd[cycle % 2];
+  const std::span<float> grad_in = first ? std::span<float>{} : writable(out_buf, sr.wide_out);
+  backward(sr, i, grad_out, grad_in);
+  if (!first) narrow(out_buf, grad_in);
+}
+
 void Pipeline::Impl::reduce(StageRun& sr) {
   const std::uint32_t replicas = config.replicas;
   if (replicas == 1) {
@@ -16,12 +60,15 @@ void Pipeline::Impl::reduce(StageRun& sr) {
       for (std::size_t j = 0; j < peer.size(); ++j) sr.reduced[j] += peer[j];
     }
   }
+  if (replicas > 1 && config.precision.partials == DType::kFloat16) round_to_half(sr.reduced);
+  // The update sees unscaled gradients: loss scaling is undone here, with the mean.
+  float scale = 1.0f / config.precision.loss_scaling;
   if (config.reduction == ReductionType::kMean) {
-    float scale = 1.0f / static_cast<float>(replicas);
+    scale /= static_cast<float>(replicas);
     if (config.mean == MeanStyle::kPost) scale /= static_cast<float>(sr.accumulated == 0 ? 1 : sr.accumulated);
-    if (scale != 1.0f) {
-      for (float& g : sr.reduced) g *= scale;
-    }
+  }
+  if (scale != 1.0f) {
+    for (float& g : sr.reduced) g *= scale;
   }
 }
 
@@ -44,6 +91,19 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
   ForwardArgs args{batches_of[i % batches_of.size()], input, output, entry.saved};
   const StageContext ctx = context(sr, i);
   guarded(sr, i, "forward", [&] { sr.stage->forward(ctx, args); });
+  if (entry.saved.size() > sr.saved_limit) {
+    const std::string message = "stage " + std::to_string(sr.s) + " '" + sr.stage->name() + "' (device " +
+                                std::to_string(sr.device->id()) + ", replica " + std::to_string(sr.r) + ") saved " +
+                                std::to_string(entry.saved.size()) + " values in its forward pass at step " +
+                                std::to_string(sr.step) + ", micro-batch " + std::to_string(i) +
+                                " but memory() declared " + std::to_string(sr.saved_limit) +
+                                " (StageMemory::saved): the memory plan would be wrong";
+    throw StageError(message, sr.s, sr.device->id(), sr.r, sr.step, i, std::make_exception_ptr(Error(message)));
+  }
+  if (half_storage()) {
+    round_to_half(output);
+    round_to_half(entry.saved);
+  }
   ++sr.forwards;
   if (config.training) {
     sr.max_fifo = std::max<std::uint32_t>(sr.max_fifo, static_cast<std::uint32_t>(sr.fifo.size()));
@@ -90,6 +150,17 @@ void Pipeline::Impl::backward(StageRun& sr, std::uint64_t i, std::span<const flo
   std::fill(grad_input.begin(), grad_input.end(), 0.0f);
   BackwardArgs args{batch, e.input, e.saved, grad_output, grad_input, sr.grads};
   guarded(sr, i, "backward", [&] { sr.stage->backward(ctx, args); });
+  // Static loss scaling: the last stage's gradients are scaled (the earlier stages' follow
+  // from its grad_input); reduce() divides the scale out before the update.
+  const float loss_scaling = config.precision.loss_scaling;
+  if (loss_scaling != 1.0f && sr.s + 1 == stages) {
+    for (float& g : grad_input) g *= loss_scaling;
+    for (float& g : sr.grads) g *= loss_scaling;
+  }
+  if (half_storage()) {
+    round_to_half(grad_input);
+    round_to_half(sr.grads);
+  }
   ++sr.accumulated;
   if (config.reduction == ReductionType::kMean && config.mean == MeanStyle::kRunning) {
     const float w = 1.0f / static_cast<float>(sr.accumulated);
@@ -97,6 +168,7 @@ void Pipeline::Impl::backward(StageRun& sr, std::uint64_t i, std::span<const flo
   } else {
     for (std::size_t j = 0; j < sr.grads.size(); ++j) sr.accum[j] += sr.grads[j];
   }
+  if (config.precision.partials == DType::kFloat16) round_to_half(sr.accum);
   sr.spare.push_back(std::move(e));
   sr.fifo.pop_front();
 }

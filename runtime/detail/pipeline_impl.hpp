@@ -28,6 +28,28 @@ struct EndOfInput {
 // buffers the producer fills in place (claim, publish) and the consumer reads in place.
 using Handoff = SpscRing<std::vector<float>>;
 
+// The memory plan's input: one stage of one replica as declared, and where it runs.
+struct StageShape {
+  std::uint32_t s = 0, r = 0;
+  std::uint32_t device = 0;  // index into MemoryInputs::devices
+  std::string name;
+  std::size_t in = 0, out = 0, gradients = 0, parameters = 0, optimizer = 0, working = 0;
+  std::size_t saved = StageMemory::kAuto;
+};
+struct MemoryInputs {
+  PipelineConfig config;
+  PipelinePlan plan;  // training: one step's schedule (the stash depths)
+  std::uint32_t stages = 0;
+  std::vector<StageShape> shapes;  // replica-major
+  std::vector<std::pair<std::uint32_t, std::size_t>> devices;  // device id, bytes available
+  std::size_t handoff_capacity = 0;  // dataflow: messages per hand-off
+};
+// Every tensor of every device (largest first), without suggestions. Allocates; throws only
+// std::bad_alloc.
+MemoryReport plan_memory(const MemoryInputs& in);
+// plan_memory plus, when a device does not fit, what would help (each alternative planned).
+MemoryReport plan_memory_with_advice(const MemoryInputs& in);
+
 struct Pipeline::Impl {
   struct Stashed {
     std::uint64_t micro_batch = 0;
@@ -53,6 +75,10 @@ struct Pipeline::Impl {
     // single: the neighbour on the same device reads these directly.
     std::vector<float> local_out, local_grad;
     std::vector<float> scratch;  // recomputation's output
+    // bsp in half precision: the fp32 values a pass reads from (writes to) an fp16
+    // exchange buffer.
+    std::vector<float> wide_in, wide_out;
+    std::size_t saved_limit = StageMemory::kAuto;  // what memory() declared forward saves
     std::deque<Stashed> fifo;
     std::vector<Stashed> spare;  // recycled FIFO entries (no allocation in steady state)
     std::vector<float> grads, accum, reduced;
@@ -109,6 +135,17 @@ struct Pipeline::Impl {
   std::vector<std::vector<Batch>> batches;    // per replica: a ring of micro-batches in flight
   std::vector<std::unique_ptr<StageRun>> runs;  // replica-major: r * stages + s
   std::vector<std::unique_ptr<Handoff>> handoffs;
+  MemoryReport memory;
+  // The plan's tensors other than the exchange buffers, held in the device arenas.
+  struct Held {
+    Arena* arena = nullptr;
+    void* ptr = nullptr;
+    Held(Arena& a, std::size_t bytes, const std::string& what) : arena(&a), ptr(a.allocate(bytes, what)) {}
+    ~Held() { arena->release(ptr); }
+    Held(const Held&) = delete;
+    Held& operator=(const Held&) = delete;
+  };
+  std::vector<std::unique_ptr<Held>> held;
   std::unique_ptr<Engine> engine;
 
   StageRun& run_of(std::uint32_t r, std::uint32_t s) { return *runs[r * stages + s]; }
@@ -118,8 +155,14 @@ struct Pipeline::Impl {
   std::uint64_t k() const noexcept { return config.gradient_accumulation; }
 
   StageContext context(const StageRun& sr, std::uint64_t micro_batch) const {
-    return StageContext{sr.s, sr.device->id(), sr.r, sr.step, micro_batch};
+    return StageContext{sr.s, sr.device->id(), sr.r, sr.step, micro_batch, config.precision.storage};
   }
+  bool half_storage() const noexcept { return config.precision.storage == DType::kFloat16; }
+
+  // bsp: one cycle's forward (backward) pass of `sr`, reading and writing its exchange
+  // buffers by parity; in half precision through fp32 copies.
+  void forward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle, const detail::StopFlag* stop);
+  void backward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle);
 
   // Runs `f` (a stage's pass); anything it throws becomes a StageError saying where.
   template <class F>

@@ -83,6 +83,20 @@ TEST_CASE("options: one run shape for the pipeline, its feeds and its loader") {
   CHECK(contains(error_of([&] { (void)PipelineConfig::from(bad); }), "infeed_capacity"));
 }
 
+TEST_CASE("options: precision reaches the pipeline config, and a bad one is refused") {
+  Options o;
+  CHECK(PipelineConfig::from(o).precision == Precision{});  // fp32 by default
+  o.precision(Precision::half(128.0f));
+  const PipelineConfig p = PipelineConfig::from(o);
+  CHECK(p.precision.storage == DType::kFloat16);
+  CHECK(p.precision.partials == DType::kFloat32);
+  CHECK(p.precision.loss_scaling == 128.0f);
+  CHECK(contains(o.describe(), "precision = storage fp16, partials fp32, loss scaling 128"));
+  const std::string why = error_of([&] { o.precision(Precision{DType::kFloat16, DType::kFloat16, -1.0f}); });
+  CHECK(contains(why, "precision.loss_scaling = -1"));
+  CHECK(o.precision().loss_scaling == 128.0f);  // not stored
+}
+
 TEST_CASE("options: one client thread each side, said once") {
   Options o;
   CHECK(o.infeed_config().producer_type == ProducerType::kMulti);  // defaults: shared

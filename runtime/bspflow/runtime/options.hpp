@@ -22,6 +22,7 @@
 #include "bspflow/feeds/infeed_queue.hpp"
 #include "bspflow/feeds/outfeed_queue.hpp"
 #include "bspflow/feeds/output_mode.hpp"
+#include "bspflow/runtime/memory.hpp"
 
 namespace bspflow {
 
@@ -91,6 +92,12 @@ class Options {
   Options& bytes_per_tile(std::size_t bytes);
   std::size_t bytes_per_tile() const noexcept { return bytes_per_tile_; }
 
+  // How a Pipeline stores and accumulates values (PipelineConfig::from copies it): fp32
+  // (default) or fp16 storage, fp32 or fp16 partials, static loss scaling. Throws what
+  // Precision::validate() throws.
+  Options& precision(const Precision& p);
+  const Precision& precision() const noexcept { return precision_; }
+
   // Pin device threads to cores (needs hwloc; without it, devices run unpinned). Never
   // throws.
   Options& pin_devices(bool on) noexcept;
@@ -131,6 +138,7 @@ class Options {
   std::uint32_t tiles_per_device_ = tunables::kDefaultTiles;
   std::size_t bytes_per_tile_ = tunables::kDefaultBytesPerTile;
   bool pin_devices_ = true;
+  Precision precision_{};
 };
 
 }  // namespace bspflow

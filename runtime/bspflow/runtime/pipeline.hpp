@@ -57,6 +57,7 @@
 #include "bspflow/devices/link_model.hpp"
 #include "bspflow/feeds/infeed_queue.hpp"
 #include "bspflow/feeds/outfeed_queue.hpp"
+#include "bspflow/runtime/memory.hpp"
 #include "bspflow/runtime/options.hpp"
 #include "bspflow/runtime/run.hpp"
 #include "bspflow/runtime/trace.hpp"
@@ -85,6 +86,10 @@ struct StageContext {
   std::uint32_t replica = 0;
   std::uint64_t step = 0;         // 0-based step of this run
   std::uint64_t micro_batch = 0;  // within the step
+  // PipelineConfig::precision.storage: with kFloat16 the runtime rounds activations and
+  // gradients to half precision where it stores them; a stage keeping its weights in the
+  // same precision rounds them itself (say, after update()).
+  DType storage = DType::kFloat32;
 };
 
 // A pass's arguments. The spans and references point into runtime buffers: valid for that
@@ -102,6 +107,24 @@ struct BackwardArgs {
   std::span<const float> grad_output;   // d loss / d output (empty for the last stage)
   std::span<float> grad_input;          // to fill: d loss / d input (empty for stage 0)
   std::span<float> gradients;           // to fill: this micro-batch's parameter gradients
+};
+
+// What a stage keeps on its device, in elements, for the Pipeline's memory plan (the
+// Pipeline multiplies by the bytes of the storage type; optimiser state is fp32).
+// A plain value type.
+struct StageMemory {
+  static constexpr std::size_t kAuto = ~std::size_t{0};
+  // Weights. kAuto: gradient_elements().
+  std::size_t parameters = kAuto;
+  // The optimiser's state. kAuto: optimizer_state().size().
+  std::size_t optimizer_state = kAuto;
+  // What the forward pass keeps in ForwardArgs::saved per micro-batch (the activation
+  // stash holds one per micro-batch in flight; with recomputation, one while backward
+  // runs). kAuto: not declared (the stash counts the stage's inputs only). When declared,
+  // a forward pass that saves more throws bspflow::Error.
+  std::size_t saved = kAuto;
+  // Scratch a pass needs while it runs (not always live).
+  std::size_t working = 0;
 };
 
 // One pipeline stage (a forward function, a backward function and its parameters and
@@ -122,6 +145,9 @@ class Stage {
   virtual std::size_t output_elements() const = 0;
   // Size of the parameter gradient (0: nothing to train). Read once, at construction.
   virtual std::size_t gradient_elements() const { return 0; }
+  // What the stage holds on its device (see StageMemory; the default declares nothing
+  // beyond gradient_elements() weights and optimizer_state()). Read once, at construction.
+  virtual StageMemory memory() const { return {}; }
   // Device thread. Fills args.output (and args.saved, for backward). May throw.
   virtual void forward(const StageContext& ctx, ForwardArgs& args) = 0;
   // Device thread; training only. Fills grad_input and gradients (zeroed before the call).
@@ -155,6 +181,8 @@ struct PipelineConfig {
   std::uint32_t replicas = 1;    // >= 1
   bool training = true;          // false: inference, forward passes only
   bool recompute = false;        // keep only stage inputs; recompute the rest for backward
+  // How tensors are stored (fp32 or fp16) and accumulated, and static loss scaling.
+  Precision precision{};
   // Training: keep each stage's optimiser state in host memory, streamed in before each
   // update and out after it over the host link (stream copies in the trace).
   bool offload_optimizer = false;
@@ -164,8 +192,8 @@ struct PipelineConfig {
   bool trace = false;            // also on with BSPFLOW_TRACE=FILE
 
   // Any thread. The run shape from Options (as poptorch.Options gives a model its
-  // replication factor and gradient accumulation): replicas and gradient_accumulation;
-  // every other field keeps its default. The infeed, the outfeed and the DataLoader take
+  // replication factor and gradient accumulation): replicas, gradient_accumulation and
+  // precision; every other field keeps its default. The infeed, the outfeed and the DataLoader take
   // the same Options (infeed_config(), outfeed_config(), DataLoader(options, ...)), so the
   // four agree. Never blocks, never allocates. Throws what Options::validate() throws.
   static PipelineConfig from(const Options& options);
@@ -182,7 +210,8 @@ struct PipelineConfig {
   // through one filled pipeline). Never blocks, never allocates, never throws.
   std::uint32_t min_gradient_accumulation(std::uint32_t stages) const;
   // Any thread. Never blocks, never allocates. Throws bspflow::Error naming the field, the
-  // value and what is allowed (or the fields that conflict: stages 0, replicas 0, K below
+  // value and what is allowed (or the fields that conflict: stages 0, replicas 0, a bad
+  // precision, K below
   // min_gradient_accumulation, Interleaved with single over several stages, dataflow
   // without pipelined).
   void validate(std::uint32_t stages) const;
@@ -255,13 +284,16 @@ class Pipeline {
  public:
   // Setup path, host thread. Builds every replica's stages (make_stages(r)), checks the
   // config against the stage count and the devices (the group needs devices_needed();
-  // extra devices stay idle), allocates activation buffers in the device arenas and starts
-  // the Engine (its I/O engine thread). The group must outlive the Pipeline. Never blocks.
+  // extra devices stay idle), plans every device's memory (memory()) and holds it in the
+  // device arenas, and starts the Engine (its I/O engine thread). The group must outlive
+  // the Pipeline. Never blocks.
   // Allocates. Throws bspflow::Error naming the field, the value and what is allowed for a
   // bad config or link, and bspflow::Error saying what is wrong for too few devices, an
   // empty factory, a null stage, a stage with output_elements() 0 or replicas with
-  // different stage counts; OutOfMemoryError (a bspflow::Error) if a device arena cannot
-  // hold the buffers; whatever make_stages throws.
+  // different stage counts; PipelineOutOfMemoryError (an OutOfMemoryError, a
+  // bspflow::Error) if a device cannot hold its tensors — it names the device, the
+  // largest holders and what would help, and carries the whole report; whatever
+  // make_stages throws.
   Pipeline(DeviceGroup& devices, PipelineConfig config, const StageFactory& make_stages);
   // Host thread, not during run(). Stops the Engine's I/O thread and frees the stages and
   // buffers. Never throws.
@@ -310,6 +342,9 @@ class Pipeline {
   // Host thread, between runs. The schedule (after an inference run: that run's, over all
   // its micro-batches). Never blocks, never allocates, never throws.
   const PipelinePlan& plan() const noexcept;
+  // Any thread. Every device's tensors as the constructor planned and allocated them.
+  // Never blocks, never allocates, never throws.
+  const MemoryReport& memory() const noexcept;
   // Host thread, between runs. The last run's trace (tracing on; nullptr when tracing is
   // off or before the first run) and its summary (empty when tracing is off). trace()
   // never blocks, never allocates, never throws; summary() allocates.

@@ -1,0 +1,125 @@
+// Device memory of a Pipeline: the precision its tensors are stored in, and the memory
+// report (in the spirit of PopVision's memory report) — per device, per category, always
+// live or not, largest tensors first — with what would help when a model does not fit.
+//
+//   PipelineConfig cfg;
+//   cfg.precision = Precision::half();            // fp16 storage, fp32 partials
+//   Pipeline pipe(devices, cfg, make_stages);     // PipelineOutOfMemoryError if it cannot fit
+//   std::cout << pipe.memory().to_string();
+//
+// Liveness. A tensor is always live (parameters, optimiser state, gradient accumulators,
+// exchange buffers: held for the whole run) or live in one phase of a step only: the
+// compute phase (the activation stash, this micro-batch's gradients, a stage's working
+// memory) or the update phase (reduced gradients, the transient buffer offloaded optimiser
+// state streams into). A device's peak is its always-live bytes plus the larger phase.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "bspflow/data/tensor.hpp"
+#include "bspflow/devices/device_error.hpp"
+
+namespace bspflow {
+
+// How a Pipeline stores values on its devices. A plain value type.
+//   storage   weights, activations (exchanged and stashed) and this micro-batch's
+//             gradients: kFloat32 or kFloat16 (half the bytes in memory and on the links;
+//             values are rounded to half precision where they are stored)
+//   partials  gradient accumulation over micro-batches and replicas: kFloat32 or kFloat16
+//   loss_scaling  the last stage's gradients are multiplied by this before they are stored
+//             (so small gradients survive fp16) and the reduced gradients divided by it
+//             before update() (static loss scaling); > 0 and finite; 1 = none
+// The optimiser state stays fp32 (as mixed-precision training keeps it).
+struct Precision {
+  DType storage = DType::kFloat32;
+  DType partials = DType::kFloat32;
+  float loss_scaling = 1.0f;
+
+  // fp16 storage with fp32 partials (the common mixed-precision choice).
+  static Precision half(float loss_scaling = 1.0f) noexcept {
+    return Precision{DType::kFloat16, DType::kFloat32, loss_scaling};
+  }
+  // Any thread. Never blocks, never allocates. Throws bspflow::Error naming the field, the
+  // value and what is allowed.
+  void validate() const;
+  bool operator==(const Precision&) const = default;
+};
+
+enum class MemoryCategory : std::uint8_t {
+  kParameters,       // weights
+  kOptimizerState,   // the optimiser's state (offloaded: a transient buffer in the update)
+  kGradients,        // accumulators (always live), per micro-batch and reduced (not)
+  kActivationStash,  // what each stage keeps between a forward and its backward pass
+  kExchange,         // activation and gradient buffers between devices
+  kWorking,          // what a stage needs while a pass runs (declared by the stage)
+};
+// "parameters", "optimiser state", "gradients", "activation stash", "exchange", "working".
+// Any thread. Never blocks, never allocates, never throws.
+const char* to_string(MemoryCategory c) noexcept;
+inline constexpr std::size_t kMemoryCategories = 6;
+
+enum class Liveness : std::uint8_t { kAlways, kCompute, kUpdate };
+// "always live", "compute phase", "update phase". Never blocks, never allocates, never throws.
+const char* to_string(Liveness l) noexcept;
+
+// One tensor a device holds. A plain value type.
+struct TensorMemory {
+  std::string name;  // "stage 1 'conv2' activation stash (3 x 12.5 KiB)"
+  MemoryCategory category = MemoryCategory::kParameters;
+  Liveness liveness = Liveness::kAlways;
+  std::size_t bytes = 0;
+  std::uint32_t stage = 0;
+  std::uint32_t replica = 0;
+};
+
+// One device's tensors. A plain value type; every member: any thread, never blocks, never
+// throws; only to_string() allocates.
+struct DeviceMemory {
+  std::uint32_t device = 0;
+  std::size_t capacity = 0;             // the device's memory (tiles x bytes per tile)
+  std::vector<TensorMemory> tensors;    // largest first
+
+  std::size_t always_live() const noexcept;
+  std::size_t phase(Liveness l) const noexcept;  // bytes live only in that phase
+  // Not always live: the larger of the two phases (what the peak adds to always_live()).
+  std::size_t not_always_live() const noexcept;
+  std::size_t peak() const noexcept { return always_live() + not_always_live(); }
+  // Bytes of one category, all phases.
+  std::size_t category(MemoryCategory c) const noexcept;
+  bool fits() const noexcept { return peak() <= capacity; }
+};
+
+// Every device a Pipeline uses. A plain value type.
+struct MemoryReport {
+  std::vector<DeviceMemory> devices;
+  Precision precision;
+  // What would make a device that does not fit fit (empty when everything fits).
+  std::vector<std::string> suggestions;
+
+  // Any thread. Never blocks, never allocates, never throws.
+  bool fits() const noexcept;
+  std::size_t peak() const noexcept;  // the largest device peak
+  // Any thread. A table per device: capacity, peak, always live and not, bytes per
+  // category, the largest tensors (up to `largest` of them), then the suggestions.
+  // Allocates. Throws only std::bad_alloc.
+  std::string to_string(std::size_t largest = 5) const;
+};
+
+// A Pipeline's tensors do not fit its devices. report() has every device (the ones that do
+// not fit say so) and what would help; what() says which device, by how much, its largest
+// holders and the suggestions.
+class PipelineOutOfMemoryError : public OutOfMemoryError {
+ public:
+  PipelineOutOfMemoryError(const std::string& message, std::size_t requested, std::size_t free_bytes,
+                           MemoryReport report)
+      : OutOfMemoryError(message, requested, free_bytes), report_(std::move(report)) {}
+  const MemoryReport& report() const noexcept { return report_; }
+
+ private:
+  MemoryReport report_;
+};
+
+}  // namespace bspflow
