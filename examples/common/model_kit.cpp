@@ -265,9 +265,28 @@ void LayerStage::set_parameters(const std::vector<float>& p) {
                                 name_ + "' has " + std::to_string(params_.size()));
   }
   params_ = p;
+  half_weights_ = false;
 }
 
-void LayerStage::forward(const bspflow::StageContext&, bspflow::ForwardArgs& a) {
+bspflow::StageMemory LayerStage::memory() const {
+  bspflow::StageMemory m;
+  m.parameters = params_.size();
+  m.optimizer_state = adam_state_.size();
+  m.saved = saved_at_.back() + batch_ * layers_.back()->out_size();
+  std::size_t scratch = 0, widest = 0;
+  for (const auto& layer : layers_) {
+    scratch = std::max(scratch, layer->scratch_per_sample());
+    widest = std::max({widest, layer->in_size(), layer->out_size()});
+  }
+  m.working = batch_ * (scratch + 2 * widest);
+  return m;
+}
+
+void LayerStage::forward(const bspflow::StageContext& ctx, bspflow::ForwardArgs& a) {
+  if (ctx.storage == bspflow::DType::kFloat16 && !half_weights_) {
+    bspflow::round_to_half(params_);
+    half_weights_ = true;
+  }
   // saved: every layer's input, then the last layer's output.
   a.saved.resize(saved_at_.back() + batch_ * layers_.back()->out_size());
   float* x = a.saved.data();
@@ -349,8 +368,9 @@ void LayerStage::backward(const bspflow::StageContext&, bspflow::BackwardArgs& a
   }
 }
 
-void LayerStage::update(const bspflow::StageContext&, std::span<const float> grads) {
+void LayerStage::update(const bspflow::StageContext& ctx, std::span<const float> grads) {
   optimizer_.step(params_, grads, adam_state_, ++steps_);
+  if (ctx.storage == bspflow::DType::kFloat16) bspflow::round_to_half(params_);
 }
 
 // ---- the examples' models ----

@@ -47,6 +47,8 @@ class Layer {
   virtual std::size_t in_size() const = 0;
   virtual std::size_t out_size() const = 0;
   virtual std::size_t param_count() const { return 0; }
+  // Scratch values per sample a pass needs while it runs (a convolution's im2col columns).
+  virtual std::size_t scratch_per_sample() const { return 0; }
   // PyTorch's default initialisation for the layer type.
   virtual void init(std::span<float> /*params*/, std::mt19937_64& /*rng*/) const {}
   virtual void forward(std::span<const float> params, const float* x, float* y, std::size_t batch) = 0;
@@ -99,6 +101,7 @@ class Conv2d final : public Layer {
   std::size_t in_size() const override { return in_.size(); }
   std::size_t out_size() const override { return out_.size(); }
   std::size_t param_count() const override { return out_.channels * patch() + out_.channels; }
+  std::size_t scratch_per_sample() const override { return out_.height * out_.width * patch(); }
   void init(std::span<float> params, std::mt19937_64& rng) const override;
   void forward(std::span<const float> params, const float* x, float* y, std::size_t batch) override;
   void backward(std::span<const float> params, const float* x, const float* y, const float* gy, float* gx,
@@ -149,6 +152,11 @@ class LayerStage final : public bspflow::Stage {
   void backward(const bspflow::StageContext& ctx, bspflow::BackwardArgs& a) override;
   void update(const bspflow::StageContext& ctx, std::span<const float> grads) override;
   std::span<float> optimizer_state() override { return adam_state_; }  // AdamW's m and v
+  // Weights, AdamW's two moments, every layer's input and the last output per micro-batch
+  // (what forward saves), and the im2col columns plus two gradient buffers as working
+  // memory. With fp16 storage (StageContext::storage) the weights are rounded to half
+  // precision before the first pass and after every update.
+  bspflow::StageMemory memory() const override;
 
   const std::vector<float>& parameters() const noexcept { return params_; }
   void set_parameters(const std::vector<float>& p);  // same size, else throws
@@ -167,6 +175,7 @@ class LayerStage final : public bspflow::Stage {
   std::vector<float> adam_state_;
   std::vector<float> grad_a_, grad_b_;  // scratch for gradients between layers
   std::uint64_t steps_ = 0;
+  bool half_weights_ = false;  // params_ already rounded to fp16
 };
 
 // The models the examples train on 28 x 28 grey images, 10 classes.

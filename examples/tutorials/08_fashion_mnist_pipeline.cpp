@@ -7,6 +7,7 @@
 //       [--device-iterations D] [--gradient-accumulation K] [--replicas R]
 //       [--learning-rate LR] [--strategy pipelined|sharded] [--schedule grouped|interleaved|
 //       sequential] [--sync bsp|dataflow] [--eight-bit-io] [--offload-optimiser] [--trace FILE]
+//       [--precision fp32|fp16] [--loss-scaling S] [--recompute] [--memory]
 //       [--data-dir DIR] [--model conv|mlp]
 //
 // The model is the tutorial's network (conv 5x5 1->10, max-pool, ReLU, conv 5x5 10->20,
@@ -48,6 +49,10 @@ struct Settings {
   std::string sync = "bsp";
   bool eight_bit = false;
   bool offload = false;
+  bool recompute = false;
+  std::string precision = "fp32";
+  float loss_scaling = 1.0f;
+  bool memory = false;
   std::string trace;
   std::string data_dir = bspflow::idx::kDebianFashionMnistDir;
   std::uint64_t max_steps = 0;      // per epoch; 0 = the whole epoch
@@ -100,7 +105,10 @@ bspflow::Options training_options(const Settings& st) {
       .infeed_capacity(2 * st.device_iterations * st.gradient_accumulation)  // a step ahead
       .prefetch_depth(2)
       .output_mode(bspflow::OutputMode::final())  // PopTorch's default for training
-      .outfeed_capacity(0);
+      .outfeed_capacity(0)
+      .precision(st.precision == "fp16" ? bspflow::Precision::half(st.loss_scaling)
+                                        : bspflow::Precision{bspflow::DType::kFloat32, bspflow::DType::kFloat32,
+                                                             st.loss_scaling});
   return opts;
 }
 
@@ -112,6 +120,7 @@ bspflow::PipelineConfig pipeline_config(const Settings& st, const bspflow::Optio
                                                : bspflow::PipelineSchedule::kGrouped;
   cfg.sync = st.sync == "dataflow" ? bspflow::SyncMode::kDataflow : bspflow::SyncMode::kBsp;
   cfg.offload_optimizer = st.offload;
+  cfg.recompute = st.recompute;
   cfg.trace = true;  // for the utilisation summary (costs about nothing: see device_bench)
   return cfg;
 }
@@ -147,6 +156,13 @@ int run(const Settings& st) {
               static_cast<unsigned long long>(st.device_iterations), st.gradient_accumulation, st.replicas,
               static_cast<unsigned long long>(per_step), static_cast<unsigned long long>(steps),
               st.eight_bit ? ", 8-bit I/O" : "");
+  if (st.memory) {
+    std::printf("%s", pipe.memory().to_string().c_str());
+  } else {
+    std::printf("memory: peak %s per device at the most (storage %s; --memory prints the report)\n",
+                bspflow::detail::format_bytes(pipe.memory().peak()).c_str(),
+                bspflow::to_string(cfg.precision.storage));
+  }
   const bool tty = isatty(STDOUT_FILENO) != 0;
   Utilisation util;
   double train_seconds = 0;
@@ -274,6 +290,12 @@ int main(int argc, char** argv) {
   app.add_option("--sync", st.sync, "bsp (IPU-faithful) or dataflow")->check(CLI::IsMember({"bsp", "dataflow"}));
   app.add_flag("--eight-bit-io", st.eight_bit, "send images as uint8, normalised on the device (default: off, fp32 widened on the host)");
   app.add_flag("--offload-optimiser", st.offload, "keep AdamW's state in host memory, streamed around each update (default: off)");
+  app.add_option("--precision", st.precision, "storage of weights, activations and gradients (fp16: half the memory; partials stay fp32)")
+      ->check(CLI::IsMember({"fp32", "fp16"}));
+  app.add_option("--loss-scaling", st.loss_scaling, "static loss scaling (gradients scaled before they are stored)")
+      ->check(CLI::Range(1.0f, 65504.0f));
+  app.add_flag("--recompute", st.recompute, "stash only stage inputs; recompute activations for the backward pass (default: off)");
+  app.add_flag("--memory", st.memory, "print the memory report of every device (default: the peak only)");
   app.add_option("--trace", st.trace, "write the last training step's trace (Chrome JSON) here (default: none)");
   app.add_option("--data-dir", st.data_dir, "Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)");
   app.add_option("--model", st.model, "the tutorial's conv net, or an MLP")->check(CLI::IsMember({"conv", "mlp"}));
