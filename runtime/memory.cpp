@@ -32,6 +32,7 @@ const char* to_string(MemoryCategory c) noexcept {
     case MemoryCategory::kActivationStash: return "activation stash";
     case MemoryCategory::kExchange: return "exchange";
     case MemoryCategory::kWorking: return "working";
+    case MemoryCategory::kIoTiles: return "I/O tiles";
   }
   return "?";
 }
@@ -40,6 +41,7 @@ const char* to_string(Liveness l) noexcept {
   switch (l) {
     case Liveness::kAlways: return "always live";
     case Liveness::kCompute: return "compute phase";
+    case Liveness::kPass: return "during its stage's passes";
     case Liveness::kUpdate: return "update phase";
   }
   return "?";
@@ -55,8 +57,22 @@ std::size_t DeviceMemory::phase(Liveness l) const noexcept {
   return sum;
 }
 
+std::size_t DeviceMemory::compute_peak() const noexcept {
+  // Stages on one device run their passes one at a time: the largest stage's pass memory.
+  std::size_t largest = 0;
+  for (const TensorMemory& t : tensors) {
+    if (t.liveness != Liveness::kPass) continue;
+    std::size_t stage = 0;
+    for (const TensorMemory& u : tensors) {
+      if (u.liveness == Liveness::kPass && u.stage == t.stage && u.replica == t.replica) stage += u.bytes;
+    }
+    largest = std::max(largest, stage);
+  }
+  return phase(Liveness::kCompute) + largest;
+}
+
 std::size_t DeviceMemory::not_always_live() const noexcept {
-  return std::max(phase(Liveness::kCompute), phase(Liveness::kUpdate));
+  return std::max(compute_peak(), phase(Liveness::kUpdate));
 }
 
 std::size_t DeviceMemory::category(MemoryCategory c) const noexcept {
@@ -88,7 +104,7 @@ std::string MemoryReport::to_string(std::size_t largest) const {
     os << "  device " << d.device << ": peak " << format_bytes(d.peak()) << " of " << format_bytes(d.capacity)
        << (d.fits() ? " (fits)" : " (DOES NOT FIT)") << "; always live " << format_bytes(d.always_live())
        << ", not always live " << format_bytes(d.not_always_live()) << " (compute phase "
-       << format_bytes(d.phase(Liveness::kCompute)) << ", update phase " << format_bytes(d.phase(Liveness::kUpdate))
+       << format_bytes(d.compute_peak()) << ", update phase " << format_bytes(d.phase(Liveness::kUpdate))
        << ")\n    by category:";
     bool any = false;
     for (std::size_t c = 0; c < kMemoryCategories; ++c) {

@@ -34,7 +34,14 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
                 " devices; the group has " + std::to_string(group.size()) +
                 " (make it with PipelineConfig::devices_needed)");
   }
-  for (std::uint32_t d = 0; d < needed; ++d) im.devices.push_back(&group[d]);
+  for (std::uint32_t d = 0; d < needed; ++d) {
+    im.devices.push_back(&group[d]);
+    if (config.io_tiles >= group[d].config().tiles) {
+      detail::throw_bad_value("io_tiles", config.io_tiles,
+                              "must be below the tiles of device " + std::to_string(group[d].id()) + " (" +
+                                  std::to_string(group[d].config().tiles) + "), leaving tiles for compute");
+    }
+  }
   im.config = config;
   im.plan = PipelinePlan{config.effective_schedule(), im.stages, config.gradient_accumulation, config.training};
   // The replica's micro-batches in flight, by index: a step's K in training (stage 0 reads
@@ -98,7 +105,10 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
     mi.plan = im.plan;
     mi.stages = n;
     mi.handoff_capacity = config.strategy == ExecutionStrategy::kPipelined && config.sync == SyncMode::kDataflow ? capacity : 0;
-    for (Device* d : im.devices) mi.devices.emplace_back(d->id(), d->arena().free_bytes());
+    for (Device* d : im.devices) {
+      mi.devices.emplace_back(d->id(), d->arena().free_bytes());
+      mi.io_tile_bytes.push_back(std::size_t{config.io_tiles} * d->config().bytes_per_tile);
+    }
     for (const auto& sr : im.runs) {
       StageMemory declared = sr->stage->memory();
       StageShape shape;
@@ -120,7 +130,7 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
     }
     im.memory = plan_memory_with_advice(mi);
   }
-  auto out_of_memory = [&](const std::string& first_line) {
+  auto out_of_memory = [&] {
     std::size_t asked = 0, available = 0;
     std::string lines;
     for (const DeviceMemory& d : im.memory.devices) {
@@ -138,10 +148,10 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
     }
     std::string help;
     for (const std::string& h : im.memory.suggestions) help += "\n  - " + h;
-    throw PipelineOutOfMemoryError("Pipeline: out of device memory: " + first_line + lines + "what would help:" + help,
+    throw PipelineOutOfMemoryError("Pipeline: out of device memory: " + lines + "what would help:" + help,
                                    asked, available, im.memory);
   };
-  if (!im.memory.fits()) out_of_memory("");
+  if (!im.memory.fits()) out_of_memory();
   // Hold it: the exchange buffers are the device buffers the programs copy between; the
   // rest is held in the arena by name (the stages keep their values in host memory).
   try {
@@ -167,22 +177,27 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
     for (std::size_t d = 0; d < im.devices.size(); ++d) {
       const DeviceMemory& dm = im.memory.devices[d];
       for (const TensorMemory& t : dm.tensors) {
-        const bool exchange_buffer = bsp_exchange && t.category == MemoryCategory::kExchange &&
-                                     t.name.find("outfeed") == std::string::npos;
-        if (t.liveness == Liveness::kAlways && !exchange_buffer) {
+        if (t.liveness == Liveness::kAlways && !t.device_buffer) {
           im.held.push_back(std::make_unique<Impl::Held>(im.devices[d]->arena(), t.bytes, t.name));
         }
       }
       if (dm.not_always_live() > 0) {
         im.held.push_back(std::make_unique<Impl::Held>(
             im.devices[d]->arena(), dm.not_always_live(),
-            "not always live (compute phase " + detail::format_bytes(dm.phase(Liveness::kCompute)) + ", update phase " +
+            "not always live (compute phase " + detail::format_bytes(dm.compute_peak()) + ", update phase " +
                 detail::format_bytes(dm.phase(Liveness::kUpdate)) + ")"));
       }
     }
   } catch (const OutOfMemoryError& e) {
-    // The plan fitted, but the arena could not place it (alignment or fragmentation).
-    out_of_memory(std::string(e.what()) + "; ");
+    // The plan fitted (each device's peak within what its arena had free), but the arena
+    // could not place it: allocations are rounded up to 64 bytes and each needs one
+    // contiguous block, which a plan within a few hundred bytes of the limit, or an arena
+    // fragmented by other holders, may not find.
+    throw PipelineOutOfMemoryError(
+        "Pipeline: out of device memory: every device's plan is within what its arena had free, but the "
+        "arena could not place it (allocations are rounded up to 64 bytes and each needs a contiguous "
+        "block): " + std::string(e.what()),
+        e.requested(), e.free_bytes(), im.memory);
   }
 
   // Sync groups: the stages of one replica (every cycle), and the copies of one stage
@@ -236,6 +251,16 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
       std::fill(sr.accum.begin(), sr.accum.end(), 0.0f);
     }
   }
+  const Clock::time_point start = Clock::now();
+  for (auto& srp : im.runs) {  // the host link: free, and every I/O-tile buffer empty
+    Impl::StageRun& sr = *srp;
+    sr.in_link_free = sr.out_link_free = start;
+    sr.in_buffer_free.assign(im.config.prefetch_depth, start);
+    sr.out_buffer_free.assign(im.config.prefetch_depth, start);
+    sr.copies_in = sr.copies_out = sr.bytes_in = sr.bytes_out = 0;
+    sr.host_wait = std::chrono::nanoseconds{0};
+    sr.synthetic_ready = false;
+  }
   for (auto& h : im.handoffs) h->reset();
   auto detach = [&](bool deliver) {
     for (std::uint32_t r = 0; r < replicas; ++r) {
@@ -250,7 +275,8 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
   // stage threw on, which the StageError names). Returns how many went back.
   auto give_back = [&](std::optional<std::pair<std::uint32_t, std::uint64_t>> failed) {
     std::uint64_t returned = 0;
-    if (im.config.training) return returned;
+    // Synthetic data: the ring holds copies of one micro-batch, which do not go back.
+    if (im.config.training || im.config.synthetic_data) return returned;
     for (std::uint32_t r = 0; r < replicas; ++r) {
       Impl::StageRun& head = im.run_of(r, 0);
       std::vector<Batch>& ring = im.batches[r];
@@ -266,6 +292,13 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
   std::vector<Program> programs;
   EngineResult er;
   PipelineResult result;
+  auto host_link_figures = [&] {
+    for (const auto& srp : im.runs) {
+      result.host_bytes_in += srp->bytes_in;
+      result.host_bytes_out += srp->bytes_out;
+      result.host_wait += srp->host_wait;
+    }
+  };
   std::optional<EndOfInput> ended;
   try {
     im.plan.micro_batches = im.config.training ? im.k() : im.k() * steps;
@@ -324,6 +357,7 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
       if (r < writers.size()) dropped += writers[r].dropped();
     }
     result.elapsed = er.elapsed;
+    host_link_figures();
     result.fifo_depth.assign(im.stages, 0);
     result.iterations = fewest / im.k();
     result.status = stopped ? RunStatus::kCancelled : infeed_ended ? RunStatus::kEndOfData : RunStatus::kCompleted;
@@ -347,6 +381,7 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
   for (std::uint32_t s = 0; s < im.stages; ++s) result.fifo_depth.push_back(im.run_of(0, s).max_fifo);
   for (std::uint32_t r = 0; r < replicas; ++r) result.micro_batches += im.run_of(r, im.stages - 1).forwards;
   result.elapsed = er.elapsed;
+  host_link_figures();
   if (ended) {
     result.status = RunStatus::kEndOfData;
     result.iterations = ended->step;

@@ -29,11 +29,12 @@ MemoryReport plan_memory(const MemoryInputs& in) {
   report.precision = c.precision;
   for (const auto& [id, available] : in.devices) report.devices.push_back(DeviceMemory{id, available, {}});
   auto add = [&](const StageShape& st, std::uint32_t device, std::string what, MemoryCategory cat, Liveness live,
-                 std::size_t bytes) {
+                 std::size_t bytes, bool device_buffer = false) {
     if (bytes == 0) return;
     std::string name = stage_label(st) + " " + what;
     if (c.replicas > 1) name += " (replica " + std::to_string(st.r) + ")";
-    report.devices[device].tensors.push_back(TensorMemory{std::move(name), cat, live, bytes, st.s, st.r});
+    report.devices[device].tensors.push_back(
+        TensorMemory{std::move(name), cat, live, bytes, st.s, st.r, device_buffer});
   };
 
   for (std::size_t idx = 0; idx < in.shapes.size(); ++idx) {
@@ -49,7 +50,7 @@ MemoryReport plan_memory(const MemoryInputs& in) {
           MemoryCategory::kOptimizerState, c.offload_optimizer ? Liveness::kUpdate : Liveness::kAlways,
           st.optimizer * fp32);
       add(st, dev, "gradient accumulator", MemoryCategory::kGradients, Liveness::kAlways, st.gradients * partial);
-      add(st, dev, "micro-batch gradients", MemoryCategory::kGradients, Liveness::kCompute, st.gradients * store);
+      add(st, dev, "micro-batch gradients", MemoryCategory::kGradients, Liveness::kPass, st.gradients * store);
       add(st, dev, "reduced gradients", MemoryCategory::kGradients, Liveness::kUpdate, st.gradients * partial);
       // One stash entry per micro-batch between its forward and its backward pass: the
       // schedule's FIFO depth plus the one in flight (never more than a step's K).
@@ -64,23 +65,23 @@ MemoryReport plan_memory(const MemoryInputs& in) {
         add(st, dev, what.str(), MemoryCategory::kActivationStash, Liveness::kCompute, slots * entry * store);
       }
       if (c.recompute) {
-        add(st, dev, "recomputed activations", MemoryCategory::kActivationStash, Liveness::kCompute,
+        add(st, dev, "recomputed activations", MemoryCategory::kActivationStash, Liveness::kPass,
             (saved + st.out) * store);
       }
     } else {
       add(st, dev, "saved activations (inference: dropped after the pass)", MemoryCategory::kWorking,
-          Liveness::kCompute, saved * store);
+          Liveness::kPass, saved * store);
     }
-    add(st, dev, "working memory", MemoryCategory::kWorking, Liveness::kCompute, st.working * store);
+    add(st, dev, "working memory", MemoryCategory::kWorking, Liveness::kPass, st.working * store);
 
     // Activations and gradients between stages (what the Pipeline constructor allocates).
     if (bsp_exchange) {
-      if (!last) add(st, dev, "activations out (2 x by cycle parity)", MemoryCategory::kExchange, Liveness::kAlways, 2 * st.out * store);
-      if (!first) add(st, dev, "activations in", MemoryCategory::kExchange, Liveness::kAlways, st.in * store);
-      if (training && !first) {
-        add(st, dev, "gradients out (2 x by cycle parity)", MemoryCategory::kExchange, Liveness::kAlways, 2 * st.in * store);
-      }
-      if (training && !last) add(st, dev, "gradients in", MemoryCategory::kExchange, Liveness::kAlways, st.out * store);
+      const MemoryCategory x = MemoryCategory::kExchange;
+      const Liveness always = Liveness::kAlways;
+      if (!last) add(st, dev, "activations out (2 x by cycle parity)", x, always, 2 * st.out * store, true);
+      if (!first) add(st, dev, "activations in", x, always, st.in * store, true);
+      if (training && !first) add(st, dev, "gradients out (2 x by cycle parity)", x, always, 2 * st.in * store, true);
+      if (training && !last) add(st, dev, "gradients in", x, always, st.out * store, true);
     }
     if (dataflow) {
       // Each hand-off's ring sits with the stage that reads it.
@@ -99,6 +100,13 @@ MemoryReport plan_memory(const MemoryInputs& in) {
     } else if (last) {
       add(st, dev, "output to the outfeed", MemoryCategory::kExchange, Liveness::kAlways, st.out * store);
     }
+  }
+  for (std::size_t d = 0; d < report.devices.size() && d < in.io_tile_bytes.size(); ++d) {
+    if (in.io_tile_bytes[d] == 0) continue;
+    report.devices[d].tensors.push_back(TensorMemory{
+        "I/O tiles (" + std::to_string(c.io_tiles) + " tiles: up to " + std::to_string(c.prefetch_depth) +
+            " micro-batch(es) in and outputs out)",
+        MemoryCategory::kIoTiles, Liveness::kAlways, in.io_tile_bytes[d], 0, 0, false});
   }
   for (DeviceMemory& d : report.devices) {
     std::stable_sort(d.tensors.begin(), d.tensors.end(),

@@ -39,6 +39,9 @@ PipelineConfig PipelineConfig::from(const Options& options) {
   c.replicas = options.replicas();
   c.gradient_accumulation = options.gradient_accumulation();
   c.precision = options.precision();
+  c.io_tiles = options.io_tiles();
+  c.prefetch_depth = options.prefetch_depth();
+  c.synthetic_data = options.synthetic_data();
   return c;
 }
 
@@ -67,6 +70,12 @@ void PipelineConfig::validate(std::uint32_t stages) const {
     detail::throw_bad_value("gradient_accumulation", gradient_accumulation, "must be at least 1");
   }
   precision.validate();
+  if (io_tiles % 2 != 0) detail::throw_bad_value("io_tiles", io_tiles, "must be even (0: none)");
+  if (prefetch_depth < tunables::kMinPrefetchDepth || prefetch_depth > tunables::kMaxPrefetchDepth) {
+    detail::throw_bad_value("prefetch_depth", prefetch_depth,
+                            "must be in " + std::to_string(tunables::kMinPrefetchDepth) + ".." +
+                                std::to_string(tunables::kMaxPrefetchDepth));
+  }
   if (strategy == ExecutionStrategy::kSingle && schedule == PipelineSchedule::kInterleaved &&
       stages > 1) {
     throw Error("the Interleaved schedule needs each stage on a device of its own, but strategy "

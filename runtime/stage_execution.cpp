@@ -1,6 +1,7 @@
 // Stage execution (see detail/pipeline_impl.hpp): what a device runs for one stage.
 #include <algorithm>
 
+#include "bspflow/devices/io_engine.hpp"
 #include "detail/pipeline_impl.hpp"
 
 namespace bspflow {
@@ -29,6 +30,93 @@ void narrow(const Buffer& b, std::span<const float> wide) {
   to_half(wide, b->as<std::uint16_t>());
 }
 }  // namespace
+
+void Pipeline::Impl::check_saved(const StageRun& sr, std::uint64_t i, const std::vector<float>& saved) const {
+  if (saved.size() <= sr.saved_limit) return;
+  const std::string message = "stage " + std::to_string(sr.s) + " '" + sr.stage->name() + "' (device " +
+                              std::to_string(sr.device->id()) + ", replica " + std::to_string(sr.r) + ") saved " +
+                              std::to_string(saved.size()) + " values in its forward pass at step " +
+                              std::to_string(sr.step) + ", micro-batch " + std::to_string(i) +
+                              " but memory() declared " + std::to_string(sr.saved_limit) +
+                              " (StageMemory::saved): the memory plan would be wrong";
+  throw StageError(message, sr.s, sr.device->id(), sr.r, sr.step, i, std::make_exception_ptr(Error(message)));
+}
+
+bool Pipeline::Impl::pop_input(StageRun& sr, Batch& slot, bool block, const detail::StopFlag* stop,
+                               bool& waited) {
+  waited = false;
+  if (config.synthetic_data && sr.synthetic_ready) return true;  // already in every slot
+  Batch& into = config.synthetic_data ? (*sr.batches)[0] : slot;
+  if (!sr.reader->try_pop(into)) {
+    if (!block || !sr.reader->pop(into, stop)) return false;
+    waited = true;
+  }
+  if (config.synthetic_data) {
+    // Synthetic data: this one micro-batch stands for every micro-batch of the run.
+    for (Batch& b : *sr.batches) {
+      if (&b != &into) b = into;
+    }
+    sr.synthetic_ready = true;
+  }
+  return true;
+}
+
+bool Pipeline::Impl::host_in(StageRun& sr, const Batch& b, bool waited, const detail::StopFlag* stop) {
+  if (config.synthetic_data) return true;  // no host copies
+  const std::size_t bytes = b.data.bytes() + b.labels.size() * sizeof(std::int32_t);
+  const Clock::time_point now = Clock::now();
+  Clock::time_point start = now;
+  if (config.io_tiles > 0) {
+    const std::size_t room = std::size_t{config.io_tiles} * sr.device->config().bytes_per_tile;
+    if (bytes * config.prefetch_depth > room) {
+      throw Error("the I/O tiles of device " + std::to_string(sr.device->id()) + " (" +
+                  std::to_string(config.io_tiles) + " x " + detail::format_bytes(sr.device->config().bytes_per_tile) +
+                  " = " + detail::format_bytes(room) + ") cannot hold prefetch_depth " +
+                  std::to_string(config.prefetch_depth) + " x a micro-batch of " + detail::format_bytes(bytes) +
+                  " (data and labels): raise io_tiles or lower prefetch_depth");
+    }
+    // The copy could start once its I/O-tile buffer was free (the micro-batch prefetch_depth
+    // earlier was consumed) and the link was free; if the lane was empty, only now.
+    const Clock::time_point buffer_free = sr.in_buffer_free[sr.copies_in % sr.in_buffer_free.size()];
+    start = std::max(buffer_free, sr.in_link_free);
+    if (waited) start = std::max(start, now);
+  } else {
+    start = std::max(now, sr.in_link_free);
+  }
+  const Clock::time_point done = start + config.host_link.duration(bytes);
+  sr.in_link_free = done;
+  sr.bytes_in += bytes;
+  bool ok = true;
+  if (done > now) {
+    ok = wait_until_deadline(done, stop, sr.device->placement().shares_core());
+    sr.host_wait += Clock::now() - now;
+  }
+  // Consumed: its I/O-tile buffer takes the micro-batch prefetch_depth later.
+  sr.in_buffer_free[sr.copies_in % sr.in_buffer_free.size()] = Clock::now();
+  ++sr.copies_in;
+  return ok;
+}
+
+bool Pipeline::Impl::host_out(StageRun& sr, std::size_t bytes, const detail::StopFlag* stop) {
+  if (config.synthetic_data) return true;
+  const Clock::time_point now = Clock::now();
+  const Clock::time_point done = std::max(now, sr.out_link_free) + config.host_link.duration(bytes);
+  sr.out_link_free = done;
+  sr.bytes_out += bytes;
+  Clock::time_point until = done;  // without I/O tiles: the device waits for its copy
+  if (config.io_tiles > 0) {
+    // It drops the output into an I/O-tile buffer: it waits only while the copy that last
+    // used that buffer is still running.
+    Clock::time_point& buffer = sr.out_buffer_free[sr.copies_out % sr.out_buffer_free.size()];
+    until = buffer;
+    buffer = done;
+  }
+  ++sr.copies_out;
+  if (until <= now) return true;
+  const bool ok = wait_until_deadline(until, stop, sr.device->placement().shares_core());
+  sr.host_wait += Clock::now() - now;
+  return ok;
+}
 
 void Pipeline::Impl::forward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle,
                                        const detail::StopFlag* stop) {
@@ -76,10 +164,13 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
              const detail::StopFlag* stop) {
   std::vector<Batch>& batches_of = *sr.batches;
   if (sr.s == 0 && config.training) {  // inference: take() already put it in the ring
-    if (!sr.reader->pop(batches_of[i % batches_of.size()], stop)) {
+    Batch& slot = batches_of[i % batches_of.size()];
+    bool waited = false;
+    if (!pop_input(sr, slot, /*block=*/true, stop, waited)) {
       if (sr.reader->end_of_data()) throw EndOfInput{sr.step, i};
       return false;
     }
+    if (!host_in(sr, slot, waited, stop)) return false;
   }
   Stashed entry;
   if (!sr.spare.empty()) {
@@ -91,15 +182,7 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
   ForwardArgs args{batches_of[i % batches_of.size()], input, output, entry.saved};
   const StageContext ctx = context(sr, i);
   guarded(sr, i, "forward", [&] { sr.stage->forward(ctx, args); });
-  if (entry.saved.size() > sr.saved_limit) {
-    const std::string message = "stage " + std::to_string(sr.s) + " '" + sr.stage->name() + "' (device " +
-                                std::to_string(sr.device->id()) + ", replica " + std::to_string(sr.r) + ") saved " +
-                                std::to_string(entry.saved.size()) + " values in its forward pass at step " +
-                                std::to_string(sr.step) + ", micro-batch " + std::to_string(i) +
-                                " but memory() declared " + std::to_string(sr.saved_limit) +
-                                " (StageMemory::saved): the memory plan would be wrong";
-    throw StageError(message, sr.s, sr.device->id(), sr.r, sr.step, i, std::make_exception_ptr(Error(message)));
-  }
+  check_saved(sr, i, entry.saved);
   if (half_storage()) {
     round_to_half(output);
     round_to_half(entry.saved);
@@ -112,7 +195,8 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
     sr.fifo.push_back(std::move(entry));
   }
   if (sr.writer != nullptr) {
-    return sr.writer->write(sr.step * k() + i, std::vector<float>(output.begin(), output.end()), stop);
+    if (!sr.writer->write(sr.step * k() + i, std::vector<float>(output.begin(), output.end()), stop)) return false;
+    return host_out(sr, output.size() * dtype_size(config.precision.storage), stop);
   }
   return true;
 }
@@ -120,16 +204,20 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
 Pipeline::Impl::Take Pipeline::Impl::take(StageRun& sr, const detail::StopFlag* stop, bool block) {
   if (sr.taken >= plan.micro_batches) return Take::kEnd;
   Batch& slot = (*sr.batches)[sr.taken % sr.batches->size()];
-  if (!sr.reader->try_pop(slot)) {
+  bool waited = false;
+  if (!pop_input(sr, slot, /*block=*/false, stop, waited)) {
     if (sr.reader->at_end()) return Take::kEnd;
     if (!block) return Take::kNone;
     // About to wait for input: responses this device holds go to the host first (with
     // one stage per device, the last stage is elsewhere and hands over its own).
     StageRun& last = run_of(sr.r, stages - 1);
     if (last.device == sr.device && last.writer != nullptr) last.writer->flush(stop);
-    if (!sr.reader->pop(slot, stop)) return sr.reader->end_of_data() ? Take::kEnd : Take::kStopped;
+    if (!pop_input(sr, slot, /*block=*/true, stop, waited)) {
+      return sr.reader->end_of_data() ? Take::kEnd : Take::kStopped;
+    }
   }
-  ++sr.taken;
+  ++sr.taken;  // taken: a stop while its copy runs gives it back with the others
+  if (!host_in(sr, slot, waited, stop)) return Take::kStopped;
   return Take::kGot;
 }
 
@@ -145,6 +233,11 @@ void Pipeline::Impl::backward(StageRun& sr, std::uint64_t i, std::span<const flo
   if (config.recompute) {  // the forward pass again, from the stashed input
     ForwardArgs again{batch, e.input, sr.scratch, e.saved};
     guarded(sr, i, "recomputed forward", [&] { sr.stage->forward(ctx, again); });
+    check_saved(sr, i, e.saved);
+    if (half_storage()) {
+      round_to_half(sr.scratch);
+      round_to_half(e.saved);
+    }
   }
   std::fill(sr.grads.begin(), sr.grads.end(), 0.0f);
   std::fill(grad_input.begin(), grad_input.end(), 0.0f);

@@ -2,6 +2,7 @@
 #include "bspflow/data/tensor.hpp"
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -89,7 +90,15 @@ __attribute__((target("avx,f16c"))) void round_f16c(float* v, std::size_t n) {
   for (; i < n; ++i) v[i] = from_half(to_half(v[i]));
 }
 bool has_f16c() noexcept {
-  static const bool yes = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  // CPUID leaf 1: F16C, AVX and OSXSAVE (the OS saves the AVX registers; XGETBV confirms).
+  static const bool yes = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(1, &a, &b, &c, &d) == 0) return false;
+    if ((c & bit_F16C) == 0 || (c & bit_AVX) == 0 || (c & bit_OSXSAVE) == 0) return false;
+    unsigned lo = 0, hi = 0;
+    __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return (lo & 0x6u) == 0x6u;  // XMM and YMM state enabled
+  }();
   return yes;
 }
 #endif

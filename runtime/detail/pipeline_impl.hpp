@@ -42,6 +42,7 @@ struct MemoryInputs {
   std::uint32_t stages = 0;
   std::vector<StageShape> shapes;  // replica-major
   std::vector<std::pair<std::uint32_t, std::size_t>> devices;  // device id, bytes available
+  std::vector<std::size_t> io_tile_bytes;  // per device: io_tiles x its bytes per tile
   std::size_t handoff_capacity = 0;  // dataflow: messages per hand-off
 };
 // Every tensor of every device (largest first), without suggestions. Allocates; throws only
@@ -79,6 +80,16 @@ struct Pipeline::Impl {
     // exchange buffer.
     std::vector<float> wide_in, wide_out;
     std::size_t saved_limit = StageMemory::kAuto;  // what memory() declared forward saves
+    // The host link (stage 0: micro-batches in; the last stage: outputs out). When the link
+    // is next free in each direction, and with I/O tiles, by copy number % prefetch_depth,
+    // when each I/O-tile buffer freed (in: its micro-batch was consumed) or will have (out:
+    // its copy ends).
+    Clock::time_point in_link_free{}, out_link_free{};
+    std::vector<Clock::time_point> in_buffer_free, out_buffer_free;
+    std::uint64_t copies_in = 0, copies_out = 0;
+    std::uint64_t bytes_in = 0, bytes_out = 0;
+    std::chrono::nanoseconds host_wait{0};
+    bool synthetic_ready = false;  // synthetic data: the ring holds the run's micro-batch
     std::deque<Stashed> fifo;
     std::vector<Stashed> spare;  // recycled FIFO entries (no allocation in steady state)
     std::vector<float> grads, accum, reduced;
@@ -158,6 +169,8 @@ struct Pipeline::Impl {
     return StageContext{sr.s, sr.device->id(), sr.r, sr.step, micro_batch, config.precision.storage};
   }
   bool half_storage() const noexcept { return config.precision.storage == DType::kFloat16; }
+  // Throws StageError if a forward pass saved more than the stage's memory() declared.
+  void check_saved(const StageRun& sr, std::uint64_t i, const std::vector<float>& saved) const;
 
   // bsp: one cycle's forward (backward) pass of `sr`, reading and writing its exchange
   // buffers by parity; in half precision through fp32 copies.
@@ -180,6 +193,20 @@ struct Pipeline::Impl {
                        sr.s, sr.device->id(), sr.r, sr.step, micro_batch, std::current_exception());
     }
   }
+
+  // Host link, stage 0: micro-batch `b` was just taken from the lane (`waited`: the lane
+  // was empty, so its copy could not have started earlier). Waits until its modeled copy
+  // has ended (without I/O tiles: starting now; with them: started when its I/O-tile
+  // buffer and the link were free). false: stopped.
+  bool host_in(StageRun& sr, const Batch& b, bool waited, const detail::StopFlag* stop);
+  // Host link, last stage: an output of `bytes` leaves. Without I/O tiles the device waits
+  // for its copy; with them only for a free I/O-tile buffer. false: stopped.
+  bool host_out(StageRun& sr, std::size_t bytes, const detail::StopFlag* stop);
+  // Stage 0: the next micro-batch into ring slot `slot` (`block`: wait for one; `waited`:
+  // set when it had to). With synthetic data the first of the run is read from the lane
+  // and copied into every slot; the rest are already there. false: none (stopped, or the
+  // lane ended, or none ready and not `block`).
+  bool pop_input(StageRun& sr, Batch& slot, bool block, const detail::StopFlag* stop, bool& waited);
 
   // The forward pass of micro-batch i: input from the previous stage (empty for stage 0),
   // output into `output`. false: the run was stopped.

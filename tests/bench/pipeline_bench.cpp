@@ -12,6 +12,12 @@
 //                       the trace) over (K + N - 1) x stage time           target 0.95..1.05
 //   bubble_host_call_vs_model  the same step timed as the host call (waking the devices and
 //                       being woken at the end included)
+//   pipeline_io_overlap_vs_max  2 inference stages of 200 us, K = 64, the host link taking
+//                       200 us per micro-batch, 2 I/O tiles, prefetch 2: the run's time over
+//                       the larger of compute only (the same run with synthetic data) and
+//                       I/O only (K x 200 us)                                target <= 1.1
+//   pipeline_io_serial_vs_sum  the same without I/O tiles, over compute only + I/O only
+//                       (stage 0 waits for each copy)                        target 0.95..1.05
 //   allreduce_model_error_p50  2 replicas of a 1-stage training pipeline (2 devices), 1 MB
 //                       of gradients each, the default device link (32 GB/s, 1 us): every
 //                       step's all-reduce exchange from the trace against its modeled ring
@@ -27,9 +33,10 @@
 //   pipeline_bsp_1us_vs_floor, pipeline_bsp_10us_vs_floor, pipeline_dataflow_1us_vs_floor
 //                       the pipeline over its floor: the share of the attainable it gets
 //
-// The stages are inference stages (forward passes only), the device link costs nothing
-// (LinkModel with no latency), and the infeed is filled before the clock starts, so the
-// figures measure the runtime's scheduling, not the link model or the host.
+// The stages are inference stages (forward passes only), the device and host links cost
+// nothing (LinkModel with no latency) except in the pipeline_io keys, and the infeed is
+// filled before the clock starts, so the figures measure the runtime's scheduling, not the
+// link model or the host.
 // Every ratio's reference is measured in the same run. Prints `key: value`; --json FILE.
 #include <CLI/CLI.hpp>
 
@@ -181,6 +188,7 @@ Timing pipeline_time(DeviceGroup& devices, SyncMode sync, std::chrono::nanosecon
   cfg.sync = sync;
   cfg.gradient_accumulation = k;
   cfg.device_link = free_link();
+  cfg.host_link = free_link();  // these figures measure scheduling, not the link model
   cfg.trace = trace;
   Pipeline pipe(devices, cfg, [work](std::uint32_t) {
     StageList l;
@@ -216,6 +224,44 @@ double pipeline_rate(DeviceGroup& devices, SyncMode sync, std::chrono::nanosecon
                      std::uint64_t micro_batches, std::uint32_t k = 64) {
   const Timing t = pipeline_time(devices, sync, work, micro_batches, k);
   return static_cast<double>(t.micro_batches) / t.host_call;
+}
+
+// Seconds for `k` micro-batches of `bytes` (data) through 2 inference stages of `work`
+// each, the host link taking `work` per micro-batch: with `io_tiles` (overlapped), without
+// (serial), or with synthetic data (no copies: the compute-only reference).
+double io_time(DeviceGroup& devices, std::chrono::nanoseconds work, std::uint32_t k, std::uint32_t io_tiles,
+               bool synthetic) {
+  constexpr std::size_t kValues = 1024;
+  const std::size_t bytes = kValues * sizeof(float) + sizeof(std::int32_t);  // data and one label
+  PipelineConfig cfg;
+  cfg.training = false;
+  cfg.gradient_accumulation = k;
+  cfg.device_link = free_link();
+  cfg.host_link = LinkModel::taking(work, bytes);
+  cfg.io_tiles = io_tiles;
+  cfg.prefetch_depth = 2;
+  cfg.synthetic_data = synthetic;
+  Pipeline pipe(devices, cfg, [work](std::uint32_t) {
+    StageList l;
+    l.push_back(std::make_unique<BusyStage>(work));
+    l.push_back(std::make_unique<BusyStage>(work));
+    return l;
+  });
+  InfeedQueue<Batch> infeed(InfeedConfig{1, k, 4});
+  {
+    auto p = infeed.make_producer();
+    for (std::uint32_t i = 0; i < k; ++i) {
+      Batch b;
+      b.data = Tensor(DType::kFloat32, {kValues});
+      b.labels.assign(1, 0);
+      b.indices.assign(1, i);
+      b.valid = 1;
+      p.push(std::move(b));
+    }
+  }
+  const PipelineResult r = pipe.run(infeed, 1);
+  if (!r.completed()) std::fprintf(stderr, "pipeline run: %s\n", r.message.c_str());
+  return std::chrono::duration<double>(r.elapsed).count();
 }
 
 #if BSPFLOW_HAVE_TBB
@@ -311,6 +357,22 @@ int main(int argc, char** argv) {
     const double b = bench::median(on_devices);
     report.ratio("bubble_vs_model", b, "0.95..1.05", b >= 0.95 && b <= 1.05);
     report.figure("bubble_host_call_vs_model", bench::median(host_call));
+  }
+  {
+    // The host link against compute: 2 stages of 200 us, K = 64, each micro-batch's copy
+    // modeled at 200 us. Medians of paired runs (synthetic, overlapped, serial).
+    const auto work = 200us;
+    const std::uint32_t k = 64;
+    const double io_only = k * std::chrono::duration<double>(work).count();
+    std::vector<double> overlap, serial;
+    for (int i = 0; i < (args.quick ? 1 : 5); ++i) {
+      const double compute_only = io_time(devices, work, k, 0, /*synthetic=*/true);
+      overlap.push_back(io_time(devices, work, k, 2, false) / std::max(compute_only, io_only));
+      serial.push_back(io_time(devices, work, k, 0, false) / (compute_only + io_only));
+    }
+    const double o = bench::median(overlap), se = bench::median(serial);
+    report.ratio("pipeline_io_overlap_vs_max", o, "<= 1.1", o <= 1.1);
+    report.ratio("pipeline_io_serial_vs_sum", se, "0.95..1.05", se >= 0.95 && se <= 1.05);
   }
   {
     std::vector<double> errors = allreduce_errors(devices, args.quick ? 20 : 200);

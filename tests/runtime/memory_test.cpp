@@ -3,6 +3,7 @@
 // values with loss scaling.
 #include <doctest/doctest.h>
 
+#include <chrono>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -99,6 +100,8 @@ void feed(InfeedQueue<Batch>& infeed, std::uint64_t micro_batches) {
 
 }  // namespace
 
+TEST_SUITE_BEGIN("memory");
+
 TEST_CASE("memory report: categories sum their tensors exactly, and the peak is always live plus the larger phase") {
   DeviceGroup devices(3, kRoomy);
   PipelineConfig cfg;
@@ -108,10 +111,13 @@ TEST_CASE("memory report: categories sum their tensors exactly, and the peak is 
   REQUIRE(rep.devices.size() == 3);
   CHECK(rep.fits());
   for (const DeviceMemory& d : rep.devices) {
-    std::size_t total = 0, always = 0, compute = 0, update = 0;
+    std::size_t total = 0, always = 0, compute = 0, pass = 0, update = 0;
     for (const TensorMemory& t : d.tensors) {
       total += t.bytes;
-      (t.liveness == Liveness::kAlways ? always : t.liveness == Liveness::kCompute ? compute : update) += t.bytes;
+      (t.liveness == Liveness::kAlways    ? always
+       : t.liveness == Liveness::kCompute ? compute
+       : t.liveness == Liveness::kPass    ? pass
+                                          : update) += t.bytes;
     }
     std::size_t by_category = 0;
     for (std::size_t c = 0; c < kMemoryCategories; ++c) {
@@ -122,8 +128,10 @@ TEST_CASE("memory report: categories sum their tensors exactly, and the peak is 
     CHECK(by_category == total);
     CHECK(d.always_live() == always);
     CHECK(d.phase(Liveness::kCompute) == compute);
+    CHECK(d.phase(Liveness::kPass) == pass);
     CHECK(d.phase(Liveness::kUpdate) == update);
-    CHECK(d.peak() == always + std::max(compute, update));
+    CHECK(d.compute_peak() == compute + pass);  // one stage per device
+    CHECK(d.peak() == always + std::max(compute + pass, update));
     for (std::size_t i = 1; i < d.tensors.size(); ++i) CHECK(d.tensors[i - 1].bytes >= d.tensors[i].bytes);
   }
   // Stage 1 (middle), fp32: exact bytes of each declared tensor.
@@ -203,6 +211,20 @@ TEST_CASE("memory report: recomputation and half precision lower the peak by wha
   const TensorMemory* t = find(offloaded.devices[0], "optimiser state");
   REQUIRE(t != nullptr);
   CHECK(t->liveness == Liveness::kUpdate);
+}
+
+TEST_CASE("memory report: stages sharing a device need their largest pass memory, not the sum") {
+  DeviceGroup devices(1, kRoomy);
+  PipelineConfig cfg;
+  cfg.strategy = ExecutionStrategy::kSingle;
+  cfg.gradient_accumulation = 2;
+  Pipeline pipe(devices, cfg, probes(3, [](Probe& p) { p.working = 100; }));
+  const DeviceMemory& d = pipe.memory().devices.at(0);
+  // Each stage's passes: 100 working values and 16 micro-batch gradients, fp32.
+  CHECK(d.phase(Liveness::kPass) == 3 * (100 + 16) * 4);
+  CHECK(d.compute_peak() == d.phase(Liveness::kCompute) + (100 + 16) * 4);
+  // The stash is live across passes: every stage's entry counts.
+  CHECK(d.category(MemoryCategory::kActivationStash) == (24 + (8 + 24) + (8 + 24)) * 4);  // one entry each
 }
 
 TEST_CASE("memory: the arena holds the plan while the pipeline lives, and gives it back") {
@@ -314,3 +336,164 @@ TEST_CASE("precision: fp16 storage rounds what crosses between stages; loss scal
     CHECK(scaled.gradient_seen == doctest::Approx(tiny).epsilon(1e-3));  // scaled, stored, unscaled
   }
 }
+
+namespace {
+
+// A stage that spins for `work` in its forward pass (stands for compute).
+struct Busy final : Stage {
+  std::chrono::microseconds work{0};
+  std::string name() const override { return "busy"; }
+  std::size_t output_elements() const override { return 2; }
+  void forward(const StageContext&, ForwardArgs& a) override {
+    const auto until = std::chrono::steady_clock::now() + work;
+    while (std::chrono::steady_clock::now() < until) {
+    }
+    a.output[0] = static_cast<float>(a.batch.indices.front());
+    a.output[1] = 0;
+  }
+};
+
+StageFactory busy(std::uint32_t n, std::chrono::microseconds work) {
+  return [n, work](std::uint32_t) {
+    StageList list;
+    for (std::uint32_t s = 0; s < n; ++s) {
+      auto b = std::make_unique<Busy>();
+      b->work = work;
+      list.push_back(std::move(b));
+    }
+    return list;
+  };
+}
+
+// `n` micro-batches of 64 values of `dtype` and 4 labels, then closed.
+void feed_typed(InfeedQueue<Batch>& infeed, std::uint64_t n, DType dtype) {
+  auto producer = infeed.make_producer();
+  for (std::uint64_t i = 0; i < n; ++i) {
+    Batch b;
+    b.data = Tensor(dtype, {4, 16});
+    b.labels.assign(4, 0);
+    b.indices.assign(4, i);
+    b.valid = 4;
+    producer.push(std::move(b));
+  }
+  infeed.close();
+}
+
+}  // namespace
+
+TEST_CASE("host link: micro-batches in and outputs out cross it, by their bytes; 8-bit I/O moves a quarter of the data") {
+  for (bool training : {true, false}) {
+    CAPTURE(training);
+    auto bytes_of = [&](DType dtype) {
+      DeviceGroup devices(2, kRoomy);
+      PipelineConfig cfg;
+      cfg.training = training;
+      cfg.gradient_accumulation = 3;
+      Pipeline pipe(devices, cfg, training ? probes(2) : busy(2, std::chrono::microseconds{0}));
+      InfeedQueue<Batch> infeed(InfeedConfig{1, 6, 1});
+      feed_typed(infeed, 6, dtype);
+      OutfeedQueue<std::vector<float>> out(OutfeedConfig{1, OutputMode::all(), 0});
+      const PipelineResult r = pipe.run(infeed, 2, &out);
+      REQUIRE(r.completed());
+      CHECK(out.drain().size() == 6);
+      CHECK(r.host_bytes_out == 6 * pipe.stage(0, 1).output_elements() * 4);
+      return r.host_bytes_in;
+    };
+    const std::uint64_t labels = 6 * 4 * sizeof(std::int32_t);
+    const std::uint64_t fp32 = bytes_of(DType::kFloat32);
+    const std::uint64_t u8 = bytes_of(DType::kUint8);
+    CHECK(fp32 == 6 * 64 * 4 + labels);
+    CHECK(u8 == 6 * 64 * 1 + labels);
+    CHECK((u8 - labels) * 4 == fp32 - labels);
+  }
+}
+
+TEST_CASE("host link: without I/O tiles stage 0 waits for every copy; with them the copies overlap compute") {
+  const auto d = std::chrono::milliseconds(4);  // the copy of one micro-batch, and the compute
+  const std::size_t batch_bytes = 64 * 4 + 4 * sizeof(std::int32_t);
+  constexpr std::uint64_t kMicroBatches = 10;
+  auto run_with = [&](std::uint32_t io_tiles) {
+    DeviceGroup devices(2, kRoomy);
+    PipelineConfig cfg;
+    cfg.training = false;
+    cfg.gradient_accumulation = kMicroBatches;
+    cfg.host_link = LinkModel::taking(d, batch_bytes);
+    cfg.io_tiles = io_tiles;
+    cfg.prefetch_depth = 2;
+    Pipeline pipe(devices, cfg, busy(2, d));
+    InfeedQueue<Batch> infeed(InfeedConfig{1, kMicroBatches, 1});
+    feed_typed(infeed, kMicroBatches, DType::kFloat32);
+    const PipelineResult r = pipe.run(infeed, 1);
+    REQUIRE(r.completed());
+    CHECK(r.host_bytes_in == kMicroBatches * batch_bytes);
+    return r;
+  };
+  const PipelineResult serial = run_with(0);
+  CHECK(serial.host_wait >= kMicroBatches * d * 0.95);  // each copy waited out in full
+  CHECK(serial.elapsed >= kMicroBatches * 2 * d * 0.95);
+  const PipelineResult overlapped = run_with(2);
+  // The first copy is waited for; the others ran while the device computed.
+  CHECK(overlapped.host_wait < kMicroBatches * d / 2);
+  // The I/O tiles' memory is in the plan: 2 tiles x 64 KiB on each device.
+  DeviceGroup devices(2, kRoomy);
+  PipelineConfig cfg;
+  cfg.io_tiles = 2;
+  cfg.gradient_accumulation = 3;
+  Pipeline pipe(devices, cfg, probes(2));
+  for (const DeviceMemory& dm : pipe.memory().devices) CHECK(dm.category(MemoryCategory::kIoTiles) == 2 * 64 * 1024);
+}
+
+TEST_CASE("host link: synthetic data makes no host copies and reads one micro-batch per replica") {
+  DeviceGroup devices(2, kRoomy);
+  PipelineConfig cfg;
+  cfg.gradient_accumulation = 3;
+  cfg.synthetic_data = true;
+  cfg.host_link = LinkModel::taking(std::chrono::milliseconds(50), 1);  // would take seconds
+  Pipeline pipe(devices, cfg, probes(2));
+  InfeedQueue<Batch> infeed(InfeedConfig{1, 10, 1});
+  feed_typed(infeed, 10, DType::kFloat32);
+  OutfeedQueue<std::vector<float>> out(OutfeedConfig{1, OutputMode::all(), 0});
+  const PipelineResult r = pipe.run(infeed, 3, &out);
+  REQUIRE(r.completed());
+  CHECK(r.iterations == 3);
+  CHECK(r.host_bytes_in == 0);
+  CHECK(r.host_bytes_out == 0);
+  CHECK(r.elapsed < std::chrono::milliseconds(500));  // 9 micro-batches x 50 ms each if copied
+  CHECK(out.drain().size() == 9);
+  // One micro-batch was read; the other 9 are still in the lane.
+  auto reader = infeed.reader(0);
+  std::uint64_t left = 0;
+  for (Batch b; reader.try_pop(b);) ++left;
+  CHECK(left == 9);
+}
+
+TEST_CASE("host link: I/O tiles that cannot hold prefetch_depth micro-batches, and bad settings, are errors") {
+  DeviceGroup devices(2, DeviceConfig{64, 1024});
+  PipelineConfig cfg;
+  cfg.gradient_accumulation = 3;
+  cfg.io_tiles = 2;  // 2 KiB
+  cfg.prefetch_depth = 8;
+  Pipeline pipe(devices, cfg, probes(2, [](Probe& p) { p.saved = 4; }));
+  InfeedQueue<Batch> infeed(InfeedConfig{1, 3, 1});
+  feed_typed(infeed, 3, DType::kFloat32);  // 272 bytes x 8 > 2 KiB
+  try {
+    pipe.run(infeed, 1);
+    FAIL("no error");
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    CAPTURE(what);
+    CHECK(what.find("cannot hold prefetch_depth 8") != std::string::npos);
+    CHECK(what.find("raise io_tiles") != std::string::npos);
+  }
+  PipelineConfig odd;
+  odd.io_tiles = 3;
+  CHECK_THROWS_WITH_AS(Pipeline(devices, odd, probes(1)), doctest::Contains("io_tiles = 3"), Error);
+  PipelineConfig all;
+  all.io_tiles = 64;
+  CHECK_THROWS_WITH_AS(Pipeline(devices, all, probes(1)), doctest::Contains("must be below the tiles"), Error);
+  PipelineConfig deep;
+  deep.prefetch_depth = 0;
+  CHECK_THROWS_WITH_AS(Pipeline(devices, deep, probes(1)), doctest::Contains("prefetch_depth = 0"), Error);
+}
+
+TEST_SUITE_END();

@@ -97,6 +97,19 @@ TEST_CASE("options: precision reaches the pipeline config, and a bad one is refu
   CHECK(o.precision().loss_scaling == 128.0f);  // not stored
 }
 
+TEST_CASE("options: I/O tiles, prefetch depth and synthetic data reach the pipeline config") {
+  Options o;
+  o.io_tiles(32).prefetch_depth(3).infeed_capacity(8).synthetic_data(true);
+  const PipelineConfig p = PipelineConfig::from(o);
+  CHECK(p.io_tiles == 32);
+  CHECK(p.prefetch_depth == 3);
+  CHECK(p.synthetic_data);
+  const PipelineConfig d = PipelineConfig::from(Options{});
+  CHECK(d.io_tiles == 0);
+  CHECK(d.prefetch_depth == Options{}.prefetch_depth());
+  CHECK_FALSE(d.synthetic_data);
+}
+
 TEST_CASE("options: one client thread each side, said once") {
   Options o;
   CHECK(o.infeed_config().producer_type == ProducerType::kMulti);  // defaults: shared

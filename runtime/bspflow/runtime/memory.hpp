@@ -55,14 +55,20 @@ enum class MemoryCategory : std::uint8_t {
   kActivationStash,  // what each stage keeps between a forward and its backward pass
   kExchange,         // activation and gradient buffers between devices
   kWorking,          // what a stage needs while a pass runs (declared by the stage)
+  kIoTiles,          // the I/O tiles' memory (PipelineConfig::io_tiles x bytes per tile)
 };
-// "parameters", "optimiser state", "gradients", "activation stash", "exchange", "working".
-// Any thread. Never blocks, never allocates, never throws.
+// "parameters", "optimiser state", "gradients", "activation stash", "exchange", "working",
+// "I/O tiles". Any thread. Never blocks, never allocates, never throws.
 const char* to_string(MemoryCategory c) noexcept;
-inline constexpr std::size_t kMemoryCategories = 6;
+inline constexpr std::size_t kMemoryCategories = 7;
 
-enum class Liveness : std::uint8_t { kAlways, kCompute, kUpdate };
-// "always live", "compute phase", "update phase". Never blocks, never allocates, never throws.
+// When a tensor is live: the whole run; the compute phase of a step (across passes: the
+// activation stash); only while its own stage's pass runs (working memory, this
+// micro-batch's gradients: stages sharing a device need the largest, not the sum); the
+// update phase.
+enum class Liveness : std::uint8_t { kAlways, kCompute, kPass, kUpdate };
+// "always live", "compute phase", "during its stage's passes", "update phase". Never blocks,
+// never allocates, never throws.
 const char* to_string(Liveness l) noexcept;
 
 // One tensor a device holds. A plain value type.
@@ -73,18 +79,26 @@ struct TensorMemory {
   std::size_t bytes = 0;
   std::uint32_t stage = 0;
   std::uint32_t replica = 0;
+  // A device buffer the programs copy between (bsp exchange), held as itself rather than
+  // as a named block.
+  bool device_buffer = false;
 };
 
 // One device's tensors. A plain value type; every member: any thread, never blocks, never
 // throws; only to_string() allocates.
 struct DeviceMemory {
   std::uint32_t device = 0;
-  std::size_t capacity = 0;             // the device's memory (tiles x bytes per tile)
+  // What the device's arena had free when the pipeline was built: its whole memory (tiles
+  // x bytes per tile) unless something else already held some.
+  std::size_t capacity = 0;
   std::vector<TensorMemory> tensors;    // largest first
 
   std::size_t always_live() const noexcept;
-  std::size_t phase(Liveness l) const noexcept;  // bytes live only in that phase
-  // Not always live: the larger of the two phases (what the peak adds to always_live()).
+  std::size_t phase(Liveness l) const noexcept;  // the bytes of the tensors with that liveness
+  // The compute phase's peak: phase(kCompute) plus the largest one stage's kPass bytes.
+  std::size_t compute_peak() const noexcept;
+  // Not always live: the larger of compute_peak() and the update phase (what the peak adds
+  // to always_live()).
   std::size_t not_always_live() const noexcept;
   std::size_t peak() const noexcept { return always_live() + not_always_live(); }
   // Bytes of one category, all phases.

@@ -188,12 +188,27 @@ struct PipelineConfig {
   bool offload_optimizer = false;
   // Activations and gradients between devices; the Engine validates both links.
   LinkModel device_link = LinkModel::device();
-  LinkModel host_link = LinkModel::host();      // optimiser state offload
+  // The host link: stage 0's micro-batches in (data and labels), the last stage's outputs
+  // out, and optimiser state offload.
+  LinkModel host_link = LinkModel::host();
+  // I/O tiles per device (0, or even and below the devices' tiles): with them the host link
+  // moves up to prefetch_depth micro-batches ahead of stage 0 (and outputs off the last
+  // stage) while the devices compute; without, stage 0 waits for each micro-batch's copy
+  // and the last stage for each output's. Their memory (io_tiles x bytes per tile) is in
+  // every device's memory plan and must hold prefetch_depth micro-batches.
+  std::uint32_t io_tiles = 0;
+  std::uint32_t prefetch_depth = 1;   // 1..255
+  // No host copies (the upper bound on throughput): stage 0 takes one micro-batch per
+  // replica from its lane when a run starts and every micro-batch of the run is a copy of
+  // it, already on the device; nothing else is read from the infeed, and nothing goes back
+  // to it on a cancel. Outputs still reach the outfeed, without link time.
+  bool synthetic_data = false;
   bool trace = false;            // also on with BSPFLOW_TRACE=FILE
 
   // Any thread. The run shape from Options (as poptorch.Options gives a model its
-  // replication factor and gradient accumulation): replicas, gradient_accumulation and
-  // precision; every other field keeps its default. The infeed, the outfeed and the DataLoader take
+  // replication factor and gradient accumulation): replicas, gradient_accumulation,
+  // precision, io_tiles, prefetch_depth and synthetic_data; every other field keeps its
+  // default. The infeed, the outfeed and the DataLoader take
   // the same Options (infeed_config(), outfeed_config(), DataLoader(options, ...)), so the
   // four agree. Never blocks, never allocates. Throws what Options::validate() throws.
   static PipelineConfig from(const Options& options);
@@ -211,7 +226,7 @@ struct PipelineConfig {
   std::uint32_t min_gradient_accumulation(std::uint32_t stages) const;
   // Any thread. Never blocks, never allocates. Throws bspflow::Error naming the field, the
   // value and what is allowed (or the fields that conflict: stages 0, replicas 0, a bad
-  // precision, K below
+  // precision, odd io_tiles, prefetch_depth outside 1..255, K below
   // min_gradient_accumulation, Interleaved with single over several stages, dataflow
   // without pipelined).
   void validate(std::uint32_t stages) const;
@@ -275,6 +290,11 @@ struct PipelineResult {
   // Per stage (replica 0): the most inputs its activation FIFO held while a forward pass
   // added one — compare with PipelinePlan::fifo_depth.
   std::vector<std::uint32_t> fifo_depth;
+  // The host link, all replicas: bytes of micro-batches in (data and labels) and of outputs
+  // out (none with synthetic data), and how long devices waited for it (stage 0 for
+  // input, the last stage for room to put outputs) — an input-bound pipeline shows here.
+  std::uint64_t host_bytes_in = 0, host_bytes_out = 0;
+  std::chrono::nanoseconds host_wait{0};
   // Never blocks, never allocates, never throws.
   bool completed() const noexcept { return status == RunStatus::kCompleted; }
 };

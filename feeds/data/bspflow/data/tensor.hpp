@@ -44,7 +44,7 @@ const char* to_string(DType t) noexcept;
 std::uint16_t to_half(float f) noexcept;
 float from_half(std::uint16_t h) noexcept;
 // The same conversions over arrays (F16C instructions where the CPU has them, else the
-// functions above: the results are identical). Any thread. Never blocks, never allocates,
+// functions above: the results are identical, except the payload bits of a NaN). Any thread. Never blocks, never allocates,
 // never throws. to_half/from_half convert min(in.size(), out.size()) values.
 void to_half(std::span<const float> in, std::span<std::uint16_t> out) noexcept;
 void from_half(std::span<const std::uint16_t> in, std::span<float> out) noexcept;
