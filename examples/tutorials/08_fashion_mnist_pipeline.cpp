@@ -8,6 +8,7 @@
 //       [--learning-rate LR] [--strategy pipelined|sharded] [--schedule grouped|interleaved|
 //       sequential] [--sync bsp|dataflow] [--eight-bit-io] [--offload-optimiser] [--trace FILE]
 //       [--precision fp32|fp16] [--loss-scaling S] [--recompute] [--memory]
+//       [--loader sync|async] [--io-tiles N]
 //       [--data-dir DIR] [--model conv|mlp]
 //
 // The model is the tutorial's network (conv 5x5 1->10, max-pool, ReLU, conv 5x5 10->20,
@@ -53,6 +54,8 @@ struct Settings {
   std::string precision = "fp32";
   float loss_scaling = 1.0f;
   bool memory = false;
+  std::string loader = "async";
+  std::uint32_t io_tiles = 0;
   std::string trace;
   std::string data_dir = bspflow::idx::kDebianFashionMnistDir;
   std::uint64_t max_steps = 0;      // per epoch; 0 = the whole epoch
@@ -106,6 +109,7 @@ bspflow::Options training_options(const Settings& st) {
       .prefetch_depth(2)
       .output_mode(bspflow::OutputMode::final())  // PopTorch's default for training
       .outfeed_capacity(0)
+      .io_tiles(st.io_tiles)
       .precision(st.precision == "fp16" ? bspflow::Precision::half(st.loss_scaling)
                                         : bspflow::Precision{bspflow::DType::kFloat32, bspflow::DType::kFloat32,
                                                              st.loss_scaling});
@@ -142,8 +146,8 @@ int run(const Settings& st) {
   lc.batch_size = st.batch;
   lc.shuffle = true;
   lc.seed = 42;
-  lc.mode = bspflow::LoaderMode::kAsync;
-  lc.num_workers = 1;
+  lc.mode = st.loader == "sync" ? bspflow::LoaderMode::kSync : bspflow::LoaderMode::kAsync;
+  lc.num_workers = st.loader == "sync" ? 0 : 1;
   if (!st.eight_bit) lc.output_dtype = bspflow::DType::kFloat32;  // widened on the host
   bspflow::DataLoader loader(opts, train, lc);
   const std::uint64_t steps = st.max_steps ? std::min(st.max_steps, loader.steps()) : loader.steps();
@@ -167,6 +171,8 @@ int run(const Settings& st) {
   Utilisation util;
   double train_seconds = 0;
   std::uint64_t trained = 0;
+  std::uint64_t link_bytes = 0;
+  std::chrono::nanoseconds link_wait{0};
   for (std::uint32_t epoch = 1; epoch <= st.epochs; ++epoch) {
     bspflow::InfeedQueue<bspflow::Batch> infeed(opts.infeed_config());
     bspflow::OutfeedQueue<std::vector<float>> outfeed(opts.outfeed_config());
@@ -188,6 +194,8 @@ int run(const Settings& st) {
         return 1;
       }
       util.add(pipe.summary());
+      link_bytes += r.host_bytes_in + r.host_bytes_out;
+      link_wait += r.host_wait;
       double l = 0, c = 0, v = 0;
       for (const auto& e : outfeed.drain()) {  // Final: the last micro-batch of each replica
         const auto h = kit::HeadOutput::from(e.value);
@@ -258,6 +266,9 @@ int run(const Settings& st) {
   std::printf("  test accuracy: %.2f%% on %.0f images (inference: batch %zu, %llu device iterations, %.0f images/s)\n",
               100 * accuracy, valid, st.test_batch, static_cast<unsigned long long>(test_iterations),
               valid / eval_seconds);
+  std::printf("  host link while training: %s moved, devices waited %.2f s for it (%s)\n",
+              bspflow::detail::format_bytes(link_bytes).c_str(), std::chrono::duration<double>(link_wait).count(),
+              st.io_tiles > 0 ? "I/O tiles: copies overlap compute" : "no I/O tiles: every copy waited for");
   std::printf("  device utilisation while training (share of time computing, from the trace summary):\n");
   for (std::size_t d = 0; d < util.names.size(); ++d) {
     std::printf("    %-10s %5.1f%%\n", util.names[d].c_str(),
@@ -295,6 +306,10 @@ int main(int argc, char** argv) {
   app.add_option("--loss-scaling", st.loss_scaling, "static loss scaling (gradients scaled before they are stored)")
       ->check(CLI::Range(1.0f, 65504.0f));
   app.add_flag("--recompute", st.recompute, "stash only stage inputs; recompute activations for the backward pass (default: off)");
+  app.add_option("--loader", st.loader, "async: a worker thread prepares batches ahead; sync: the feeding thread prepares each")
+      ->check(CLI::IsMember({"sync", "async"}));
+  app.add_option("--io-tiles", st.io_tiles, "I/O tiles per device: the host link moves micro-batches ahead while the devices compute (0: each copy is waited for)")
+      ->check(CLI::Range(0u, 1024u));
   app.add_flag("--memory", st.memory, "print the memory report of every device (default: the peak only)");
   app.add_option("--trace", st.trace, "write the last training step's trace (Chrome JSON) here (default: none)");
   app.add_option("--data-dir", st.data_dir, "Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)");
