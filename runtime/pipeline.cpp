@@ -203,8 +203,14 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
   // Sync groups: the stages of one replica (every cycle), and the copies of one stage
   // across replicas (the all-reduce).
   if (config.strategy != ExecutionStrategy::kSingle) {
-    for (std::uint32_t r = 0; r < config.replicas; ++r) im.replica_groups.push_back(std::make_shared<SyncGroup>(n));
-    for (std::uint32_t s = 0; s < n; ++s) im.reduce_groups.push_back(std::make_shared<SyncGroup>(config.replicas));
+    // With a device mapping the devices of a replica, not its stages, sync.
+    const std::uint32_t per_replica = config.devices_per_replica(n);
+    for (std::uint32_t r = 0; r < config.replicas; ++r) {
+      im.replica_groups.push_back(std::make_shared<SyncGroup>(per_replica));
+    }
+    for (std::uint32_t d = 0; d < per_replica; ++d) {
+      im.reduce_groups.push_back(std::make_shared<SyncGroup>(config.replicas));
+    }
   } else {
     im.reduce_groups.push_back(std::make_shared<SyncGroup>(config.replicas));
   }

@@ -67,12 +67,11 @@ void Pipeline::Impl::forward_handed_off(StageRun& sr, std::uint64_t i, std::span
   if (!last && ok) sr.fwd_out->publish();
 }
 
-Program Pipeline::Impl::compile_device_of_pipeline(StageRun& sr, std::uint64_t steps) {
+std::vector<Program> Pipeline::Impl::stage_passes(StageRun& sr) {
   StageRun* st = &sr;
   const std::uint32_t n = stages;
   const bool first = sr.s == 0, last = sr.s + 1 == n;
   const bool bsp = config.sync == SyncMode::kBsp;
-  const std::uint64_t cycles = plan.cycles();
   const PipelinePlan* p = &plan;
   const std::string name = sr.stage->name();
   std::vector<Program> body;
@@ -122,33 +121,57 @@ Program Pipeline::Impl::compile_device_of_pipeline(StageRun& sr, std::uint64_t s
         })));
   }
 
-  if (bsp && n > 1) {
-    body.emplace_back(program::Sync(replica_groups[sr.r]));
-    // Exchange: pull what the neighbours produced this cycle (by parity) into our inputs.
-    if (!first) {
-      const StageRun& prev = run_of(sr.r, sr.s - 1);
-      for (std::uint64_t parity = 0; parity < 2; ++parity) {
-        body.push_back(when(
-            [st, p, parity](const ComputeContext&) {
-              return st->cycle % 2 == parity && p->at(st->s - 1, st->cycle).forward >= 0;
-            },
-            program::Copy(prev.out_fwd[parity], sr.in_fwd)));
-      }
-    }
-    if (!last && config.training) {
-      const StageRun& next = run_of(sr.r, sr.s + 1);
-      for (std::uint64_t parity = 0; parity < 2; ++parity) {
-        body.push_back(when(
-            [st, p, parity](const ComputeContext&) {
-              return st->cycle % 2 == parity && p->at(st->s + 1, st->cycle).backward >= 0;
-            },
-            program::Copy(next.out_bwd[parity], sr.in_bwd)));
-      }
+  return body;
+}
+
+// bsp: one stage's exchange after the cycle's sync — pull what its neighbours produced
+// this cycle (by parity) into its inputs (a local copy when they share its device).
+std::vector<Program> Pipeline::Impl::stage_exchange(StageRun& sr) {
+  StageRun* st = &sr;
+  const std::uint32_t n = stages;
+  const bool first = sr.s == 0, last = sr.s + 1 == n;
+  const PipelinePlan* p = &plan;
+  std::vector<Program> body;
+  // Exchange: pull what the neighbours produced this cycle (by parity) into our inputs.
+  if (!first) {
+    const StageRun& prev = run_of(sr.r, sr.s - 1);
+    for (std::uint64_t parity = 0; parity < 2; ++parity) {
+      body.push_back(when(
+          [st, p, parity](const ComputeContext&) {
+            return st->cycle % 2 == parity && p->at(st->s - 1, st->cycle).forward >= 0;
+          },
+          program::Copy(prev.out_fwd[parity], sr.in_fwd)));
     }
   }
+  if (!last && config.training) {
+    const StageRun& next = run_of(sr.r, sr.s + 1);
+    for (std::uint64_t parity = 0; parity < 2; ++parity) {
+      body.push_back(when(
+          [st, p, parity](const ComputeContext&) {
+            return st->cycle % 2 == parity && p->at(st->s + 1, st->cycle).backward >= 0;
+          },
+          program::Copy(next.out_bwd[parity], sr.in_bwd)));
+    }
+  }
+  return body;
+}
 
-  Program cycle_loop = counted(st, &StageRun::cycle, cycles, program::Sequence(std::move(body)));
-  return program::Repeat(outer_trips(steps), program::Sequence{cycle_loop, step_end({st}, reduce_groups[sr.s])});
+Program Pipeline::Impl::compile_device_of_pipeline(const std::vector<StageRun*>& on_device, std::uint64_t steps) {
+  StageRun* head = on_device.front();
+  const std::uint32_t n = stages;
+  std::vector<Program> body;
+  for (StageRun* st : on_device) {
+    for (Program& pass : stage_passes(*st)) body.push_back(std::move(pass));
+  }
+  if (config.sync == SyncMode::kBsp && n > 1) {
+    if (config.devices_per_replica(n) > 1) body.emplace_back(program::Sync(replica_groups[head->r]));
+    for (StageRun* st : on_device) {
+      for (Program& copy : stage_exchange(*st)) body.push_back(std::move(copy));
+    }
+  }
+  Program cycle_loop = counted(on_device, &StageRun::cycle, plan.cycles(), program::Sequence(std::move(body)));
+  return program::Repeat(outer_trips(steps),
+                         program::Sequence{cycle_loop, step_end(on_device, reduce_groups[slot_of(*head)])});
 }
 
 // Inference over one device per stage. bsp: a cycle is forward, sync, exchange, as in
@@ -159,99 +182,109 @@ Program Pipeline::Impl::compile_device_of_pipeline(StageRun& sr, std::uint64_t s
 // t+N-1; when stage 0 finds the end in cycle e, every stage runs through cycle e+N-2 and
 // stops, so each one passes the same number of syncs. dataflow: stage 0 closes its
 // hand-off at the end and each stage passes the close on once it has drained its input.
-Program Pipeline::Impl::compile_inference(StageRun& sr) {
+Program Pipeline::Impl::compile_dataflow_inference(StageRun& sr) {
   StageRun* st = &sr;
-  StageRun* head = &run_of(sr.r, 0);
   const std::uint32_t n = stages;
   const bool first = sr.s == 0, last = sr.s + 1 == n;
   const std::string name = sr.stage->name();
-
-  if (config.sync == SyncMode::kDataflow) {
-    Program pass = program::Execute(name + " forward", [this, st, first, last](const ComputeContext& ctx) {
-      std::uint64_t i = 0;
-      std::span<const float> in;
-      if (first) {
-        const Take t = take(*st, ctx.stop, /*block=*/true);
-        if (t == Take::kStopped) return;
-        if (t == Take::kEnd) {
-          st->ended = st->done = true;
-          if (!last) st->fwd_out->close();
-          return;
-        }
-        i = st->taken - 1;
-      } else {
-        // About to wait for input: hand over the responses held here first.
-        if (last && st->writer != nullptr && st->fwd_in->try_front() == nullptr) st->writer->flush(ctx.stop);
-        const std::vector<float>* m = st->fwd_in->front(st->wait, *ctx.stop);
-        if (m == nullptr) {
-          if (st->fwd_in->closed_and_drained()) {
-            st->done = true;
-            if (!last) st->fwd_out->close();
-          }
-          return;
-        }
-        in = *m;
-        i = st->micro_batch++;  // messages arrive in the order stage 0 took them
-      }
-      forward_handed_off(*st, i, in, ctx.stop);
-    });
-    return program::RepeatWhile([st](const ComputeContext&) { return !st->done; }, std::move(pass));
-  }
-
-  std::vector<Program> body;
-  body.push_back(program::Execute(name + " forward", [this, st, first, last, n](const ComputeContext& ctx) {
-    const std::uint64_t c = st->cycle;
-    std::int64_t id = -1;
+  Program pass = program::Execute(name + " forward", [this, st, first, last](const ComputeContext& ctx) {
+    std::uint64_t i = 0;
+    std::span<const float> in;
     if (first) {
-      if (!st->ended) {
-        // Block only when nothing taken still needs a sync to move on: the latest take
-        // left the last stage at cycle last_take+N-1 and its response was handed over
-        // after that cycle's exchange.
-        const bool in_flight = st->taken > 0 && c - st->last_take < n;
-        const Take t = take(*st, ctx.stop, !in_flight);
-        if (t == Take::kStopped) return;
-        if (t == Take::kGot) {
-          id = static_cast<std::int64_t>(st->taken - 1);
-          st->last_take = c;
-        } else if (t == Take::kEnd) {
-          st->ended = true;
-          st->end_cycle.store(c, std::memory_order_relaxed);  // see StageRun::end_cycle
+      const Take t = take(*st, ctx.stop, /*block=*/true);
+      if (t == Take::kStopped) return;
+      if (t == Take::kEnd) {
+        st->ended = st->done = true;
+        if (!last) st->fwd_out->close();
+        return;
+      }
+      i = st->taken - 1;
+    } else {
+      // About to wait for input: hand over the responses held here first.
+      if (last && st->writer != nullptr && st->fwd_in->try_front() == nullptr) st->writer->flush(ctx.stop);
+      const std::vector<float>* m = st->fwd_in->front(st->wait, *ctx.stop);
+      if (m == nullptr) {
+        if (st->fwd_in->closed_and_drained()) {
+          st->done = true;
+          if (!last) st->fwd_out->close();
+        }
+        return;
+      }
+      in = *m;
+      i = st->micro_batch++;  // messages arrive in the order stage 0 took them
+    }
+    forward_handed_off(*st, i, in, ctx.stop);
+  });
+  return program::RepeatWhile([st](const ComputeContext&) { return !st->done; }, std::move(pass));
+}
+
+Program Pipeline::Impl::compile_inference(const std::vector<StageRun*>& on_device) {
+  if (config.sync == SyncMode::kDataflow) return compile_dataflow_inference(*on_device.front());
+  StageRun* head = &run_of(on_device.front()->r, 0);
+  const std::uint32_t n = stages;
+  std::vector<Program> body;
+  for (StageRun* st : on_device) {
+    const bool first = st->s == 0, last = st->s + 1 == n;
+    body.push_back(program::Execute(st->stage->name() + " forward", [this, st, first, last, n](const ComputeContext& ctx) {
+      const std::uint64_t c = st->cycle;
+      std::int64_t id = -1;
+      if (first) {
+        if (!st->ended) {
+          // Block only when nothing taken still needs a sync to move on: the latest take
+          // left the last stage at cycle last_take+N-1 and its response was handed over
+          // after that cycle's exchange.
+          const bool in_flight = st->taken > 0 && c - st->last_take < n;
+          const Take t = take(*st, ctx.stop, !in_flight);
+          if (t == Take::kStopped) return;
+          if (t == Take::kGot) {
+            id = static_cast<std::int64_t>(st->taken - 1);
+            st->last_take = c;
+          } else if (t == Take::kEnd) {
+            st->ended = true;
+            st->end_cycle.store(c, std::memory_order_relaxed);  // see StageRun::end_cycle
+          }
+        }
+      } else {
+        id = st->in_id;
+      }
+      st->out_id[c % 2] = id;
+      if (id < 0) return;  // a bubble
+      const auto i = static_cast<std::uint64_t>(id);
+      forward_exchanged(*st, i, c, ctx.stop);
+    }));
+  }
+  if (n > 1) {
+    if (config.devices_per_replica(n) > 1) body.emplace_back(program::Sync(replica_groups[head->r]));
+    for (StageRun* st : on_device) {
+      const bool first = st->s == 0, last = st->s + 1 == n;
+      const std::string name = st->stage->name();
+      if (!first) {
+        StageRun* prev = &run_of(st->r, st->s - 1);
+        for (std::uint64_t parity = 0; parity < 2; ++parity) {
+          body.push_back(when(
+              [st, prev, parity](const ComputeContext&) {
+                if (st->cycle % 2 != parity) return false;
+                st->in_id = prev->out_id[parity];
+                return st->in_id >= 0;
+              },
+              program::Copy(prev->out_fwd[parity], st->in_fwd)));
         }
       }
-    } else {
-      id = st->in_id;
-    }
-    st->out_id[c % 2] = id;
-    if (id < 0) return;  // a bubble
-    const auto i = static_cast<std::uint64_t>(id);
-    forward_exchanged(*st, i, c, ctx.stop);
-  }));
-  if (n > 1) {
-    body.emplace_back(program::Sync(replica_groups[sr.r]));
-    if (!first) {
-      StageRun* prev = &run_of(sr.r, sr.s - 1);
-      for (std::uint64_t parity = 0; parity < 2; ++parity) {
-        body.push_back(when(
-            [st, prev, parity](const ComputeContext&) {
-              if (st->cycle % 2 != parity) return false;
-              st->in_id = prev->out_id[parity];
-              return st->in_id >= 0;
-            },
-            program::Copy(prev->out_fwd[parity], sr.in_fwd)));
+      if (last && st->writer != nullptr) {
+        // Nothing arrives for the next cycle: this device would idle at the sync, so the
+        // responses it holds go to the host now.
+        body.push_back(when([st](const ComputeContext&) { return st->in_id < 0; },
+                            program::Execute(name + " hand over", [st](const ComputeContext& ctx) {
+                              st->writer->flush(ctx.stop);
+                            })));
       }
-    }
-    if (last && sr.writer != nullptr) {
-      // Nothing arrives for the next cycle: this device would idle at the sync, so the
-      // responses it holds go to the host now.
-      body.push_back(when([st](const ComputeContext&) { return st->in_id < 0; },
-                          program::Execute(name + " hand over", [st](const ComputeContext& ctx) {
-                            st->writer->flush(ctx.stop);
-                          })));
     }
   }
   return program::RepeatWhile(
-      [st, head, n](const ComputeContext&) {
+      [on_device, head, n](const ComputeContext&) {
+        StageRun* st = on_device.front();
         st->cycle = st->next_cycle++;
+        for (StageRun* other : on_device) other->cycle = st->cycle;
         const std::uint64_t e = head->end_cycle.load(std::memory_order_relaxed);
         return e == StageRun::kNever || st->cycle + 1 < e + n;
       },
@@ -322,12 +355,20 @@ std::vector<Program> Pipeline::Impl::compile(std::uint64_t steps) {
     if (config.strategy == ExecutionStrategy::kSingle) {
       for (std::uint32_t r = 0; r < config.replicas; ++r) programs[r] = compile_single_inference(r);
     } else {
-      for (auto& sr : runs) programs[device_of(sr->r, sr->s)] = compile_inference(*sr);
+      for (std::uint32_t r = 0; r < config.replicas; ++r) {
+        for (std::uint32_t slot = 0; slot < config.devices_per_replica(stages); ++slot) {
+          programs[device_of(r, 0) + slot] = compile_inference(on_device(r, slot));
+        }
+      }
     }
   } else if (config.strategy == ExecutionStrategy::kSingle) {
     for (std::uint32_t r = 0; r < config.replicas; ++r) programs[r] = compile_single(r, steps);
   } else {
-    for (auto& sr : runs) programs[device_of(sr->r, sr->s)] = compile_device_of_pipeline(*sr, steps);
+    for (std::uint32_t r = 0; r < config.replicas; ++r) {
+      for (std::uint32_t slot = 0; slot < config.devices_per_replica(stages); ++slot) {
+        programs[device_of(r, 0) + slot] = compile_device_of_pipeline(on_device(r, slot), steps);
+      }
+    }
   }
   return programs;
 }

@@ -45,8 +45,13 @@ PipelineConfig PipelineConfig::from(const Options& options) {
   return c;
 }
 
+std::uint32_t PipelineConfig::devices_per_replica(std::uint32_t stages) const {
+  if (strategy == ExecutionStrategy::kSingle) return 1;
+  return device_mapping.empty() ? stages : device_mapping.back() + 1;
+}
+
 std::uint32_t PipelineConfig::devices_needed(std::uint32_t stages) const {
-  return strategy == ExecutionStrategy::kSingle ? replicas : stages * replicas;
+  return devices_per_replica(stages) * replicas;
 }
 
 PipelineSchedule PipelineConfig::effective_schedule() const {
@@ -86,6 +91,31 @@ void PipelineConfig::validate(std::uint32_t stages) const {
     throw Error(std::string("sync mode dataflow hands activations between concurrently running "
                             "stages; it applies to strategy pipelined, not ") +
                 to_string(strategy) + " (use sync mode bsp)");
+  }
+  if (!device_mapping.empty()) {
+    if (device_mapping.size() != stages) {
+      throw Error("device_mapping has " + std::to_string(device_mapping.size()) + " entries for " +
+                  std::to_string(stages) + " stages: it needs one per stage (the device of each)");
+    }
+    if (device_mapping.front() != 0) {
+      detail::throw_bad_value("device_mapping[0]", device_mapping.front(), "must be 0 (the replica's first device)");
+    }
+    for (std::size_t s = 1; s < device_mapping.size(); ++s) {
+      const std::uint32_t prev = device_mapping[s - 1], here = device_mapping[s];
+      if (here != prev && here != prev + 1) {
+        detail::throw_bad_value("device_mapping[" + std::to_string(s) + "]", here,
+                                "must be " + std::to_string(prev) + " or " + std::to_string(prev + 1) +
+                                    ": consecutive stages share a device or move to the next one");
+      }
+    }
+    if (strategy == ExecutionStrategy::kSingle) {
+      throw Error("device_mapping places stages on several devices, but strategy single puts all stages "
+                  "of a replica on one device: use strategy pipelined or sharded, or no mapping");
+    }
+    if (sync == SyncMode::kDataflow) {
+      throw Error("device_mapping with sync mode dataflow is not supported: a device running two stages "
+                  "would wait on a hand-off only its other stage can fill; use sync mode bsp");
+    }
   }
   const std::uint32_t min = min_gradient_accumulation(stages);
   if (gradient_accumulation < min) {

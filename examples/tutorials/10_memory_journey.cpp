@@ -182,7 +182,11 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(std::size_t{bspflow::tunables::kArenaAlignment}, bspflow::tunables::kMaxBytesPerTile));
   app.add_option("--steps", st.steps, "timed training steps per configuration")->check(CLI::Range(1, 100000));
   app.add_flag("--quiet", st.quiet, "shorter memory reports");
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;  // --help: 0; an unknown or bad argument: 2
+  }
   try {
     return run(st);
   } catch (const std::exception& e) {

@@ -161,7 +161,16 @@ struct Pipeline::Impl {
 
   StageRun& run_of(std::uint32_t r, std::uint32_t s) { return *runs[r * stages + s]; }
   std::uint32_t device_of(std::uint32_t r, std::uint32_t s) const {
-    return config.strategy == ExecutionStrategy::kSingle ? r : r * stages + s;
+    if (config.strategy == ExecutionStrategy::kSingle) return r;
+    return r * config.devices_per_replica(stages) + (config.device_mapping.empty() ? s : config.device_mapping[s]);
+  }
+  // A replica's stages on its device `slot` (0 .. devices_per_replica - 1), in order.
+  std::vector<StageRun*> on_device(std::uint32_t r, std::uint32_t slot) {
+    std::vector<StageRun*> out;
+    for (std::uint32_t s = 0; s < stages; ++s) {
+      if (device_of(r, s) == device_of(r, 0) + slot) out.push_back(&run_of(r, s));
+    }
+    return out;
   }
   std::uint64_t k() const noexcept { return config.gradient_accumulation; }
 
@@ -243,27 +252,48 @@ struct Pipeline::Impl {
   // wait for: one trip through all steps x K micro-batches, so the pipeline fills once.
   std::uint64_t outer_trips(std::uint64_t steps) const { return config.training ? steps : 1; }
   std::vector<Program> compile(std::uint64_t steps);
-  Program compile_device_of_pipeline(StageRun& sr, std::uint64_t steps);
+  // Training, pipelined or sharded: one device's program for the stages it runs (one, or
+  // several consecutive ones with a device mapping), every cycle each stage's passes, then
+  // one sync and each stage's exchange.
+  Program compile_device_of_pipeline(const std::vector<StageRun*>& on_device, std::uint64_t steps);
+  // One stage's passes in a cycle (forward, then backward in training; bsp through its
+  // exchange buffers, dataflow through its hand-offs).
+  std::vector<Program> stage_passes(StageRun& sr);
+  // bsp: one stage's exchange after the cycle's sync.
+  std::vector<Program> stage_exchange(StageRun& sr);
+  // The device slot (0 .. devices_per_replica - 1) of a stage within its replica.
+  std::uint32_t slot_of(const StageRun& sr) const { return device_of(sr.r, sr.s) - device_of(sr.r, 0); }
   Program compile_single(std::uint32_t replica, std::uint64_t steps);
   // Inference: stage 0 takes micro-batches as they arrive (up to plan.micro_batches) and the
   // run ends when the infeed ends, after everything taken has been answered. bsp runs
   // bubble cycles while micro-batches are in flight and waits for input only when the
   // pipeline is empty; the last stage hands its responses over before it would idle.
-  Program compile_inference(StageRun& sr);
+  Program compile_inference(const std::vector<StageRun*>& on_device);
+  // dataflow inference: one stage per device.
+  Program compile_dataflow_inference(StageRun& sr);
   Program compile_single_inference(std::uint32_t replica);
   Program step_end(const std::vector<StageRun*>& on_device, const std::shared_ptr<SyncGroup>& group);
   // `limit` trips of `body` per step; the condition keeps the trip in st->*trip (and the
   // step, from the outermost Repeat, at trip 0).
-  static Program counted(StageRun* st, std::uint64_t StageRun::*trip, std::uint64_t limit, Program body) {
+  // With several stages on the device, the first counts and the others follow.
+  static Program counted(std::vector<StageRun*> sts, std::uint64_t StageRun::*trip, std::uint64_t limit,
+                         Program body) {
     return program::RepeatWhile(
-        [st, trip, limit](const ComputeContext& ctx) {
+        [sts, trip, limit](const ComputeContext& ctx) {
+          StageRun* st = sts.front();
           st->*trip = st->next_cycle++;
-          if (st->*trip == 0) st->step = ctx.iteration;
+          for (StageRun* other : sts) {
+            other->*trip = st->*trip;
+            if (st->*trip == 0) other->step = ctx.iteration;
+          }
           if (st->*trip < limit) return true;
           st->next_cycle = 0;
           return false;
         },
         std::move(body));
+  }
+  static Program counted(StageRun* st, std::uint64_t StageRun::*trip, std::uint64_t limit, Program body) {
+    return counted(std::vector<StageRun*>{st}, trip, limit, std::move(body));
   }
   std::vector<std::shared_ptr<SyncGroup>> replica_groups, reduce_groups;
 };

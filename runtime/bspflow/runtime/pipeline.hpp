@@ -22,8 +22,9 @@
 // Terms. A device iteration (PopTorch's deviceIterations; a "step") is gradient_accumulation
 // (K) micro-batches per replica and one weight update; run(infeed, device_iterations) is the
 // host call. Stage s of replica r runs
-// on device r * N + s of the group (pipelined, sharded), or all N stages of replica r on
-// device r (single).
+// on device r * D + device_mapping[s] of the group, D the devices per replica (pipelined,
+// sharded; without a mapping D = N and stage s is on device r * N + s), or all N stages of
+// replica r on device r (single).
 //
 // Schedules (training; stage s of N, micro-batch i of K, one compute-sync-exchange cycle
 // per time step; the FIFO holds the inputs a stage keeps for its backward passes):
@@ -180,6 +181,12 @@ struct PipelineConfig {
   MeanStyle mean = MeanStyle::kPost;
   std::uint32_t replicas = 1;    // >= 1
   bool training = true;          // false: inference, forward passes only
+  // Device mapping (PopTorch's Stage/Block placement on IPUs): stage s of a replica runs on
+  // that replica's device device_mapping[s]. Consecutive stages may share a device, which
+  // then runs their passes one after another in each cycle (their exchange is a local
+  // copy). Empty (the default): stage s on device s. One entry per stage, starting at 0 and
+  // rising by 0 or 1 from one stage to the next; strategy pipelined or sharded, bsp sync.
+  std::vector<std::uint32_t> device_mapping;
   bool recompute = false;        // keep only stage inputs; recompute the rest for backward
   // How tensors are stored (fp32 or fp16) and accumulated, and static loss scaling.
   Precision precision{};
@@ -213,9 +220,12 @@ struct PipelineConfig {
   // four agree. Never blocks, never allocates. Throws what Options::validate() throws.
   static PipelineConfig from(const Options& options);
 
-  // Any thread. Devices the strategy needs for `stages` stages: stages x replicas
-  // (single: replicas). Never blocks, never allocates, never throws.
+  // Any thread. Devices the strategy needs for `stages` stages: devices_per_replica x
+  // replicas. Never blocks, never allocates, never throws.
   std::uint32_t devices_needed(std::uint32_t stages) const;
+  // Any thread. Devices one replica's stages use: single 1; else the device mapping's
+  // last entry + 1 (without one: stages). Never blocks, never allocates, never throws.
+  std::uint32_t devices_per_replica(std::uint32_t stages) const;
   // Any thread. The schedule actually used (sharded and single: Sequential). Never blocks,
   // never allocates, never throws.
   PipelineSchedule effective_schedule() const;
@@ -226,7 +236,9 @@ struct PipelineConfig {
   std::uint32_t min_gradient_accumulation(std::uint32_t stages) const;
   // Any thread. Never blocks, never allocates. Throws bspflow::Error naming the field, the
   // value and what is allowed (or the fields that conflict: stages 0, replicas 0, a bad
-  // precision, odd io_tiles, prefetch_depth outside 1..255, K below
+  // precision, odd io_tiles, prefetch_depth outside 1..255, a device mapping of the wrong
+  // length, not starting at 0, skipping or going back, or with strategy single or dataflow
+  // sync, K below
   // min_gradient_accumulation, Interleaved with single over several stages, dataflow
   // without pipelined).
   void validate(std::uint32_t stages) const;
