@@ -266,6 +266,7 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
     sr.copies_in = sr.copies_out = sr.bytes_in = sr.bytes_out = 0;
     sr.host_wait = std::chrono::nanoseconds{0};
     sr.synthetic_ready = false;
+    sr.polled_empty = false;
   }
   for (auto& h : im.handoffs) h->reset();
   auto detach = [&](bool deliver) {

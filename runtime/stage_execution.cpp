@@ -216,18 +216,24 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
 Pipeline::Impl::Take Pipeline::Impl::take(StageRun& sr, const detail::StopFlag* stop, bool block) {
   if (sr.taken >= plan.micro_batches) return Take::kEnd;
   Batch& slot = (*sr.batches)[sr.taken % sr.batches->size()];
-  bool waited = false;
-  if (!pop_input(sr, slot, /*block=*/false, stop, waited)) {
+  // Whether the lane was found empty since the last take: then this micro-batch arrived
+  // after that, and its copy cannot have started earlier (host_in's `waited`).
+  bool waited = sr.polled_empty;
+  bool blocked = false;
+  if (!pop_input(sr, slot, /*block=*/false, stop, blocked)) {
     if (sr.reader->at_end()) return Take::kEnd;
+    sr.polled_empty = true;
     if (!block) return Take::kNone;
     // About to wait for input: responses this device holds go to the host first (with
     // one stage per device, the last stage is elsewhere and hands over its own).
     StageRun& last = run_of(sr.r, stages - 1);
     if (last.device == sr.device && last.writer != nullptr) last.writer->flush(stop);
-    if (!pop_input(sr, slot, /*block=*/true, stop, waited)) {
+    if (!pop_input(sr, slot, /*block=*/true, stop, blocked)) {
       return sr.reader->end_of_data() ? Take::kEnd : Take::kStopped;
     }
+    waited = true;
   }
+  sr.polled_empty = false;
   ++sr.taken;  // taken: a stop while its copy runs gives it back with the others
   if (!host_in(sr, slot, waited, stop)) return Take::kStopped;
   return Take::kGot;

@@ -8,7 +8,7 @@
 //       [--learning-rate LR] [--strategy pipelined|sharded] [--schedule grouped|interleaved|
 //       sequential] [--sync bsp|dataflow] [--eight-bit-io] [--offload-optimiser] [--trace FILE]
 //       [--precision fp32|fp16] [--loss-scaling S] [--recompute] [--memory]
-//       [--loader sync|async] [--io-tiles N]
+//       [--loader sync|async] [--io-tiles N] [--device-mapping 0,0,1,2]
 //       [--data-dir DIR] [--model conv|mlp]
 //
 // The model is the tutorial's network (conv 5x5 1->10, max-pool, ReLU, conv 5x5 10->20,
@@ -46,6 +46,7 @@ struct Settings {
   std::string model = "conv";
   float lr = 0.001f;
   std::string strategy = "pipelined";
+  std::vector<std::uint32_t> device_mapping;  // empty: stage s on device s
   std::string schedule = "grouped";
   std::string sync = "bsp";
   bool eight_bit = false;
@@ -125,6 +126,7 @@ bspflow::PipelineConfig pipeline_config(const Settings& st, const bspflow::Optio
   cfg.sync = st.sync == "dataflow" ? bspflow::SyncMode::kDataflow : bspflow::SyncMode::kBsp;
   cfg.offload_optimizer = st.offload;
   cfg.recompute = st.recompute;
+  cfg.device_mapping = st.device_mapping;
   cfg.trace = true;  // for the utilisation summary (costs about nothing: see device_bench)
   return cfg;
 }
@@ -138,6 +140,7 @@ int run(const Settings& st) {
 
   const bspflow::Options opts = training_options(st);
   bspflow::PipelineConfig cfg = pipeline_config(st, opts);
+  cfg.validate(kStages);  // a bad --device-mapping says so before any device is made
   bspflow::DeviceGroup devices(cfg.devices_needed(kStages));
   const kit::Model model = st.model == "mlp" ? kit::Model::kMlp : kit::Model::kConv;
   bspflow::Pipeline pipe(devices, cfg, [&](std::uint32_t) { return kit::make_model(model, kStages, st.batch, adamw); });
@@ -293,7 +296,7 @@ int main(int argc, char** argv) {
   app.add_option("--device-iterations", st.device_iterations, "steps per host call")->check(CLI::Range(1, 100000));
   app.add_option("--gradient-accumulation", st.gradient_accumulation, "micro-batches per weight update")
       ->check(CLI::Range(1, 100000));
-  app.add_option("--replicas", st.replicas, "copies of the 4-stage pipeline (4 devices each)")->check(CLI::Range(1, 16));
+  app.add_option("--replicas", st.replicas, "copies of the 4-stage pipeline (4 devices each, or as --device-mapping says)")->check(CLI::Range(1, 16));
   app.add_option("--epochs", st.epochs, "passes over the 60000 training images")->check(CLI::Range(1, 1000));
   app.add_option("--learning-rate", st.lr, "AdamW learning rate")->check(CLI::PositiveNumber);
   app.add_option("--strategy", st.strategy, "execution strategy")->check(CLI::IsMember({"pipelined", "sharded"}));
@@ -306,6 +309,10 @@ int main(int argc, char** argv) {
   app.add_option("--loss-scaling", st.loss_scaling, "static loss scaling (gradients scaled before they are stored)")
       ->check(CLI::Range(1.0f, 65504.0f));
   app.add_flag("--recompute", st.recompute, "stash only stage inputs; recompute activations for the backward pass (default: off)");
+  app.add_option("--device-mapping", st.device_mapping,
+                 "the device of each of the 4 stages, e.g. 0,0,1,2 (consecutive stages may share one; default: one each)")
+      ->delimiter(',')
+      ->expected(4);
   app.add_option("--loader", st.loader, "async: a worker thread prepares batches ahead; sync: the feeding thread prepares each")
       ->check(CLI::IsMember({"sync", "async"}));
   app.add_option("--io-tiles", st.io_tiles, "I/O tiles per device: the host link moves micro-batches ahead while the devices compute (0: each copy is waited for)")

@@ -90,6 +90,7 @@ struct Pipeline::Impl {
     std::uint64_t bytes_in = 0, bytes_out = 0;
     std::chrono::nanoseconds host_wait{0};
     bool synthetic_ready = false;  // synthetic data: the ring holds the run's micro-batch
+    bool polled_empty = false;     // inference, stage 0: the lane was empty at a take since the last one
     std::deque<Stashed> fifo;
     std::vector<Stashed> spare;  // recycled FIFO entries (no allocation in steady state)
     std::vector<float> grads, accum, reduced;
