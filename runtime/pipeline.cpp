@@ -34,14 +34,10 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
                 " devices; the group has " + std::to_string(group.size()) +
                 " (make it with PipelineConfig::devices_needed)");
   }
-  for (std::uint32_t d = 0; d < needed; ++d) {
-    im.devices.push_back(&group[d]);
-    if (config.io_tiles >= group[d].config().tiles) {
-      detail::throw_bad_value("io_tiles", config.io_tiles,
-                              "must be below the tiles of device " + std::to_string(group[d].id()) + " (" +
-                                  std::to_string(group[d].config().tiles) + "), leaving tiles for compute");
-    }
-  }
+  for (std::uint32_t d = 0; d < needed; ++d) im.devices.push_back(&group[d]);
+  // The Engine first: it checks the I/O tiles against each device before memory is planned
+  // around them.
+  im.engine = std::make_unique<Engine>(DeviceList(im.devices), engine_config_of(config));
   im.config = config;
   im.plan = PipelinePlan{config.effective_schedule(), im.stages, config.gradient_accumulation, config.training};
   // The replica's micro-batches in flight, by index: a step's K in training (stage 0 reads
@@ -214,11 +210,16 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
   } else {
     im.reduce_groups.push_back(std::make_shared<SyncGroup>(config.replicas));
   }
+}
+
+EngineConfig engine_config_of(const PipelineConfig& config) {
   EngineConfig ec;
   ec.device_link = config.device_link;
   ec.host_link = config.host_link;
+  ec.io_tiles = config.io_tiles;
+  ec.prefetch_depth = config.prefetch_depth;
   ec.trace = config.trace;
-  im.engine = std::make_unique<Engine>(DeviceList(im.devices), ec);
+  return ec;
 }
 
 Pipeline::~Pipeline() = default;

@@ -4,6 +4,7 @@
 
 #include "bspflow/base/error.hpp"
 #include "bspflow/runtime/pipeline.hpp"
+#include "detail/pipeline_impl.hpp"
 
 namespace bspflow {
 
@@ -75,12 +76,9 @@ void PipelineConfig::validate(std::uint32_t stages) const {
     detail::throw_bad_value("gradient_accumulation", gradient_accumulation, "must be at least 1");
   }
   precision.validate();
-  if (io_tiles % 2 != 0) detail::throw_bad_value("io_tiles", io_tiles, "must be even (0: none)");
-  if (prefetch_depth < tunables::kMinPrefetchDepth || prefetch_depth > tunables::kMaxPrefetchDepth) {
-    detail::throw_bad_value("prefetch_depth", prefetch_depth,
-                            "must be in " + std::to_string(tunables::kMinPrefetchDepth) + ".." +
-                                std::to_string(tunables::kMaxPrefetchDepth));
-  }
+  // The Engine's own rules for what it is given (I/O tiles, prefetch depth, both links),
+  // checked here so a bad config is refused before anything is built.
+  engine_config_of(*this).validate();
   if (strategy == ExecutionStrategy::kSingle && schedule == PipelineSchedule::kInterleaved &&
       stages > 1) {
     throw Error("the Interleaved schedule needs each stage on a device of its own, but strategy "

@@ -61,6 +61,15 @@ bool Pipeline::Impl::pop_input(StageRun& sr, Batch& slot, bool block, const deta
   return true;
 }
 
+bool Pipeline::Impl::wait_for_link(StageRun& sr, Clock::time_point now, Clock::time_point until,
+                                   const detail::StopFlag* stop, Clock::time_point& after) {
+  if (until <= now) return true;
+  const bool ok = wait_until_deadline(until, stop, sr.device->placement().shares_core());
+  after = Clock::now();
+  sr.host_wait += after - now;
+  return ok;
+}
+
 bool Pipeline::Impl::host_in(StageRun& sr, const Batch& b, bool waited, const detail::StopFlag* stop) {
   if (config.synthetic_data) return true;  // no host copies
   const std::size_t bytes = b.data.bytes() + b.labels.size() * sizeof(std::int32_t);
@@ -91,13 +100,8 @@ bool Pipeline::Impl::host_in(StageRun& sr, const Batch& b, bool waited, const de
   }
   const Clock::time_point done = start + duration;
   sr.in_link_free = done;
-  bool ok = true;
   Clock::time_point consumed = now;
-  if (done > now) {
-    ok = wait_until_deadline(done, stop, sr.device->placement().shares_core());
-    consumed = Clock::now();
-    sr.host_wait += consumed - now;
-  }
+  const bool ok = wait_for_link(sr, now, done, stop, consumed);
   // Consumed: its I/O-tile buffer takes the micro-batch prefetch_depth later.
   sr.in_buffer_free[sr.copies_in % sr.in_buffer_free.size()] = consumed;
   ++sr.copies_in;
@@ -124,10 +128,8 @@ bool Pipeline::Impl::host_out(StageRun& sr, std::size_t bytes, const detail::Sto
     buffer = done;
   }
   ++sr.copies_out;
-  if (until <= now) return true;
-  const bool ok = wait_until_deadline(until, stop, sr.device->placement().shares_core());
-  sr.host_wait += Clock::now() - now;
-  return ok;
+  Clock::time_point waited_until = now;
+  return wait_for_link(sr, now, until, stop, waited_until);
 }
 
 void Pipeline::Impl::forward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle,

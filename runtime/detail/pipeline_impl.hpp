@@ -28,6 +28,9 @@ struct EndOfInput {
 // buffers the producer fills in place (claim, publish) and the consumer reads in place.
 using Handoff = SpscRing<std::vector<float>>;
 
+// What a Pipeline's Engine runs with: the links, the I/O tiles and prefetch depth, tracing.
+EngineConfig engine_config_of(const PipelineConfig& config);
+
 // The memory plan's input: one stage of one replica as declared, and where it runs.
 struct StageShape {
   std::uint32_t s = 0, r = 0;
@@ -209,6 +212,11 @@ struct Pipeline::Impl {
   // has ended (without I/O tiles: starting now; with them: started when its I/O-tile
   // buffer and the link were free). false: stopped.
   bool host_in(StageRun& sr, const Batch& b, bool waited, const detail::StopFlag* stop);
+  // Host link: the device waits (from `now`) until `until`, counting it in host_wait, and
+  // sets `after` to when it stopped waiting (left alone if there was nothing to wait for).
+  // false: stopped.
+  bool wait_for_link(StageRun& sr, Clock::time_point now, Clock::time_point until, const detail::StopFlag* stop,
+                     Clock::time_point& after);
   // Host link, last stage: an output of `bytes` leaves. Without I/O tiles the device waits
   // for its copy; with them only for a free I/O-tile buffer. false: stopped.
   bool host_out(StageRun& sr, std::size_t bytes, const detail::StopFlag* stop);

@@ -236,7 +236,8 @@ struct PipelineConfig {
   std::uint32_t min_gradient_accumulation(std::uint32_t stages) const;
   // Any thread. Never blocks, never allocates. Throws bspflow::Error naming the field, the
   // value and what is allowed (or the fields that conflict: stages 0, replicas 0, a bad
-  // precision, odd io_tiles, prefetch_depth outside 1..255, a device mapping of the wrong
+  // precision, what the Engine refuses (odd io_tiles, prefetch_depth outside 1..255, a bad
+  // link), a device mapping of the wrong
   // length, not starting at 0, skipping or going back, or with strategy single or dataflow
   // sync, K below
   // min_gradient_accumulation, Interleaved with single over several stages, dataflow
