@@ -80,6 +80,16 @@ class BusyStage final : public Stage {
 
 LinkModel free_link() { return LinkModel{1e15, std::chrono::nanoseconds{0}}; }
 
+// Two balanced stages of `work` each.
+StageFactory two_busy_stages(std::chrono::nanoseconds work) {
+  return [work](std::uint32_t) {
+    StageList l;
+    l.push_back(std::make_unique<BusyStage>(work));
+    l.push_back(std::make_unique<BusyStage>(work));
+    return l;
+  };
+}
+
 // A trainable stage with `gradients` parameters whose passes do nearly nothing: what the
 // all-reduce benchmark moves.
 class GradientStage final : public Stage {
@@ -190,12 +200,7 @@ Timing pipeline_time(DeviceGroup& devices, SyncMode sync, std::chrono::nanosecon
   cfg.device_link = free_link();
   cfg.host_link = free_link();  // these figures measure scheduling, not the link model
   cfg.trace = trace;
-  Pipeline pipe(devices, cfg, [work](std::uint32_t) {
-    StageList l;
-    l.push_back(std::make_unique<BusyStage>(work));
-    l.push_back(std::make_unique<BusyStage>(work));
-    return l;
-  });
+  Pipeline pipe(devices, cfg, two_busy_stages(work));
   const std::uint64_t steps = micro_batches / k;
   InfeedQueue<Batch> infeed(InfeedConfig{1, steps * k, 4});
   {
@@ -241,12 +246,7 @@ double io_time(DeviceGroup& devices, std::chrono::nanoseconds work, std::uint32_
   cfg.io_tiles = io_tiles;
   cfg.prefetch_depth = 2;
   cfg.synthetic_data = synthetic;
-  Pipeline pipe(devices, cfg, [work](std::uint32_t) {
-    StageList l;
-    l.push_back(std::make_unique<BusyStage>(work));
-    l.push_back(std::make_unique<BusyStage>(work));
-    return l;
-  });
+  Pipeline pipe(devices, cfg, two_busy_stages(work));
   InfeedQueue<Batch> infeed(InfeedConfig{1, k, 4});
   {
     auto p = infeed.make_producer();

@@ -84,12 +84,12 @@ const TensorMemory* find(const DeviceMemory& d, const std::string& part) {
   return nullptr;
 }
 
-// `micro_batches` micro-batches, then closed.
-void feed(InfeedQueue<Batch>& infeed, std::uint64_t micro_batches) {
+// `micro_batches` micro-batches of 4 samples (data: a copy of `data`; labels 0), then closed.
+void feed(InfeedQueue<Batch>& infeed, std::uint64_t micro_batches, const Tensor& data = test::filled(4, 1.0f)) {
   auto producer = infeed.make_producer();
   for (std::uint64_t i = 0; i < micro_batches; ++i) {
     Batch b;
-    b.data = test::filled(4, 1.0f);
+    b.data = data;
     b.labels.assign(4, 0);
     b.indices.assign(4, i);
     b.valid = 4;
@@ -366,18 +366,7 @@ StageFactory busy(std::uint32_t n, std::chrono::microseconds work) {
 }
 
 // `n` micro-batches of 64 values of `dtype` and 4 labels, then closed.
-void feed_typed(InfeedQueue<Batch>& infeed, std::uint64_t n, DType dtype) {
-  auto producer = infeed.make_producer();
-  for (std::uint64_t i = 0; i < n; ++i) {
-    Batch b;
-    b.data = Tensor(dtype, {4, 16});
-    b.labels.assign(4, 0);
-    b.indices.assign(4, i);
-    b.valid = 4;
-    producer.push(std::move(b));
-  }
-  infeed.close();
-}
+void feed_typed(InfeedQueue<Batch>& infeed, std::uint64_t n, DType dtype) { feed(infeed, n, Tensor(dtype, {4, 16})); }
 
 }  // namespace
 
@@ -490,7 +479,7 @@ TEST_CASE("host link: I/O tiles that cannot hold prefetch_depth micro-batches, a
   CHECK_THROWS_WITH_AS(Pipeline(devices, odd, probes(1)), doctest::Contains("io_tiles = 3"), Error);
   PipelineConfig all;
   all.io_tiles = 64;
-  CHECK_THROWS_WITH_AS(Pipeline(devices, all, probes(1)), doctest::Contains("must be below the tiles"), Error);
+  CHECK_THROWS_WITH_AS(Pipeline(devices, all, probes(1)), doctest::Contains("io_tiles = 64 is not allowed: must be below the device's 64 tiles"), Error);
   PipelineConfig deep;
   deep.prefetch_depth = 0;
   CHECK_THROWS_WITH_AS(Pipeline(devices, deep, probes(1)), doctest::Contains("prefetch_depth = 0"), Error);
