@@ -24,6 +24,7 @@ EngineConfig EngineConfig::from(const Options& options) {
   EngineConfig c;
   c.io_tiles = options.io_tiles();
   c.prefetch_depth = options.prefetch_depth();
+  c.host_link = options.host_link();
   if (options.synthetic_data()) c.synthetic = SyntheticData::kRandomNormal;
   return c;
 }

@@ -74,6 +74,12 @@ Options& Options::io_tiles(std::uint32_t tiles) {
   return *this;
 }
 
+Options& Options::host_link(const LinkModel& link) {
+  link.validate("host link");
+  host_link_ = link;
+  return *this;
+}
+
 Options& Options::synthetic_data(bool on) noexcept {
   synthetic_data_ = on;
   return *this;
@@ -180,6 +186,7 @@ std::string Options::describe() const {
      << "infeed_producer = " << (infeed_producer_ == ProducerType::kSingle ? "single" : "multi") << '\n'
      << "outfeed_consumer = " << (outfeed_consumer_ == ConsumerType::kSingle ? "single" : "multi") << '\n'
      << "io_tiles = " << io_tiles_ << '\n'
+     << "host_link = " << host_link_.describe() << '\n'
      << "synthetic_data = " << (synthetic_data_ ? "true" : "false") << '\n'
      << "tiles_per_device = " << tiles_per_device_ << '\n'
      << "bytes_per_tile = " << bytes_per_tile_ << '\n'

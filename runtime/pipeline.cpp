@@ -70,6 +70,9 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
       sr->reduced.assign(g, 0.0f);
       sr->batches = &im.batches[r];
       sr->wait = sr->device->placement().wait_policy(sr->wait);
+      sr->link = HostLinkTimeline(HostLinkTimeline::Shape{config.host_link, config.io_tiles,
+                                                          sr->device->config().bytes_per_tile, config.prefetch_depth,
+                                                          sr->device->id(), sr->device->placement().shares_core()});
       sr->local_out.assign(sr->out_elements, 0.0f);
       sr->local_grad.assign(sr->in_elements, 0.0f);
       if (config.recompute) sr->scratch.assign(sr->out_elements, 0.0f);
@@ -261,11 +264,7 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
   const Clock::time_point start = Clock::now();
   for (auto& srp : im.runs) {  // the host link: free, and every I/O-tile buffer empty
     Impl::StageRun& sr = *srp;
-    sr.in_link_free = sr.out_link_free = start;
-    sr.in_buffer_free.assign(im.config.prefetch_depth, start);
-    sr.out_buffer_free.assign(im.config.prefetch_depth, start);
-    sr.copies_in = sr.copies_out = sr.bytes_in = sr.bytes_out = 0;
-    sr.host_wait = std::chrono::nanoseconds{0};
+    sr.link.start(start);
     sr.synthetic_ready = false;
     sr.polled_empty = false;
   }
@@ -302,9 +301,9 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
   PipelineResult result;
   auto host_link_figures = [&] {
     for (const auto& srp : im.runs) {
-      result.host_bytes_in += srp->bytes_in;
-      result.host_bytes_out += srp->bytes_out;
-      result.host_wait += srp->host_wait;
+      result.host_bytes_in += srp->link.bytes_in();
+      result.host_bytes_out += srp->link.bytes_out();
+      result.host_wait += srp->link.waited();
     }
   };
   std::optional<EndOfInput> ended;

@@ -42,6 +42,7 @@ PipelineConfig PipelineConfig::from(const Options& options) {
   c.precision = options.precision();
   c.io_tiles = options.io_tiles();
   c.prefetch_depth = options.prefetch_depth();
+  c.host_link = options.host_link();
   c.synthetic_data = options.synthetic_data();
   return c;
 }

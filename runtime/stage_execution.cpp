@@ -61,75 +61,9 @@ bool Pipeline::Impl::pop_input(StageRun& sr, Batch& slot, bool block, const deta
   return true;
 }
 
-bool Pipeline::Impl::wait_for_link(StageRun& sr, Clock::time_point now, Clock::time_point until,
-                                   const detail::StopFlag* stop, Clock::time_point& after) {
-  if (until <= now) return true;
-  const bool ok = wait_until_deadline(until, stop, sr.device->placement().shares_core());
-  after = Clock::now();
-  sr.host_wait += after - now;
-  return ok;
-}
-
 bool Pipeline::Impl::host_in(StageRun& sr, const Batch& b, bool waited, const detail::StopFlag* stop) {
   if (config.synthetic_data) return true;  // no host copies
-  const std::size_t bytes = b.data.bytes() + b.labels.size() * sizeof(std::int32_t);
-  const std::chrono::nanoseconds duration = config.host_link.duration(bytes);
-  sr.bytes_in += bytes;
-  if (duration.count() == 0) {  // a link that costs nothing: no clock to read
-    ++sr.copies_in;
-    return true;
-  }
-  const Clock::time_point now = Clock::now();
-  Clock::time_point start = now;
-  if (config.io_tiles > 0) {
-    const std::size_t room = std::size_t{config.io_tiles} * sr.device->config().bytes_per_tile;
-    if (bytes * config.prefetch_depth > room) {
-      throw Error("the I/O tiles of device " + std::to_string(sr.device->id()) + " (" +
-                  std::to_string(config.io_tiles) + " x " + detail::format_bytes(sr.device->config().bytes_per_tile) +
-                  " = " + detail::format_bytes(room) + ") cannot hold prefetch_depth " +
-                  std::to_string(config.prefetch_depth) + " x a micro-batch of " + detail::format_bytes(bytes) +
-                  " (data and labels): raise io_tiles or lower prefetch_depth");
-    }
-    // The copy could start once its I/O-tile buffer was free (the micro-batch prefetch_depth
-    // earlier was consumed) and the link was free; if the lane was empty, only now.
-    const Clock::time_point buffer_free = sr.in_buffer_free[sr.copies_in % sr.in_buffer_free.size()];
-    start = std::max(buffer_free, sr.in_link_free);
-    if (waited) start = std::max(start, now);
-  } else {
-    start = std::max(now, sr.in_link_free);
-  }
-  const Clock::time_point done = start + duration;
-  sr.in_link_free = done;
-  Clock::time_point consumed = now;
-  const bool ok = wait_for_link(sr, now, done, stop, consumed);
-  // Consumed: its I/O-tile buffer takes the micro-batch prefetch_depth later.
-  sr.in_buffer_free[sr.copies_in % sr.in_buffer_free.size()] = consumed;
-  ++sr.copies_in;
-  return ok;
-}
-
-bool Pipeline::Impl::host_out(StageRun& sr, std::size_t bytes, const detail::StopFlag* stop) {
-  if (config.synthetic_data) return true;
-  const std::chrono::nanoseconds duration = config.host_link.duration(bytes);
-  sr.bytes_out += bytes;
-  if (duration.count() == 0) {
-    ++sr.copies_out;
-    return true;
-  }
-  const Clock::time_point now = Clock::now();
-  const Clock::time_point done = std::max(now, sr.out_link_free) + duration;
-  sr.out_link_free = done;
-  Clock::time_point until = done;  // without I/O tiles: the device waits for its copy
-  if (config.io_tiles > 0) {
-    // It drops the output into an I/O-tile buffer: it waits only while the copy that last
-    // used that buffer is still running.
-    Clock::time_point& buffer = sr.out_buffer_free[sr.copies_out % sr.out_buffer_free.size()];
-    until = buffer;
-    buffer = done;
-  }
-  ++sr.copies_out;
-  Clock::time_point waited_until = now;
-  return wait_for_link(sr, now, until, stop, waited_until);
+  return sr.link.copy_in(host_bytes(b), waited, stop);
 }
 
 void Pipeline::Impl::forward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle,
@@ -210,7 +144,7 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
   }
   if (sr.writer != nullptr) {
     if (!sr.writer->write(sr.step * k() + i, std::vector<float>(output.begin(), output.end()), stop)) return false;
-    return host_out(sr, output.size() * dtype_size(config.precision.storage), stop);
+    return config.synthetic_data || sr.link.copy_out(output.size() * dtype_size(config.precision.storage), stop);
   }
   return true;
 }

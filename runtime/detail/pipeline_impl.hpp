@@ -12,6 +12,7 @@
 #include <span>
 #include <vector>
 
+#include "bspflow/devices/host_link_timeline.hpp"
 #include "bspflow/runtime/engine.hpp"
 #include "bspflow/runtime/pipeline.hpp"
 #include "bspflow/feeds/spsc_ring.hpp"
@@ -83,15 +84,8 @@ struct Pipeline::Impl {
     // exchange buffer.
     std::vector<float> wide_in, wide_out;
     std::size_t saved_limit = StageMemory::kAuto;  // what memory() declared forward saves
-    // The host link (stage 0: micro-batches in; the last stage: outputs out). When the link
-    // is next free in each direction, and with I/O tiles, by copy number % prefetch_depth,
-    // when each I/O-tile buffer freed (in: its micro-batch was consumed) or will have (out:
-    // its copy ends).
-    Clock::time_point in_link_free{}, out_link_free{};
-    std::vector<Clock::time_point> in_buffer_free, out_buffer_free;
-    std::uint64_t copies_in = 0, copies_out = 0;
-    std::uint64_t bytes_in = 0, bytes_out = 0;
-    std::chrono::nanoseconds host_wait{0};
+    // The host link (stage 0: micro-batches in; the last stage: outputs out).
+    HostLinkTimeline link;
     bool synthetic_ready = false;  // synthetic data: the ring holds the run's micro-batch
     bool polled_empty = false;     // inference, stage 0: the lane was empty at a take since the last one
     std::deque<Stashed> fifo;
@@ -208,18 +202,8 @@ struct Pipeline::Impl {
   }
 
   // Host link, stage 0: micro-batch `b` was just taken from the lane (`waited`: the lane
-  // was empty, so its copy could not have started earlier). Waits until its modeled copy
-  // has ended (without I/O tiles: starting now; with them: started when its I/O-tile
-  // buffer and the link were free). false: stopped.
+  // was empty): waits for its modeled copy (sr.link). false: stopped.
   bool host_in(StageRun& sr, const Batch& b, bool waited, const detail::StopFlag* stop);
-  // Host link: the device waits (from `now`) until `until`, counting it in host_wait, and
-  // sets `after` to when it stopped waiting (left alone if there was nothing to wait for).
-  // false: stopped.
-  bool wait_for_link(StageRun& sr, Clock::time_point now, Clock::time_point until, const detail::StopFlag* stop,
-                     Clock::time_point& after);
-  // Host link, last stage: an output of `bytes` leaves. Without I/O tiles the device waits
-  // for its copy; with them only for a free I/O-tile buffer. false: stopped.
-  bool host_out(StageRun& sr, std::size_t bytes, const detail::StopFlag* stop);
   // Stage 0: the next micro-batch into ring slot `slot` (`block`: wait for one; `waited`:
   // set when it had to). With synthetic data the first of the run is read from the lane
   // and copied into every slot; the rest are already there. false: none (stopped, or the

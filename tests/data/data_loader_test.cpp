@@ -505,4 +505,32 @@ TEST_CASE("the loader feeds a replicated loop: each replica its own samples, all
         "the infeed has 3 replica lanes but the loader fills 2 replicas"));
 }
 
+TEST_CASE("the loader's batches cross a loop's modeled host link as data plus labels (8-bit data: 1 byte a value)") {
+  Options opts;
+  opts.device_iterations(4).infeed_capacity(8).io_tiles(2).prefetch_depth(2);
+  SyntheticDataset::Config dc;
+  dc.size = 64;
+  dc.spec = SampleSpec{DType::kUint8, {2, 8}};
+  SyntheticDataset data(dc);
+  LoaderConfig c;
+  c.batch_size = 4;
+  DataLoader loader(opts, data, c);
+  InfeedQueue<Batch> infeed(opts.infeed_config());
+  auto producer = infeed.make_producer();
+  Device device(0, opts.device_config());
+  std::uint64_t bytes = 0, samples = 0, steps = 0;
+  while (loader.feed_next(producer)) {
+    const auto r = loops::repeat(device, opts.device_iterations(), [](std::size_t& seen, Batch& b) { seen += b.valid; },
+                                 std::size_t{0}, infeed, loops::LoopConfig::from(opts));
+    REQUIRE(r.completed());
+    bytes += r.host_bytes_in;
+    samples += r.state();
+    ++steps;
+  }
+  CHECK(steps == loader.steps());
+  CHECK(samples == 64);
+  CHECK(bytes == samples * 16 + samples * sizeof(std::int32_t));
+}
+
 }  // TEST_SUITE
+

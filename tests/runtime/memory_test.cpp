@@ -337,6 +337,34 @@ TEST_CASE("precision: fp16 storage rounds what crosses between stages; loss scal
   }
 }
 
+TEST_CASE("precision: the all-reduce moves the partials' bytes (fp16 partials: half of fp32's)") {
+  auto all_reduce_bytes = [](DType partials) {
+    PipelineConfig cfg;
+    cfg.gradient_accumulation = 3;
+    cfg.replicas = 2;
+    cfg.trace = true;
+    cfg.precision = Precision{DType::kFloat16, partials, 1.0f};
+    DeviceGroup devices(cfg.devices_needed(2), kRoomy);
+    Pipeline pipe(devices, cfg, probes(2));
+    InfeedQueue<Batch> infeed(InfeedConfig{2, 8, 1});
+    feed(infeed, 6);
+    REQUIRE(pipe.run(infeed, 1).completed());
+    REQUIRE(pipe.trace() != nullptr);
+    std::vector<std::uint64_t> bytes;
+    for (const TraceTrack& t : pipe.trace()->tracks()) {
+      for (const TraceEvent& e : t.events()) {
+        if (t.label(e) == "all-reduce") bytes.push_back(e.bytes);
+      }
+    }
+    CHECK(bytes.size() == 4);  // one per device per step
+    return bytes;
+  };
+  const std::vector<std::uint64_t> fp32 = all_reduce_bytes(DType::kFloat32);
+  const std::vector<std::uint64_t> fp16 = all_reduce_bytes(DType::kFloat16);
+  for (std::uint64_t b : fp32) CHECK(b == 16 * sizeof(float));  // each Probe has 16 parameters
+  for (std::uint64_t b : fp16) CHECK(b == 16 * 2);
+}
+
 namespace {
 
 // A stage that spins for `work` in its forward pass (stands for compute).

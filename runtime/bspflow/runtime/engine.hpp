@@ -37,7 +37,7 @@ struct EngineConfig {
   bool trace = false;                    // record a trace (also on if BSPFLOW_TRACE is set)
   std::string trace_path;                // write it here after each run (BSPFLOW_TRACE=FILE)
 
-  // From Options: io_tiles, prefetch_depth, synthetic data (random normal).
+  // From Options: io_tiles, prefetch_depth, host_link, synthetic data (random normal).
   static EngineConfig from(const Options& options);
   // Field ranges; throws bspflow::Error naming the field, the value and what is allowed.
   void validate() const;

@@ -19,6 +19,7 @@
 
 #include "bspflow/base/tunables.hpp"
 #include "bspflow/devices/device.hpp"
+#include "bspflow/devices/link_model.hpp"
 #include "bspflow/feeds/infeed_queue.hpp"
 #include "bspflow/feeds/outfeed_queue.hpp"
 #include "bspflow/feeds/output_mode.hpp"
@@ -75,13 +76,18 @@ class Options {
 
   // Tiles per device reserved for I/O (stream copies overlapping compute). 0, or an even
   // number below tiles_per_device: the setter checks evenness, validate() the bound. Used
-  // by the program Engine (EngineConfig::from), which also checks that the I/O tiles hold
-  // one micro-batch; loops::repeat does not model them.
+  // by EngineConfig::from, PipelineConfig::from and loops::LoopConfig::from (each also
+  // checks that the I/O tiles hold prefetch_depth of what crosses the link).
   Options& io_tiles(std::uint32_t tiles);
   std::uint32_t io_tiles() const noexcept { return io_tiles_; }
 
-  // No host copies: the device generates its input (EngineConfig::from: random normal).
-  // Never throws.
+  // The modeled host link (default LinkModel::host(): 10 GB/s, 5 us per copy) that
+  // EngineConfig::from, PipelineConfig::from and loops::LoopConfig::from copy. Throws what
+  // LinkModel::validate("host link") throws.
+  Options& host_link(const LinkModel& link);
+  const LinkModel& host_link() const noexcept { return host_link_; }
+  // No host copies: an Engine's device generates its input (random normal); a Pipeline or a
+  // loop reads one element per replica and reuses it every iteration. Never throws.
   Options& synthetic_data(bool on) noexcept;
   bool synthetic_data() const noexcept { return synthetic_data_; }
 
@@ -134,6 +140,7 @@ class Options {
   ProducerType infeed_producer_ = ProducerType::kMulti;
   ConsumerType outfeed_consumer_ = ConsumerType::kMulti;
   std::uint32_t io_tiles_ = 0;
+  LinkModel host_link_ = LinkModel::host();
   bool synthetic_data_ = false;
   std::uint32_t tiles_per_device_ = tunables::kDefaultTiles;
   std::size_t bytes_per_tile_ = tunables::kDefaultBytesPerTile;

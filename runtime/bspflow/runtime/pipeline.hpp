@@ -214,7 +214,7 @@ struct PipelineConfig {
 
   // Any thread. The run shape from Options (as poptorch.Options gives a model its
   // replication factor and gradient accumulation): replicas, gradient_accumulation,
-  // precision, io_tiles, prefetch_depth and synthetic_data; every other field keeps its
+  // precision, io_tiles, prefetch_depth, host_link and synthetic_data; every other field keeps its
   // default. The infeed, the outfeed and the DataLoader take
   // the same Options (infeed_config(), outfeed_config(), DataLoader(options, ...)), so the
   // four agree. Never blocks, never allocates. Throws what Options::validate() throws.

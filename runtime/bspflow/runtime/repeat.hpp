@@ -27,6 +27,7 @@
 #pragma once
 
 #include <chrono>
+#include <concepts>
 #include <cstdint>
 #include <memory>
 #include <new>
@@ -40,9 +41,12 @@
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/log.hpp"
 #include "bspflow/devices/device.hpp"
+#include "bspflow/devices/host_link_timeline.hpp"
+#include "bspflow/devices/link_model.hpp"
 #include "bspflow/feeds/infeed_queue.hpp"
 #include "bspflow/feeds/outfeed_queue.hpp"
 #include "bspflow/runtime/engine.hpp"
+#include "bspflow/runtime/options.hpp"
 #include "bspflow/runtime/program.hpp"
 #include "bspflow/runtime/run.hpp"
 #include "bspflow/runtime/trace.hpp"
@@ -52,7 +56,87 @@ namespace bspflow::loops {
 // A loop runs on a DeviceList (bspflow/devices/device.hpp): one Device, or every device of a
 // DeviceGroup (one replica each).
 
+// The device model on a loop's path: how its elements cross the modeled host link. Pass one
+// to the overloads that take it; the overloads without one move elements at memory speed
+// (what the queue benchmarks measure).
+//
+// With it, each element taken off the infeed is a copy of host_bytes(element) bytes in and
+// each output the outfeed delivers (every iteration for all(), each n-th for every_n(n),
+// one at the end for final() and sum()) a copy out, timed by host_link
+// (HostLinkTimeline): without I/O tiles the device waits for each copy; with io_tiles the
+// tiles copy up to the infeed's prefetch_depth elements ahead while the body computes (their
+// memory, io_tiles x bytes per tile, is taken from each device's arena for the run, and must
+// hold prefetch_depth elements). synthetic_data: each replica reads one element from its lane
+// and its body sees that same element (as left by the previous iteration) every iteration;
+// nothing crosses the link in either direction: the upper bound real data is measured
+// against. RepeatResult::host_bytes_in / host_bytes_out / host_wait say what crossed.
+//
+// Bytes of an element: host_bytes(element) if such a function is found by argument-dependent
+// lookup (bspflow::Tensor, bspflow::Batch: data and labels; define one for your own types that
+// own heap memory), else size() x sizeof(value) for a std::vector of trivially copyable
+// values, else sizeof(T) for a trivially copyable T; any other type does not compile with a
+// LoopConfig.
+struct LoopConfig {
+  LinkModel host_link = LinkModel::host();
+  std::uint32_t io_tiles = 0;  // 0, or even and below every device's tiles
+  bool synthetic_data = false;
+
+  // Any thread. host_link, io_tiles and synthetic_data from Options (prefetch_depth reaches
+  // the loop through the infeed: Options::infeed_config()). Never blocks, never allocates.
+  // Throws what Options::validate() throws.
+  static LoopConfig from(const Options& options);
+  // Any thread. Throws bspflow::Error naming the field, the value and what is allowed (odd
+  // io_tiles, a bad link; io_tiles against the devices' tiles is checked when the loop
+  // starts). Never blocks; allocates only for the message.
+  void validate() const;
+};
+
 namespace detail {
+
+// How many bytes an element moves over the host link (see LoopConfig).
+template <class T>
+concept HasHostBytes = requires(const T& v) {
+  { host_bytes(v) } -> std::convertible_to<std::size_t>;
+};
+template <class T>
+inline constexpr bool kIsTrivialVector = false;
+template <class U, class A>
+inline constexpr bool kIsTrivialVector<std::vector<U, A>> = std::is_trivially_copyable_v<U>;
+template <class T>
+inline constexpr bool kMeasurable =
+    HasHostBytes<T> || kIsTrivialVector<T> || std::is_trivially_copyable_v<T>;
+template <class T>
+std::size_t element_bytes(const T& v) {
+  if constexpr (HasHostBytes<T>) {
+    return static_cast<std::size_t>(host_bytes(v));
+  } else if constexpr (kIsTrivialVector<T>) {
+    return v.size() * sizeof(typename T::value_type);
+  } else {
+    return sizeof(T);
+  }
+}
+template <class T>
+inline constexpr bool kMeasurableOrNone = true;
+template <class T>
+inline constexpr bool kMeasurableOrNone<InfeedQueue<T>> = kMeasurable<T>;
+template <class T>
+inline constexpr bool kMeasurableOrNone<OutfeedQueue<T>> = kMeasurable<T>;
+
+// One replica's link for a run: the timeline and, with I/O tiles, their memory in the
+// device's arena (released with it).
+class ReplicaLink {
+ public:
+  ReplicaLink(const LoopConfig& config, Device& device, std::uint32_t replica, std::uint32_t prefetch_depth);
+  ReplicaLink(const ReplicaLink&) = delete;
+  ReplicaLink& operator=(const ReplicaLink&) = delete;
+  ~ReplicaLink();
+  HostLinkTimeline timeline;
+  bool synthetic;
+
+ private:
+  Arena* arena_ = nullptr;
+  void* io_tiles_ = nullptr;
+};
 
 using bspflow::detail::RunControl;
 using bspflow::detail::RunState;
@@ -126,6 +210,7 @@ template <class InQ>
 struct InfeedSide {  // no infeed
   using Value = NoFeed;
   InfeedSide(InQ*, Device&, std::uint32_t) {}
+  bool reuse = false;
   bool try_pop(NoFeed*&) { return true; }
   bool pop(NoFeed*&, const bspflow::detail::StopFlag*) { return true; }
   bool end_of_data() const { return false; }
@@ -142,6 +227,7 @@ struct InfeedSide<InfeedQueue<T>> {
         reader(q->reader(replica, buffer->span())) {}
   bool try_pop(T*& out) {
     out = &value;
+    if (reuse) return true;  // synthetic data: the element read first, every iteration
     return reader->try_pop(value);
   }
   bool pop(T*& out, const bspflow::detail::StopFlag* stop) {
@@ -153,44 +239,54 @@ struct InfeedSide<InfeedQueue<T>> {
   std::unique_ptr<ArenaBuffer<T>> buffer;
   std::optional<typename InfeedQueue<T>::Reader> reader;
   T value{};
+  bool reuse = false;
 };
 
 template <class OutQ>
 struct OutfeedSide {  // no outfeed
   template <class V>
-  bool write(std::uint64_t, V&&, const bspflow::detail::StopFlag*) {
+  bool write(std::uint64_t, V&&, const bspflow::detail::StopFlag*, std::size_t*) {
     return true;
   }
+  OutputMode mode() const noexcept { return OutputMode::all(); }
   bool flush(const bspflow::detail::StopFlag*) { return true; }
   void finish(bool, const bspflow::detail::StopFlag*) {}
 };
 
 template <class T>
 struct OutfeedSide<OutfeedQueue<T>> {
-  explicit OutfeedSide(typename OutfeedQueue<T>::Writer w) : writer(std::move(w)) {}
+  OutfeedSide(typename OutfeedQueue<T>::Writer w, OutputMode m) : writer(std::move(w)), out_mode(m) {}
+  // `bytes`: when not null, set to the output's host_bytes (a loop with a LoopConfig).
   template <class V>
-  bool write(std::uint64_t i, V&& v, const bspflow::detail::StopFlag* stop) {
-    return writer.write(i, T(std::forward<V>(v)), stop);
+  bool write(std::uint64_t i, V&& v, const bspflow::detail::StopFlag* stop, std::size_t* bytes) {
+    T value(std::forward<V>(v));
+    if (bytes) *bytes = element_bytes(value);
+    return writer.write(i, std::move(value), stop);
   }
+  OutputMode mode() const noexcept { return out_mode; }
   bool flush(const bspflow::detail::StopFlag* stop) { return writer.flush(stop); }
   void finish(bool deliver, const bspflow::detail::StopFlag* stop) { writer.finish(deliver, stop); }
   typename OutfeedQueue<T>::Writer writer;
+  OutputMode out_mode;
 };
 
 template <class State, class Body, class InQ, class OutQ>
 struct Replica {
-  Replica(Body b, State s, InfeedSide<InQ> in, OutfeedSide<OutQ> out)
-      : body(std::move(b)), state(std::move(s)), infeed(std::move(in)), outfeed(std::move(out)) {}
+  Replica(Body b, State s, InfeedSide<InQ> in, OutfeedSide<OutQ> out, std::unique_ptr<ReplicaLink> l)
+      : body(std::move(b)), state(std::move(s)), infeed(std::move(in)), outfeed(std::move(out)),
+        link(std::move(l)) {}
   Body body;
   State state;
   std::optional<InfeedSide<InQ>> infeed;
   std::optional<OutfeedSide<OutQ>> outfeed;
+  std::unique_ptr<ReplicaLink> link;  // null: no LoopConfig, elements move at memory speed
 };
 
 // The device-thread side of one replica: every trip of the loop, fused into one function
 // the interpreter calls once (program::FusedRepeat). Traced when frame.track is set: the
-// wait for input (StreamCopyBegin), taking it (StreamCopyMid), the body (Compute) and
-// handing the output over (StreamCopyMid, to the host).
+// wait for input (StreamCopyBegin), taking it (StreamCopyMid, with its modeled copy when the
+// loop has a LoopConfig), the body (Compute) and handing the output over (StreamCopyMid, to
+// the host).
 template <class State, class Body, class InQ, class OutQ>
 RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFrame& frame,
                     std::uint32_t device, std::uint32_t replica, std::uint64_t n) {
@@ -200,25 +296,55 @@ RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFra
   constexpr bool kHasOutfeed = !std::is_same_v<OutQ, NoFeed>;
   const bspflow::detail::StopFlag* const stop = frame.stop;
   TraceTrack* const track = frame.track;
+  // The host link (a LoopConfig): null, or this replica's timeline; synthetic data: none.
+  HostLinkTimeline* const link = rep.link && !rep.link->synthetic ? &rep.link->timeline : nullptr;
+  if (rep.link) rep.link->timeline.start(Clock::now());
+  std::size_t last_out_bytes = 0;  // final() and sum(): one copy out when the loop ends
+  bool produced = false;
+  auto copy_final = [&] {
+    if constexpr (kHasOutfeed) {
+      const OutputMode::Kind kind = rep.outfeed->mode().kind();
+      if (link && produced && (kind == OutputMode::Kind::kFinal || kind == OutputMode::Kind::kSum)) {
+        link->copy_out(last_out_bytes, stop);
+      }
+    }
+  };
   for (std::uint64_t i = 0; i < n; ++i) {
     if (stop->requested()) return RunStatus::kCancelled;
     frame.ctx->iteration = i;
     Clock::time_point t0 = track ? Clock::now() : Clock::time_point{};
     In* input = nullptr;
+    bool waited = false;
     if (!rep.infeed->try_pop(input)) {
       // Nothing ready: hand staged outfeed entries to the host before waiting for input.
       if (!rep.outfeed->flush(stop) || !rep.infeed->pop(input, stop)) {
-        return rep.infeed->end_of_data() ? RunStatus::kEndOfData : RunStatus::kCancelled;
+        if (rep.infeed->end_of_data()) {
+          copy_final();
+          return RunStatus::kEndOfData;
+        }
+        return RunStatus::kCancelled;
       }
+      waited = true;
       if (track) {
         const Clock::time_point t1 = Clock::now();
         track->record(Phase::kStreamCopyBegin, t0, t1);
         t0 = t1;
       }
     }
+    std::size_t in_bytes = sizeof(In);
+    if constexpr (kHasInfeed) {
+      if (rep.link) {
+        if (rep.link->synthetic) {
+          rep.infeed->reuse = true;  // this element stands for every one of the run
+        } else {
+          in_bytes = element_bytes(*input);
+          if (!link->copy_in(in_bytes, waited, stop)) return RunStatus::kCancelled;
+        }
+      }
+    }
     if (track) {
       const Clock::time_point t1 = Clock::now();
-      if constexpr (kHasInfeed) track->record(Phase::kStreamCopyMid, t0, t1, sizeof(In));
+      if constexpr (kHasInfeed) track->record(Phase::kStreamCopyMid, t0, t1, in_bytes);
       t0 = t1;
     }
     const Iteration it{device, replica, i, n};
@@ -232,11 +358,18 @@ RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFra
         track->record(Phase::kCompute, t0, t1, 0, frame.label);
         t0 = t1;
       }
-      if (!rep.outfeed->write(i, std::forward<decltype(out)>(out), stop)) {
+      std::size_t out_bytes = sizeof(Ret);
+      if (!rep.outfeed->write(i, std::forward<decltype(out)>(out), stop, link ? &out_bytes : nullptr)) {
         ++*frame.trips_done;  // the body ran; stopped while waiting for outfeed room
         return RunStatus::kCancelled;
       }
-      if (track) track->record(Phase::kStreamCopyMid, t0, Clock::now(), sizeof(Ret), 0, true);
+      produced = true;
+      last_out_bytes = out_bytes;
+      if (link && rep.outfeed->mode().emits_at(i) && !link->copy_out(out_bytes, stop)) {
+        ++*frame.trips_done;
+        return RunStatus::kCancelled;
+      }
+      if (track) track->record(Phase::kStreamCopyMid, t0, Clock::now(), out_bytes, 0, true);
     } else {
       call_body(rep.body, rep.state, input, it);
       if (track) track->record(Phase::kCompute, t0, Clock::now(), 0, frame.label);
@@ -244,6 +377,7 @@ RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFra
     ++*frame.trips_done;
     if (track) track->count_iteration();
   }
+  copy_final();
   return RunStatus::kCompleted;
 }
 
@@ -260,6 +394,11 @@ Program replica_program(RunState<State>& run, Replica<State, Body, InQ, OutQ>& r
     auto release = [&] {
       rep.outfeed.reset();
       rep.infeed.reset();  // releases the lane and the arena buffer
+      if (rep.link) {
+        const HostLinkTimeline& t = rep.link->timeline;
+        run.links[replica] = {t.bytes_in(), t.bytes_out(), t.waited()};
+        rep.link.reset();  // releases the I/O tiles
+      }
       run.states[replica].emplace(std::move(rep.state));
     };
     try {
@@ -275,9 +414,10 @@ Program replica_program(RunState<State>& run, Replica<State, Body, InQ, OutQ>& r
 
 template <class State, class Body, class InQ, class OutQ>
 Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State init, InQ* infeed,
-                  OutQ* outfeed) {
+                  OutQ* outfeed, const LoopConfig* config = nullptr) {
   const std::uint32_t replicas = devices.size();
   if (replicas == 0) throw Error("loops::repeat needs at least one device");
+  if (config) config->validate();
   if constexpr (!std::is_same_v<InQ, NoFeed>) {
     if (infeed->replicas() != replicas) {
       throw Error("infeed has " + std::to_string(infeed->replicas()) +
@@ -312,18 +452,27 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
   std::vector<std::shared_ptr<Rep>> reps;
   reps.reserve(replicas);
   {
-    // Readers (which claim the infeed lanes) first, then outfeed writers (which attach the
-    // run): if anything throws, everything built so far is released again.
+    // The links (I/O tiles checked and taken from the arenas) first, then readers (which
+    // claim the infeed lanes), then outfeed writers (which attach the run): if anything
+    // throws, everything built so far is released again.
+    std::vector<std::unique_ptr<ReplicaLink>> links(replicas);
+    if (config) {
+      std::uint32_t depth = 1;
+      if constexpr (!std::is_same_v<InQ, NoFeed>) depth = infeed->prefetch_depth();
+      for (std::uint32_t r = 0; r < replicas; ++r) {
+        links[r] = std::make_unique<ReplicaLink>(*config, devices[r], r, depth);
+      }
+    }
     std::vector<std::optional<InfeedSide<InQ>>> ins(replicas);
     for (std::uint32_t r = 0; r < replicas; ++r) ins[r].emplace(infeed, devices[r], r);
     std::vector<OutfeedSide<OutQ>> outs;
     if constexpr (!std::is_same_v<OutQ, NoFeed>) {
-      for (auto& w : outfeed->begin_run()) outs.emplace_back(std::move(w));
+      for (auto& w : outfeed->begin_run()) outs.emplace_back(std::move(w), outfeed->mode());
     } else {
       outs.resize(replicas);
     }
     for (std::uint32_t r = 0; r < replicas; ++r) {
-      reps.push_back(std::make_shared<Rep>(body, init, std::move(*ins[r]), std::move(outs[r])));
+      reps.push_back(std::make_shared<Rep>(body, init, std::move(*ins[r]), std::move(outs[r]), std::move(links[r])));
     }
   }
   run->control.set_waker([infeed, outfeed] {
@@ -418,6 +567,35 @@ Run<State> repeat_async(DeviceList devices, std::uint64_t n, Body body, State in
                         static_cast<detail::NoFeed*>(nullptr));
 }
 
+// With the device model (LoopConfig): the same three feed shapes, each element crossing the
+// modeled host link. Also throws, before anything runs, bspflow::Error if config is invalid
+// or its io_tiles are not below a device's tiles, and OutOfMemoryError if a device's arena
+// cannot hold its I/O tiles; a device's I/O tiles that cannot hold prefetch_depth elements
+// end the run with a DeviceError naming the device, the room and the element's bytes.
+template <class State, class Body, class In, class Out>
+Run<State> repeat_async(DeviceList devices, std::uint64_t n, Body body, State init,
+                        InfeedQueue<In>& infeed, OutfeedQueue<Out>& outfeed, const LoopConfig& config) {
+  static_assert(detail::kMeasurable<In> && detail::kMeasurable<Out>, "with a LoopConfig, In and Out "
+                "need host_bytes(const T&) (found by ADL), or be trivially copyable, or a std::vector of such");
+  return detail::launch(devices, n, std::move(body), std::move(init), &infeed, &outfeed, &config);
+}
+template <class State, class Body, class In>
+Run<State> repeat_async(DeviceList devices, std::uint64_t n, Body body, State init,
+                        InfeedQueue<In>& infeed, const LoopConfig& config) {
+  static_assert(detail::kMeasurable<In>, "with a LoopConfig, In needs host_bytes(const In&) (found by "
+                "ADL), or be trivially copyable, or a std::vector of such");
+  return detail::launch(devices, n, std::move(body), std::move(init), &infeed,
+                        static_cast<detail::NoFeed*>(nullptr), &config);
+}
+template <class State, class Body, class Out>
+Run<State> repeat_async(DeviceList devices, std::uint64_t n, Body body, State init,
+                        OutfeedQueue<Out>& outfeed, const LoopConfig& config) {
+  static_assert(detail::kMeasurable<Out>, "with a LoopConfig, Out needs host_bytes(const Out&) (found by "
+                "ADL), or be trivially copyable, or a std::vector of such");
+  return detail::launch(devices, n, std::move(body), std::move(init),
+                        static_cast<detail::NoFeed*>(nullptr), &outfeed, &config);
+}
+
 // ---- synchronous: returns the result when every replica has ended ----
 //
 // Host thread, not one of `devices`' own (it would wait for a job queued behind itself).
@@ -454,6 +632,25 @@ RepeatResult<State> repeat(DeviceList devices, std::uint64_t n, Body body, State
 template <class State, class Body>
 RepeatResult<State> repeat(DeviceList devices, std::uint64_t n, Body body, State init) {
   return repeat_async(devices, n, std::move(body), std::move(init)).get();
+}
+
+// With the device model (LoopConfig), as the repeat_async overloads above.
+template <class State, class Body, class In, class Out>
+RepeatResult<State> repeat(DeviceList devices, std::uint64_t n, Body body, State init,
+                           InfeedQueue<In>& infeed, OutfeedQueue<Out>& outfeed, const LoopConfig& config) {
+  detail::check_sync_outfeed(&outfeed, n);
+  return repeat_async(devices, n, std::move(body), std::move(init), infeed, outfeed, config).get();
+}
+template <class State, class Body, class In>
+RepeatResult<State> repeat(DeviceList devices, std::uint64_t n, Body body, State init,
+                           InfeedQueue<In>& infeed, const LoopConfig& config) {
+  return repeat_async(devices, n, std::move(body), std::move(init), infeed, config).get();
+}
+template <class State, class Body, class Out>
+RepeatResult<State> repeat(DeviceList devices, std::uint64_t n, Body body, State init,
+                           OutfeedQueue<Out>& outfeed, const LoopConfig& config) {
+  detail::check_sync_outfeed(&outfeed, n);
+  return repeat_async(devices, n, std::move(body), std::move(init), outfeed, config).get();
 }
 
 }  // namespace bspflow::loops

@@ -49,6 +49,11 @@ struct RepeatResult {
   std::vector<std::uint64_t> iterations;   // iterations completed, per replica
   std::vector<State> states;               // final loop state, per replica (as each left it)
   std::string message;                     // one line saying how the run ended
+  // The modeled host link (a loop with a LoopConfig; else zero), all replicas: bytes of
+  // elements in and of outputs out (none with synthetic data), and how long devices waited
+  // for it.
+  std::uint64_t host_bytes_in = 0, host_bytes_out = 0;
+  std::chrono::nanoseconds host_wait{0};
   // With BSPFLOW_TRACE=FILE set: the loop's trace (one track per replica), also written to
   // FILE; else null.
   std::shared_ptr<const Trace> trace;
@@ -150,9 +155,14 @@ std::string trace_path_from_env();
 template <class State>
 struct RunState {
   RunState(std::uint32_t replicas, std::uint64_t requested)
-      : control(replicas, requested), states(replicas) {}
+      : control(replicas, requested), states(replicas), links(replicas) {}
   RunControl control;
   std::vector<std::optional<State>> states;  // written by replica r's device thread only
+  struct LinkTotals {
+    std::uint64_t bytes_in = 0, bytes_out = 0;
+    std::chrono::nanoseconds wait{0};
+  };
+  std::vector<LinkTotals> links;  // the host link, per replica (written as states)
   // With BSPFLOW_TRACE=FILE: one track per replica, written by its device thread, read by
   // the host after the run.
   std::unique_ptr<Trace> trace;
@@ -231,6 +241,11 @@ class Run {
     r.requested = s->control.requested();
     r.states.reserve(s->states.size());
     for (auto& st : s->states) r.states.push_back(std::move(*st));
+    for (const auto& l : s->links) {
+      r.host_bytes_in += l.bytes_in;
+      r.host_bytes_out += l.bytes_out;
+      r.host_wait += l.wait;
+    }
     if (s->trace) {
       s->trace->end_at_last_event();
       if (!s->trace_path.empty()) detail::write_trace_or_log(*s->trace, s->trace_path);

@@ -23,4 +23,11 @@ struct Batch {
   std::uint64_t position = 0;          // this replica's micro-batch number within the step
 };
 
+// What a micro-batch moves over the host link: its data and its labels (as int32). Found by
+// argument-dependent lookup (loops::repeat, a Pipeline's stage 0). Any thread. Never blocks,
+// never allocates, never throws.
+inline std::size_t host_bytes(const Batch& b) noexcept {
+  return b.data.bytes() + b.labels.size() * sizeof(std::int32_t);
+}
+
 }  // namespace bspflow

@@ -185,6 +185,11 @@ class Tensor {
   std::unique_ptr<std::byte[], detail::TensorDeleter> bytes_;
 };
 
+// What a tensor moves over the host link: its bytes (a uint8 tensor a quarter of an fp32
+// one's). Found by argument-dependent lookup (loops::repeat). Any thread. Never blocks,
+// never allocates, never throws.
+inline std::size_t host_bytes(const Tensor& t) noexcept { return t.bytes(); }
+
 // Converts `count` elements from `from` to `to` (any pair of DTypes; uint8 -> float maps
 // 0..255 to 0..255, not 0..1: normalise where the data is used). Never allocates.
 void convert(DType from, const std::byte* src, DType to, std::byte* dst, std::size_t count) noexcept;

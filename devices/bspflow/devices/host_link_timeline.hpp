@@ -1,0 +1,86 @@
+// HostLinkTimeline: one device's host link as a timeline of stream copies, in (host to
+// device) and out (device to host), for a device thread that moves its own data: a
+// loops::repeat replica and a Pipeline's first and last stages use it.
+//
+// Without I/O tiles each copy starts when the device asks for it (or when the link is free)
+// and the device waits for it to end. With I/O tiles the tiles copy while the device
+// computes: copy k in started when its I/O-tile buffer (k mod prefetch_depth) was free again
+// (copy k - prefetch_depth was consumed) and the link was free, or, when the element reached
+// an empty lane just now, no earlier than now; the device waits only for what is left of
+// it. An output is dropped into an I/O-tile buffer: the device waits only while the copy
+// that last used that buffer still runs. Durations come from the LinkModel; a link that
+// costs nothing (zero latency, a bandwidth so high no copy takes a nanosecond) reads no clock.
+//
+// A plain value owned by one device thread: not thread-safe. Its counters may be read by
+// another thread once the owner has handed them over (a run's end).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "bspflow/devices/link_model.hpp"
+
+namespace bspflow::detail {
+class StopFlag;
+}  // namespace bspflow::detail
+
+namespace bspflow {
+
+class HostLinkTimeline {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  struct Shape {
+    LinkModel link = LinkModel::host();
+    std::uint32_t io_tiles = 0;         // 0: no I/O tiles, every copy waited for
+    std::size_t bytes_per_tile = 0;     // the device's, for the I/O tiles' room
+    std::uint32_t prefetch_depth = 1;   // I/O-tile buffers per direction, 1..255
+    std::uint32_t device = 0;           // named in errors
+    bool shares_core = false;           // the device yields its core while it waits
+  };
+
+  // Setup path. Allocates (2 x prefetch_depth time points). Throws only std::bad_alloc
+  // (the shape is the caller's, already validated: an Engine checks io_tiles and the link).
+  explicit HostLinkTimeline(const Shape& shape);
+  HostLinkTimeline() : HostLinkTimeline(Shape{}) {}
+
+  // Owner thread, before a run: the link is free from `now`, every I/O-tile buffer empty,
+  // the counters zero. Never blocks, never allocates, never throws.
+  void start(Clock::time_point now) noexcept;
+
+  // Owner thread. An element of `bytes` was just taken off the infeed (`waited`: the lane
+  // was empty, so its copy could not have started earlier): waits until its modeled copy has
+  // ended. false: `stop` was set while waiting. Never allocates. Throws bspflow::Error
+  // naming the device, its I/O tiles' room, prefetch_depth and the element's bytes if the
+  // I/O tiles cannot hold prefetch_depth elements.
+  bool copy_in(std::size_t bytes, bool waited, const detail::StopFlag* stop);
+  // Owner thread. An output of `bytes` leaves (see above). false: stopped while waiting.
+  // Never allocates, never throws.
+  bool copy_out(std::size_t bytes, const detail::StopFlag* stop) noexcept;
+
+  // Any thread, once the owner is done. Never blocks, never allocates, never throws.
+  std::uint64_t bytes_in() const noexcept { return bytes_in_; }
+  std::uint64_t bytes_out() const noexcept { return bytes_out_; }
+  std::uint64_t copies_in() const noexcept { return copies_in_; }
+  std::uint64_t copies_out() const noexcept { return copies_out_; }
+  // How long the device waited for the link (both directions).
+  std::chrono::nanoseconds waited() const noexcept { return waited_; }
+  const Shape& shape() const noexcept { return shape_; }
+
+ private:
+  // Waits from `now` until `until` (counted in waited_), setting `after` to when the wait
+  // ended (left alone if there was nothing to wait for). false: stopped.
+  bool wait(Clock::time_point now, Clock::time_point until, const detail::StopFlag* stop,
+            Clock::time_point& after) noexcept;
+
+  Shape shape_;
+  Clock::time_point in_link_free_{}, out_link_free_{};
+  std::vector<Clock::time_point> in_buffer_free_, out_buffer_free_;
+  std::uint64_t copies_in_ = 0, copies_out_ = 0;
+  std::uint64_t bytes_in_ = 0, bytes_out_ = 0;
+  std::chrono::nanoseconds waited_{0};
+};
+
+}  // namespace bspflow

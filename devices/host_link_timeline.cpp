@@ -1,0 +1,88 @@
+#include "bspflow/devices/host_link_timeline.hpp"
+
+#include <algorithm>
+#include <string>
+
+#include "bspflow/base/error.hpp"
+#include "bspflow/devices/io_engine.hpp"
+
+namespace bspflow {
+
+HostLinkTimeline::HostLinkTimeline(const Shape& shape)
+    : shape_(shape),
+      in_buffer_free_(std::max<std::uint32_t>(shape.prefetch_depth, 1)),
+      out_buffer_free_(std::max<std::uint32_t>(shape.prefetch_depth, 1)) {}
+
+void HostLinkTimeline::start(Clock::time_point now) noexcept {
+  in_link_free_ = out_link_free_ = now;
+  std::fill(in_buffer_free_.begin(), in_buffer_free_.end(), now);
+  std::fill(out_buffer_free_.begin(), out_buffer_free_.end(), now);
+  copies_in_ = copies_out_ = bytes_in_ = bytes_out_ = 0;
+  waited_ = std::chrono::nanoseconds{0};
+}
+
+bool HostLinkTimeline::wait(Clock::time_point now, Clock::time_point until, const detail::StopFlag* stop,
+                            Clock::time_point& after) noexcept {
+  if (until <= now) return true;
+  const bool ok = wait_until_deadline(until, stop, shape_.shares_core);
+  after = Clock::now();
+  waited_ += after - now;
+  return ok;
+}
+
+bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const detail::StopFlag* stop) {
+  const std::chrono::nanoseconds duration = shape_.link.duration(bytes);
+  bytes_in_ += bytes;
+  if (duration.count() == 0) {  // a link that costs nothing: no clock to read
+    ++copies_in_;
+    return true;
+  }
+  const Clock::time_point now = Clock::now();
+  Clock::time_point start = std::max(now, in_link_free_);
+  Clock::time_point& buffer = in_buffer_free_[copies_in_ % in_buffer_free_.size()];
+  if (shape_.io_tiles > 0) {
+    const std::size_t room = std::size_t{shape_.io_tiles} * shape_.bytes_per_tile;
+    if (bytes * shape_.prefetch_depth > room) {
+      bytes_in_ -= bytes;
+      throw Error("the I/O tiles of device " + std::to_string(shape_.device) + " (" +
+                  std::to_string(shape_.io_tiles) + " x " + detail::format_bytes(shape_.bytes_per_tile) + " = " +
+                  detail::format_bytes(room) + ") cannot hold prefetch_depth " +
+                  std::to_string(shape_.prefetch_depth) + " x an element of " + detail::format_bytes(bytes) +
+                  ": raise io_tiles or lower prefetch_depth");
+    }
+    // The copy could start once its I/O-tile buffer was free and the link was free; if the
+    // lane was empty, only now.
+    start = std::max(buffer, in_link_free_);
+    if (waited) start = std::max(start, now);
+  }
+  const Clock::time_point done = start + duration;
+  in_link_free_ = done;
+  Clock::time_point consumed = now;
+  const bool ok = wait(now, done, stop, consumed);
+  buffer = consumed;  // its I/O-tile buffer takes the element prefetch_depth later
+  ++copies_in_;
+  return ok;
+}
+
+bool HostLinkTimeline::copy_out(std::size_t bytes, const detail::StopFlag* stop) noexcept {
+  const std::chrono::nanoseconds duration = shape_.link.duration(bytes);
+  bytes_out_ += bytes;
+  if (duration.count() == 0) {
+    ++copies_out_;
+    return true;
+  }
+  const Clock::time_point now = Clock::now();
+  const Clock::time_point done = std::max(now, out_link_free_) + duration;
+  out_link_free_ = done;
+  Clock::time_point until = done;  // without I/O tiles: the device waits for its copy
+  if (shape_.io_tiles > 0) {
+    Clock::time_point& buffer = out_buffer_free_[copies_out_ % out_buffer_free_.size()];
+    until = buffer;
+    buffer = done;
+  }
+  ++copies_out_;
+  Clock::time_point after = now;
+  return wait(now, until, stop, after);
+}
+
+}  // namespace bspflow
