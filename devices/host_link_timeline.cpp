@@ -31,9 +31,19 @@ bool HostLinkTimeline::wait(Clock::time_point now, Clock::time_point until, cons
 }
 
 bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const detail::StopFlag* stop) {
+  if (shape_.io_tiles > 0) {
+    const std::size_t room = std::size_t{shape_.io_tiles} * shape_.bytes_per_tile;
+    if (bytes * shape_.prefetch_depth > room) {
+      throw Error("the I/O tiles of device " + std::to_string(shape_.device) + " (" +
+                  std::to_string(shape_.io_tiles) + " x " + detail::format_bytes(shape_.bytes_per_tile) + " = " +
+                  detail::format_bytes(room) + ") cannot hold prefetch_depth " +
+                  std::to_string(shape_.prefetch_depth) + " x " + shape_.element + " of " +
+                  detail::format_bytes(bytes) + ": raise io_tiles or lower prefetch_depth");
+    }
+  }
   const std::chrono::nanoseconds duration = shape_.link.duration(bytes);
-  bytes_in_ += bytes;
   if (duration.count() == 0) {  // a link that costs nothing: no clock to read
+    bytes_in_ += bytes;
     ++copies_in_;
     return true;
   }
@@ -41,15 +51,6 @@ bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const detail::Sto
   Clock::time_point start = std::max(now, in_link_free_);
   Clock::time_point& buffer = in_buffer_free_[copies_in_ % in_buffer_free_.size()];
   if (shape_.io_tiles > 0) {
-    const std::size_t room = std::size_t{shape_.io_tiles} * shape_.bytes_per_tile;
-    if (bytes * shape_.prefetch_depth > room) {
-      bytes_in_ -= bytes;
-      throw Error("the I/O tiles of device " + std::to_string(shape_.device) + " (" +
-                  std::to_string(shape_.io_tiles) + " x " + detail::format_bytes(shape_.bytes_per_tile) + " = " +
-                  detail::format_bytes(room) + ") cannot hold prefetch_depth " +
-                  std::to_string(shape_.prefetch_depth) + " x an element of " + detail::format_bytes(bytes) +
-                  ": raise io_tiles or lower prefetch_depth");
-    }
     // The copy could start once its I/O-tile buffer was free and the link was free; if the
     // lane was empty, only now.
     start = std::max(buffer, in_link_free_);
@@ -58,16 +59,17 @@ bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const detail::Sto
   const Clock::time_point done = start + duration;
   in_link_free_ = done;
   Clock::time_point consumed = now;
-  const bool ok = wait(now, done, stop, consumed);
+  if (!wait(now, done, stop, consumed)) return false;
   buffer = consumed;  // its I/O-tile buffer takes the element prefetch_depth later
+  bytes_in_ += bytes;
   ++copies_in_;
-  return ok;
+  return true;
 }
 
 bool HostLinkTimeline::copy_out(std::size_t bytes, const detail::StopFlag* stop) noexcept {
   const std::chrono::nanoseconds duration = shape_.link.duration(bytes);
-  bytes_out_ += bytes;
   if (duration.count() == 0) {
+    bytes_out_ += bytes;
     ++copies_out_;
     return true;
   }
@@ -80,9 +82,18 @@ bool HostLinkTimeline::copy_out(std::size_t bytes, const detail::StopFlag* stop)
     until = buffer;
     buffer = done;
   }
-  ++copies_out_;
   Clock::time_point after = now;
-  return wait(now, until, stop, after);
+  if (!wait(now, until, stop, after)) return false;
+  bytes_out_ += bytes;
+  ++copies_out_;
+  return true;
+}
+
+bool HostLinkTimeline::finish_out(const detail::StopFlag* stop) noexcept {
+  if (copies_out_ == 0 || shape_.io_tiles == 0) return true;  // nothing left in flight
+  const Clock::time_point now = Clock::now();
+  Clock::time_point after = now;
+  return wait(now, out_link_free_, stop, after);
 }
 
 }  // namespace bspflow

@@ -72,7 +72,8 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
       sr->wait = sr->device->placement().wait_policy(sr->wait);
       sr->link = HostLinkTimeline(HostLinkTimeline::Shape{config.host_link, config.io_tiles,
                                                           sr->device->config().bytes_per_tile, config.prefetch_depth,
-                                                          sr->device->id(), sr->device->placement().shares_core()});
+                                                          sr->device->id(), sr->device->placement().shares_core(),
+                                                          "a micro-batch (data and labels)"});
       sr->local_out.assign(sr->out_elements, 0.0f);
       sr->local_grad.assign(sr->in_elements, 0.0f);
       if (config.recompute) sr->scratch.assign(sr->out_elements, 0.0f);

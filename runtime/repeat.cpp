@@ -26,7 +26,7 @@ ReplicaLink::ReplicaLink(const LoopConfig& config, Device& device, std::uint32_t
     : timeline(HostLinkTimeline::Shape{config.host_link, config.io_tiles, device.config().bytes_per_tile,
                                        prefetch_depth, device.id(), device.placement().shares_core()}),
       synthetic(config.synthetic_data) {
-  if (config.io_tiles == 0) return;
+  if (config.io_tiles == 0 || config.synthetic_data) return;  // synthetic: nothing crosses
   if (config.io_tiles >= device.config().tiles) {
     bspflow::detail::throw_bad_value("LoopConfig::io_tiles", config.io_tiles,
                                      "must be below device " + std::to_string(device.id()) + "'s tiles (" +

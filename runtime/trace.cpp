@@ -112,6 +112,7 @@ TraceSummary Trace::summary() const {
     t.iterations = track.iterations();
     t.events = track.events().size();
     std::int64_t recorded = 0;
+    std::vector<std::int64_t> by_label;  // by label index
     for (const TraceEvent& e : track.events()) {
       const std::int64_t d = e.end_ns - e.begin_ns;
       t.ns[static_cast<std::size_t>(e.phase)] += d;
@@ -126,7 +127,16 @@ TraceSummary Trace::summary() const {
         t.longest_phase = e.phase;
         t.longest_label = track.label(e);
       }
+      if (e.label != 0) {
+        if (by_label.size() <= e.label) by_label.resize(e.label + 1, 0);
+        by_label[e.label] += d;
+      }
     }
+    for (std::size_t l = 1; l < by_label.size(); ++l) {
+      if (by_label[l] > 0) t.label_ns.emplace_back(track.labels()[l], by_label[l]);
+    }
+    std::stable_sort(t.label_ns.begin(), t.label_ns.end(),
+                     [](const auto& a, const auto& b) { return a.second > b.second; });
     // Time no phase accounts for is idle (on an I/O track: the link was free).
     t.ns[static_cast<std::size_t>(Phase::kIdle)] += std::max<std::int64_t>(0, s.run_ns - recorded);
     std::int64_t sum = 0;
@@ -168,6 +178,17 @@ std::string TraceSummary::to_string() const {
                   t.longest_label.empty() ? "" : " ", t.longest_label.c_str(),
                   static_cast<double>(t.longest_ns) / 1e3);
     os << buf;
+    if (!t.label_ns.empty() && run_ns > 0) {
+      os << std::string(22, ' ') << " by label:";
+      const char* sep = " ";
+      for (const auto& [label, ns] : t.label_ns) {
+        std::snprintf(buf, sizeof buf, "%s%s %.1f%%", sep, label.c_str(),
+                      100.0 * static_cast<double>(ns) / static_cast<double>(run_ns));
+        os << buf;
+        sep = ", ";
+      }
+      os << '\n';
+    }
   }
   return os.str();
 }

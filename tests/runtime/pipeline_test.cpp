@@ -414,6 +414,22 @@ TEST_CASE("optimiser state offload: streamed in and out around each update, same
         }
       }
     }
+    // And the summary gives their share of the run, per device.
+    const TraceSummary summary = pipe.trace()->summary();
+    for (const TrackSummary& t : summary.tracks) {
+      if (t.kind != TraceTrack::Kind::kDevice) continue;
+      CAPTURE(t.name);
+      std::int64_t in_ns = -1, out_ns = -1;
+      for (const auto& [label, ns] : t.label_ns) {
+        if (label == "optimiser state in") in_ns = ns;
+        if (label == "optimiser state out") out_ns = ns;
+      }
+      CHECK(in_ns > 0);
+      CHECK(out_ns > 0);
+      CHECK(std::is_sorted(t.label_ns.begin(), t.label_ns.end(),
+                           [](const auto& a, const auto& b) { return a.second > b.second; }));
+    }
+    CHECK(summary.to_string().find("optimiser state in") != std::string::npos);
   }
 }
 

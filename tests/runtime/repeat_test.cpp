@@ -496,6 +496,24 @@ TEST_CASE("LoopConfig: the outfeed's mode decides what crosses back; plain loops
   CHECK(out_bytes(OutputMode::every_n(5)) == 2 * 32);
   CHECK(out_bytes(OutputMode::final()) == 32);
   CHECK(out_bytes(OutputMode::sum()) == 32);
+  // A loop cut short by the end of its data still sends final()'s and sum()'s one entry.
+  for (OutputMode mode : {OutputMode::final(), OutputMode::sum()}) {
+    CAPTURE(mode.to_string());
+    Device device(0, kSmall);
+    InfeedQueue<int> in(InfeedConfig{1, 4, 1});
+    {
+      auto p = in.make_producer();
+      for (int i = 0; i < 3; ++i) p.push(i);
+    }
+    in.close();
+    OutfeedQueue<std::array<float, 8>> outfeed(OutfeedConfig{1, mode, 0});
+    const auto r = loops::repeat(device, 10, [](int& s, int& x) { s += x; return std::array<float, 8>{float(x)}; }, 0,
+                                 in, outfeed, loops::LoopConfig{});
+    CHECK(r.end_of_data());
+    CHECK(r.host_bytes_in == 3 * sizeof(int));
+    CHECK(r.host_bytes_out == 32);
+    CHECK(outfeed.drain().size() == 1);
+  }
   // Without a LoopConfig nothing is modeled.
   Device device(0, kSmall);
   InfeedQueue<Tensor> infeed(InfeedConfig{1, 4, 1});
@@ -507,7 +525,7 @@ TEST_CASE("LoopConfig: the outfeed's mode decides what crosses back; plain loops
 }
 
 TEST_CASE("LoopConfig: without I/O tiles each copy is waited for; with them copies overlap the body") {
-  const auto d = 4ms;  // one tensor's copy, and the body
+  const auto d = 10ms;  // one tensor's copy, and the body
   constexpr std::uint64_t kTrips = 10;
   auto run_with = [&](std::uint32_t io_tiles) {
     Device device(0, kSmall);

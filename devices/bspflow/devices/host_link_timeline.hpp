@@ -39,6 +39,7 @@ class HostLinkTimeline {
     std::uint32_t prefetch_depth = 1;   // I/O-tile buffers per direction, 1..255
     std::uint32_t device = 0;           // named in errors
     bool shares_core = false;           // the device yields its core while it waits
+    const char* element = "an element";  // what one copy in moves, for errors
   };
 
   // Setup path. Allocates (2 x prefetch_depth time points). Throws only std::bad_alloc
@@ -52,15 +53,21 @@ class HostLinkTimeline {
 
   // Owner thread. An element of `bytes` was just taken off the infeed (`waited`: the lane
   // was empty, so its copy could not have started earlier): waits until its modeled copy has
-  // ended. false: `stop` was set while waiting. Never allocates. Throws bspflow::Error
-  // naming the device, its I/O tiles' room, prefetch_depth and the element's bytes if the
-  // I/O tiles cannot hold prefetch_depth elements.
+  // ended. false: `stop` was set while waiting (the copy is not counted). Never allocates.
+  // Throws bspflow::Error naming the device, its I/O tiles' room, prefetch_depth and the
+  // element's bytes if the I/O tiles cannot hold prefetch_depth elements (checked for
+  // inputs; outputs go through the same buffers one at a time).
   bool copy_in(std::size_t bytes, bool waited, const detail::StopFlag* stop);
   // Owner thread. An output of `bytes` leaves (see above). false: stopped while waiting.
   // Never allocates, never throws.
   bool copy_out(std::size_t bytes, const detail::StopFlag* stop) noexcept;
+  // Owner thread, at the end of a run: waits until every output copy has ended (with I/O
+  // tiles the device did not wait for the last ones). false: stopped. Never allocates,
+  // never throws.
+  bool finish_out(const detail::StopFlag* stop) noexcept;
 
-  // Any thread, once the owner is done. Never blocks, never allocates, never throws.
+  // Any thread, once the owner is done. Counts copies that ended (or, out with I/O tiles,
+  // were handed to them). Never blocks, never allocates, never throws.
   std::uint64_t bytes_in() const noexcept { return bytes_in_; }
   std::uint64_t bytes_out() const noexcept { return bytes_out_; }
   std::uint64_t copies_in() const noexcept { return copies_in_; }

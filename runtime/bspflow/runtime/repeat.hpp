@@ -62,7 +62,8 @@ namespace bspflow::loops {
 //
 // With it, each element taken off the infeed is a copy of host_bytes(element) bytes in and
 // each output the outfeed delivers (every iteration for all(), each n-th for every_n(n),
-// one at the end for final() and sum()) a copy out, timed by host_link
+// one at the end for final() and sum(), measured as the last output) a copy out, timed by
+// host_link
 // (HostLinkTimeline): without I/O tiles the device waits for each copy; with io_tiles the
 // tiles copy up to the infeed's prefetch_depth elements ahead while the body computes (their
 // memory, io_tiles x bytes per tile, is taken from each device's arena for the run, and must
@@ -115,13 +116,6 @@ std::size_t element_bytes(const T& v) {
     return sizeof(T);
   }
 }
-template <class T>
-inline constexpr bool kMeasurableOrNone = true;
-template <class T>
-inline constexpr bool kMeasurableOrNone<InfeedQueue<T>> = kMeasurable<T>;
-template <class T>
-inline constexpr bool kMeasurableOrNone<OutfeedQueue<T>> = kMeasurable<T>;
-
 // One replica's link for a run: the timeline and, with I/O tiles, their memory in the
 // device's arena (released with it).
 class ReplicaLink {
@@ -301,12 +295,16 @@ RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFra
   if (rep.link) rep.link->timeline.start(Clock::now());
   std::size_t last_out_bytes = 0;  // final() and sum(): one copy out when the loop ends
   bool produced = false;
+  // The run's end: final() and sum() send their one entry; then the device waits for the
+  // output copies still under way (I/O tiles).
   auto copy_final = [&] {
     if constexpr (kHasOutfeed) {
+      if (!link) return;
       const OutputMode::Kind kind = rep.outfeed->mode().kind();
-      if (link && produced && (kind == OutputMode::Kind::kFinal || kind == OutputMode::Kind::kSum)) {
-        link->copy_out(last_out_bytes, stop);
+      if (produced && (kind == OutputMode::Kind::kFinal || kind == OutputMode::Kind::kSum)) {
+        if (!link->copy_out(last_out_bytes, stop)) return;
       }
+      link->finish_out(stop);
     }
   };
   for (std::uint64_t i = 0; i < n; ++i) {

@@ -14,6 +14,7 @@
 #include <deque>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace bspflow {
@@ -64,6 +65,8 @@ class TraceTrack {
   std::uint32_t id() const noexcept { return id_; }
   const std::vector<TraceEvent>& events() const noexcept { return events_; }
   const std::string& label(const TraceEvent& e) const;
+  // Every label added, by index (0: none, the phase's own name).
+  const std::vector<std::string>& labels() const noexcept { return labels_; }
   std::uint64_t iterations() const noexcept { return iterations_; }
 
  private:
@@ -92,6 +95,9 @@ struct TrackSummary {
   Phase longest_phase = Phase::kIdle;
   std::string longest_label;
   std::int64_t longest_ns = 0;
+  // Time of labelled events by label, largest first ("optimiser state in", "all-reduce",
+  // "forward"...): say what share of the run remote-buffer copies or the reduction take.
+  std::vector<std::pair<std::string, std::int64_t>> label_ns;
 };
 
 struct TraceSummary {
