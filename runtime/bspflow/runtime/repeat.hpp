@@ -205,7 +205,10 @@ struct InfeedSide {  // no infeed
   using Value = NoFeed;
   InfeedSide(InQ*, Device&, std::uint32_t) {}
   bool reuse = false;
-  bool try_pop(NoFeed*&) { return true; }
+  template <bool kMayReuse = false>
+  bool try_pop(NoFeed*&) {
+    return true;
+  }
   bool pop(NoFeed*&, const bspflow::detail::StopFlag*) { return true; }
   bool end_of_data() const { return false; }
   NoFeed* slot() { return nullptr; }
@@ -219,9 +222,12 @@ struct InfeedSide<InfeedQueue<T>> {
             device.arena(), q->prefetch_depth(),
             "infeed prefetch buffer (replica " + std::to_string(replica) + ")")),
         reader(q->reader(replica, buffer->span())) {}
+  template <bool kMayReuse = false>
   bool try_pop(T*& out) {
     out = &value;
-    if (reuse) return true;  // synthetic data: the element read first, every iteration
+    if constexpr (kMayReuse) {
+      if (reuse) return true;  // synthetic data: the element read first, every iteration
+    }
     return reader->try_pop(value);
   }
   bool pop(T*& out, const bspflow::detail::StopFlag* stop) {
@@ -238,8 +244,8 @@ struct InfeedSide<InfeedQueue<T>> {
 
 template <class OutQ>
 struct OutfeedSide {  // no outfeed
-  template <class V>
-  bool write(std::uint64_t, V&&, const bspflow::detail::StopFlag*, std::size_t*) {
+  template <bool kMeasure, class V>
+  bool write(std::uint64_t, V&&, const bspflow::detail::StopFlag*, std::size_t&) {
     return true;
   }
   OutputMode mode() const noexcept { return OutputMode::all(); }
@@ -250,12 +256,16 @@ struct OutfeedSide {  // no outfeed
 template <class T>
 struct OutfeedSide<OutfeedQueue<T>> {
   OutfeedSide(typename OutfeedQueue<T>::Writer w, OutputMode m) : writer(std::move(w)), out_mode(m) {}
-  // `bytes`: when not null, set to the output's host_bytes (a loop with a LoopConfig).
-  template <class V>
-  bool write(std::uint64_t i, V&& v, const bspflow::detail::StopFlag* stop, std::size_t* bytes) {
-    T value(std::forward<V>(v));
-    if (bytes) *bytes = element_bytes(value);
-    return writer.write(i, std::move(value), stop);
+  // kMeasure (a loop with a LoopConfig): sets `bytes` to the output's host bytes.
+  template <bool kMeasure, class V>
+  bool write(std::uint64_t i, V&& v, const bspflow::detail::StopFlag* stop, std::size_t& bytes) {
+    if constexpr (kMeasure) {
+      T value(std::forward<V>(v));
+      bytes = element_bytes(value);
+      return writer.write(i, std::move(value), stop);
+    } else {
+      return writer.write(i, T(std::forward<V>(v)), stop);
+    }
   }
   OutputMode mode() const noexcept { return out_mode; }
   bool flush(const bspflow::detail::StopFlag* stop) { return writer.flush(stop); }
@@ -281,7 +291,9 @@ struct Replica {
 // wait for input (StreamCopyBegin), taking it (StreamCopyMid, with its modeled copy when the
 // loop has a LoopConfig), the body (Compute) and handing the output over (StreamCopyMid, to
 // the host).
-template <class State, class Body, class InQ, class OutQ>
+// kLink: the loop has a LoopConfig (compiled apart, so a loop without one runs exactly the
+// code it ran before the host link was modeled).
+template <bool kLink, class State, class Body, class InQ, class OutQ>
 RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFrame& frame,
                     std::uint32_t device, std::uint32_t replica, std::uint64_t n) {
   using In = typename InfeedSide<InQ>::Value;
@@ -291,14 +303,14 @@ RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFra
   const bspflow::detail::StopFlag* const stop = frame.stop;
   TraceTrack* const track = frame.track;
   // The host link (a LoopConfig): null, or this replica's timeline; synthetic data: none.
-  HostLinkTimeline* const link = rep.link && !rep.link->synthetic ? &rep.link->timeline : nullptr;
-  if (rep.link) rep.link->timeline.start(Clock::now());
+  HostLinkTimeline* const link = kLink && !rep.link->synthetic ? &rep.link->timeline : nullptr;
+  if constexpr (kLink) rep.link->timeline.start(Clock::now());
   std::size_t last_out_bytes = 0;  // final() and sum(): one copy out when the loop ends
   bool produced = false;
   // The run's end: final() and sum() send their one entry; then the device waits for the
   // output copies still under way (I/O tiles).
   auto copy_final = [&] {
-    if constexpr (kHasOutfeed) {
+    if constexpr (kHasOutfeed && kLink) {
       if (!link) return;
       const OutputMode::Kind kind = rep.outfeed->mode().kind();
       if (produced && (kind == OutputMode::Kind::kFinal || kind == OutputMode::Kind::kSum)) {
@@ -313,7 +325,7 @@ RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFra
     Clock::time_point t0 = track ? Clock::now() : Clock::time_point{};
     In* input = nullptr;
     bool waited = false;
-    if (!rep.infeed->try_pop(input)) {
+    if (!rep.infeed->template try_pop<kLink>(input)) {
       // Nothing ready: hand staged outfeed entries to the host before waiting for input.
       if (!rep.outfeed->flush(stop) || !rep.infeed->pop(input, stop)) {
         if (rep.infeed->end_of_data()) {
@@ -330,14 +342,12 @@ RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFra
       }
     }
     std::size_t in_bytes = sizeof(In);
-    if constexpr (kHasInfeed) {
-      if (rep.link) {
-        if (rep.link->synthetic) {
-          rep.infeed->reuse = true;  // this element stands for every one of the run
-        } else {
-          in_bytes = element_bytes(*input);
-          if (!link->copy_in(in_bytes, waited, stop)) return RunStatus::kCancelled;
-        }
+    if constexpr (kHasInfeed && kLink) {
+      if (rep.link->synthetic) {
+        rep.infeed->reuse = true;  // this element stands for every one of the run
+      } else {
+        in_bytes = element_bytes(*input);
+        if (!link->copy_in(in_bytes, waited, stop)) return RunStatus::kCancelled;
       }
     }
     if (track) {
@@ -357,15 +367,17 @@ RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFra
         t0 = t1;
       }
       std::size_t out_bytes = sizeof(Ret);
-      if (!rep.outfeed->write(i, std::forward<decltype(out)>(out), stop, link ? &out_bytes : nullptr)) {
+      if (!rep.outfeed->template write<kLink>(i, std::forward<decltype(out)>(out), stop, out_bytes)) {
         ++*frame.trips_done;  // the body ran; stopped while waiting for outfeed room
         return RunStatus::kCancelled;
       }
-      produced = true;
-      last_out_bytes = out_bytes;
-      if (link && rep.outfeed->mode().emits_at(i) && !link->copy_out(out_bytes, stop)) {
-        ++*frame.trips_done;
-        return RunStatus::kCancelled;
+      if constexpr (kLink) {
+        produced = true;
+        last_out_bytes = out_bytes;
+        if (link && rep.outfeed->mode().emits_at(i) && !link->copy_out(out_bytes, stop)) {
+          ++*frame.trips_done;
+          return RunStatus::kCancelled;
+        }
       }
       if (track) track->record(Phase::kStreamCopyMid, t0, Clock::now(), out_bytes, 0, true);
     } else {
@@ -386,7 +398,7 @@ template <class State, class Body, class InQ, class OutQ>
 Program replica_program(RunState<State>& run, Replica<State, Body, InQ, OutQ>& rep,
                         std::uint32_t device, std::uint32_t replica, std::uint64_t n) {
   auto loop = [&rep, device, replica, n](const program::LoopFrame& frame) {
-    return run_trips(rep, frame, device, replica, n);
+    return rep.link ? run_trips<true>(rep, frame, device, replica, n) : run_trips<false>(rep, frame, device, replica, n);
   };
   auto finish = [&run, &rep, replica](bool deliver) {
     auto release = [&] {
