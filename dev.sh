@@ -16,7 +16,7 @@ cd "$(dirname "$0")"
 
 PACKAGES="g++ meson ninja-build pkg-config cmake libconcurrentqueue-dev libboost-dev \
 libhwloc-dev doctest-dev libcli11-dev nlohmann-json3-dev zlib1g-dev dataset-fashion-mnist \
-libeigen3-dev libtbb-dev libreaderwriterqueue-dev"
+libeigen3-dev libtbb-dev libreaderwriterqueue-dev openmpi-bin libopenmpi-dev"
 
 install_deps() {
   missing=""

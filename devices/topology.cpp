@@ -1,9 +1,11 @@
 // Topology discovery and thread/memory binding. hwloc is included here and nowhere else.
 #include "bspflow/devices/topology.hpp"
 
+#include <sched.h>
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <new>
 #include <sstream>
 #include <thread>
@@ -52,7 +54,10 @@ Topology::Topology() {
       }
       cores_.push_back(info);
     }
-    if (!cores_.empty()) return;
+    if (!cores_.empty()) {
+      find_instance_cores();
+      return;
+    }
     hwloc_topology_destroy(topo);
     hwloc_ = nullptr;
     log(LogLevel::kWarning, "hwloc found no cores; devices will run unpinned");
@@ -65,6 +70,74 @@ Topology::Topology() {
   pus_ = n;
   numa_nodes_ = 1;
   for (unsigned i = 0; i < n; ++i) cores_.push_back(CoreInfo{i, i, 1, 0});
+  find_instance_cores();
+}
+
+namespace {
+// A non-negative integer from the environment, or nullopt.
+std::optional<std::uint32_t> env_count(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return std::nullopt;
+  char* end = nullptr;
+  const unsigned long n = std::strtoul(v, &end, 10);
+  if (*end != '\0' || n > 1u << 20) return std::nullopt;
+  return static_cast<std::uint32_t>(n);
+}
+std::string join_cores(const std::vector<std::uint32_t>& cores) {
+  std::string s;
+  for (std::uint32_t c : cores) s += (s.empty() ? "" : ",") + std::to_string(c);
+  return s;
+}
+}  // namespace
+
+std::vector<std::uint32_t> Topology::slice_for_instance(std::uint32_t cores, std::uint32_t local_index,
+                                                        std::uint32_t local_count) {
+  if (cores == 0) detail::throw_bad_value("cores", cores, "must be at least 1");
+  if (local_index >= local_count) {
+    detail::throw_bad_value("local instance index", local_index,
+                            "must be below the instances on this host (" + std::to_string(local_count) + ")");
+  }
+  std::vector<std::uint32_t> out;
+  if (local_count >= cores) {
+    out.push_back(local_index % cores);
+    return out;
+  }
+  const std::uint64_t begin = std::uint64_t{local_index} * cores / local_count;
+  const std::uint64_t end = std::uint64_t{local_index + 1} * cores / local_count;
+  for (std::uint64_t c = begin; c < end; ++c) out.push_back(static_cast<std::uint32_t>(c));
+  return out;
+}
+
+void Topology::find_instance_cores() {
+  const auto ncores = static_cast<std::uint32_t>(cores_.size());
+  // 1. A binding the launcher made: the cores whose first hardware thread this process may
+  //    run on, when that is not every core.
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (sched_getaffinity(0, sizeof mask, &mask) == 0) {
+    std::vector<std::uint32_t> bound;
+    for (const CoreInfo& c : cores_) {
+      if (c.first_pu < CPU_SETSIZE && CPU_ISSET(c.first_pu, &mask)) bound.push_back(c.index);
+    }
+    if (!bound.empty() && bound.size() < ncores) {
+      instance_cores_ = bound;
+      instance_reason_ = "bound by the launcher to core(s) " + join_cores(bound);
+      return;
+    }
+  }
+  // 2. Several Open MPI processes on this host, unbound: a slice each.
+  const std::optional<std::uint32_t> local_rank = env_count("OMPI_COMM_WORLD_LOCAL_RANK");
+  const std::optional<std::uint32_t> local_size = env_count("OMPI_COMM_WORLD_LOCAL_SIZE");
+  if (local_rank && local_size && *local_size > 1 && *local_rank < *local_size) {
+    instance_cores_ = slice_for_instance(ncores, *local_rank, *local_size);
+    instance_reason_ = "instance " + std::to_string(*local_rank) + " of " + std::to_string(*local_size) +
+                       " on this host: core(s) " + join_cores(instance_cores_) +
+                       (*local_size > ncores ? " (more instances than cores: they share)" : "");
+    return;
+  }
+  // 3. Every core.
+  for (std::uint32_t i = 0; i < ncores; ++i) instance_cores_.push_back(i);
+  instance_reason_ = "every core (one instance on this host)";
 }
 
 Topology::~Topology() {
@@ -89,14 +162,15 @@ std::vector<Placement> Topology::place(std::uint32_t devices, bool pin,
     }
     reserved[c] = true;
   }
-  // The cores devices may take, highest first; all of them if every core is reserved.
+  // The cores devices may take (this instance's), highest first; all of this instance's if
+  // every one is reserved.
   std::vector<const CoreInfo*> usable;
-  for (std::uint32_t i = ncores; i-- > 0;) {
-    if (!reserved[i]) usable.push_back(&cores_[i]);
+  for (std::size_t k = instance_cores_.size(); k-- > 0;) {
+    if (!reserved[instance_cores_[k]]) usable.push_back(&cores_[instance_cores_[k]]);
   }
   const bool on_host_cores = usable.empty();
   if (on_host_cores) {
-    for (std::uint32_t i = ncores; i-- > 0;) usable.push_back(&cores_[i]);
+    for (std::size_t k = instance_cores_.size(); k-- > 0;) usable.push_back(&cores_[instance_cores_[k]]);
   }
   const auto n = static_cast<std::uint32_t>(usable.size());
   const bool pinned = pin && has_hwloc();
@@ -188,6 +262,7 @@ std::string Topology::describe() const {
     os << "  core " << c.index << ": first hardware thread " << c.first_pu << ", " << c.pus
        << (c.pus == 1 ? " thread" : " threads") << ", NUMA node " << c.numa_node << '\n';
   }
+  os << "  devices of this process: " << instance_reason_ << '\n';
   return os.str();
 }
 

@@ -65,6 +65,9 @@ int main(int argc, char** argv) {
 
   const bspflow::Topology& topo = bspflow::Topology::get();
   std::printf("topology: %s", topo.describe().c_str());
+  const bspflow::Instance& instance = bspflow::Instance::current();
+  std::printf("instance: %u of %u (%u on this host), %s\n", instance.index(), instance.count(),
+              instance.local_count(), instance.transport().c_str());
 #if BSPFLOW_INFO_HWLOC
   print_hwloc_versions();
 #else

@@ -70,4 +70,34 @@ TEST_CASE("placement keeps devices off the host's reserved cores") {
                  "host core = " + std::to_string(cores) + " is not allowed: must be below"));
 }
 
+TEST_CASE("instances sharing a host take disjoint slices of its cores") {
+  using V = std::vector<std::uint32_t>;
+  CHECK(Topology::slice_for_instance(8, 0, 1) == V{0, 1, 2, 3, 4, 5, 6, 7});
+  CHECK(Topology::slice_for_instance(8, 0, 2) == V{0, 1, 2, 3});
+  CHECK(Topology::slice_for_instance(8, 1, 2) == V{4, 5, 6, 7});
+  CHECK(Topology::slice_for_instance(8, 2, 3) == V{5, 6, 7});
+  CHECK(Topology::slice_for_instance(2, 1, 2) == V{1});
+  // More instances than cores: they share, round robin.
+  CHECK(Topology::slice_for_instance(2, 2, 4) == V{0});
+  CHECK(Topology::slice_for_instance(2, 3, 4) == V{1});
+  for (std::uint32_t cores : {1u, 2u, 3u, 7u, 64u}) {
+    for (std::uint32_t n = 1; n <= cores; ++n) {
+      std::vector<int> owners(cores, 0);
+      for (std::uint32_t i = 0; i < n; ++i) {
+        const V mine = Topology::slice_for_instance(cores, i, n);
+        CHECK_FALSE(mine.empty());
+        for (std::uint32_t c : mine) ++owners[c];
+      }
+      for (int o : owners) CHECK(o == 1);  // every core, once
+    }
+  }
+  CHECK_THROWS_WITH_AS(Topology::slice_for_instance(2, 2, 2), doctest::Contains("local instance index = 2"), Error);
+  // A plain process: every core.
+  const Topology& t = Topology::get();
+  CHECK(t.instance_cores().size() <= t.cores());
+  CHECK_FALSE(t.instance_cores_reason().empty());
+  CHECK(t.describe().find("devices of this process") != std::string::npos);
+}
+
 }  // TEST_SUITE
+

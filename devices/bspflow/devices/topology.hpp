@@ -57,8 +57,8 @@ class Topology {
   const std::vector<CoreInfo>& core_list() const noexcept { return cores_; }
 
   // Any thread. Where `devices` devices would be placed (see the policy above), keeping off
-  // `host_cores` where it can. Pure; logs nothing. Throws bspflow::Error if a host core is
-  // not below cores().
+  // `host_cores` where it can, on this process's cores (instance_cores()). Pure; logs
+  // nothing. Throws bspflow::Error if a host core is not below cores().
   std::vector<Placement> place(std::uint32_t devices, bool pin = true,
                                const std::vector<std::uint32_t>& host_cores = {}) const;
 
@@ -71,8 +71,24 @@ class Topology {
   void* allocate(std::size_t bytes, int numa_node) const;
   void release(void* ptr, std::size_t bytes) const noexcept;
 
-  // "2 cores (2 hardware threads), 1 NUMA node, hwloc 2.9.0" plus one line per core.
+  // "2 cores (2 hardware threads), 1 NUMA node, hwloc 2.9.0" plus one line per core and
+  // the cores this process's devices take.
   std::string describe() const;
+
+  // The cores this process's devices may take (ascending), and why. Several instances of
+  // a multi-process run (mpirun) on one host must not pin devices onto the same core: a
+  // binding the launcher already made (mpirun --bind-to core) is honoured (the cores the
+  // process may run on); otherwise, under Open MPI with several processes on this host
+  // (OMPI_COMM_WORLD_LOCAL_RANK / _LOCAL_SIZE), instance i of L takes the i-th of L equal
+  // slices of the cores (core i mod cores when there are more instances than cores);
+  // otherwise every core. Found once, when the topology is discovered.
+  const std::vector<std::uint32_t>& instance_cores() const noexcept { return instance_cores_; }
+  const std::string& instance_cores_reason() const noexcept { return instance_reason_; }
+  // The slice rule above, pure: the cores of instance `local_index` of `local_count` on a
+  // host of `cores` cores. Throws bspflow::Error unless local_index < local_count and
+  // cores >= 1.
+  static std::vector<std::uint32_t> slice_for_instance(std::uint32_t cores, std::uint32_t local_index,
+                                                       std::uint32_t local_count);
 
   ~Topology();
   Topology(const Topology&) = delete;
@@ -80,10 +96,13 @@ class Topology {
 
  private:
   Topology();
+  void find_instance_cores();  // sets instance_cores_ and instance_reason_
   void* hwloc_ = nullptr;  // hwloc_topology_t, kept opaque so hwloc stays in topology.cpp
   std::vector<CoreInfo> cores_;
   std::uint32_t pus_ = 1;
   std::uint32_t numa_nodes_ = 1;
+  std::vector<std::uint32_t> instance_cores_;
+  std::string instance_reason_;
 };
 
 }  // namespace bspflow
