@@ -24,6 +24,12 @@ const char* to_string(LoaderMode m) noexcept {
 
 void LoaderConfig::validate() const {
   if (batch_size < 1) detail::throw_bad_value("batch_size", batch_size, "must be at least 1");
+  if (instances < 1 || instances > tunables::kMaxReplicas) {
+    detail::throw_bad_value("instances", instances, "must be in 1.." + std::to_string(tunables::kMaxReplicas));
+  }
+  if (instance >= instances) {
+    detail::throw_bad_value("instance", instance, "must be below instances (" + std::to_string(instances) + ")");
+  }
   if (num_workers > tunables::kMaxLoaderWorkers) {
     detail::throw_bad_value("num_workers", num_workers,
                             "must be at most " + std::to_string(tunables::kMaxLoaderWorkers));
@@ -68,8 +74,8 @@ std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b, const char* what) {
 }  // namespace
 
 LoadPlan::LoadPlan(StepShape shape, std::uint64_t dataset_size, const LoaderConfig& config)
-    : shape_(shape), size_(dataset_size), batch_(config.batch_size), seed_(config.seed),
-      drop_last_(config.drop_last) {
+    : shape_(shape), size_(dataset_size), total_(dataset_size), instance_(config.instance),
+      instances_(config.instances), batch_(config.batch_size), seed_(config.seed), drop_last_(config.drop_last) {
   config.validate();
   if (shape_.device_iterations < 1) {
     throw_bad_value("device_iterations", shape_.device_iterations, "must be at least 1");
@@ -85,18 +91,32 @@ LoadPlan::LoadPlan(StepShape shape, std::uint64_t dataset_size, const LoaderConf
                              "device iterations x gradient accumulation");
   per_step_ = checked_mul(checked_mul(per_replica_, shape_.replicas, "micro-batches per step"),
                           batch_, "samples per step");
-  if (size_ == 0) throw Error("DataLoader: the dataset is empty (size() is 0)");
+  if (total_ == 0) throw Error("DataLoader: the dataset is empty (size() is 0)");
+  if (total_ < instances_) {
+    throw Error("DataLoader: the dataset has " + std::to_string(total_) + " samples, fewer than the " +
+                std::to_string(instances_) + " instances it is split between");
+  }
+  // This instance's slice of the epoch order (see LoaderConfig::instances).
+  const std::uint64_t base = total_ / instances_, rem = total_ % instances_;
   if (drop_last_) {
+    size_ = base;
+    offset_ = instance_ * base;
     steps_ = size_ / per_step_;
-    dropped_ = size_ % per_step_;
+    dropped_ = total_ - instances_ * steps_ * per_step_;  // every instance's, and the remainder
     if (steps_ == 0) {
-      throw Error("DataLoader: the dataset has " + std::to_string(size_) +
-                  " samples, fewer than one step needs (" + describe_step() +
+      throw Error("DataLoader: the dataset has " + std::to_string(size_) + " samples" +
+                  (instances_ > 1 ? " per instance (" + std::to_string(total_) + " over " +
+                                        std::to_string(instances_) + " instances)"
+                                  : std::string()) +
+                  ", fewer than one step needs (" + describe_step() +
                   "), so drop_last would drop them all; use a smaller batch_size, fewer "
                   "device iterations, or drop_last = false");
     }
   } else {
-    steps_ = size_ / per_step_ + (size_ % per_step_ != 0 ? 1 : 0);
+    size_ = base + (instance_ < rem ? 1 : 0);
+    offset_ = instance_ * base + std::min<std::uint64_t>(instance_, rem);
+    const std::uint64_t largest = base + (rem != 0 ? 1 : 0);  // every instance runs as many steps
+    steps_ = largest / per_step_ + (largest % per_step_ != 0 ? 1 : 0);
     padded_ = steps_ * per_step_ - size_;
   }
 }
@@ -112,6 +132,10 @@ std::string LoadPlan::describe_step() const {
 std::string LoadPlan::describe() const {
   std::string s = describe_step() + "; " + std::to_string(size_) + " samples -> " +
                   std::to_string(steps_) + " steps per epoch";
+  if (instances_ > 1) {
+    s += " (instance " + std::to_string(instance_) + " of " + std::to_string(instances_) + ": positions " +
+         std::to_string(offset_) + ".." + std::to_string(offset_ + size_ - 1) + " of " + std::to_string(total_) + ")";
+  }
   if (dropped_ != 0) s += ", drop_last drops " + std::to_string(dropped_);
   if (padded_ != 0) s += ", last step padded with " + std::to_string(padded_);
   return s;
@@ -120,7 +144,8 @@ std::string LoadPlan::describe() const {
 std::string LoadPlan::remainder_notice() const {
   if (dropped_ != 0) {
     return "DataLoader: drop_last drops " + std::to_string(dropped_) + " of " +
-           std::to_string(size_) + " samples every epoch: " + std::to_string(size_) + " = " +
+           std::to_string(total_) + " samples every epoch: " + std::to_string(total_) + " = " +
+           (instances_ > 1 ? std::to_string(instances_) + " instances x " : std::string()) +
            std::to_string(steps_) + " steps x " + std::to_string(per_step_) + " + " +
            std::to_string(dropped_) + " (" + describe_step() +
            "). Set drop_last = false to keep them (the last step is then padded with label "
@@ -137,12 +162,12 @@ std::string LoadPlan::remainder_notice() const {
 }
 
 std::vector<std::uint64_t> LoadPlan::shuffled_order(std::uint64_t epoch) const {
-  std::vector<std::uint64_t> order(size_);
-  for (std::uint64_t i = 0; i < size_; ++i) order[i] = i;
+  std::vector<std::uint64_t> order(total_);
+  for (std::uint64_t i = 0; i < total_; ++i) order[i] = i;
   std::uint64_t state = seed_ ^ splitmix64(epoch);
   // Fisher-Yates with unbiased bounded draws (rejection), so the order is the same on
   // every platform and standard library.
-  for (std::uint64_t i = size_; i > 1; --i) {
+  for (std::uint64_t i = total_; i > 1; --i) {
     const std::uint64_t threshold = (0 - i) % i;
     std::uint64_t r = splitmix64(state);
     while (r < threshold) r = splitmix64(state);
@@ -184,7 +209,7 @@ LoaderCore::LoaderCore(StepShape shape, std::uint64_t dataset_size, SampleSpec s
 LoaderCore::~LoaderCore() { stop(); }
 
 void LoaderCore::ready_to_load() {
-  const std::string notice = plan_.remainder_notice();
+  const std::string notice = plan_.reports() ? plan_.remainder_notice() : std::string();
   if (!notice.empty()) log(plan_.dropped_per_epoch() != 0 ? LogLevel::kWarning : LogLevel::kInfo, notice);
   if (config_.mode == LoaderMode::kSync) {
     if (config_.num_workers > 0) spawn_workers();  // helpers: idle until a step is asked for
@@ -198,6 +223,11 @@ void LoaderCore::ready_to_load() {
 }
 
 void LoaderCore::require_in_order_reading() const {
+  if (config_.instances > 1) {
+    throw_bad_value("instances", config_.instances,
+                    "must be 1 with a streaming dataset: a stream read in order cannot be split between "
+                    "instances (use a random-access dataset: size(), spec(), get(i))");
+  }
   if (config_.shuffle) {
     throw Error("shuffle = true needs a random-access dataset (size(), spec(), get(i)); a "
                 "streaming dataset is read in order");

@@ -532,5 +532,74 @@ TEST_CASE("the loader's batches cross a loop's modeled host link as data plus la
   CHECK(bytes == samples * 16 + samples * sizeof(std::int32_t));
 }
 
+TEST_CASE("instances: each loads a disjoint part of every epoch; together every sample once, the same number of steps") {
+  const std::uint64_t n = 1003;  // not a multiple of anything below
+  CountingDataset data(n);
+  for (std::uint32_t instances : {1u, 2u, 3u}) {
+    for (bool drop_last : {true, false}) {
+      for (bool shuffle : {false, true}) {
+        CAPTURE(instances);
+        CAPTURE(drop_last);
+        CAPTURE(shuffle);
+        std::multiset<std::uint64_t> all;
+        std::size_t padding = 0;
+        std::uint64_t steps = 0, dropped = 0;
+        for (std::uint32_t i = 0; i < instances; ++i) {
+          LoaderConfig c;
+          c.batch_size = 4;
+          c.drop_last = drop_last;
+          c.shuffle = shuffle;
+          c.seed = 7;
+          c.instance = i;
+          c.instances = instances;
+          DataLoader loader(StepShape{5, 1, 2}, data, c);  // 40 samples a step, 2 local replicas
+          if (i == 0) {
+            steps = loader.steps();
+            dropped = loader.dropped();
+          }
+          CHECK(loader.steps() == steps);      // every instance runs as many steps
+          CHECK(loader.dropped() == dropped);  // the global count, the same everywhere
+          for (int epoch = 0; epoch < 2; ++epoch) {
+            const Delivered d = drain_epoch(loader);
+            CHECK(d.steps == steps);
+            if (epoch == 0) {
+              all.insert(d.indices.begin(), d.indices.end());
+              padding += d.padding;
+            }
+          }
+        }
+        // No sample twice; without drop_last none missing; with it, exactly dropped() missing.
+        CHECK(std::set<std::uint64_t>(all.begin(), all.end()).size() == all.size());
+        CHECK(all.size() + dropped == n);
+        if (!drop_last) CHECK(dropped == 0);
+        CHECK(padding == (drop_last ? 0 : instances * steps * 40 - n));
+      }
+    }
+  }
+}
+
+TEST_CASE("instances: bad settings and a stream are refused with what is allowed") {
+  CountingDataset data(100);
+  LoaderConfig c;
+  c.instances = 2;
+  c.instance = 2;
+  CHECK(contains(error_of([&] { DataLoader loader(StepShape{}, data, c); }), "instance = 2"));
+  c.instance = 0;
+  c.instances = 0;
+  CHECK(contains(error_of([&] { DataLoader loader(StepShape{}, data, c); }), "instances = 0"));
+  CountingDataset tiny(3);
+  c.instances = 4;
+  CHECK(contains(error_of([&] { DataLoader loader(StepShape{}, tiny, c); }), "fewer than the 4 instances"));
+  c.instances = 2;
+  CountingStream stream(50, 50);
+  const std::string why = error_of([&] { DataLoader loader(StepShape{}, stream, c); });
+  CHECK(contains(why, "instances = 2"));
+  CHECK(contains(why, "cannot be split between instances"));
+  // drop_last too few per instance names the split.
+  c.batch_size = 40;
+  CountingDataset sixty(60);
+  CHECK(contains(error_of([&] { DataLoader loader(StepShape{}, sixty, c); }), "30 samples per instance"));
+}
+
 }  // TEST_SUITE
 

@@ -101,5 +101,42 @@ TEST_CASE("instances on one host pin their devices onto disjoint cores (or honou
   }
 }
 
+TEST_CASE("each instance's DataLoader loads a disjoint part of the epoch; together, every sample once") {
+  Instance& me = Instance::current();
+  SyntheticDataset::Config dc;
+  dc.size = 1001;
+  dc.spec = SampleSpec{DType::kUint8, {4}};
+  SyntheticDataset data(dc);
+  for (bool drop_last : {true, false}) {
+    CAPTURE(drop_last);
+    LoaderConfig c;
+    c.batch_size = 8;
+    c.shuffle = true;
+    c.seed = 11;
+    c.drop_last = drop_last;
+    c.instance = me.index();
+    c.instances = me.count();
+    DataLoader loader(StepShape{3, 1, 1}, data, c);
+    std::vector<float> seen(dc.size, 0.0f);
+    double steps = 0;
+    for (auto& step : loader) {
+      ++steps;
+      for (const Batch& b : step.replica(0)) {
+        for (std::size_t k = 0; k < b.valid; ++k) seen[b.indices[k]] += 1.0f;
+      }
+    }
+    me.allreduce_sum(seen);
+    std::vector<double> all_steps{steps};
+    me.allreduce_sum(all_steps);
+    CHECK(all_steps[0] == steps * me.count());  // the same number of steps everywhere
+    double total = 0;
+    for (float x : seen) {
+      CHECK(x <= 1.0f);  // nobody saw a sample another instance saw
+      total += x;
+    }
+    CHECK(total + static_cast<double>(loader.dropped()) == static_cast<double>(dc.size));
+  }
+}
+
 }  // TEST_SUITE
 

@@ -81,6 +81,17 @@ struct LoaderConfig {
                                      // (needs persistent_workers)
   bool persistent_workers = true;    // kAsync: keep workers between epochs
   std::optional<DType> output_dtype; // convert samples to this type (default: keep)
+  // Several processes (Instance, bspflow/runtime/instance.hpp): this loader is instance
+  // `instance` of `instances` and loads its part of every epoch. Every instance shuffles
+  // the whole dataset with the same seed, then takes its own contiguous slice of that
+  // order, so no sample is seen twice or by no one: with drop_last each instance takes
+  // size / instances samples and steps() is the same everywhere (what is dropped, the
+  // remainder included, is counted by dropped() and logged once, by instance 0); without
+  // it the first size % instances instances take one sample more and every instance pads
+  // to the same number of steps. The replicas of the run shape are this instance's local
+  // replicas. instances 1..kMaxReplicas, instance below it.
+  std::uint32_t instance = 0;
+  std::uint32_t instances = 1;
   // Any thread. Never blocks, never allocates. Throws bspflow::Error naming the field, the
   // value and what is allowed (or the options that conflict).
   void validate() const;
@@ -140,7 +151,10 @@ class LoadPlan {
   // smaller than a combined batch), or an overflowing product.
   LoadPlan(StepShape shape, std::uint64_t dataset_size, const LoaderConfig& config);
 
+  // This instance's samples per epoch (the whole dataset with one instance).
   std::uint64_t dataset_size() const noexcept { return size_; }
+  std::uint64_t total_size() const noexcept { return total_; }
+  std::uint64_t first_position() const noexcept { return offset_; }  // in the epoch order
   std::size_t batch_size() const noexcept { return batch_; }
   std::uint32_t replicas() const noexcept { return shape_.replicas; }
   // Micro-batches per replica per step: device iterations x gradient accumulation.
@@ -148,6 +162,7 @@ class LoadPlan {
   std::uint64_t micro_batches_per_step() const noexcept { return per_replica_ * shape_.replicas; }
   std::uint64_t samples_per_step() const noexcept { return per_step_; }
   std::uint64_t steps_per_epoch() const noexcept { return steps_; }
+  // With several instances: dropped by all of them together (the remainder included).
   std::uint64_t dropped_per_epoch() const noexcept { return dropped_; }
   std::uint64_t padded_per_epoch() const noexcept { return padded_; }
   // "combined batch 16 batch x 50 device iterations x 1 gradient accumulation x 2 replicas
@@ -163,14 +178,24 @@ class LoadPlan {
     return step * per_step_ + m * batch_ + k;
   }
   // The epoch's order (position -> dataset index): a seeded Fisher-Yates shuffle of
-  // 0..size-1 from (seed, epoch). Only called when shuffling. Never blocks. Allocates
-  // (dataset_size() indices); throws only std::bad_alloc.
+  // 0..total_size()-1 from (seed, epoch), the same in every instance. Only called when
+  // shuffling. Never blocks. Allocates (total_size() indices); throws only std::bad_alloc.
   std::vector<std::uint64_t> shuffled_order(std::uint64_t epoch) const;
+  // The dataset index at this instance's position `pos` (< dataset_size()): through
+  // `order` when shuffling (null: not). Never blocks, never allocates, never throws.
+  std::uint64_t index_at(std::uint64_t pos, const std::vector<std::uint64_t>* order) const noexcept {
+    return order != nullptr ? (*order)[offset_ + pos] : offset_ + pos;
+  }
+  // Whether this loader should log remainder_notice() (instance 0 speaks for all).
+  bool reports() const noexcept { return instance_ == 0; }
 
  private:
   std::string describe_step() const;
   StepShape shape_;
-  std::uint64_t size_;
+  std::uint64_t size_;   // this instance's share
+  std::uint64_t total_;  // the dataset
+  std::uint64_t offset_ = 0;
+  std::uint32_t instance_ = 0, instances_ = 1;
   std::size_t batch_;
   std::uint64_t seed_;
   bool drop_last_;
@@ -459,7 +484,7 @@ class DataLoader : public detail::LoaderCore {
         b.indices[k] = Batch::kPadding;
         continue;
       }
-      const std::uint64_t index = order != nullptr ? (*order)[pos] : pos;
+      const std::uint64_t index = p.index_at(pos, order.get());
       try {
         b.labels[k] = load(index, t.epoch, pos, dst);
       } catch (...) {
