@@ -116,7 +116,9 @@ DeviceGroup::DeviceGroup(std::uint32_t count, DeviceConfig config) {
   for (const Placement& p : placements) max_sharing_ = std::max(max_sharing_, p.sharing);
   if (max_sharing_ > 1) {
     std::ostringstream os;
-    os << count << " devices on " << topo.cores() << (topo.cores() == 1 ? " core" : " cores");
+    const std::size_t cores = topo.instance_cores().size();
+    os << count << " devices on " << cores << (cores == 1 ? " core" : " cores");
+    if (cores < topo.cores()) os << " of this process (" << topo.instance_cores_reason() << ")";
     if (!config.host_cores.empty()) os << " (" << config.host_cores.size() << " kept for host threads)";
     os << ": devices share cores (up to " << max_sharing_
        << " per core); waits yield the core and park after a bounded spin, so this works, but "

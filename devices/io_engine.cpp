@@ -165,10 +165,12 @@ IoEngine::IoEngine(std::uint32_t channels, std::string name, std::optional<std::
 std::optional<std::uint32_t> IoEngine::pick_core(const std::vector<std::uint32_t>& device_cores) {
   const Topology& topo = Topology::get();
   if (!topo.has_hwloc()) return std::nullopt;
-  for (std::uint32_t c = 0; c < topo.cores(); ++c) {
+  // This process's cores only (several instances on a host each have their own).
+  const std::vector<std::uint32_t>& mine = topo.instance_cores();
+  for (std::uint32_t c : mine) {
     if (std::find(device_cores.begin(), device_cores.end(), c) == device_cores.end()) return c;
   }
-  return 0;
+  return mine.empty() ? 0 : mine.front();
 }
 
 IoEngine::~IoEngine() {

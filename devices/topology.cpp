@@ -2,6 +2,7 @@
 #include "bspflow/devices/topology.hpp"
 
 #include <sched.h>
+#include <unistd.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -114,7 +115,7 @@ void Topology::find_instance_cores() {
   //    run on, when that is not every core.
   cpu_set_t mask;
   CPU_ZERO(&mask);
-  if (sched_getaffinity(0, sizeof mask, &mask) == 0) {
+  if (sched_getaffinity(getpid(), sizeof mask, &mask) == 0) {  // the process's (main thread's) mask
     std::vector<std::uint32_t> bound;
     for (const CoreInfo& c : cores_) {
       if (c.first_pu < CPU_SETSIZE && CPU_ISSET(c.first_pu, &mask)) bound.push_back(c.index);

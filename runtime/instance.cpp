@@ -79,8 +79,25 @@ Instance::Instance() : impl_(std::make_unique<Impl>()) {
     // FUNNELED: collectives come from one thread per process (the host thread).
     check_mpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
     impl_->we_initialised = true;
+    if (provided < MPI_THREAD_FUNNELED) {
+      MPI_Finalize();
+      throw Error("MPI_Init_thread: this MPI library gives thread level " + std::to_string(provided) +
+                  ", below MPI_THREAD_FUNNELED (" + std::to_string(MPI_THREAD_FUNNELED) +
+                  "): bspflow's devices are threads beside the one that calls MPI");
+    }
   }
   impl_->mpi = true;
+  try {
+    setup_communicators();
+  } catch (...) {
+    if (impl_->we_initialised) MPI_Finalize();
+    throw;
+  }
+#endif
+}
+
+#if BSPFLOW_HAVE_MPI
+void Instance::setup_communicators() {
   check_mpi(MPI_Comm_dup(MPI_COMM_WORLD, &impl_->comm), "MPI_Comm_dup");
   // Errors come back as return codes (thrown as bspflow::Error), not as an abort.
   MPI_Comm_set_errhandler(impl_->comm, MPI_ERRORS_RETURN);
@@ -103,7 +120,18 @@ Instance::Instance() : impl_(std::make_unique<Impl>()) {
   MPI_Get_library_version(version, &len);
   impl_->library.assign(version, static_cast<std::size_t>(len));
   if (const auto cut = impl_->library.find_first_of(",\n"); cut != std::string::npos) impl_->library.resize(cut);
+}
 #endif
+
+void Instance::abort(int code) noexcept {
+#if BSPFLOW_HAVE_MPI
+  if (impl_->mpi) {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (!finalized) MPI_Abort(MPI_COMM_WORLD, code);
+  }
+#endif
+  std::_Exit(code);
 }
 
 Instance::~Instance() {

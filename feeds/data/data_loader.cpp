@@ -151,6 +151,14 @@ std::string LoadPlan::remainder_notice() const {
            "). Set drop_last = false to keep them (the last step is then padded with label "
            "-1 samples), or choose sizes that divide the dataset.";
   }
+  if (!drop_last_ && instances_ > 1 && steps_ * per_step_ * instances_ != total_) {
+    const std::uint64_t padding = steps_ * per_step_ * instances_ - total_;
+    return "DataLoader: the last step of every epoch is padded with " + std::to_string(padding) +
+           " samples over the " + std::to_string(instances_) +
+           " instances (zeros, label -1; Batch::valid counts the real ones; an instance's last step may "
+           "hold padding only), because " + std::to_string(total_) + " is not a multiple of " +
+           std::to_string(instances_) + " instances x the " + describe_step() + ".";
+  }
   if (padded_ != 0) {
     return "DataLoader: the last step of every epoch holds " +
            std::to_string(per_step_ - padded_) + " real samples and " +

@@ -1,6 +1,10 @@
 // devices/: Topology (bspflow/devices/topology.hpp): discovery, and placing devices on cores.
 #include <doctest/doctest.h>
 
+#include <sched.h>
+
+#include <cstdlib>
+
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -92,8 +96,16 @@ TEST_CASE("instances sharing a host take disjoint slices of its cores") {
     }
   }
   CHECK_THROWS_WITH_AS(Topology::slice_for_instance(2, 2, 2), doctest::Contains("local instance index = 2"), Error);
-  // A plain process: every core.
+  // A plain process, unbound and not under mpirun: every core.
   const Topology& t = Topology::get();
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  const bool unbound = sched_getaffinity(0, sizeof mask, &mask) == 0 &&
+                       static_cast<std::uint32_t>(CPU_COUNT(&mask)) >= t.pus();
+  if (unbound && std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE") == nullptr) {
+    CHECK(t.instance_cores().size() == t.cores());
+    CHECK(t.instance_cores_reason().find("every core") != std::string::npos);
+  }
   CHECK(t.instance_cores().size() <= t.cores());
   CHECK_FALSE(t.instance_cores_reason().empty());
   CHECK(t.describe().find("devices of this process") != std::string::npos);

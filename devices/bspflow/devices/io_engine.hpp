@@ -69,8 +69,9 @@ class IoEngine {
   explicit IoEngine(std::uint32_t channels, std::string name = "I/O engine",
                     std::optional<std::uint32_t> core = std::nullopt);
 
-  // Where the engine thread should run next to devices on `device_cores`: the lowest core
-  // no device uses, or else core 0 (where the host thread usually waits). nullopt without
+  // Where the engine thread should run next to devices on `device_cores`: the lowest of
+  // this process's cores (Topology::instance_cores()) no device uses, or else the first of
+  // them (where the host thread usually waits). nullopt without
   // hwloc. A device spinning to meet a deadline must not share its core with the engine
   // that ends the transfer.
   static std::optional<std::uint32_t> pick_core(const std::vector<std::uint32_t>& device_cores);

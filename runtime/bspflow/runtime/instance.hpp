@@ -45,11 +45,16 @@ struct InstanceLayout {
 // until every instance has made the call. Without MPI they return at once.
 class Instance {
  public:
-  // Any thread; the first call (best made by the main thread, before any device starts)
-  // initialises MPI when this library was built with it and the process was launched by
-  // mpirun (Open MPI's environment is set); MPI is finalised at exit. Never throws after
-  // the first call. Throws bspflow::Error if MPI cannot be initialised.
+  // The first call must come from the thread that will make every collective (normally
+  // main(), before any device starts): it initialises MPI (MPI_THREAD_FUNNELED) when this
+  // library was built with it and the process was launched by mpirun (Open MPI's
+  // environment is set); MPI is finalised at exit, on that thread. Later calls: any thread,
+  // never throw. Throws bspflow::Error if MPI cannot be initialised.
   static Instance& current();
+  // Ends every instance of the run now (MPI_Abort, then exit with `code`): what an instance
+  // that failed outside a collective calls so the others do not wait in their next one
+  // (returning from main would wait in MPI_Finalize). Any thread. Never returns.
+  [[noreturn]] void abort(int code = 1) noexcept;
 
   Instance(const Instance&) = delete;
   Instance& operator=(const Instance&) = delete;
@@ -80,6 +85,7 @@ class Instance {
 
  private:
   Instance();
+  void setup_communicators();  // under MPI, after MPI_Init_thread
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
