@@ -186,15 +186,18 @@ void check_same_length(MPI_Comm comm, std::size_t n, const char* call) {
                 "): every instance must reduce the same values");
   }
 }
+// Both allreduce_sum overloads: `n` values of `type` at `data`, summed in place.
+void sum_in_place(MPI_Comm comm, void* data, std::size_t n, MPI_Datatype type) {
+  check_same_length(comm, n, "Instance::allreduce_sum");
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(n), type, MPI_SUM, comm), "MPI_Allreduce");
+}
 }  // namespace
 #endif
 
 void Instance::allreduce_sum(std::span<float> values) {
 #if BSPFLOW_HAVE_MPI
   if (!impl_->mpi || impl_->count == 1) return;
-  check_same_length(impl_->comm, values.size(), "Instance::allreduce_sum");
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_FLOAT, MPI_SUM, impl_->comm),
-            "MPI_Allreduce");
+  sum_in_place(impl_->comm, values.data(), values.size(), MPI_FLOAT);
 #else
   (void)values;
 #endif
@@ -203,9 +206,7 @@ void Instance::allreduce_sum(std::span<float> values) {
 void Instance::allreduce_sum(std::span<double> values) {
 #if BSPFLOW_HAVE_MPI
   if (!impl_->mpi || impl_->count == 1) return;
-  check_same_length(impl_->comm, values.size(), "Instance::allreduce_sum");
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_DOUBLE, MPI_SUM, impl_->comm),
-            "MPI_Allreduce");
+  sum_in_place(impl_->comm, values.data(), values.size(), MPI_DOUBLE);
 #else
   (void)values;
 #endif
