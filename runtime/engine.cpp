@@ -151,6 +151,11 @@ EngineResult Engine::run(const Program& program) {
 EngineResult Engine::run(const std::vector<Program>& programs) { return run(programs, nullptr); }
 
 EngineResult Engine::run(const std::vector<Program>& programs, std::function<void()> wake) {
+  return run(programs, std::move(wake), nullptr);
+}
+
+EngineResult Engine::run(const std::vector<Program>& programs, std::function<void()> wake,
+                         const std::function<void(const detail::StopFlag&)>& host) {
   Impl& im = *impl_;
   const auto n = static_cast<std::uint32_t>(im.devices.size());
   if (programs.size() != n) {
@@ -270,6 +275,15 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
       break;
     }
   }
+  std::exception_ptr host_failure;
+  if (host) {
+    try {
+      host(control.stop());
+    } catch (...) {
+      host_failure = std::current_exception();
+      control.cancel();
+    }
+  }
   control.wait();
   const Clock::time_point end = Clock::now();
   // Every device has reported its end and no longer reads its program: let go of the
@@ -287,6 +301,13 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
   }
   EngineResult result;
   result.elapsed = end - origin;
+  if (host_failure) {
+    try {  // the devices' own failure, if any, is dropped for the host's
+      (void)control.finish(result.iterations, result.message);
+    } catch (...) {
+    }
+    std::rethrow_exception(host_failure);
+  }
   result.status = control.finish(result.iterations, result.message);
   return result;
 }

@@ -3,10 +3,12 @@
 
 #include <cstdlib>
 #include <limits>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "bspflow/base/error.hpp"
+#include "detail/instance_wire.hpp"
 
 #if BSPFLOW_HAVE_MPI
 // The C API only: Open MPI's deprecated C++ bindings do not compile warning-free.
@@ -48,6 +50,7 @@ struct Instance::Impl {
   bool mpi = false;             // this process runs under MPI
   bool we_initialised = false;  // and this library called MPI_Init_thread
   std::string library;          // MPI's library version, first line
+  std::mutex calls;             // one collective at a time in this process (SERIALIZED)
 #if BSPFLOW_HAVE_MPI
   MPI_Comm comm = MPI_COMM_NULL;  // a duplicate of MPI_COMM_WORLD: bspflow's own traffic
 #endif
@@ -76,14 +79,15 @@ Instance::Instance() : impl_(std::make_unique<Impl>()) {
   if (!initialised && !launched_by_mpirun()) return;  // a plain process: one instance
   if (!initialised) {
     int provided = 0;
-    // FUNNELED: collectives come from one thread per process (the host thread).
-    check_mpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_FUNNELED, &provided), "MPI_Init_thread");
+    // SERIALIZED: collectives may come from any host thread (a Pipeline::run on a thread
+    // of the application's choosing), one at a time (Impl::calls).
+    check_mpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
     impl_->we_initialised = true;
-    if (provided < MPI_THREAD_FUNNELED) {
+    if (provided < MPI_THREAD_SERIALIZED) {
       MPI_Finalize();
       throw Error("MPI_Init_thread: this MPI library gives thread level " + std::to_string(provided) +
-                  ", below MPI_THREAD_FUNNELED (" + std::to_string(MPI_THREAD_FUNNELED) +
-                  "): bspflow's devices are threads beside the one that calls MPI");
+                  ", below MPI_THREAD_SERIALIZED (" + std::to_string(MPI_THREAD_SERIALIZED) +
+                  "): bspflow's devices are threads, and MPI is called from whichever host thread runs");
     }
   }
   impl_->mpi = true;
@@ -197,6 +201,7 @@ void sum_in_place(MPI_Comm comm, void* data, std::size_t n, MPI_Datatype type) {
 void Instance::allreduce_sum(std::span<float> values) {
 #if BSPFLOW_HAVE_MPI
   if (!impl_->mpi || impl_->count == 1) return;
+  const std::lock_guard lock(impl_->calls);
   sum_in_place(impl_->comm, values.data(), values.size(), MPI_FLOAT);
 #else
   (void)values;
@@ -206,6 +211,7 @@ void Instance::allreduce_sum(std::span<float> values) {
 void Instance::allreduce_sum(std::span<double> values) {
 #if BSPFLOW_HAVE_MPI
   if (!impl_->mpi || impl_->count == 1) return;
+  const std::lock_guard lock(impl_->calls);
   sum_in_place(impl_->comm, values.data(), values.size(), MPI_DOUBLE);
 #else
   (void)values;
@@ -218,6 +224,7 @@ void Instance::broadcast(std::span<float> values, std::uint32_t root) {
   }
 #if BSPFLOW_HAVE_MPI
   if (!impl_->mpi || impl_->count == 1) return;
+  const std::lock_guard lock(impl_->calls);
   check_same_length(impl_->comm, values.size(), "Instance::broadcast");
   check_mpi(MPI_Bcast(values.data(), static_cast<int>(values.size()), MPI_FLOAT, static_cast<int>(root), impl_->comm),
             "MPI_Bcast");
@@ -229,6 +236,7 @@ void Instance::broadcast(std::span<float> values, std::uint32_t root) {
 bool Instance::all_agree(bool ok) {
 #if BSPFLOW_HAVE_MPI
   if (!impl_->mpi || impl_->count == 1) return ok;
+  const std::lock_guard lock(impl_->calls);
   int mine = ok ? 1 : 0, all = 0;
   check_mpi(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_LAND, impl_->comm), "MPI_Allreduce (all_agree)");
   return all != 0;
@@ -240,8 +248,43 @@ bool Instance::all_agree(bool ok) {
 void Instance::barrier() {
 #if BSPFLOW_HAVE_MPI
   if (!impl_->mpi || impl_->count == 1) return;
+  const std::lock_guard lock(impl_->calls);
   check_mpi(MPI_Barrier(impl_->comm), "MPI_Barrier");
 #endif
 }
+
+namespace detail {
+
+void InstanceWire::sum(Instance& instance, std::span<float> values) {
+#if BSPFLOW_HAVE_MPI
+  Instance::Impl& im = *instance.impl_;
+  if (!im.mpi || im.count == 1) return;
+  const std::lock_guard lock(im.calls);
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_FLOAT, MPI_SUM, im.comm),
+            "MPI_Allreduce");
+#else
+  (void)instance;
+  (void)values;
+#endif
+}
+
+void InstanceWire::broadcast_text(Instance& instance, std::string& text, std::uint32_t root) {
+#if BSPFLOW_HAVE_MPI
+  Instance::Impl& im = *instance.impl_;
+  if (!im.mpi || im.count == 1) return;
+  const std::lock_guard lock(im.calls);
+  if (im.index == root && text.size() > InstanceWire::kMaxText) text.resize(InstanceWire::kMaxText);
+  unsigned long long length = text.size();
+  check_mpi(MPI_Bcast(&length, 1, MPI_UNSIGNED_LONG_LONG, static_cast<int>(root), im.comm), "MPI_Bcast");
+  text.resize(static_cast<std::size_t>(length));
+  check_mpi(MPI_Bcast(text.data(), static_cast<int>(text.size()), MPI_CHAR, static_cast<int>(root), im.comm), "MPI_Bcast");
+#else
+  (void)instance;
+  (void)text;
+  (void)root;
+#endif
+}
+
+}  // namespace detail
 
 }  // namespace bspflow

@@ -214,6 +214,10 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
   } else {
     im.reduce_groups.push_back(std::make_shared<SyncGroup>(config.replicas));
   }
+  if (config.distributed && config.training) {
+    Instance& inst = Instance::current();
+    if (inst.distributed()) im.join_instances(inst);
+  }
 }
 
 EngineConfig engine_config_of(const PipelineConfig& config) {
@@ -231,6 +235,28 @@ Pipeline::~Pipeline() = default;
 PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
                              OutfeedQueue<std::vector<float>>* outfeed) {
   Impl& im = *impl_;
+  if (!im.across || device_iterations == 0) return im.run_local(infeed, device_iterations, outfeed);
+  im.across->begin_run(device_iterations);
+  PipelineResult local;
+  std::exception_ptr failure;
+  try {
+    local = im.run_local(infeed, device_iterations, outfeed);
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (!im.across->served()) {
+    // Refused before its devices started: still this instance's part of step 0 (as
+    // stopped), so the others do not wait for it.
+    detail::StopFlag stopped;
+    stopped.set();
+    im.across->serve(stopped, [] {});
+  }
+  return im.settle_across(std::move(local), failure);
+}
+
+PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
+                                         OutfeedQueue<std::vector<float>>* outfeed) {
+  Impl& im = *this;
   const std::uint64_t steps = device_iterations;  // a step: K micro-batches, one update
   const std::uint32_t replicas = im.config.replicas;
   if (infeed.replicas() != replicas) {
@@ -315,8 +341,16 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
       for (auto& h : im.handoffs) h->wake();
       infeed.wake_all();
       if (outfeed != nullptr) outfeed->wake_all();
+      if (im.across) im.across->wake();
     };
-    er = im.engine->run(programs, wake);
+    if (im.across && im.config.training) {
+      // This thread makes the exchanges across instances while the devices run.
+      er = im.engine->run(programs, wake, [&im](const detail::StopFlag& stop) {
+        im.across->serve(stop, [&im] { im.engine->cancel(); });
+      });
+    } else {
+      er = im.engine->run(programs, wake);
+    }
   } catch (const DeviceError& e) {
     if (!im.config.training) {
       // A stage threw: the micro-batches around it were good and go back to the infeed.
@@ -340,6 +374,7 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
         throw;
       } catch (const EndOfInput& end) {
         ended = end;
+        im.ended_replica = end.replica;
       } catch (...) {
       }
     }

@@ -23,7 +23,7 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
   const bool replicated = config.replicas > 1;
   if (replicated) steps.emplace_back(program::Sync(group));
   steps.emplace_back(program::Execute("reduce", [this, on_device](const ComputeContext&) {
-    for (StageRun* sr : on_device) reduce(*sr);
+    for (StageRun* sr : on_device) local_sum(*sr);
   }));
   // The gradients' trip around the replicas' ring over the device link (modeled time).
   if (replicated) {
@@ -32,8 +32,21 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
       for (const StageRun* sr : on_device) bytes += sr->accum.size() * dtype_size(config.precision.partials);
       return bytes;
     }));
-    steps.emplace_back(program::Sync(group));
   }
+  // Distributed: then across the instances. Replica 0's device of each slot hands the local
+  // sums to the host thread's MPI_Allreduce and waits for it (real time, in the trace as
+  // compute labelled "all-reduce across instances"); the other local replicas take the
+  // result from replica 0 after the sync.
+  if (across) {
+    const std::uint32_t slot = slot_of(*on_device.front());
+    steps.emplace_back(program::Execute("all-reduce across instances", [this, on_device, slot](const ComputeContext& ctx) {
+      if (on_device.front()->r == 0) exchange_across(on_device, slot, ctx.iteration);
+    }));
+  }
+  if (replicated) steps.emplace_back(program::Sync(group));
+  steps.emplace_back(program::Execute("scale", [this, on_device](const ComputeContext& ctx) {
+    for (StageRun* sr : on_device) finish_reduce(*sr, ctx.iteration);
+  }));
   // Offload: the optimiser state streams in before the update and out after it.
   auto stream_state = [on_device](bool to_host) {
     return program::RemoteCopy(to_host ? "optimiser state out" : "optimiser state in", to_host,

@@ -1,5 +1,6 @@
 // Stage execution (see detail/pipeline_impl.hpp): what a device runs for one stage.
 #include <algorithm>
+#include <bit>
 
 #include "bspflow/devices/io_engine.hpp"
 #include "detail/pipeline_impl.hpp"
@@ -85,17 +86,58 @@ void Pipeline::Impl::backward_exchanged(StageRun& sr, std::uint64_t i, std::uint
   if (!first) narrow(out_buf, grad_in);
 }
 
-void Pipeline::Impl::reduce(StageRun& sr) {
+void Pipeline::Impl::local_sum(StageRun& sr) {
   const std::uint32_t replicas = config.replicas;
   if (replicas == 1) {
     sr.reduced = sr.accum;
-  } else {
-    std::fill(sr.reduced.begin(), sr.reduced.end(), 0.0f);
-    for (std::uint32_t r = 0; r < replicas; ++r) {
-      const std::vector<float>& peer = run_of(r, sr.s).accum;
-      for (std::size_t j = 0; j < peer.size(); ++j) sr.reduced[j] += peer[j];
+    return;
+  }
+  std::fill(sr.reduced.begin(), sr.reduced.end(), 0.0f);
+  for (std::uint32_t r = 0; r < replicas; ++r) {
+    const std::vector<float>& peer = run_of(r, sr.s).accum;
+    for (std::size_t j = 0; j < peer.size(); ++j) sr.reduced[j] += peer[j];
+  }
+}
+
+void Pipeline::Impl::exchange_across(const std::vector<StageRun*>& on_device, std::uint32_t slot,
+                                     std::uint64_t step) {
+  const std::span<float> segment = across->segment(slot);
+  std::size_t at = 0;
+  for (const StageRun* sr : on_device) {
+    std::copy(sr->reduced.begin(), sr->reduced.end(), segment.begin() + static_cast<std::ptrdiff_t>(at));
+    at += sr->reduced.size();
+  }
+  std::uint64_t checksum = 0xcbf29ce484222325ull;  // FNV-1a over the weights' bits
+  if (across->check_due(step)) {
+    for (const StageRun* sr : on_device) {
+      for (const float w : sr->stage->weights()) {
+        checksum = (checksum ^ std::bit_cast<std::uint32_t>(w)) * 0x100000001b3ull;
+      }
     }
   }
+  const detail::Spin spin = on_device.front()->device->placement().shares_core() ? detail::Spin::kYield
+                                                                                  : detail::Spin::kTight;
+  if (!across->exchange(slot, step, checksum, spin)) return;
+  at = 0;
+  for (StageRun* sr : on_device) {
+    std::copy_n(segment.begin() + static_cast<std::ptrdiff_t>(at), sr->reduced.size(), sr->reduced.begin());
+    at += sr->reduced.size();
+  }
+}
+
+void Pipeline::Impl::finish_reduce(StageRun& sr, std::uint64_t step) {
+  if (across) {
+    // Not applied in every instance (one stopped, or a mismatch): no update anywhere.
+    sr.apply = across->applied(step);
+    if (!sr.apply) return;
+    // Replica 0 brought the sum over the instances into its slot's segment; the other
+    // local replicas take it from there (replica 0 scales its own copy meanwhile).
+    if (sr.r != 0) {
+      const std::span<const float> segment = across->segment(slot_of(sr));
+      std::copy_n(segment.begin() + static_cast<std::ptrdiff_t>(sr.wire_at), sr.reduced.size(), sr.reduced.begin());
+    }
+  }
+  const std::uint32_t replicas = total_replicas();
   if (replicas > 1 && config.precision.partials == DType::kFloat16) round_to_half(sr.reduced);
   // The update sees unscaled gradients: loss scaling is undone here, with the mean.
   float scale = 1.0f / config.precision.loss_scaling;
@@ -115,7 +157,7 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
     Batch& slot = batches_of[i % batches_of.size()];
     bool waited = false;
     if (!pop_input(sr, slot, /*block=*/true, stop, waited)) {
-      if (sr.reader->end_of_data()) throw EndOfInput{sr.step, i};
+      if (sr.reader->end_of_data()) throw EndOfInput{sr.step, i, sr.r};
       return false;
     }
     if (!host_in(sr, slot, waited, stop)) return false;

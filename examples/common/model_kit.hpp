@@ -152,6 +152,7 @@ class LayerStage final : public bspflow::Stage {
   void backward(const bspflow::StageContext& ctx, bspflow::BackwardArgs& a) override;
   void update(const bspflow::StageContext& ctx, std::span<const float> grads) override;
   std::span<float> optimizer_state() override { return adam_state_; }  // AdamW's m and v
+  std::span<float> weights() override { return params_; }  // broadcast and checked across instances
   // Weights, AdamW's two moments, every layer's input and the last output per micro-batch
   // (what forward saves), and the im2col columns plus two gradient buffers as working
   // memory. With fp16 storage (StageContext::storage) the weights are rounded to half

@@ -10,6 +10,7 @@
 //       [--precision fp32|fp16] [--loss-scaling S] [--recompute] [--memory]
 //       [--loader sync|async] [--io-tiles N] [--device-mapping 0,0,1,2]
 //       [--data-dir DIR] [--model conv|mlp]
+//   mpirun -np 2 08_fashion_mnist_pipeline --replicas 2    # one replica per process
 //
 // The model is the tutorial's network (conv 5x5 1->10, max-pool, ReLU, conv 5x5 10->20,
 // max-pool, ReLU, dense 320->256, ReLU, dense 256->10), split like the tutorial into 4
@@ -17,6 +18,11 @@
 // faster MLP instead. Layers, loss and AdamW live in examples/common (the runtime
 // schedules, it does not do deep learning). A loader thread
 // feeds the infeed while the devices train (a DataLoader with shuffling, one step ahead).
+//
+// Under mpirun each process is an instance (bspflow::Instance) running --replicas /
+// instances replicas on its own devices: its DataLoader takes its part of every epoch, the
+// gradients are reduced across the instances every step (PipelineConfig::distributed), each
+// instance evaluates its part of the test set and instance 0 prints the sums.
 #include <CLI/CLI.hpp>
 
 #include <unistd.h>
@@ -117,6 +123,9 @@ bspflow::Options training_options(const Settings& st) {
   return opts;
 }
 
+// Sums `values` over every instance (identity in a plain process).
+void sum_over_instances(std::vector<double>& values) { bspflow::Instance::current().allreduce_sum(values); }
+
 bspflow::PipelineConfig pipeline_config(const Settings& st, const bspflow::Options& opts) {
   bspflow::PipelineConfig cfg = bspflow::PipelineConfig::from(opts);
   cfg.strategy = st.strategy == "sharded" ? bspflow::ExecutionStrategy::kSharded : bspflow::ExecutionStrategy::kPipelined;
@@ -131,8 +140,13 @@ bspflow::PipelineConfig pipeline_config(const Settings& st, const bspflow::Optio
   return cfg;
 }
 
-int run(const Settings& st) {
+int run(Settings st) {
   constexpr std::uint32_t kStages = 4;
+  bspflow::Instance& inst = bspflow::Instance::current();
+  const bspflow::InstanceLayout layout = inst.layout(st.replicas);  // throws unless it divides
+  const bool speak = inst.index() == 0;  // instance 0 prints for the run
+  const std::uint32_t total_replicas = st.replicas;
+  st.replicas = layout.local_replicas;
   const bspflow::TensorDataset train = bspflow::mnist_dataset(st.data_dir, "train");
   const bspflow::TensorDataset test = bspflow::mnist_dataset(st.data_dir, "t10k");
   kit::AdamW adamw;
@@ -140,6 +154,7 @@ int run(const Settings& st) {
 
   const bspflow::Options opts = training_options(st);
   bspflow::PipelineConfig cfg = pipeline_config(st, opts);
+  cfg.distributed = inst.distributed();  // reduce across the instances too
   cfg.validate(kStages);  // a bad --device-mapping says so before any device is made
   bspflow::DeviceGroup devices(cfg.devices_needed(kStages));
   const kit::Model model = st.model == "mlp" ? kit::Model::kMlp : kit::Model::kConv;
@@ -151,19 +166,29 @@ int run(const Settings& st) {
   lc.seed = 42;
   lc.mode = st.loader == "sync" ? bspflow::LoaderMode::kSync : bspflow::LoaderMode::kAsync;
   lc.num_workers = st.loader == "sync" ? 0 : 1;
+  lc.instance = inst.index();  // this instance's part of every epoch
+  lc.instances = inst.count();
   if (!st.eight_bit) lc.output_dtype = bspflow::DType::kFloat32;  // widened on the host
   bspflow::DataLoader loader(opts, train, lc);
   const std::uint64_t steps = st.max_steps ? std::min(st.max_steps, loader.steps()) : loader.steps();
   const std::uint64_t per_step = loader.plan().samples_per_step();
 
-  std::printf("training: the %s model, %s over %u devices (%s schedule, %s sync), %u replica(s); batch %zu x %llu device "
-              "iterations x %u accumulation x %u replica(s) = %llu samples per step, %llu steps per epoch%s\n",
-              kit::to_string(model), st.strategy.c_str(), cfg.devices_needed(kStages), bspflow::to_string(cfg.effective_schedule()),
-              bspflow::to_string(cfg.sync), st.replicas, st.batch,
-              static_cast<unsigned long long>(st.device_iterations), st.gradient_accumulation, st.replicas,
-              static_cast<unsigned long long>(per_step), static_cast<unsigned long long>(steps),
-              st.eight_bit ? ", 8-bit I/O" : "");
-  if (st.memory) {
+  if (speak) {
+    std::printf("training: the %s model, %s over %u devices (%s schedule, %s sync), %u replica(s); batch %zu x %llu device "
+                "iterations x %u accumulation x %u replica(s) = %llu samples per step, %llu steps per epoch%s\n",
+                kit::to_string(model), st.strategy.c_str(), cfg.devices_needed(kStages) * inst.count(),
+                bspflow::to_string(cfg.effective_schedule()), bspflow::to_string(cfg.sync), total_replicas, st.batch,
+                static_cast<unsigned long long>(st.device_iterations), st.gradient_accumulation, total_replicas,
+                static_cast<unsigned long long>(per_step * inst.count()), static_cast<unsigned long long>(steps),
+                st.eight_bit ? ", 8-bit I/O" : "");
+    if (inst.distributed()) {
+      std::printf("instances: %u processes (%s), %u replica(s) each; gradients reduced in process, then across the "
+                  "instances every step\n",
+                  inst.count(), inst.transport().c_str(), layout.local_replicas);
+    }
+  }
+  if (!speak) {
+  } else if (st.memory) {
     std::printf("%s", pipe.memory().to_string().c_str());
   } else {
     std::printf("memory: peak %s per device at the most (storage %s; --memory prints the report)\n",
@@ -199,22 +224,23 @@ int run(const Settings& st) {
       util.add(pipe.summary());
       link_bytes += r.host_bytes_in + r.host_bytes_out;
       link_wait += r.host_wait;
-      double l = 0, c = 0, v = 0;
+      std::vector<double> sums{0, 0, 0};  // loss, correct, valid
       for (const auto& e : outfeed.drain()) {  // Final: the last micro-batch of each replica
         const auto h = kit::HeadOutput::from(e.value);
-        l += h.loss_sum;
-        c += h.correct;
-        v += h.valid;
+        sums[0] += h.loss_sum;
+        sums[1] += h.correct;
+        sums[2] += h.valid;
       }
-      loss = l / std::max(v, 1.0);
-      acc = c / std::max(v, 1.0);
-      progress(tty, epoch, st.epochs, s, steps, loss, acc);
+      sum_over_instances(sums);  // every replica of every instance
+      loss = sums[0] / std::max(sums[2], 1.0);
+      acc = sums[1] / std::max(sums[2], 1.0);
+      if (speak) progress(tty, epoch, st.epochs, s, steps, loss, acc);
     }
     train_seconds += std::chrono::duration<double>(Clock::now() - t0).count();
-    trained += steps * per_step;
+    trained += steps * per_step * inst.count();
     feeder.join();
   }
-  if (!st.trace.empty() && pipe.trace() != nullptr) pipe.trace()->write_chrome_json(st.trace);
+  if (speak && !st.trace.empty() && pipe.trace() != nullptr) pipe.trace()->write_chrome_json(st.trace);
 
   // Evaluation: an inference pipeline over the same devices with the trained weights.
   // Its own run shape: 100 device iterations of one micro-batch, every output kept (All,
@@ -238,6 +264,8 @@ int run(const Settings& st) {
   bspflow::LoaderConfig tl;
   tl.batch_size = st.test_batch;
   tl.drop_last = false;  // every test image counts; the last step is padded (label -1)
+  tl.instance = inst.index();  // each instance evaluates its part; the counts are summed
+  tl.instances = inst.count();
   if (!st.eight_bit) tl.output_dtype = bspflow::DType::kFloat32;
   bspflow::DataLoader test_loader(topts, test, tl);
   bspflow::InfeedQueue<bspflow::Batch> tin(topts.infeed_config());
@@ -245,8 +273,9 @@ int run(const Settings& st) {
   auto producer = tin.make_producer();
   double correct = 0, valid = 0;
   const std::uint64_t test_steps =
-      st.test_samples ? std::max<std::uint64_t>(1, st.test_samples / test_loader.plan().samples_per_step())
-                      : test_loader.steps();
+      st.test_samples
+          ? std::max<std::uint64_t>(1, st.test_samples / (test_loader.plan().samples_per_step() * inst.count()))
+          : test_loader.steps();
   const auto e0 = Clock::now();
   for (std::uint64_t s = 0; s < test_steps && test_loader.feed_next(producer); ++s) {
     const bspflow::PipelineResult r = infer.run(tin, topts.device_iterations(), &tout);
@@ -260,8 +289,13 @@ int run(const Settings& st) {
       valid += h.valid;
     }
   }
+  std::vector<double> counts{correct, valid};
+  sum_over_instances(counts);
+  correct = counts[0];
+  valid = counts[1];
   const double eval_seconds = std::chrono::duration<double>(Clock::now() - e0).count();
   const double accuracy = correct / std::max(valid, 1.0);
+  if (!speak) return accuracy < st.min_accuracy ? 1 : 0;
 
   std::printf("\nsummary\n");
   std::printf("  training: %llu samples in %.1f s = %.0f samples/s\n", static_cast<unsigned long long>(trained),
@@ -272,7 +306,8 @@ int run(const Settings& st) {
   std::printf("  host link while training: %s moved, devices waited %.2f s for it (%s)\n",
               bspflow::detail::format_bytes(link_bytes).c_str(), std::chrono::duration<double>(link_wait).count(),
               st.io_tiles > 0 ? "I/O tiles: copies overlap compute" : "no I/O tiles: every copy waited for");
-  std::printf("  device utilisation while training (share of time computing, from the trace summary):\n");
+  std::printf("  device utilisation while training (share of time computing, from the trace summary%s):\n",
+              inst.distributed() ? "; instance 0's devices" : "");
   for (std::size_t d = 0; d < util.names.size(); ++d) {
     std::printf("    %-10s %5.1f%%\n", util.names[d].c_str(),
                 100.0 * static_cast<double>(util.compute[d]) / static_cast<double>(std::max<std::int64_t>(util.total[d], 1)));
@@ -288,6 +323,8 @@ int run(const Settings& st) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // First, before any device: under mpirun this joins the other processes (MPI_Init).
+  bspflow::Instance& inst = bspflow::Instance::current();
   Settings st;
   CLI::App app{"08_fashion_mnist_pipeline: train Fashion-MNIST pipelined over 4 emulated IPUs, then test it"};
   app.option_defaults()->always_capture_default();  // --help shows every option's default
@@ -296,7 +333,7 @@ int main(int argc, char** argv) {
   app.add_option("--device-iterations", st.device_iterations, "steps per host call")->check(CLI::Range(1, 100000));
   app.add_option("--gradient-accumulation", st.gradient_accumulation, "micro-batches per weight update")
       ->check(CLI::Range(1, 100000));
-  app.add_option("--replicas", st.replicas, "copies of the 4-stage pipeline (4 devices each, or as --device-mapping says)")->check(CLI::Range(1, 16));
+  app.add_option("--replicas", st.replicas, "copies of the 4-stage pipeline (4 devices each, or as --device-mapping says), in all: under mpirun each process runs replicas / processes of them")->check(CLI::Range(1, 16));
   app.add_option("--epochs", st.epochs, "passes over the 60000 training images")->check(CLI::Range(1, 1000));
   app.add_option("--learning-rate", st.lr, "AdamW learning rate")->check(CLI::PositiveNumber);
   app.add_option("--strategy", st.strategy, "execution strategy")->check(CLI::IsMember({"pipelined", "sharded"}));
@@ -333,7 +370,11 @@ int main(int argc, char** argv) {
   try {
     return run(st);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "08_fashion_mnist_pipeline: %s\n", e.what());
+    std::fprintf(stderr, "08_fashion_mnist_pipeline%s: %s\n",
+                 inst.distributed() ? (" (instance " + std::to_string(inst.index()) + ")").c_str() : "", e.what());
+    // An error only this instance saw (a missing file, a bad option) would leave the
+    // others waiting in their next collective: end them all.
+    if (inst.distributed()) inst.abort(1);
     return 1;
   }
 }

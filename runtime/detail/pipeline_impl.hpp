@@ -16,6 +16,8 @@
 #include "bspflow/runtime/engine.hpp"
 #include "bspflow/runtime/pipeline.hpp"
 #include "bspflow/feeds/spsc_ring.hpp"
+#include "bspflow/runtime/instance.hpp"
+#include "detail/instance_reduction.hpp"
 
 namespace bspflow {
 
@@ -24,6 +26,7 @@ using Clock = std::chrono::steady_clock;
 struct EndOfInput {
   std::uint64_t step;
   std::uint64_t micro_batch;
+  std::uint32_t replica;
 };
 // dataflow: the hand-off between neighbouring stages, a ring of activation (or gradient)
 // buffers the producer fills in place (claim, publish) and the consumer reads in place.
@@ -107,6 +110,8 @@ struct Pipeline::Impl {
       return state.size_bytes();
     }
     std::uint32_t accumulated = 0;
+    bool apply = true;  // distributed: this step's update is applied in every instance
+    std::size_t wire_at = 0;  // distributed: where its gradients sit in its slot's segment
     std::uint64_t cycle = 0, next_cycle = 0, step = 0, micro_batch = 0;
     std::uint32_t max_fifo = 0;
     std::uint64_t forwards = 0;
@@ -230,11 +235,24 @@ struct Pipeline::Impl {
   void backward(StageRun& sr, std::uint64_t i, std::span<const float> grad_output,
                 std::span<float> grad_input);
 
-  // After the step's micro-batches: the gradients summed over the replicas (in replica
-  // order, so every replica gets the same bits) and scaled for the reduction type.
-  void reduce(StageRun& sr);
+  // After the step's micro-batches: the gradients summed over the local replicas (in
+  // replica order, so every replica gets the same bits) into sr.reduced.
+  void local_sum(StageRun& sr);
+  // Distributed, replica 0's device of `slot`: the local sums of its stages (on_device)
+  // across the instances through the host thread (see detail/instance_reduction.hpp), with
+  // a checksum of their weights when one is due; the sums come back into sr.reduced when
+  // the step is applied everywhere.
+  void exchange_across(const std::vector<StageRun*>& on_device, std::uint32_t slot, std::uint64_t step);
+  // Then: distributed, whether the step is applied (sr.apply) and replicas r > 0 take
+  // replica 0's sum; the sum scaled for the reduction type over every replica.
+  void finish_reduce(StageRun& sr, std::uint64_t step);
+  // Replicas across every instance (config.replicas without distribution).
+  std::uint32_t total_replicas() const noexcept {
+    return config.replicas * (across ? instance->count() : 1);
+  }
 
   void update(StageRun& sr) {
+    if (!sr.apply) return;  // distributed: the step is not applied in every instance
     const StageContext ctx = context(sr, k());
     guarded(sr, k(), "update", [&] { sr.stage->update(ctx, sr.reduced); });
     std::fill(sr.accum.begin(), sr.accum.end(), 0.0f);
@@ -289,6 +307,18 @@ struct Pipeline::Impl {
     return counted(std::vector<StageRun*>{st}, trip, limit, std::move(body));
   }
   std::vector<std::shared_ptr<SyncGroup>> replica_groups, reduce_groups;
+  // The host call in this process (Pipeline::run without the agreement across instances).
+  PipelineResult run_local(InfeedQueue<Batch>& infeed, std::uint64_t steps, OutfeedQueue<std::vector<float>>* outfeed);
+  std::uint32_t ended_replica = 0;  // the last run's kEndOfData: the replica whose lane ended
+  // Distributed: at construction, checks every instance built the same pipeline and
+  // broadcasts instance 0's weights and optimiser state (collectives); then makes `across`.
+  void join_instances(Instance& inst);
+  // Distributed, after run_local: every instance's end exchanged, and the run's result
+  // (or exception) made the same everywhere. `failure`: what run_local threw.
+  PipelineResult settle_across(PipelineResult local, std::exception_ptr failure);
+  // Distributed training over several instances (else null): the exchange across them.
+  Instance* instance = nullptr;
+  std::unique_ptr<detail::InstanceReduction> across;
 };
 
 }  // namespace bspflow

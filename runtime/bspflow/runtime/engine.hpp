@@ -72,6 +72,14 @@ class Engine {
   // thread, must not throw) is called when the run stops early, after the stop flag is set,
   // so whatever they wait on can let them see it.
   EngineResult run(const std::vector<Program>& programs, std::function<void()> wake);
+  // Like run(programs, wake), and the calling (host) thread runs `host` once the devices
+  // have started, before it waits for their end: work that must be done on a host thread
+  // while the devices run (a distributed Pipeline's MPI calls). `host` gets the run's stop
+  // flag; it must return once its work is done or the flag is set (`wake` is where to make
+  // it look). If `host` throws, the run is cancelled and, once every device has ended, the
+  // exception is rethrown.
+  EngineResult run(const std::vector<Program>& programs, std::function<void()> wake,
+                   const std::function<void(const detail::StopFlag&)>& host);
 
   // Any thread. Stops the current run (if any) at each device's next Repeat trip or wait;
   // run() then returns RunStatus::kCancelled. Never blocks for long, never throws.

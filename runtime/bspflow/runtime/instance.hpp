@@ -17,7 +17,13 @@
 #include <span>
 #include <string>
 
+#include "bspflow/base/error.hpp"
+
 namespace bspflow {
+
+namespace detail {
+struct InstanceWire;  // the Pipeline's per-step exchange (internal)
+}  // namespace detail
 
 // Where one instance sits in a run (PopDist's names in the comments). A plain value type.
 struct InstanceLayout {
@@ -38,18 +44,35 @@ struct InstanceLayout {
   bool operator==(const InstanceLayout&) const = default;
 };
 
+// What Pipeline::run throws in every instance but the one that failed, when another
+// instance's run failed (an exception in one of its stages) or its weights no longer match
+// the others': which instance, its global replica (when known) and the step.
+class InstanceError : public Error {
+ public:
+  InstanceError(const std::string& message, std::uint32_t instance, std::uint32_t replica, std::uint64_t step)
+      : Error(message), instance_(instance), replica_(replica), step_(step) {}
+  std::uint32_t instance() const noexcept { return instance_; }
+  std::uint32_t replica() const noexcept { return replica_; }  // global replica index
+  std::uint64_t step() const noexcept { return step_; }
+
+ private:
+  std::uint32_t instance_, replica_;
+  std::uint64_t step_;
+};
+
 // This process's instance. One per process, made by the first current() call.
 //
-// Collectives (allreduce_sum, broadcast, all_agree, barrier) are called by one thread per
-// process, the same calls in the same order in every instance (MPI's rule): they block
-// until every instance has made the call. Without MPI they return at once.
+// Collectives (allreduce_sum, broadcast, all_agree, barrier, and a distributed Pipeline's
+// constructor and run()) are made in the same order in every instance (MPI's rule), one at
+// a time in each process (any thread: MPI runs at MPI_THREAD_SERIALIZED and each call holds
+// a lock); they block until every instance has made the call. Without MPI they return at
+// once.
 class Instance {
  public:
-  // The first call must come from the thread that will make every collective (normally
-  // main(), before any device starts): it initialises MPI (MPI_THREAD_FUNNELED) when this
-  // library was built with it and the process was launched by mpirun (Open MPI's
-  // environment is set); MPI is finalised at exit, on that thread. Later calls: any thread,
-  // never throw. Throws bspflow::Error if MPI cannot be initialised.
+  // Make the first call early in main(), before any device starts: it initialises MPI
+  // (MPI_THREAD_SERIALIZED) when this library was built with it and the process was
+  // launched by mpirun (Open MPI's environment is set); MPI is finalised at exit. Later
+  // calls: any thread, never throw. Throws bspflow::Error if MPI cannot be initialised.
   static Instance& current();
   // Ends every instance of the run now (MPI_Abort, then exit with `code`): what an instance
   // that failed outside a collective calls so the others do not wait in their next one
@@ -86,6 +109,7 @@ class Instance {
  private:
   Instance();
   void setup_communicators();  // under MPI, after MPI_Init_thread
+  friend struct detail::InstanceWire;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };

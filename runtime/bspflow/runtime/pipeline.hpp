@@ -163,6 +163,13 @@ class Stage {
   // streams it in just before update() and out just after, and zeroes this memory meanwhile.
   // Must return the same span (size) every time.
   virtual std::span<float> optimizer_state() { return {}; }
+  // The values update() changes (the weights; empty, the default: none). Host thread, and
+  // device thread between updates; must return the same span (size) every time. Only a
+  // distributed Pipeline reads it: it broadcasts instance 0's weights (and optimiser state)
+  // to every instance at construction and compares a checksum of them across instances
+  // every PipelineConfig::weight_check_interval steps. A stage that returns nothing is
+  // neither broadcast nor checked.
+  virtual std::span<float> weights() { return {}; }
 };
 using StageList = std::vector<std::unique_ptr<Stage>>;
 // Makes replica r's stages (every replica must start from the same weights). Called on the
@@ -211,6 +218,23 @@ struct PipelineConfig {
   // to it on a cancel. Outputs still reach the outfeed, without link time.
   bool synthetic_data = false;
   bool trace = false;            // also on with BSPFLOW_TRACE=FILE
+  // Training over several instances (processes launched by mpirun; see instance.hpp):
+  // `replicas` is this instance's local replicas (InstanceLayout::local_replicas), and the
+  // gradients are reduced in two levels, over the local replicas in process and then across
+  // every instance (one MPI_Allreduce per step, made by the host thread in run()), so every
+  // replica of every instance applies the same update. The constructor checks every
+  // instance built the same pipeline and broadcasts instance 0's weights (Stage::weights())
+  // and optimiser state; run() ends every instance at the same step with a status that
+  // names the instance that stopped. The constructor and run() are collectives: every
+  // instance makes them, in the same order. With one instance (no mpirun) it changes
+  // nothing. Inference ignores it (each instance answers its own requests).
+  bool distributed = false;
+  // distributed: a checksum of every stage's weights is compared across instances every
+  // this many steps (counted over all runs; 0: never): a mismatch ends the run in every
+  // instance (InstanceError). Default: every step in a debug build of bspflow, every 100
+  // otherwise (the checksum rides on the step's all-reduce; its cost is one pass over the
+  // weights).
+  std::optional<std::uint32_t> weight_check_interval;
 
   // Any thread. The run shape from Options (as poptorch.Options gives a model its
   // replication factor and gradient accumulation): replicas, gradient_accumulation,
@@ -348,6 +372,16 @@ class Pipeline {
   // stopped; any other device failure as DeviceError. An infeed that ends mid-run ends it
   // with kEndOfData; a step cut short is not applied (the message says how many
   // micro-batches it dropped). cancel() ends it with kCancelled.
+  // Distributed training (PipelineConfig::distributed, several instances): a collective.
+  // Every instance must call run with the same device_iterations (else every instance
+  // throws bspflow::Error saying so). A step is applied in every instance or in none: when
+  // one instance stops (end of data, cancel, a stage exception) every instance stops at the
+  // same step boundary and `iterations` is the same everywhere. The instance whose stage
+  // threw throws StageError (its message starts with the instance); the others throw
+  // InstanceError naming that instance, its replica, the step and its message. End of data
+  // or a cancel in one instance ends every instance with kEndOfData or kCancelled and a
+  // message naming the instance. Weights that no longer match (weight_check_interval) end
+  // every instance with InstanceError. An MPI error is thrown as bspflow::Error.
   // Inference (training = false): stage 0 takes up to device_iterations x K micro-batches
   // as they arrive, so a large count and a closed infeed make a serving loop that ends
   // when the infeed ends. Every micro-batch taken is answered before the run returns

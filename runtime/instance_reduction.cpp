@@ -1,0 +1,150 @@
+// A distributed Pipeline's exchange across instances (see detail/instance_reduction.hpp).
+#include "detail/instance_reduction.hpp"
+
+#include <algorithm>
+#include <cstdio>
+
+#include "bspflow/base/error.hpp"
+#include "detail/instance_wire.hpp"
+
+namespace bspflow::detail {
+
+namespace {
+// A 64-bit value as three floats of 22 bits each: exact in fp32, and exact after a sum
+// with zeros (each instance writes only its own part of the tail).
+void put64(float* at, std::uint64_t v) {
+  for (int i = 0; i < 3; ++i) at[i] = static_cast<float>((v >> (22 * i)) & ((std::uint64_t{1} << 22) - 1));
+}
+std::uint64_t get64(const float* at) {
+  std::uint64_t v = 0;
+  for (int i = 0; i < 3; ++i) v |= static_cast<std::uint64_t>(at[i]) << (22 * i);
+  return v;
+}
+std::string hex(std::uint64_t v) {
+  char text[24];
+  std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(v));
+  return text;
+}
+// Tail fields (floats after the instance's offset).
+constexpr std::size_t kCode = 0, kSteps = 1, kHasChecksum = 4, kChecksum = 5;
+}  // namespace
+
+InstanceReduction::InstanceReduction(Instance& instance, std::vector<std::size_t> slot_sizes,
+                                     std::uint32_t check_interval)
+    : instance_(instance), sizes_(std::move(slot_sizes)), check_interval_(check_interval),
+      checksums_(sizes_.size()) {
+  for (std::size_t n : sizes_) {
+    offsets_.push_back(payload_);
+    payload_ += n;
+  }
+  wire_.assign(payload_ + instance_.count() * kTail, 0.0f);
+  stopped_.assign(wire_.size(), 0.0f);
+}
+
+void InstanceReduction::begin_run(std::uint64_t steps) {
+  total_steps_ += done_.load(std::memory_order_relaxed);  // the previous run's
+  steps_ = steps;
+  posted_.store(0, std::memory_order_relaxed);
+  done_.store(0, std::memory_order_relaxed);
+  applied_.store(0, std::memory_order_relaxed);
+  closed_.store(false, std::memory_order_relaxed);  // relaxed: no device runs yet
+  stopped_by_peer_ = false;
+  served_ = false;
+  mismatch_.clear();
+  error_ = nullptr;
+}
+
+std::span<float> InstanceReduction::segment(std::uint32_t slot) noexcept {
+  return std::span<float>(wire_).subspan(offsets_[slot], sizes_[slot]);
+}
+
+bool InstanceReduction::check_due(std::uint64_t step) const noexcept {
+  return check_interval_ != 0 && (total_steps_ + step) % check_interval_ == 0;
+}
+
+bool InstanceReduction::exchange(std::uint32_t slot, std::uint64_t step, std::uint64_t checksum, Spin spin) {
+  const std::uint64_t done = done_.load(std::memory_order_seq_cst);
+  if (closed_.load(std::memory_order_seq_cst) || done > step) return false;  // given up on
+  if (done < step) {
+    throw Error("instance reduction: slot " + std::to_string(slot) + " posted step " + std::to_string(step) +
+                " while step " + std::to_string(done) + " is exchanged (internal schedule error)");
+  }
+  checksums_[slot].store(checksum, std::memory_order_relaxed);  // published by the fetch_add
+  posted_.fetch_add(1, std::memory_order_seq_cst);
+  host_point_.notify();
+  // No stop check: the host always finishes the step's exchange (it makes the call even
+  // when this instance stops), so the wait ends.
+  device_point_.wait([&] { return done_.load(std::memory_order_seq_cst) > step || closed_.load(std::memory_order_seq_cst); },
+                     spin);
+  return applied(step);
+}
+
+void InstanceReduction::wake() noexcept { host_point_.notify(); }
+
+void InstanceReduction::exchange_step(bool contributing) {
+  const std::uint32_t count = instance_.count(), me = instance_.index();
+  std::vector<float>& buffer = contributing ? wire_ : stopped_;
+  std::fill(buffer.begin() + static_cast<std::ptrdiff_t>(payload_), buffer.end(), 0.0f);
+  float* mine = buffer.data() + payload_ + me * kTail;
+  mine[kCode] = contributing ? 0.0f : 1.0f;
+  put64(mine + kSteps, steps_);
+  if (contributing && check_due(current_)) {
+    std::uint64_t h = 0xcbf29ce484222325ull;  // the slots' checksums, in slot order
+    for (const auto& c : checksums_) h = (h ^ c.load(std::memory_order_relaxed)) * 0x100000001b3ull;
+    mine[kHasChecksum] = 1.0f;
+    put64(mine + kChecksum, h);
+  }
+  InstanceWire::sum(instance_, buffer);
+
+  bool everyone = true, checked = true;
+  std::string steps_seen, checksums_seen;
+  bool steps_differ = false, checksums_differ = false;
+  const float* first = buffer.data() + payload_;
+  for (std::uint32_t i = 0; i < count; ++i) {
+    const float* t = buffer.data() + payload_ + i * kTail;
+    everyone = everyone && t[kCode] == 0.0f;
+    checked = checked && t[kHasChecksum] == 1.0f;
+    const std::string who = (i ? ", instance " : "instance ") + std::to_string(i) + ": ";
+    steps_seen += who + std::to_string(get64(t + kSteps));
+    checksums_seen += who + hex(get64(t + kChecksum));
+    steps_differ = steps_differ || get64(t + kSteps) != get64(first + kSteps);
+    checksums_differ = checksums_differ || get64(t + kChecksum) != get64(first + kChecksum);
+  }
+  if (steps_differ) {
+    mismatch_ = "the instances' runs have different step counts (" + steps_seen +
+                "): every instance must call Pipeline::run with the same device_iterations";
+  } else if (everyone && checked && checksums_differ) {
+    mismatch_ = "the weights differ across instances at step " + std::to_string(current_) + " (checksums: " +
+                checksums_seen + "): a stage's update() is not deterministic, or the stages did not start "
+                "from the same weights";
+  }
+  const bool applied = everyone && mismatch_.empty();
+  posted_.store(0, std::memory_order_seq_cst);
+  if (applied) applied_.store(current_ + 1, std::memory_order_release);
+  stopped_by_peer_ = contributing && !applied;
+  done_.store(current_ + 1, std::memory_order_seq_cst);
+  device_point_.notify();
+}
+
+void InstanceReduction::serve(const StopFlag& stop, const std::function<void()>& cancel) noexcept {
+  const std::size_t slots = sizes_.size();
+  served_ = true;
+  try {
+    for (current_ = 0; current_ < steps_; ++current_) {
+      host_point_.wait([&] { return posted_.load(std::memory_order_seq_cst) == slots || stop.requested(); },
+                       Spin::kYield);
+      exchange_step(posted_.load(std::memory_order_seq_cst) == slots);
+      if (!applied(current_)) {
+        cancel();
+        break;
+      }
+    }
+  } catch (...) {
+    error_ = std::current_exception();
+    cancel();
+  }
+  closed_.store(true, std::memory_order_seq_cst);
+  device_point_.notify();
+}
+
+}  // namespace bspflow::detail

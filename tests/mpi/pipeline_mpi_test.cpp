@@ -1,0 +1,386 @@
+// mpi/: distributed training under mpirun (PipelineConfig::distributed): the two-level
+// reduction reaches the weights one process with every replica reaches, a stop in one
+// instance (failure, end of data, cancel) ends every instance at the same step with a
+// status naming it, and what must match across instances is checked. Every process runs
+// every case: the Pipeline's constructor and run() are collectives.
+#include <doctest/doctest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <bspflow/bspflow.hpp>
+
+using namespace bspflow;
+using namespace std::chrono_literals;
+
+namespace {
+
+const DeviceConfig kSmall{64, 64 * 1024};
+constexpr std::size_t kBatch = 4, kIn = 5, kClasses = 3;
+
+// A dense layer (tanh; the last stage adds softmax cross-entropy and outputs {loss, correct})
+// with SGD and momentum (the momentum is its optimiser state). `seed` sets the initial
+// weights: instances seeded differently start the same once the constructor broadcast
+// instance 0's.
+class Dense final : public Stage {
+ public:
+  Dense(std::size_t in, std::size_t out, bool last, float seed)
+      : in_(in), out_(out), last_(last), w_(in * out + out), v_(w_.size(), 0.0f) {
+    for (std::size_t j = 0; j < w_.size(); ++j) w_[j] = 0.3f * std::sin(0.7f * static_cast<float>(j + 1) + seed);
+  }
+  std::string name() const override { return last_ ? "head" : "dense"; }
+  std::size_t output_elements() const override { return last_ ? 2 : kBatch * out_; }
+  std::size_t gradient_elements() const override { return w_.size(); }
+  std::span<float> weights() override { return w_; }
+  std::span<float> optimizer_state() override { return v_; }
+
+  void forward(const StageContext& ctx, ForwardArgs& a) override {
+    if (fail_at_step && *fail_at_step == ctx.step && ctx.micro_batch == 1) throw std::runtime_error("injected failure");
+    const float* x = ctx.stage == 0 ? a.batch.data.as<float>().data() : a.input.data();
+    std::vector<float>& z = a.saved;
+    z.assign(kBatch * out_, 0.0f);
+    for (std::size_t b = 0; b < kBatch; ++b) {
+      for (std::size_t o = 0; o < out_; ++o) {
+        float acc = w_[in_ * out_ + o];
+        for (std::size_t i = 0; i < in_; ++i) acc += w_[o * in_ + i] * x[b * in_ + i];
+        z[b * out_ + o] = acc;
+      }
+    }
+    if (!last_) {
+      for (std::size_t j = 0; j < z.size(); ++j) a.output[j] = std::tanh(z[j]);
+      return;
+    }
+    float loss = 0;
+    for (std::size_t b = 0; b < kBatch; ++b) {
+      const float* l = &z[b * out_];
+      const float mx = *std::max_element(l, l + out_);
+      float sum = 0;
+      for (std::size_t o = 0; o < out_; ++o) sum += std::exp(l[o] - mx);
+      loss += std::log(sum) - (l[static_cast<std::size_t>(a.batch.labels[b])] - mx);
+    }
+    a.output[0] = loss;
+    a.output[1] = 0;
+  }
+
+  void backward(const StageContext& ctx, BackwardArgs& a) override {
+    const float* x = ctx.stage == 0 ? a.batch.data.as<float>().data() : a.input.data();
+    std::vector<float> dz(kBatch * out_);
+    for (std::size_t b = 0; b < kBatch; ++b) {
+      for (std::size_t o = 0; o < out_; ++o) {
+        if (last_) {
+          const float* l = &a.saved[b * out_];
+          const float mx = *std::max_element(l, l + out_);
+          float sum = 0;
+          for (std::size_t c = 0; c < out_; ++c) sum += std::exp(l[c] - mx);
+          const float p = std::exp(l[o] - mx) / sum;
+          dz[b * out_ + o] = (p - (static_cast<std::size_t>(a.batch.labels[b]) == o ? 1.0f : 0.0f)) / kBatch;
+        } else {
+          const float t = std::tanh(a.saved[b * out_ + o]);
+          dz[b * out_ + o] = a.grad_output[b * out_ + o] * (1 - t * t);
+        }
+      }
+    }
+    for (std::size_t b = 0; b < kBatch; ++b) {
+      for (std::size_t o = 0; o < out_; ++o) {
+        const float d = dz[b * out_ + o];
+        a.gradients[in_ * out_ + o] += d;
+        for (std::size_t i = 0; i < in_; ++i) {
+          a.gradients[o * in_ + i] += d * x[b * in_ + i];
+          if (!a.grad_input.empty()) a.grad_input[b * in_ + i] += d * w_[o * in_ + i];
+        }
+      }
+    }
+  }
+
+  void update(const StageContext& ctx, std::span<const float> g) override {
+    updates.fetch_add(1);
+    for (std::size_t j = 0; j < w_.size(); ++j) {
+      v_[j] = 0.9f * v_[j] + g[j];
+      w_[j] -= 0.05f * v_[j];
+    }
+    if (drift_at_step && *drift_at_step == ctx.step) w_[0] += 1e-3f;  // this instance only
+  }
+
+  std::optional<std::uint64_t> fail_at_step;
+  std::optional<std::uint64_t> drift_at_step;
+  std::atomic<int> updates{0};
+
+ private:
+  std::size_t in_, out_;
+  bool last_;
+  std::vector<float> w_, v_;
+};
+
+// Two stages: 5 -> 6 (tanh) -> 3 classes.
+StageList make_model(float seed) {
+  StageList list;
+  list.push_back(std::make_unique<Dense>(kIn, 6, false, seed));
+  list.push_back(std::make_unique<Dense>(6, kClasses, true, seed + 1));
+  return list;
+}
+
+// Micro-batch m of global replica g (deterministic).
+Batch make_batch(std::uint32_t g, std::uint64_t m) {
+  Batch b;
+  b.data = Tensor(DType::kFloat32, {kBatch, kIn});
+  auto x = b.data.as<float>();
+  for (std::size_t j = 0; j < x.size(); ++j) x[j] = std::cos(0.37f * static_cast<float>(m * 31 + j) + 1.3f * static_cast<float>(g));
+  for (std::size_t i = 0; i < kBatch; ++i) b.labels.push_back(static_cast<std::int32_t>((m + i + g) % kClasses));
+  b.valid = kBatch;
+  return b;
+}
+
+// `count` micro-batches for each local replica r (global replica offset + r), then closes
+// the infeed when `close`.
+void feed(InfeedQueue<Batch>& infeed, std::uint32_t local, std::uint32_t offset, std::uint64_t count, bool close = true) {
+  auto p = infeed.make_producer();
+  for (std::uint64_t m = 0; m < count; ++m) {
+    for (std::uint32_t r = 0; r < local; ++r) REQUIRE(p.push_to(r, make_batch(offset + r, m)));
+  }
+  if (close) infeed.close();
+}
+
+InfeedConfig lanes(std::uint32_t replicas) {
+  InfeedConfig c;
+  c.replicas = replicas;
+  c.capacity = 256;
+  return c;
+}
+
+std::vector<std::vector<float>> weights_of(Pipeline& p, std::uint32_t replica) {
+  std::vector<std::vector<float>> w;
+  for (std::uint32_t s = 0; s < p.stages(); ++s) {
+    const std::span<float> ws = p.stage(replica, s).weights();
+    w.emplace_back(ws.begin(), ws.end());
+  }
+  return w;
+}
+
+// Every instance holds instance 0's weights (compared after a broadcast).
+bool same_as_instance_zero(Pipeline& p) {
+  Instance& me = Instance::current();
+  bool same = true;
+  for (auto& w : weights_of(p, 0)) {
+    std::vector<float> zero = w;
+    me.broadcast(zero, 0);
+    same = same && zero == w;
+  }
+  return me.all_agree(same);
+}
+
+PipelineConfig training(std::uint32_t local_replicas, ExecutionStrategy strategy) {
+  PipelineConfig cfg;
+  cfg.strategy = strategy;
+  cfg.gradient_accumulation = 3;  // Grouped over 2 stages needs 3
+  cfg.replicas = local_replicas;
+  cfg.distributed = true;
+  cfg.weight_check_interval = 1;
+  return cfg;
+}
+
+}  // namespace
+
+TEST_SUITE("pipeline_mpi") {
+
+TEST_CASE("n processes x R replicas reach the weights of 1 process x nR replicas on the same data") {
+  Instance& me = Instance::current();
+  const std::uint32_t n = me.count();
+  constexpr std::uint64_t kSteps = 4;
+  for (const auto& [local, strategy] : {std::pair{1u, ExecutionStrategy::kPipelined}, std::pair{2u, ExecutionStrategy::kSingle}}) {
+    CAPTURE(local);
+    const InstanceLayout layout = me.layout(local * n);
+    PipelineConfig cfg = training(local, strategy);
+    DeviceGroup devices(cfg.devices_needed(2), kSmall);
+    // Seeded by instance: the constructor must broadcast instance 0's weights.
+    Pipeline pipe(devices, cfg, [&](std::uint32_t) { return make_model(static_cast<float>(me.index())); });
+    CHECK(same_as_instance_zero(pipe));
+    InfeedQueue<Batch> infeed(lanes(local));
+    feed(infeed, local, layout.replica_offset, kSteps * cfg.gradient_accumulation);
+    const PipelineResult r = pipe.run(infeed, kSteps);
+    REQUIRE(r.completed());
+    CHECK(r.iterations == kSteps);
+    CHECK(r.micro_batches == kSteps * cfg.gradient_accumulation * local);
+
+    // The same data in one process: every global replica here, not distributed.
+    PipelineConfig one = cfg;
+    one.distributed = false;
+    one.replicas = local * n;
+    DeviceGroup all_devices(one.devices_needed(2), kSmall);
+    Pipeline reference(all_devices, one, [](std::uint32_t) { return make_model(0.0f); });
+    InfeedQueue<Batch> all_in(lanes(local * n));
+    feed(all_in, local * n, 0, kSteps * cfg.gradient_accumulation);
+    REQUIRE(reference.run(all_in, kSteps).completed());
+
+    const auto want = weights_of(reference, 0);
+    for (std::uint32_t r2 = 0; r2 < local; ++r2) {
+      const auto got = weights_of(pipe, r2);
+      for (std::size_t s = 0; s < got.size(); ++s) {
+        REQUIRE(got[s].size() == want[s].size());
+        double worst = 0;
+        for (std::size_t j = 0; j < got[s].size(); ++j) worst = std::max(worst, std::fabs(double(got[s][j]) - double(want[s][j])));
+        // Two summands add the same way in any order: exact. More may round differently.
+        if (local * n <= 2) {
+          CHECK(got[s] == want[s]);
+        } else {
+          CHECK(worst <= 1e-6);
+        }
+      }
+    }
+    CHECK(same_as_instance_zero(pipe));
+  }
+}
+
+TEST_CASE("a stage failure in one instance ends every instance at the same step, naming it") {
+  Instance& me = Instance::current();
+  const std::uint32_t n = me.count();
+  if (n < 2) return;
+  const std::uint32_t culprit = n - 1;
+  PipelineConfig cfg = training(1, ExecutionStrategy::kPipelined);
+  DeviceGroup devices(cfg.devices_needed(2), kSmall);
+  Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(0.0f); });
+  if (me.index() == culprit) static_cast<Dense&>(pipe.stage(0, 1)).fail_at_step = 2;
+  InfeedQueue<Batch> infeed(lanes(1));
+  feed(infeed, 1, me.index(), 5 * cfg.gradient_accumulation, /*close=*/false);
+  const auto t0 = std::chrono::steady_clock::now();
+  if (me.index() == culprit) {
+    try {
+      (void)pipe.run(infeed, 5);
+      FAIL("the failing instance's run returned");
+    } catch (const StageError& e) {
+      const std::string what = e.what();
+      CHECK(what.find("instance " + std::to_string(culprit) + " of " + std::to_string(n)) == 0);
+      CHECK(what.find("injected failure") != std::string::npos);
+      CHECK(what.find("2 step(s) applied in every instance") != std::string::npos);
+      CHECK(e.step() == 2);
+    }
+  } else {
+    try {
+      (void)pipe.run(infeed, 5);
+      FAIL("a healthy instance's run returned");
+    } catch (const InstanceError& e) {
+      const std::string what = e.what();
+      CHECK(e.instance() == culprit);
+      CHECK(e.replica() == culprit);  // one replica per instance: global replica = index
+      CHECK(e.step() == 2);
+      CHECK(what.find("instance " + std::to_string(culprit) + " of " + std::to_string(n) + " failed at step 2") == 0);
+      CHECK(what.find("injected failure") != std::string::npos);
+    }
+  }
+  CHECK(std::chrono::steady_clock::now() - t0 < 30s);
+  CHECK(same_as_instance_zero(pipe));  // step 2 applied nowhere
+  // The pipeline is usable again: the rest of the data, one step per instance.
+  static_cast<Dense&>(pipe.stage(0, 1)).fail_at_step.reset();
+  InfeedQueue<Batch> more(lanes(1));
+  feed(more, 1, me.index(), cfg.gradient_accumulation);
+  const PipelineResult again = pipe.run(more, 1);
+  CHECK(again.completed());
+  CHECK(same_as_instance_zero(pipe));
+}
+
+TEST_CASE("end of data in one instance ends every instance with kEndOfData at the same step") {
+  Instance& me = Instance::current();
+  const std::uint32_t n = me.count();
+  PipelineConfig cfg = training(1, ExecutionStrategy::kPipelined);
+  DeviceGroup devices(cfg.devices_needed(2), kSmall);
+  Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(0.0f); });
+  InfeedQueue<Batch> infeed(lanes(1));
+  // Instance 0 has 2 steps and one micro-batch; the others have everything.
+  const std::uint64_t mine = me.index() == 0 ? 2 * cfg.gradient_accumulation + 1 : 6 * cfg.gradient_accumulation;
+  feed(infeed, 1, me.index(), mine);
+  const PipelineResult r = pipe.run(infeed, 6);
+  CHECK(r.status == RunStatus::kEndOfData);
+  CHECK(r.iterations == 2);
+  if (n > 1) {
+    CHECK(r.message.find(me.index() == 0 ? "the infeed of this instance (0 of " : "the infeed of instance 0 of") == 0);
+    CHECK(r.message.find("2 step(s) applied in every instance") != std::string::npos);
+  }
+  CHECK(same_as_instance_zero(pipe));
+}
+
+TEST_CASE("a cancel in one instance ends every instance with kCancelled at the same step") {
+  Instance& me = Instance::current();
+  const std::uint32_t n = me.count();
+  PipelineConfig cfg = training(1, ExecutionStrategy::kPipelined);
+  DeviceGroup devices(cfg.devices_needed(2), kSmall);
+  Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(0.0f); });
+  InfeedQueue<Batch> infeed(lanes(1));
+  // Instance 0 gets one step's data and waits for more (the lane stays open) until it
+  // cancels; the others have everything.
+  const std::uint64_t mine = me.index() == 0 ? cfg.gradient_accumulation : 4 * cfg.gradient_accumulation;
+  feed(infeed, 1, me.index(), mine, /*close=*/me.index() != 0);
+  std::jthread canceller;
+  if (me.index() == 0) {
+    // After its one step is applied (the run then waits for data that will not come).
+    canceller = std::jthread([&] {
+      while (static_cast<Dense&>(pipe.stage(0, 0)).updates.load() < 1) std::this_thread::sleep_for(5ms);
+      std::this_thread::sleep_for(50ms);
+      pipe.cancel();
+    });
+  }
+  const PipelineResult r = pipe.run(infeed, 4);
+  CHECK(r.status == RunStatus::kCancelled);
+  CHECK(r.iterations == 1);
+  if (n > 1) {
+    CHECK(r.message.find(me.index() == 0 ? "this instance (0 of " : "instance 0 of") == 0);
+    CHECK(r.message.find("1 step(s) applied in every instance") != std::string::npos);
+  }
+  CHECK(same_as_instance_zero(pipe));
+}
+
+TEST_CASE("what must match across instances: the pipeline, the step count, the weights") {
+  Instance& me = Instance::current();
+  const std::uint32_t n = me.count();
+  if (n < 2) return;
+  PipelineConfig cfg = training(1, ExecutionStrategy::kPipelined);
+  {
+    // A different model in the last instance: refused at construction, in every instance.
+    DeviceGroup devices(cfg.devices_needed(2), kSmall);
+    auto differ = [&](std::uint32_t) {
+      StageList list;
+      list.push_back(std::make_unique<Dense>(kIn, me.index() + 1 == n ? 7 : 6, false, 0.0f));
+      list.push_back(std::make_unique<Dense>(me.index() + 1 == n ? 7 : 6, kClasses, true, 1.0f));
+      return list;
+    };
+    try {
+      Pipeline pipe(devices, cfg, differ);
+      FAIL("a different pipeline was accepted");
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      CHECK(what.find("every instance must build the same stages") != std::string::npos);
+      if (me.index() + 1 == n) CHECK(what.find("gradient_elements() of stage 0 is 42 here, 36 in instance 0") != std::string::npos);
+    }
+  }
+  DeviceGroup devices(cfg.devices_needed(2), kSmall);
+  Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(0.0f); });
+  {
+    // Different step counts: every instance refuses at step 0 (nothing applied).
+    InfeedQueue<Batch> infeed(lanes(1));
+    feed(infeed, 1, me.index(), 4 * cfg.gradient_accumulation);
+    CHECK_THROWS_WITH_AS((void)pipe.run(infeed, me.index() == 0 ? 3 : 4), doctest::Contains("different step counts"),
+                         InstanceError);
+    CHECK(same_as_instance_zero(pipe));
+  }
+  {
+    // The last instance's update drifts at step 1: the checksum at step 2 says so everywhere.
+    if (me.index() + 1 == n) static_cast<Dense&>(pipe.stage(0, 0)).drift_at_step = 1;
+    InfeedQueue<Batch> infeed(lanes(1));
+    feed(infeed, 1, me.index(), 4 * cfg.gradient_accumulation);
+    try {
+      (void)pipe.run(infeed, 4);
+      FAIL("diverged weights went unnoticed");
+    } catch (const InstanceError& e) {
+      const std::string what = e.what();
+      CHECK(what.find("the weights differ across instances at step 2") != std::string::npos);
+      CHECK(what.find("2 step(s) applied in every instance") != std::string::npos);
+    }
+  }
+}
+
+}  // TEST_SUITE
