@@ -166,7 +166,7 @@ bool DeviceRun::exec_node(const program::FusedRepeat& f) {
 bool DeviceRun::exec_node(const program::RemoteCopy& r) {
   const Clock::time_point t0 = Clock::now();
   const std::size_t bytes = r.copy(ctx_);
-  const bool ok = take_modeled_time(t0 + eng_.config.host_link.duration(bytes));
+  const bool ok = take_modeled_time(t0 + eng_.config.host_link.duration(bytes), r.finish_on_stop);
   if (track_) track_->record(Phase::kStreamCopyMid, t0, Clock::now(), bytes, labels_[&r], r.to_host);
   return ok;
 }
@@ -174,7 +174,7 @@ bool DeviceRun::exec_node(const program::RemoteCopy& r) {
 bool DeviceRun::exec_node(const program::AllReduce& a) {
   const Clock::time_point t0 = Clock::now();
   const std::size_t bytes = a.bytes(ctx_);
-  const bool ok = take_modeled_time(t0 + eng_.config.device_link.ring_allreduce(bytes, a.replicas));
+  const bool ok = take_modeled_time(t0 + eng_.config.device_link.ring_allreduce(bytes, a.replicas), a.finish_on_stop);
   if (track_) track_->record(Phase::kExchange, t0, Clock::now(), bytes, labels_[&a]);
   return ok;
 }

@@ -10,7 +10,23 @@ namespace bspflow {
 
 Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory& make_stages)
     : impl_(std::make_unique<Impl>()) {
-  Impl& im = *impl_;
+  Instance* inst = nullptr;
+  if (config.distributed) {
+    Instance& i = Instance::current();
+    if (i.distributed()) inst = &i;
+  }
+  try {
+    impl_->build(group, std::move(config), make_stages);
+  } catch (...) {
+    // The other instances wait in the constructor's first collective: tell them.
+    if (inst != nullptr) (void)inst->all_agree(false);
+    throw;
+  }
+  if (inst != nullptr) impl_->join_instances(*inst);
+}
+
+void Pipeline::Impl::build(DeviceGroup& group, PipelineConfig config, const StageFactory& make_stages) {
+  Impl& im = *this;
   if (!make_stages) throw Error("Pipeline: the stage factory is empty");
   if (config.replicas == 0) detail::throw_bad_value("replicas", config.replicas, "must be at least 1");
   for (std::uint32_t r = 0; r < config.replicas; ++r) {
@@ -214,10 +230,6 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
   } else {
     im.reduce_groups.push_back(std::make_shared<SyncGroup>(config.replicas));
   }
-  if (config.distributed && config.training) {
-    Instance& inst = Instance::current();
-    if (inst.distributed()) im.join_instances(inst);
-  }
 }
 
 EngineConfig engine_config_of(const PipelineConfig& config) {
@@ -235,8 +247,8 @@ Pipeline::~Pipeline() = default;
 PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
                              OutfeedQueue<std::vector<float>>* outfeed) {
   Impl& im = *impl_;
-  if (!im.across || device_iterations == 0) return im.run_local(infeed, device_iterations, outfeed);
-  im.across->begin_run(device_iterations);
+  if (!im.across) return im.run_local(infeed, device_iterations, outfeed);
+  im.across->begin_run(device_iterations, [&im] { im.engine->cancel(); });
   PipelineResult local;
   std::exception_ptr failure;
   try {
@@ -244,20 +256,23 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
   } catch (...) {
     failure = std::current_exception();
   }
-  if (!im.across->served()) {
+  if (device_iterations == 0) {
+    im.across->exchange_nothing();  // meets the others' step 0 if they asked for more
+  } else if (!im.across->served()) {
     // Refused before its devices started: still this instance's part of step 0 (as
     // stopped), so the others do not wait for it.
     detail::StopFlag stopped;
     stopped.set();
-    im.across->serve(stopped, [] {});
+    im.across->serve(stopped);
   }
-  return im.settle_across(std::move(local), failure);
+  return im.settle_across(std::move(local), failure, device_iterations);
 }
 
 PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
                                          OutfeedQueue<std::vector<float>>* outfeed) {
   Impl& im = *this;
   const std::uint64_t steps = device_iterations;  // a step: K micro-batches, one update
+  im.ended_replica = 0;
   const std::uint32_t replicas = im.config.replicas;
   if (infeed.replicas() != replicas) {
     throw Error("infeed has " + std::to_string(infeed.replicas()) + " replica lane(s) but the pipeline has " +
@@ -345,9 +360,7 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed, std::uint64
     };
     if (im.across && im.config.training) {
       // This thread makes the exchanges across instances while the devices run.
-      er = im.engine->run(programs, wake, [&im](const detail::StopFlag& stop) {
-        im.across->serve(stop, [&im] { im.engine->cancel(); });
-      });
+      er = im.engine->run(programs, wake, [&im](const detail::StopFlag& stop) { im.across->serve(stop); });
     } else {
       er = im.engine->run(programs, wake);
     }

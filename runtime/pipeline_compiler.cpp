@@ -22,41 +22,55 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
   if (!config.training) return program::Sequence(std::move(steps));
   const bool replicated = config.replicas > 1;
   if (replicated) steps.emplace_back(program::Sync(group));
-  steps.emplace_back(program::Execute("reduce", [this, on_device](const ComputeContext&) {
-    for (StageRun* sr : on_device) local_sum(*sr);
-  }));
+  if (across) {
+    // Distributed: replica 0's device of each slot sums the local replicas' gradients into
+    // its segment and exchanges it across the instances (the last slot to post makes the
+    // MPI call); the other local replicas wait for the result. From here on a stop does
+    // not cut the step short: once posted, a step is applied in every instance or in none,
+    // and every local replica must do the same (a stop before posting makes it none).
+    const std::uint32_t slot = slot_of(*on_device.front());
+    steps.emplace_back(program::Execute("all-reduce across instances", [this, on_device, slot](const ComputeContext& ctx) {
+      if (on_device.front()->r != 0) {
+        (void)across->wait_done(ctx.iteration, detail::Spin::kYield);
+        return;
+      }
+      if (ctx.stop->requested()) return;  // the host makes the step's call, as stopped
+      for (StageRun* sr : on_device) local_sum(*sr);
+      exchange_across(on_device, slot, ctx.iteration);
+    }));
+  } else {
+    steps.emplace_back(program::Execute("reduce", [this, on_device](const ComputeContext&) {
+      for (StageRun* sr : on_device) local_sum(*sr);
+    }));
+  }
   // The gradients' trip around the replicas' ring over the device link (modeled time).
   if (replicated) {
-    steps.emplace_back(program::AllReduce("all-reduce", config.replicas, [this, on_device](const ComputeContext&) {
+    program::AllReduce ring("all-reduce", config.replicas, [this, on_device](const ComputeContext&) {
       std::size_t bytes = 0;
       for (const StageRun* sr : on_device) bytes += sr->accum.size() * dtype_size(config.precision.partials);
       return bytes;
-    }));
+    });
+    ring.finish_on_stop = across != nullptr;
+    steps.emplace_back(std::move(ring));
+    // Without distribution: no replica zeroes its gradients (update) while a peer still
+    // sums them. Distributed, the others waited for replica 0's exchange, after its sum.
+    if (!across) steps.emplace_back(program::Sync(group));
   }
-  // Distributed: then across the instances. Replica 0's device of each slot hands the local
-  // sums to the host thread's MPI_Allreduce and waits for it (real time, in the trace as
-  // compute labelled "all-reduce across instances"); the other local replicas take the
-  // result from replica 0 after the sync.
-  if (across) {
-    const std::uint32_t slot = slot_of(*on_device.front());
-    steps.emplace_back(program::Execute("all-reduce across instances", [this, on_device, slot](const ComputeContext& ctx) {
-      if (on_device.front()->r == 0) exchange_across(on_device, slot, ctx.iteration);
-    }));
-  }
-  if (replicated) steps.emplace_back(program::Sync(group));
   steps.emplace_back(program::Execute("scale", [this, on_device](const ComputeContext& ctx) {
     for (StageRun* sr : on_device) finish_reduce(*sr, ctx.iteration);
   }));
   // Offload: the optimiser state streams in before the update and out after it.
-  auto stream_state = [on_device](bool to_host) {
-    return program::RemoteCopy(to_host ? "optimiser state out" : "optimiser state in", to_host,
-                               [on_device, to_host](const ComputeContext&) {
-                                 std::size_t bytes = 0;
-                                 for (StageRun* sr : on_device) {
-                                   bytes += to_host ? sr->state_to_host() : sr->state_from_host();
-                                 }
-                                 return bytes;
-                               });
+  auto stream_state = [this, on_device](bool to_host) {
+    program::RemoteCopy copy(to_host ? "optimiser state out" : "optimiser state in", to_host,
+                             [on_device, to_host](const ComputeContext&) {
+                               std::size_t bytes = 0;
+                               for (StageRun* sr : on_device) {
+                                 bytes += to_host ? sr->state_to_host() : sr->state_from_host();
+                               }
+                               return bytes;
+                             });
+    copy.finish_on_stop = across != nullptr;
+    return copy;
   };
   if (config.offload_optimizer) steps.emplace_back(stream_state(false));
   steps.emplace_back(program::Execute("update", [this, on_device](const ComputeContext&) {
@@ -351,7 +365,10 @@ Program Pipeline::Impl::compile_single(std::uint32_t replica, std::uint64_t step
     for (std::uint32_t s = stages; s-- > 0;) {
       StageRun* st = on_device[s];
       StageRun* next = s + 1 < stages ? on_device[s + 1] : nullptr;
-      body.emplace_back(program::Execute(st->stage->name() + " backward", [this, st, next, head](const ComputeContext&) {
+      body.emplace_back(program::Execute(st->stage->name() + " backward", [this, st, next, head](const ComputeContext& ctx) {
+        // Stopped (perhaps while this micro-batch's forward pass waited for its input or
+        // its host copy, which then stashed nothing): the trip ends at the loop's next look.
+        if (ctx.stop->requested()) return;
         st->step = head->step;
         backward(*st, head->micro_batch, next ? std::span<const float>(next->local_grad) : std::span<const float>{},
                  st->local_grad);

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 
+#include "bspflow/base/log.hpp"
 #include "detail/instance_wire.hpp"
 #include "detail/pipeline_impl.hpp"
 
@@ -51,9 +52,15 @@ constexpr std::uint32_t kNoReplica = (1u << 22) - 1;
 }  // namespace
 
 void Pipeline::Impl::join_instances(Instance& inst) {
+  // 0. Every instance built its pipeline (one that failed said so with all_agree(false)).
+  if (!inst.all_agree(true)) {
+    throw Error("distributed Pipeline: another instance failed to build its pipeline (its error says why), so "
+                "instance " + std::to_string(inst.index()) + " of " + std::to_string(inst.count()) + " stops too");
+  }
   // 1. The same pipeline everywhere: what the per-step exchange's length and meaning
   // depend on. Instance 0's shape is broadcast and each instance compares its own.
   Shape shape;
+  shape.add("training", config.training ? 1 : 0);
   shape.add("stages", stages);
   shape.add("local replicas (PipelineConfig::replicas)", config.replicas);
   shape.add("gradient_accumulation", config.gradient_accumulation);
@@ -109,6 +116,7 @@ void Pipeline::Impl::join_instances(Instance& inst) {
       }
     }
   }
+  if (!config.training) return;  // inference: each instance answers its own requests
   // 3. The per-step exchange: one segment per device slot of a replica (its stages'
   // gradients in stage order).
   const std::uint32_t slots = config.strategy == ExecutionStrategy::kSingle ? 1 : config.devices_per_replica(stages);
@@ -123,11 +131,20 @@ void Pipeline::Impl::join_instances(Instance& inst) {
                                                        config.weight_check_interval.value_or(kDefaultWeightCheck));
 }
 
-PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exception_ptr failure) {
+PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exception_ptr failure, std::uint64_t steps) {
   Instance& inst = *instance;
   const std::uint32_t me = inst.index(), count = inst.count();
   const InstanceLayout layout = inst.layout(config.replicas * count);
-  if (across->error()) std::rethrow_exception(across->error());  // MPI failed: no more calls
+  // An MPI error here may be this instance's alone; the others would wait for ever.
+  auto collective = [&inst](auto&& call) {
+    try {
+      call();
+    } catch (const Error& e) {
+      log(LogLevel::kError, std::string("distributed Pipeline: the exchange after a run failed (") + e.what() +
+                                "): ending every instance");
+      inst.abort(1);
+    }
+  };
   // This instance's end.
   std::uint32_t code = kCompletedEnd, replica = kNoReplica;
   std::uint64_t step = across->applied_steps();
@@ -154,7 +171,7 @@ PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exceptio
   at[0] = static_cast<float>(code);
   at[1] = static_cast<float>(replica);
   for (int i = 0; i < 3; ++i) at[2 + i] = static_cast<float>((step >> (22 * i)) & ((1u << 22) - 1));
-  inst.allreduce_sum(ends);
+  collective([&] { inst.allreduce_sum(ends); });
   // The first instance (by index) with the weightiest end speaks for the run.
   std::uint32_t who = count, worst = kCompletedEnd;
   for (const End kind : {kFailedEnd, kEndedEnd, kCancelledEnd}) {
@@ -168,7 +185,7 @@ PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exceptio
   const std::uint64_t applied = across->applied_steps();
   const std::string everywhere = std::to_string(applied) + " step(s) applied in every instance";
   if (worst == kFailedEnd) {
-    detail::InstanceWire::broadcast_text(inst, text, who);
+    collective([&] { detail::InstanceWire::broadcast_text(inst, text, who); });
     const float* w = ends.data() + std::size_t{who} * kEndFields;
     const auto their_replica = static_cast<std::uint32_t>(w[1]);
     const std::uint64_t their_step = Shape::decode(w + 2);
@@ -188,9 +205,20 @@ PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exceptio
                         who, their_replica, their_step);
   }
   if (!across->mismatch().empty()) {
-    throw InstanceError("distributed Pipeline: " + across->mismatch() + "; " + everywhere, me, kNoReplica, applied);
+    throw InstanceError("distributed Pipeline: " + across->mismatch() + "; " + everywhere,
+                        across->mismatch_instance(), kNoReplica, applied);
   }
   local.iterations = applied;
+  if (worst == kCompletedEnd && applied < steps) {
+    // Every device ran to its end, but an instance stopped before one step's exchange (a
+    // cancel after its devices' last look at the stop flag): that step was applied nowhere.
+    const std::uint32_t who_stopped = across->stopped_instance();
+    local.status = RunStatus::kCancelled;
+    local.message = (who_stopped == me ? "this instance (" + std::to_string(me) + " of " + std::to_string(count) + ")"
+                                       : "instance " + std::to_string(who_stopped) + " of " + std::to_string(count)) +
+                    " stopped at step " + std::to_string(applied) + ": " + everywhere;
+    return local;
+  }
   if (worst == kCompletedEnd) return local;
   const float* w = ends.data() + std::size_t{who} * kEndFields;
   const auto their_replica = static_cast<std::uint32_t>(w[1]);

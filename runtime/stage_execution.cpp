@@ -87,26 +87,25 @@ void Pipeline::Impl::backward_exchanged(StageRun& sr, std::uint64_t i, std::uint
 }
 
 void Pipeline::Impl::local_sum(StageRun& sr) {
+  // Distributed, replica 0: straight into its slot's segment of the exchange across
+  // instances (no copy on the way there).
+  const std::span<float> out = across && sr.r == 0
+                                   ? across->segment(slot_of(sr)).subspan(sr.wire_at, sr.reduced.size())
+                                   : std::span<float>(sr.reduced);
   const std::uint32_t replicas = config.replicas;
   if (replicas == 1) {
-    sr.reduced = sr.accum;
+    std::copy(sr.accum.begin(), sr.accum.end(), out.begin());
     return;
   }
-  std::fill(sr.reduced.begin(), sr.reduced.end(), 0.0f);
+  std::fill(out.begin(), out.end(), 0.0f);
   for (std::uint32_t r = 0; r < replicas; ++r) {
     const std::vector<float>& peer = run_of(r, sr.s).accum;
-    for (std::size_t j = 0; j < peer.size(); ++j) sr.reduced[j] += peer[j];
+    for (std::size_t j = 0; j < peer.size(); ++j) out[j] += peer[j];
   }
 }
 
 void Pipeline::Impl::exchange_across(const std::vector<StageRun*>& on_device, std::uint32_t slot,
                                      std::uint64_t step) {
-  const std::span<float> segment = across->segment(slot);
-  std::size_t at = 0;
-  for (const StageRun* sr : on_device) {
-    std::copy(sr->reduced.begin(), sr->reduced.end(), segment.begin() + static_cast<std::ptrdiff_t>(at));
-    at += sr->reduced.size();
-  }
   std::uint64_t checksum = 0xcbf29ce484222325ull;  // FNV-1a over the weights' bits
   if (across->check_due(step)) {
     for (const StageRun* sr : on_device) {
@@ -115,38 +114,36 @@ void Pipeline::Impl::exchange_across(const std::vector<StageRun*>& on_device, st
       }
     }
   }
-  const detail::Spin spin = on_device.front()->device->placement().shares_core() ? detail::Spin::kYield
-                                                                                  : detail::Spin::kTight;
-  if (!across->exchange(slot, step, checksum, spin)) return;
-  at = 0;
-  for (StageRun* sr : on_device) {
-    std::copy_n(segment.begin() + static_cast<std::ptrdiff_t>(at), sr->reduced.size(), sr->reduced.begin());
-    at += sr->reduced.size();
-  }
+  // Yield while waiting: the wait is for another thread's MPI call, which may need this core.
+  (void)across->exchange(slot, step, checksum, detail::Spin::kYield);
 }
 
 void Pipeline::Impl::finish_reduce(StageRun& sr, std::uint64_t step) {
+  // Distributed: replica 0 brought the sum over the instances into its slot's segment (the
+  // step applied in every instance, else no update anywhere); every local replica takes it
+  // from there.
+  std::span<const float> sum = sr.reduced;
   if (across) {
-    // Not applied in every instance (one stopped, or a mismatch): no update anywhere.
     sr.apply = across->applied(step);
     if (!sr.apply) return;
-    // Replica 0 brought the sum over the instances into its slot's segment; the other
-    // local replicas take it from there (replica 0 scales its own copy meanwhile).
-    if (sr.r != 0) {
-      const std::span<const float> segment = across->segment(slot_of(sr));
-      std::copy_n(segment.begin() + static_cast<std::ptrdiff_t>(sr.wire_at), sr.reduced.size(), sr.reduced.begin());
-    }
+    sum = across->segment(slot_of(sr)).subspan(sr.wire_at, sr.reduced.size());
   }
   const std::uint32_t replicas = total_replicas();
-  if (replicas > 1 && config.precision.partials == DType::kFloat16) round_to_half(sr.reduced);
   // The update sees unscaled gradients: loss scaling is undone here, with the mean.
   float scale = 1.0f / config.precision.loss_scaling;
   if (config.reduction == ReductionType::kMean) {
     scale /= static_cast<float>(replicas);
     if (config.mean == MeanStyle::kPost) scale /= static_cast<float>(sr.accumulated == 0 ? 1 : sr.accumulated);
   }
+  if (replicas > 1 && config.precision.partials == DType::kFloat16) {
+    if (sum.data() != sr.reduced.data()) std::copy(sum.begin(), sum.end(), sr.reduced.begin());
+    round_to_half(sr.reduced);
+    sum = sr.reduced;
+  }
   if (scale != 1.0f) {
-    for (float& g : sr.reduced) g *= scale;
+    for (std::size_t j = 0; j < sr.reduced.size(); ++j) sr.reduced[j] = sum[j] * scale;
+  } else if (sum.data() != sr.reduced.data()) {
+    std::copy(sum.begin(), sum.end(), sr.reduced.begin());
   }
 }
 

@@ -115,9 +115,9 @@ class DeviceRun {
 
   // Takes a modeled transfer's time on this device's thread (Copy between devices,
   // RemoteCopy, AllReduce), seeing a stop and yielding the core when it shares it. false: a
-  // stop came first.
-  bool take_modeled_time(Clock::time_point deadline) {
-    return wait_until_deadline(deadline, &stop_, device_.placement().shares_core());
+  // stop came first. `finish`: the whole time, stop or not (then true).
+  bool take_modeled_time(Clock::time_point deadline, bool finish = false) {
+    return wait_until_deadline(deadline, finish ? nullptr : &stop_, device_.placement().shares_core());
   }
 
   bool exec_node(const program::Sync& s);

@@ -236,15 +236,15 @@ struct Pipeline::Impl {
                 std::span<float> grad_input);
 
   // After the step's micro-batches: the gradients summed over the local replicas (in
-  // replica order, so every replica gets the same bits) into sr.reduced.
+  // replica order, so every replica gets the same bits) into sr.reduced (distributed,
+  // replica 0: into its slot's segment of the exchange across instances).
   void local_sum(StageRun& sr);
-  // Distributed, replica 0's device of `slot`: the local sums of its stages (on_device)
-  // across the instances through the host thread (see detail/instance_reduction.hpp), with
-  // a checksum of their weights when one is due; the sums come back into sr.reduced when
-  // the step is applied everywhere.
+  // Distributed, replica 0's device of `slot`: the segment (its stages' local sums, from
+  // local_sum) summed across the instances in place (see detail/instance_reduction.hpp),
+  // with a checksum of their weights when one is due.
   void exchange_across(const std::vector<StageRun*>& on_device, std::uint32_t slot, std::uint64_t step);
-  // Then: distributed, whether the step is applied (sr.apply) and replicas r > 0 take
-  // replica 0's sum; the sum scaled for the reduction type over every replica.
+  // Then the sum (distributed: from the segment, if the step is applied everywhere, else
+  // sr.apply = false) scaled for the reduction type over every replica, into sr.reduced.
   void finish_reduce(StageRun& sr, std::uint64_t step);
   // Replicas across every instance (config.replicas without distribution).
   std::uint32_t total_replicas() const noexcept {
@@ -307,15 +307,18 @@ struct Pipeline::Impl {
     return counted(std::vector<StageRun*>{st}, trip, limit, std::move(body));
   }
   std::vector<std::shared_ptr<SyncGroup>> replica_groups, reduce_groups;
+  // The constructor's work before any other instance is involved.
+  void build(DeviceGroup& group, PipelineConfig config, const StageFactory& make_stages);
   // The host call in this process (Pipeline::run without the agreement across instances).
   PipelineResult run_local(InfeedQueue<Batch>& infeed, std::uint64_t steps, OutfeedQueue<std::vector<float>>* outfeed);
   std::uint32_t ended_replica = 0;  // the last run's kEndOfData: the replica whose lane ended
-  // Distributed: at construction, checks every instance built the same pipeline and
-  // broadcasts instance 0's weights and optimiser state (collectives); then makes `across`.
+  // Distributed: at construction, checks every instance built its pipeline, and the same
+  // one, and broadcasts instance 0's weights and optimiser state (collectives); then, for
+  // training, makes `across`.
   void join_instances(Instance& inst);
   // Distributed, after run_local: every instance's end exchanged, and the run's result
   // (or exception) made the same everywhere. `failure`: what run_local threw.
-  PipelineResult settle_across(PipelineResult local, std::exception_ptr failure);
+  PipelineResult settle_across(PipelineResult local, std::exception_ptr failure, std::uint64_t steps);
   // Distributed training over several instances (else null): the exchange across them.
   Instance* instance = nullptr;
   std::unique_ptr<detail::InstanceReduction> across;

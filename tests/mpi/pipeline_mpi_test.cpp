@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <optional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -334,6 +335,44 @@ TEST_CASE("a cancel in one instance ends every instance with kCancelled at the s
   CHECK(same_as_instance_zero(pipe));
 }
 
+TEST_CASE("cancels at random times: every instance stops at the same step, every replica holds the same weights") {
+  Instance& me = Instance::current();
+  const std::uint32_t n = me.count();
+  PipelineConfig cfg = training(2, ExecutionStrategy::kSingle);  // two local replicas
+  cfg.gradient_accumulation = 2;
+  DeviceGroup devices(cfg.devices_needed(2), kSmall);
+  Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(0.0f); });
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int> delay_us(0, 4000);
+  int cancelled = 0;
+  for (int trial = 0; trial < 20; ++trial) {
+    CAPTURE(trial);
+    const int wait = delay_us(rng);  // the same sequence everywhere; only instance 0 uses it
+    InfeedQueue<Batch> infeed(lanes(2));
+    feed(infeed, 2, 2 * me.index(), 40 * cfg.gradient_accumulation);
+    std::jthread canceller;
+    if (me.index() == 0) {
+      canceller = std::jthread([&] {
+        std::this_thread::sleep_for(std::chrono::microseconds(wait));
+        pipe.cancel();
+      });
+    }
+    const PipelineResult r = pipe.run(infeed, 40);
+    canceller = {};
+    cancelled += r.status == RunStatus::kCancelled;
+    CHECK((r.status == RunStatus::kCancelled || r.completed()));
+    // The same status and step count everywhere.
+    std::vector<double> mine{static_cast<double>(r.iterations), r.completed() ? 1.0 : 0.0};
+    std::vector<double> all = mine;
+    me.allreduce_sum(all);
+    CHECK(all[0] == n * mine[0]);
+    CHECK(all[1] == n * mine[1]);
+    CHECK(weights_of(pipe, 0) == weights_of(pipe, 1));  // both local replicas applied the same steps
+    CHECK(same_as_instance_zero(pipe));
+  }
+  MESSAGE("cancelled in " << cancelled << " of 20 trials");
+}
+
 TEST_CASE("what must match across instances: the pipeline, the step count, the weights") {
   Instance& me = Instance::current();
   const std::uint32_t n = me.count();
@@ -357,8 +396,31 @@ TEST_CASE("what must match across instances: the pipeline, the step count, the w
       if (me.index() + 1 == n) CHECK(what.find("gradient_elements() of stage 0 is 42 here, 36 in instance 0") != std::string::npos);
     }
   }
+  {
+    // The last instance's factory throws: it throws that, the others say it failed.
+    DeviceGroup devices(cfg.devices_needed(2), kSmall);
+    try {
+      Pipeline pipe(devices, cfg, [&](std::uint32_t) {
+        if (me.index() + 1 == n) throw std::runtime_error("no stages here");
+        return make_model(0.0f);
+      });
+      FAIL("a pipeline was built while another instance failed");
+    } catch (const std::exception& e) {
+      const std::string what = e.what();
+      CHECK(what.find(me.index() + 1 == n ? "no stages here" : "another instance failed to build its pipeline") !=
+            std::string::npos);
+    }
+  }
   DeviceGroup devices(cfg.devices_needed(2), kSmall);
   Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(0.0f); });
+  {
+    // 0 steps in one instance, 1 in the others: refused everywhere, nothing applied.
+    InfeedQueue<Batch> infeed(lanes(1));
+    feed(infeed, 1, me.index(), cfg.gradient_accumulation);
+    CHECK_THROWS_WITH_AS((void)pipe.run(infeed, me.index() == 0 ? 0 : 1), doctest::Contains("different step counts"),
+                         InstanceError);
+    CHECK(same_as_instance_zero(pipe));
+  }
   {
     // Different step counts: every instance refuses at step 0 (nothing applied).
     InfeedQueue<Batch> infeed(lanes(1));

@@ -8,6 +8,7 @@
 #include <map>
 #include <set>
 #include <stdexcept>
+#include <thread>
 #include <vector>
 
 #include <bspflow/bspflow.hpp>
@@ -698,6 +699,31 @@ TEST_CASE("an infeed that ends mid-run ends it with kEndOfData and says what was
   CHECK(r.iterations == 1);
   CHECK(test::contains(r.message, "step 1, micro-batch 2"));
   CHECK(dense(pipe, 0, 0).updates == 1);
+}
+
+TEST_CASE("a cancel while stage 0 waits for its input ends a single-device training run as cancelled, not failed") {
+  // Regression: with all stages on one device, the backward passes follow the forward
+  // passes in the same trip; a forward pass stopped while waiting for its input (or its
+  // host copy) stashed nothing, and its backward pass used to report a schedule error.
+  const std::uint32_t n = 2, k = 4;
+  for (const bool slow_link : {false, true}) {
+    CAPTURE(slow_link);
+    PipelineConfig cfg;
+    cfg.strategy = ExecutionStrategy::kSingle;
+    cfg.gradient_accumulation = k;
+    if (slow_link) cfg.host_link = LinkModel{1e5, 1ms};  // each micro-batch's copy takes ~1 ms
+    DeviceGroup devices(cfg.devices_needed(n), kSmall);
+    Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+    InfeedQueue<Batch> infeed(InfeedConfig{1, 64, 1});
+    feed(infeed, k + 1, 1);  // one step and one micro-batch: then it waits for more
+    std::jthread canceller([&] {
+      std::this_thread::sleep_for(slow_link ? 3ms : 30ms);  // slow: mid-copy; else: waiting for input
+      pipe.cancel();
+    });
+    const PipelineResult r = pipe.run(infeed, 3);
+    CHECK(r.status == RunStatus::kCancelled);
+    CHECK(r.iterations <= 1);
+  }
 }
 
 TEST_SUITE_END();

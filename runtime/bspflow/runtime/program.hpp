@@ -112,6 +112,9 @@ struct RemoteCopy {
   std::string name;
   bool to_host;
   std::function<std::size_t(const ComputeContext&)> copy;
+  // Takes its modeled time to the end even when the run stops (and the Sequence goes on):
+  // for work that must complete once started (a distributed training step's tail).
+  bool finish_on_stop = false;
 };
 // The data movement of an all-reduce across `replicas` devices, one AllReduce on each of
 // them (between two Syncs of their group, so no one reads a peer's gradients early): the
@@ -123,6 +126,7 @@ struct AllReduce {
   std::string name;
   std::uint32_t replicas;
   std::function<std::size_t(const ComputeContext&)> bytes;
+  bool finish_on_stop = false;  // as RemoteCopy::finish_on_stop
 };
 struct Repeat {
   Repeat(std::uint64_t count, Program body);

@@ -1,0 +1,307 @@
+// Instances benchmark: training over several processes (Open MPI), each figure against a
+// reference measured in the same run. Run without mpirun: it launches itself under mpirun
+// (workers) and reads their figures. Keys:
+//
+//   allreduce_bspflow_us         one training step of a distributed Pipeline whose only work
+//                                is the gradient reduction (2 instances, the flagship's
+//                                gradient count, synthetic data): what bspflow spends per step
+//                                to reduce across instances, its machinery included
+//   allreduce_mpi_us             a bare MPI_Allreduce of the same bytes, same processes, rounds
+//                                alternating with the above
+//   allreduce_vs_mpi_allreduce   the ratio (target <= 1.2); also _small for 1024 gradients
+//   instances_1_samples_per_s    the flagship's conv model trained with synthetic data, one
+//                                process with one replica (one device: all 4 stages)
+//   instances_2_samples_per_s    two processes with one replica each (gradients reduced
+//                                across them every step)
+//   instances_2_vs_1_throughput  the ratio (target >= 1.7 on 2 cores); runs alternate
+//
+// Workers talk over TCP on loopback (--mca btl self,tcp), the path between hosts. Prints
+// `key: value`; --json FILE.
+#include <CLI/CLI.hpp>
+
+#include <unistd.h>
+
+#define OMPI_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <bspflow/bspflow.hpp>
+
+#include "bench_util.hpp"
+#include "model_kit.hpp"
+
+using namespace bspflow;
+
+namespace {
+
+constexpr std::size_t kBatch = 40;
+constexpr std::uint32_t kAccumulation = 10;
+constexpr std::uint64_t kIterations = 10;
+
+Batch synthetic_batch() {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> pixel(0, 255), label(0, 9);
+  Batch b;
+  b.data = Tensor(DType::kFloat32, {kBatch, 784});
+  for (float& x : b.data.as<float>()) x = static_cast<float>(pixel(rng)) / 255.0f;
+  for (std::size_t i = 0; i < kBatch; ++i) b.labels.push_back(label(rng));
+  b.valid = kBatch;
+  return b;
+}
+
+std::size_t flagship_gradients() {
+  std::size_t n = 0;
+  for (const auto& s : kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{})) n += s->gradient_elements();
+  return n;
+}
+
+// A stage with `n` weights and gradients and no work: a step of a pipeline of it is the
+// reduction and the runtime around it.
+class ReduceOnly final : public Stage {
+ public:
+  explicit ReduceOnly(std::size_t n) : w_(n, 0.5f) {}
+  std::string name() const override { return "reduce-only"; }
+  std::size_t output_elements() const override { return 1; }
+  std::size_t gradient_elements() const override { return w_.size(); }
+  void forward(const StageContext&, ForwardArgs& a) override { a.output[0] = 0; }
+  void backward(const StageContext&, BackwardArgs& a) override { a.gradients[0] = 1; }
+  void update(const StageContext&, std::span<const float> g) override { w_[0] -= 1e-6f * g[0]; }
+  std::span<float> weights() override { return w_; }
+
+ private:
+  std::vector<float> w_;
+};
+
+// Worker: for `n` gradients, a step of the reduce-only pipeline distributed and not (each
+// instance runs its own, at the same time), and a bare MPI_Allreduce of the same bytes.
+void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps, int rounds, const std::string& suffix) {
+  Instance& me = Instance::current();
+  PipelineConfig cfg;
+  cfg.strategy = ExecutionStrategy::kSingle;
+  cfg.synthetic_data = true;
+  auto reduce_only = [n](std::uint32_t) {
+    StageList l;
+    l.push_back(std::make_unique<ReduceOnly>(n));
+    return l;
+  };
+  DeviceGroup devices(1);
+  Pipeline local(devices, cfg, reduce_only);
+  cfg.distributed = true;
+  Pipeline pipe(devices, cfg, reduce_only);
+  InfeedQueue<Batch> infeed(InfeedConfig{1, 4, 1});
+  auto producer = infeed.make_producer();
+  const Batch one = synthetic_batch();
+  auto step_us = [&](Pipeline& p) {
+    producer.push(Batch(one));
+    me.barrier();
+    const PipelineResult r = p.run(infeed, steps);
+    if (!r.completed()) std::fprintf(stderr, "pipeline: %s\n", r.message.c_str());
+    return 1e6 * std::chrono::duration<double>(r.elapsed).count() / static_cast<double>(steps);
+  };
+  // What one step's exchange carries: the gradients and 8 floats per instance.
+  std::vector<float> bare(n + 8 * me.count(), 1.0f);
+  std::vector<double> ours, theirs, steps_local, steps_distributed;
+  for (int round = -1; round < rounds; ++round) {  // round -1: warm-up
+    const double plain = step_us(local);
+    const double distributed = step_us(pipe);
+    me.barrier();
+    const auto t0 = bench::Clock::now();
+    for (std::uint64_t i = 0; i < steps; ++i) {
+      MPI_Allreduce(MPI_IN_PLACE, bare.data(), static_cast<int>(bare.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    }
+    const double theirs_us = 1e6 * bench::seconds_since(t0) / static_cast<double>(steps);
+    if (round >= 0) {
+      ours.push_back(distributed - plain);  // what distributing adds to a step
+      theirs.push_back(theirs_us);
+      steps_local.push_back(plain);
+      steps_distributed.push_back(distributed);
+    }
+  }
+  const double a = bench::median(ours), b = bench::median(theirs);
+  report.figure("allreduce_floats" + suffix, static_cast<double>(n));
+  report.figure("step_local_us" + suffix, bench::median(steps_local));
+  report.figure("step_distributed_us" + suffix, bench::median(steps_distributed));
+  report.figure("allreduce_bspflow_us" + suffix, a);
+  report.figure("allreduce_mpi_us" + suffix, b);
+  report.figure("allreduce_vs_mpi_allreduce" + suffix, a / b);
+}
+
+// Worker: the conv model on one device per instance, synthetic data; prints the samples
+// per second of every instance together.
+void train_worker(bench::Report& report, std::uint64_t calls) {
+  Instance& me = Instance::current();
+  PipelineConfig cfg;
+  cfg.strategy = ExecutionStrategy::kSingle;
+  cfg.gradient_accumulation = kAccumulation;
+  cfg.distributed = true;
+  cfg.synthetic_data = true;
+  DeviceGroup devices(1);
+  Pipeline pipe(devices, cfg, [](std::uint32_t) { return kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{}); });
+  InfeedQueue<Batch> infeed(InfeedConfig{1, 4, 1});
+  auto producer = infeed.make_producer();
+  const Batch one = synthetic_batch();
+  producer.push(Batch(one));
+  (void)pipe.run(infeed, 1);  // warm-up
+  me.barrier();
+  const auto t0 = bench::Clock::now();
+  for (std::uint64_t c = 0; c < calls; ++c) {
+    producer.push(Batch(one));
+    const PipelineResult r = pipe.run(infeed, kIterations);
+    if (!r.completed()) std::fprintf(stderr, "pipeline: %s\n", r.message.c_str());
+  }
+  std::vector<double> figures{static_cast<double>(calls * kIterations * kAccumulation * kBatch), bench::seconds_since(t0)};
+  me.allreduce_sum(figures);  // samples of all instances; their times, summed
+  report.figure("samples_per_s", figures[0] / (figures[1] / me.count()));
+}
+
+// The machine's floor for scaling: the same model trained by a plain loop (no runtime, no
+// MPI) on `threads` threads at once, each pinned to its own core. Samples per second, all
+// threads together.
+double plain_rate(std::uint32_t threads, std::uint64_t steps) {
+  const Batch one = synthetic_batch();
+  std::vector<double> seconds(threads);
+  bench::on_placed_threads(threads, [&](std::uint32_t t) {
+    StageList model = kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{});
+    std::vector<std::vector<float>> sum(4), outs(4), saved(4), grad_in(4);
+    for (std::uint32_t s = 0; s < 4; ++s) {
+      sum[s].assign(model[s]->gradient_elements(), 0.0f);
+      outs[s].assign(model[s]->output_elements(), 0.0f);
+      grad_in[s].assign(s == 0 ? 0 : outs[s - 1].size(), 0.0f);
+    }
+    std::vector<float> g;
+    const auto t0 = bench::Clock::now();
+    for (std::uint64_t step = 0; step < steps; ++step) {
+      for (auto& v : sum) std::fill(v.begin(), v.end(), 0.0f);
+      for (std::uint32_t i = 0; i < kAccumulation; ++i) {
+        for (std::uint32_t s = 0; s < 4; ++s) {
+          ForwardArgs a{one, s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]), outs[s], saved[s]};
+          model[s]->forward(StageContext{s, 0, 0, step, i}, a);
+        }
+        for (std::uint32_t s = 4; s-- > 0;) {
+          g.assign(model[s]->gradient_elements(), 0.0f);
+          std::fill(grad_in[s].begin(), grad_in[s].end(), 0.0f);
+          BackwardArgs a{one, s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]), saved[s],
+                         s == 3 ? std::span<const float>{} : std::span<const float>(grad_in[s + 1]), grad_in[s], g};
+          model[s]->backward(StageContext{s, 0, 0, step, i}, a);
+          for (std::size_t j = 0; j < g.size(); ++j) sum[s][j] += g[j];
+        }
+      }
+      for (std::uint32_t s = 0; s < 4; ++s) {
+        for (float& x : sum[s]) x /= kAccumulation;
+        model[s]->update(StageContext{}, sum[s]);
+      }
+    }
+    seconds[t] = bench::seconds_since(t0);
+  });
+  const double slowest = *std::max_element(seconds.begin(), seconds.end());
+  return static_cast<double>(threads * steps * kAccumulation * kBatch) / slowest;
+}
+
+// Driver: runs `args` under mpirun with `np` processes and returns the figures it printed.
+std::map<std::string, double> launch(int np, const std::string& args) {
+  char self[4096] = {};
+  const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+  if (len <= 0) return {};
+  const std::string command = "mpirun -np " + std::to_string(np) +
+                              " --oversubscribe --bind-to none --allow-run-as-root --mca btl self,tcp "
+                              "--mca btl_tcp_if_include lo " +
+                              std::string(self, static_cast<std::size_t>(len)) + " " + args + " 2>&1";
+  std::map<std::string, double> out;
+  FILE* p = popen(command.c_str(), "r");
+  if (p == nullptr) return out;
+  std::array<char, 4096> line{};
+  while (std::fgets(line.data(), static_cast<int>(line.size()), p) != nullptr) {
+    const std::string text(line.data());
+    const auto colon = text.find(": ");
+    if (colon == std::string::npos) {
+      std::fprintf(stderr, "  [np %d] %s", np, text.c_str());
+      continue;
+    }
+    try {
+      out[text.substr(0, colon)] = std::stod(text.substr(colon + 2));
+    } catch (...) {
+      std::fprintf(stderr, "  [np %d] %s", np, text.c_str());
+    }
+  }
+  const int status = pclose(p);
+  if (status != 0) std::fprintf(stderr, "  [np %d] mpirun exited with status %d\n", np, status);
+  return out;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"instances_bench: training over several processes against bare MPI and one process"};
+  bench::CommonArgs args;
+  args.add_to(app);
+  std::string worker;
+  app.add_option("--worker", worker, "internal: run as a worker under mpirun (allreduce | train)")
+      ->check(CLI::IsMember({"allreduce", "train"}));
+  CLI11_PARSE(app, argc, argv);
+
+  if (!worker.empty()) {
+    Instance& me = Instance::current();
+    if (me.index() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;  // instance 0 reports
+    bench::Report report("instances-worker");
+    if (worker == "allreduce") {
+      const std::uint64_t steps = args.quick ? 20 : 200;
+      const int rounds = args.quick ? 2 : 7;
+      allreduce_worker(report, flagship_gradients(), steps, rounds, "");
+      allreduce_worker(report, 1024, steps, rounds, "_small");
+    } else {
+      train_worker(report, args.quick ? 1 : 4);
+    }
+    return 0;
+  }
+
+  bench::Report report("instances");
+  const std::string quick = args.quick ? " --quick" : "";
+  auto reduce = launch(2, "--worker allreduce" + quick);
+  if (reduce.count("allreduce_vs_mpi_allreduce") == 0) {
+    report.note("allreduce_vs_mpi_allreduce", "skipped: the workers did not report (is mpirun installed?)");
+  } else {
+    for (const std::string suffix : {"", "_small"}) {
+      report.figure("allreduce_floats" + suffix, reduce["allreduce_floats" + suffix]);
+      report.figure("step_local_us" + suffix, reduce["step_local_us" + suffix]);
+      report.figure("step_distributed_us" + suffix, reduce["step_distributed_us" + suffix]);
+      report.figure("allreduce_bspflow_us" + suffix, reduce["allreduce_bspflow_us" + suffix]);
+      report.figure("allreduce_mpi_us" + suffix, reduce["allreduce_mpi_us" + suffix]);
+    }
+    const double r = reduce["allreduce_vs_mpi_allreduce"];
+    report.ratio("allreduce_vs_mpi_allreduce", r, "<= 1.2", r <= 1.2);
+    report.figure("allreduce_vs_mpi_allreduce_small", reduce["allreduce_vs_mpi_allreduce_small"]);
+  }
+  std::vector<double> one, two;
+  const int runs = args.quick ? 1 : 3;
+  for (int i = 0; i < runs; ++i) {  // alternating, so drift hits both alike
+    one.push_back(launch(1, "--worker train" + quick)["samples_per_s"]);
+    two.push_back(launch(2, "--worker train" + quick)["samples_per_s"]);
+  }
+  std::vector<double> plain_one, plain_two;
+  const std::uint64_t plain_steps = args.quick ? 5 : 20;
+  for (int i = 0; i < runs; ++i) {
+    plain_one.push_back(plain_rate(1, plain_steps));
+    plain_two.push_back(plain_rate(2, plain_steps));
+  }
+  const double a = bench::median(one), b = bench::median(two);
+  const double pa = bench::median(plain_one), pb = bench::median(plain_two);
+  report.figure("instances_1_samples_per_s", a);
+  report.figure("instances_2_samples_per_s", b);
+  report.figure("plain_1_thread_samples_per_s", pa);
+  report.figure("plain_2_threads_samples_per_s", pb);
+  report.figure("machine_2_vs_1_throughput", pb / pa);  // this machine's floor: plain threads
+  if (a > 0) {
+    report.ratio("instances_2_vs_1_throughput", b / a, ">= 1.7", b / a >= 1.7);
+    report.figure("instances_2_vs_1_vs_machine", (b / a) / (pb / pa));
+  }
+  return report.write(args.json_path) ? 0 : 1;
+}
