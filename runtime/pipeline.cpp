@@ -10,11 +10,9 @@ namespace bspflow {
 
 Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory& make_stages)
     : impl_(std::make_unique<Impl>()) {
-  Instance* inst = nullptr;
-  if (config.distributed) {
-    Instance& i = Instance::current();
-    if (i.distributed()) inst = &i;
-  }
+  // Distributed: with one instance (a plain process) the same machinery runs, its
+  // exchanges the identity.
+  Instance* inst = config.distributed ? &Instance::current() : nullptr;
   try {
     impl_->build(group, std::move(config), make_stages);
   } catch (...) {

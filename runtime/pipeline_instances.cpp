@@ -191,6 +191,7 @@ PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exceptio
     const std::uint64_t their_step = Shape::decode(w + 2);
     const std::string where = "instance " + std::to_string(who) + " of " + std::to_string(count);
     if (who == me || code == kFailedEnd) {
+      if (count == 1) std::rethrow_exception(failure);
       try {
         std::rethrow_exception(failure);
       } catch (const StageError& e) {
@@ -209,14 +210,17 @@ PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exceptio
                         across->mismatch_instance(), kNoReplica, applied);
   }
   local.iterations = applied;
+  if (count == 1 && worst != kCompletedEnd) return local;  // its own words say it all
   if (worst == kCompletedEnd && applied < steps) {
     // Every device ran to its end, but an instance stopped before one step's exchange (a
     // cancel after its devices' last look at the stop flag): that step was applied nowhere.
     const std::uint32_t who_stopped = across->stopped_instance();
     local.status = RunStatus::kCancelled;
-    local.message = (who_stopped == me ? "this instance (" + std::to_string(me) + " of " + std::to_string(count) + ")"
-                                       : "instance " + std::to_string(who_stopped) + " of " + std::to_string(count)) +
-                    " stopped at step " + std::to_string(applied) + ": " + everywhere;
+    local.message = count == 1 ? "cancelled at step " + std::to_string(applied) + ": " + std::to_string(applied) +
+                                     " step(s) applied"
+                    : (who_stopped == me ? "this instance (" + std::to_string(me) + " of " + std::to_string(count) + ")"
+                                         : "instance " + std::to_string(who_stopped) + " of " + std::to_string(count)) +
+                          " stopped at step " + std::to_string(applied) + ": " + everywhere;
     return local;
   }
   if (worst == kCompletedEnd) return local;

@@ -106,13 +106,22 @@ void Pipeline::Impl::local_sum(StageRun& sr) {
 
 void Pipeline::Impl::exchange_across(const std::vector<StageRun*>& on_device, std::uint32_t slot,
                                      std::uint64_t step) {
-  std::uint64_t checksum = 0xcbf29ce484222325ull;  // FNV-1a over the weights' bits
+  std::uint64_t checksum = 0;
   if (across->check_due(step)) {
+    // FNV-1a over the weights' bits in four interleaved lanes (four independent multiply
+    // chains: about a cycle per weight instead of four), then the lanes folded together.
+    constexpr std::uint64_t kPrime = 0x100000001b3ull;
+    std::uint64_t lane[4] = {0xcbf29ce484222325ull, 0x84222325cbf29ce4ull, 0x9ce484222325cbf2ull, 0x2325cbf29ce48422ull};
     for (const StageRun* sr : on_device) {
-      for (const float w : sr->stage->weights()) {
-        checksum = (checksum ^ std::bit_cast<std::uint32_t>(w)) * 0x100000001b3ull;
+      const std::span<float> w = sr->stage->weights();
+      std::size_t j = 0;
+      for (; j + 4 <= w.size(); j += 4) {
+        for (int l = 0; l < 4; ++l) lane[l] = (lane[l] ^ std::bit_cast<std::uint32_t>(w[j + l])) * kPrime;
       }
+      for (; j < w.size(); ++j) lane[0] = (lane[0] ^ std::bit_cast<std::uint32_t>(w[j])) * kPrime;
+      lane[1] = (lane[1] ^ w.size()) * kPrime;  // where one stage's weights end
     }
+    for (const std::uint64_t l : lane) checksum = (checksum ^ l) * kPrime;
   }
   // Yield while waiting: the wait is for another thread's MPI call, which may need this core.
   (void)across->exchange(slot, step, checksum, detail::Spin::kYield);

@@ -9,6 +9,9 @@
 //   allreduce_mpi_us             a bare MPI_Allreduce of the same bytes, same processes, rounds
 //                                alternating with the above
 //   allreduce_vs_mpi_allreduce   the ratio (target <= 1.2); also _small for 1024 gradients
+//                                (a weight checksum every 100 steps, a release build's default)
+//   weight_check_us              what a checksum every step adds to a step (a debug build's
+//                                default)
 //   instances_1_samples_per_s    the flagship's conv model trained with synthetic data, one
 //                                process with one replica (one device: all 4 stages)
 //   instances_2_samples_per_s    two processes with one replica each (gradients reduced
@@ -88,6 +91,9 @@ void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps,
   PipelineConfig cfg;
   cfg.strategy = ExecutionStrategy::kSingle;
   cfg.synthetic_data = true;
+  // A release build's default (a debug build of bspflow checks every step: see
+  // weight_check_us below for what that adds).
+  cfg.weight_check_interval = 100;
   auto reduce_only = [n](std::uint32_t) {
     StageList l;
     l.push_back(std::make_unique<ReduceOnly>(n));
@@ -97,6 +103,8 @@ void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps,
   Pipeline local(devices, cfg, reduce_only);
   cfg.distributed = true;
   Pipeline pipe(devices, cfg, reduce_only);
+  cfg.weight_check_interval = 1;
+  Pipeline checked(devices, cfg, reduce_only);
   InfeedQueue<Batch> infeed(InfeedConfig{1, 4, 1});
   auto producer = infeed.make_producer();
   const Batch one = synthetic_batch();
@@ -109,10 +117,11 @@ void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps,
   };
   // What one step's exchange carries: the gradients and 8 floats per instance.
   std::vector<float> bare(n + 8 * me.count(), 1.0f);
-  std::vector<double> ours, theirs, steps_local, steps_distributed;
+  std::vector<double> ours, theirs, steps_local, steps_distributed, check_costs;
   for (int round = -1; round < rounds; ++round) {  // round -1: warm-up
     const double plain = step_us(local);
     const double distributed = step_us(pipe);
+    const double every_step = step_us(checked);
     me.barrier();
     const auto t0 = bench::Clock::now();
     for (std::uint64_t i = 0; i < steps; ++i) {
@@ -124,6 +133,7 @@ void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps,
       theirs.push_back(theirs_us);
       steps_local.push_back(plain);
       steps_distributed.push_back(distributed);
+      check_costs.push_back(every_step - distributed);
     }
   }
   const double a = bench::median(ours), b = bench::median(theirs);
@@ -133,6 +143,7 @@ void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps,
   report.figure("allreduce_bspflow_us" + suffix, a);
   report.figure("allreduce_mpi_us" + suffix, b);
   report.figure("allreduce_vs_mpi_allreduce" + suffix, a / b);
+  report.figure("weight_check_us" + suffix, bench::median(check_costs));
 }
 
 // Worker: the conv model on one device per instance, synthetic data; prints the samples
@@ -275,6 +286,7 @@ int main(int argc, char** argv) {
       report.figure("step_distributed_us" + suffix, reduce["step_distributed_us" + suffix]);
       report.figure("allreduce_bspflow_us" + suffix, reduce["allreduce_bspflow_us" + suffix]);
       report.figure("allreduce_mpi_us" + suffix, reduce["allreduce_mpi_us" + suffix]);
+      report.figure("weight_check_us" + suffix, reduce["weight_check_us" + suffix]);
     }
     const double r = reduce["allreduce_vs_mpi_allreduce"];
     report.ratio("allreduce_vs_mpi_allreduce", r, "<= 1.2", r <= 1.2);

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <random>
 #include <set>
 #include <stdexcept>
 #include <thread>
@@ -724,6 +725,78 @@ TEST_CASE("a cancel while stage 0 waits for its input ends a single-device train
     CHECK(r.status == RunStatus::kCancelled);
     CHECK(r.iterations <= 1);
   }
+}
+
+TEST_SUITE_END();
+
+TEST_SUITE_BEGIN("pipeline");
+
+TEST_CASE("distributed in one process: the exchange is the identity, the weights those of a plain run") {
+  // The machinery of PipelineConfig::distributed (the mpi suite runs it over several
+  // processes) in one instance, where ThreadSanitizer sees its threads.
+  const std::uint32_t n = 2, k = 3;
+  for (const auto strategy : {ExecutionStrategy::kPipelined, ExecutionStrategy::kSingle}) {
+    for (const std::uint32_t replicas : {1u, 2u}) {
+      CAPTURE(replicas);
+      PipelineConfig cfg;
+      cfg.strategy = strategy;
+      cfg.gradient_accumulation = k;
+      cfg.replicas = replicas;
+      DeviceGroup devices(cfg.devices_needed(n), kSmall);
+      Pipeline plain(devices, cfg, [](std::uint32_t) { return make_model(n); });
+      cfg.distributed = true;
+      cfg.weight_check_interval = 1;
+      Pipeline dist(devices, cfg, [](std::uint32_t) { return make_model(n); });
+      for (Pipeline* p : {&plain, &dist}) {
+        InfeedQueue<Batch> infeed(InfeedConfig{replicas, 64, 1});
+        feed(infeed, 4 * k, replicas);
+        const PipelineResult r = p->run(infeed, 4);
+        REQUIRE(r.completed());
+        CHECK(r.iterations == 4);
+      }
+      for (std::uint32_t r = 0; r < replicas; ++r) {
+        for (std::uint32_t s = 0; s < n; ++s) CHECK(dense(dist, r, s).weights() == dense(plain, 0, s).weights());
+      }
+    }
+  }
+}
+
+TEST_CASE("distributed in one process: cancels at random times and an end of data leave every replica alike") {
+  const std::uint32_t n = 2, k = 2;
+  PipelineConfig cfg;
+  cfg.strategy = ExecutionStrategy::kSingle;
+  cfg.gradient_accumulation = k;
+  cfg.replicas = 2;
+  cfg.distributed = true;
+  DeviceGroup devices(cfg.devices_needed(n), kSmall);
+  Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> delay_us(0, 3000);
+  const int trials = static_cast<int>(test::scaled(20, 4));
+  for (int trial = 0; trial < trials; ++trial) {
+    CAPTURE(trial);
+    InfeedQueue<Batch> infeed(InfeedConfig{2, 128, 1});
+    feed(infeed, 40 * k, 2);
+    std::jthread canceller([&, wait = delay_us(rng)] {
+      std::this_thread::sleep_for(std::chrono::microseconds(wait));
+      pipe.cancel();
+    });
+    const PipelineResult r = pipe.run(infeed, 40);
+    canceller = {};
+    CHECK((r.completed() || r.status == RunStatus::kCancelled));
+    CHECK(dense(pipe, 0, 0).updates == dense(pipe, 1, 0).updates);
+    for (std::uint32_t s = 0; s < n; ++s) CHECK(dense(pipe, 0, s).weights() == dense(pipe, 1, s).weights());
+  }
+  // End of data mid-step: the cut-short step is applied nowhere.
+  const int before = dense(pipe, 0, 0).updates;
+  InfeedQueue<Batch> infeed(InfeedConfig{2, 128, 1});
+  feed(infeed, 2 * k + 1, 2);
+  infeed.close();
+  const PipelineResult r = pipe.run(infeed, 5);
+  CHECK(r.status == RunStatus::kEndOfData);
+  CHECK(r.iterations == 2);
+  CHECK(dense(pipe, 0, 0).updates == before + 2);
+  CHECK(dense(pipe, 1, 0).updates == before + 2);
 }
 
 TEST_SUITE_END();

@@ -226,8 +226,11 @@ struct PipelineConfig {
   // instance built the same pipeline and broadcasts instance 0's weights (Stage::weights())
   // and optimiser state; run() ends every instance at the same step with a status that
   // names the instance that stopped. The constructor and run() are collectives: every
-  // instance makes them, in the same order. With one instance (no mpirun) it changes
-  // nothing. Inference ignores it (each instance answers its own requests).
+  // instance makes them, in the same order, one distributed Pipeline at a time, with no
+  // other collective (Instance, MPI) made meanwhile. With one instance (no mpirun) the same
+  // machinery runs and every exchange is the identity: the weights are those of a plain
+  // run. Inference only checks the pipelines match (each instance answers its own
+  // requests). Must be the same in every instance.
   bool distributed = false;
   // distributed: a checksum of every stage's weights is compared across instances every
   // this many steps (counted over all runs; 0: never): a mismatch ends the run in every
