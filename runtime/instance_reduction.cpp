@@ -76,7 +76,7 @@ bool InstanceReduction::exchange(std::uint32_t slot, std::uint64_t step, std::ui
   }
   checksums_[slot].store(checksum, std::memory_order_relaxed);  // published by the fetch_add
   if (posted_.fetch_add(1, std::memory_order_seq_cst) + 1 == sizes_.size() && claim(step)) {
-    exchange_step(step, /*contributing=*/true);  // the last to post makes the call
+    exchange_step(step, Kind::kContributing);  // the last to post makes the call
   } else {
     // Whoever claimed the step (the last slot, or the host for a stopped instance) always
     // finishes its call, so this wait ends without looking at the stop flag.
@@ -94,7 +94,8 @@ bool InstanceReduction::wait_done(std::uint64_t step, Spin spin) {
 
 void InstanceReduction::wake() noexcept { host_point_.notify(); }
 
-void InstanceReduction::exchange_step(std::uint64_t step, bool contributing) noexcept {
+void InstanceReduction::exchange_step(std::uint64_t step, Kind kind) noexcept {
+  const bool contributing = kind != Kind::kStopped;
   bool applied = false;
   try {
     const std::uint32_t count = instance_.count(), me = instance_.index();
@@ -103,7 +104,7 @@ void InstanceReduction::exchange_step(std::uint64_t step, bool contributing) noe
     float* mine = buffer.data() + payload_ + me * kTail;
     mine[kCode] = contributing ? 0.0f : 1.0f;
     put64(mine + kSteps, steps_);
-    if (contributing && check_due(step)) {
+    if (kind == Kind::kContributing && check_due(step)) {
       std::uint64_t h = 0xcbf29ce484222325ull;  // the slots' checksums, in slot order
       for (const auto& c : checksums_) h = (h ^ c.load(std::memory_order_relaxed)) * 0x100000001b3ull;
       mine[kHasChecksum] = 1.0f;
@@ -148,23 +149,30 @@ void InstanceReduction::exchange_step(std::uint64_t step, bool contributing) noe
                               detail::describe_exception(std::current_exception()) + "): ending every instance");
     instance_.abort(1);
   }
-  // Not applied everywhere: this instance's run stops before its waiting devices go on, so
-  // none of them starts another step.
-  if (!applied && cancel_) cancel_();
+  if (kind == Kind::kNothing) {  // a run of 0 steps: only the mismatch matters
+    done_.store(0, std::memory_order_seq_cst);
+    return;
+  }
   posted_.store(0, std::memory_order_seq_cst);
   if (applied) applied_.store(step + 1, std::memory_order_release);
   stopped_by_peer_ = contributing && !applied;
   const bool over = !applied || step + 1 == steps_;
-  if (!applied) closed_.store(true, std::memory_order_seq_cst);
-  done_.store(step + 1, std::memory_order_seq_cst);
+  if (!applied) {
+    // Not applied everywhere: the run is over. No thread claims another step, and this
+    // instance's run stops before its waiting devices go on, so none starts another step.
+    claimed_.store(kNoMoreClaims, std::memory_order_seq_cst);
+    closed_.store(true, std::memory_order_seq_cst);
+    if (cancel_) cancel_();
+  }
   if (over) finished_.store(true, std::memory_order_seq_cst);
+  done_.store(step + 1, std::memory_order_seq_cst);
   device_point_.notify();
   if (over) host_point_.notify();
 }
 
 void InstanceReduction::exchange_nothing() noexcept {
   served_ = true;
-  if (claim(0)) exchange_step(0, /*contributing=*/true);
+  if (claim(0)) exchange_step(0, Kind::kNothing);
 }
 
 void InstanceReduction::serve(const StopFlag& stop) noexcept {
@@ -174,11 +182,11 @@ void InstanceReduction::serve(const StopFlag& stop) noexcept {
   host_point_.wait([&] { return finished() || stop.requested(); }, Spin::kYield);
   // This instance stopped: the step its devices will not finish still gets its call (as
   // stopped), unless a device has claimed it (then wait for that one and look again).
-  while (!finished()) {
+  while (!finished() && !closed_.load(std::memory_order_seq_cst)) {
     const std::uint64_t k = done_.load(std::memory_order_seq_cst);
     if (k >= steps_) break;
     if (claim(k)) {
-      exchange_step(k, /*contributing=*/false);
+      exchange_step(k, Kind::kStopped);
       break;
     }
     device_point_.wait(

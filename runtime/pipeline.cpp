@@ -298,6 +298,8 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed, std::uint64
       sr.out_id[0] = sr.out_id[1] = sr.in_id = -1;
       sr.end_cycle.store(Impl::StageRun::kNever, std::memory_order_relaxed);  // relaxed: no device runs yet
       sr.accumulated = 0;
+      sr.updates = 0;
+      sr.apply = true;
       std::fill(sr.accum.begin(), sr.accum.end(), 0.0f);
     }
   }
@@ -446,8 +448,9 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed, std::uint64
     return result;
   }
   result.status = er.status;
-  result.iterations = er.iterations.empty() ? 0 : *std::min_element(er.iterations.begin(), er.iterations.end());
-  if (!im.config.training && er.completed()) result.iterations = steps;
+  // Training: the steps whose update every stage of every replica applied.
+  result.iterations = ~std::uint64_t{0};
+  for (const auto& srp : im.runs) result.iterations = std::min(result.iterations, srp->updates);
   result.message = er.message;
   return result;
 }

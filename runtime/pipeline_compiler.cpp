@@ -352,27 +352,34 @@ Program Pipeline::Impl::compile_single(std::uint32_t replica, std::uint64_t step
   for (std::uint32_t s = 0; s < stages; ++s) on_device.push_back(&run_of(replica, s));
   StageRun* head = on_device.front();
   std::vector<Program> body;
+  // head->got: this trip's micro-batch went forward through every stage. A forward pass
+  // stopped on the way (waiting for its input, its host copy or room in the outfeed) voids
+  // the trip: no later pass runs, and the step, now short of a micro-batch, is not applied
+  // (finish_reduce); the loop ends the run at its next look at the stop flag.
   for (std::uint32_t s = 0; s < stages; ++s) {
     StageRun* st = on_device[s];
     StageRun* prev = s > 0 ? on_device[s - 1] : nullptr;
-    body.emplace_back(program::Execute(st->stage->name() + " forward", [this, st, prev, head](const ComputeContext& ctx) {
+    Program pass = program::Execute(st->stage->name() + " forward", [this, st, prev, head, s](const ComputeContext& ctx) {
       st->step = head->step;
-      forward(*st, head->micro_batch, prev ? std::span<const float>(prev->local_out) : std::span<const float>{},
-              st->local_out, ctx.stop);
-    }));
+      if (s == 0) head->got = true;
+      if (!forward(*st, head->micro_batch, prev ? std::span<const float>(prev->local_out) : std::span<const float>{},
+                   st->local_out, ctx.stop)) {
+        head->got = false;
+      }
+    });
+    body.emplace_back(s == 0 ? std::move(pass) : when([head](const ComputeContext&) { return head->got; }, std::move(pass)));
   }
   if (config.training) {
     for (std::uint32_t s = stages; s-- > 0;) {
       StageRun* st = on_device[s];
       StageRun* next = s + 1 < stages ? on_device[s + 1] : nullptr;
-      body.emplace_back(program::Execute(st->stage->name() + " backward", [this, st, next, head](const ComputeContext& ctx) {
-        // Stopped (perhaps while this micro-batch's forward pass waited for its input or
-        // its host copy, which then stashed nothing): the trip ends at the loop's next look.
-        if (ctx.stop->requested()) return;
-        st->step = head->step;
-        backward(*st, head->micro_batch, next ? std::span<const float>(next->local_grad) : std::span<const float>{},
-                 st->local_grad);
-      }));
+      body.emplace_back(when([head](const ComputeContext&) { return head->got; },
+                             program::Execute(st->stage->name() + " backward", [this, st, next, head](const ComputeContext&) {
+                               st->step = head->step;
+                               backward(*st, head->micro_batch,
+                                        next ? std::span<const float>(next->local_grad) : std::span<const float>{},
+                                        st->local_grad);
+                             })));
     }
   }
   Program loop = counted(head, &StageRun::micro_batch, plan.micro_batches, program::Sequence(std::move(body)));

@@ -136,6 +136,11 @@ void Pipeline::Impl::finish_reduce(StageRun& sr, std::uint64_t step) {
     sr.apply = across->applied(step);
     if (!sr.apply) return;
     sum = across->segment(slot_of(sr)).subspan(sr.wire_at, sr.reduced.size());
+  } else {
+    // A step short of micro-batches (a stop cut it: only single-device trips reach here
+    // then) is not applied.
+    sr.apply = sr.accumulated == k();
+    if (!sr.apply) return;
   }
   const std::uint32_t replicas = total_replicas();
   // The update sees unscaled gradients: loss scaling is undone here, with the mean.

@@ -217,8 +217,9 @@ int run(Settings st) {
     const auto t0 = Clock::now();
     for (std::uint64_t s = 1; s <= steps; ++s) {
       const bspflow::PipelineResult r = pipe.run(infeed, opts.device_iterations(), &outfeed);
-      if (!r.completed()) {
+      if (!r.completed()) {  // every instance ends the same way (the Pipeline agrees on it)
         std::fprintf(stderr, "training stopped: %s\n", r.message.c_str());
+        infeed.close();  // the loader thread may wait for room: let it end
         return 1;
       }
       util.add(pipe.summary());
@@ -281,6 +282,8 @@ int run(Settings st) {
     const bspflow::PipelineResult r = infer.run(tin, topts.device_iterations(), &tout);
     if (!r.completed()) {
       std::fprintf(stderr, "evaluation stopped: %s\n", r.message.c_str());
+      // Evaluation is each instance's own: the others would wait in the sum below.
+      if (inst.distributed()) inst.abort(1);
       return 1;
     }
     for (const auto& e : tout.drain()) {

@@ -93,8 +93,12 @@ class InstanceReduction {
     std::uint64_t expected = step;
     return claimed_.compare_exchange_strong(expected, step + 1, std::memory_order_seq_cst);
   }
+  // What this instance sends for a step: its gradients, or that it stopped, or (a run of
+  // 0 steps) only its step count.
+  enum class Kind { kContributing, kStopped, kNothing };
+  static constexpr std::uint64_t kNoMoreClaims = ~std::uint64_t{0};
   // The claimed step's call; publishes the result. Never throws (an MPI error: abort).
-  void exchange_step(std::uint64_t step, bool contributing) noexcept;
+  void exchange_step(std::uint64_t step, Kind kind) noexcept;
   bool finished() const noexcept { return finished_.load(std::memory_order_seq_cst); }
 
   Instance& instance_;

@@ -110,7 +110,8 @@ struct Pipeline::Impl {
       return state.size_bytes();
     }
     std::uint32_t accumulated = 0;
-    bool apply = true;  // distributed: this step's update is applied in every instance
+    bool apply = true;  // this step's update is applied (complete; distributed: everywhere)
+    std::uint64_t updates = 0;  // updates applied this run
     std::size_t wire_at = 0;  // distributed: where its gradients sit in its slot's segment
     std::uint64_t cycle = 0, next_cycle = 0, step = 0, micro_batch = 0;
     std::uint32_t max_fifo = 0;
@@ -252,7 +253,8 @@ struct Pipeline::Impl {
   }
 
   void update(StageRun& sr) {
-    if (!sr.apply) return;  // distributed: the step is not applied in every instance
+    if (!sr.apply) return;  // cut short, or (distributed) not applied in every instance
+    ++sr.updates;
     const StageContext ctx = context(sr, k());
     guarded(sr, k(), "update", [&] { sr.stage->update(ctx, sr.reduced); });
     std::fill(sr.accum.begin(), sr.accum.end(), 0.0f);
