@@ -31,12 +31,14 @@ std::chrono::nanoseconds LinkModel::ring_allreduce(std::size_t bytes,
 
 void LinkModel::validate(const std::string& what) const {
   if (!(bytes_per_second > 0) || !std::isfinite(bytes_per_second)) {
-    detail::throw_bad_value(what + " bandwidth (bytes/s)", std::to_string(bytes_per_second),
-                            "must be a positive, finite number");
+    char given[32];
+    std::snprintf(given, sizeof given, "%g", bytes_per_second);  // as written: 0, 1e+10, nan
+    detail::throw_bad_value(what + " bytes_per_second", given,
+                            "must be a positive, finite number of bytes per second (10e9 is 10 GB/s)");
   }
   if (latency.count() < 0 || latency > std::chrono::seconds(1)) {
-    detail::throw_bad_value(what + " latency (ns)", std::to_string(latency.count()),
-                            "must be in 0..1e9");
+    detail::throw_bad_value(what + " latency", std::to_string(latency.count()) + " ns",
+                            "must be in 0 ns..1 s");
   }
 }
 

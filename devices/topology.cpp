@@ -230,6 +230,32 @@ void* Topology::allocate(std::size_t bytes, int numa_node) const {
   return p;
 }
 
+std::size_t Topology::memory_bytes() const noexcept {
+  // The larger of the OS's physical pages and hwloc's total (on some VMs hwloc counts only
+  // part of the memory: 11.6 GiB of 23 GiB on the development VM).
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  std::size_t bytes = pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) : 0;
+#if BSPFLOW_HAVE_HWLOC
+  if (hwloc_ != nullptr) {
+    const hwloc_obj_t root = hwloc_get_root_obj(as_topo(hwloc_));
+    if (root != nullptr) bytes = std::max<std::size_t>(bytes, static_cast<std::size_t>(root->total_memory));
+  }
+#endif
+  return bytes;
+}
+
+std::size_t Topology::numa_node_memory_bytes(int numa_node) const noexcept {
+#if BSPFLOW_HAVE_HWLOC
+  if (hwloc_ != nullptr && numa_node >= 0) {
+    const hwloc_obj_t node = hwloc_get_numanode_obj_by_os_index(as_topo(hwloc_), static_cast<unsigned>(numa_node));
+    if (node != nullptr && node->attr != nullptr) return static_cast<std::size_t>(node->attr->numanode.local_memory);
+  }
+#else
+  (void)numa_node;
+#endif
+  return 0;
+}
+
 void Topology::release(void* ptr, std::size_t bytes) const noexcept {
   if (ptr == nullptr) return;
   if (bytes == 0) bytes = 1;

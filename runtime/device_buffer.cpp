@@ -12,7 +12,7 @@ DeviceBuffer::DeviceBuffer(Device& device, std::string name, DType dtype, std::s
   if (elements != 0 && bytes() / elements != dtype_size(dtype)) {
     throw Error("buffer '" + name_ + "': " + std::to_string(elements) + " elements overflow");
   }
-  data_ = static_cast<std::byte*>(device.arena().allocate(bytes(), "buffer '" + name_ + "'"));
+  data_ = static_cast<std::byte*>(device.arena().allocate(bytes(), name_));
   std::memset(data_, 0, bytes());
 }
 

@@ -71,7 +71,7 @@ void DeviceRun::add_infeed(InfeedQueue<Tensor>& q, const DeviceBuffer& dst) {
     for (std::uint32_t k = 0; k < eng_.config.prefetch_depth; ++k) {
       auto slot = std::make_unique<Slot>();
       slot->mem = static_cast<std::byte*>(device_.arena().allocate(
-          link.bytes, "I/O tiles: prefetch " + std::to_string(k) + " for '" + dst.name() + "'"));
+          link.bytes, "I/O tiles: prefetch " + std::to_string(k) + " of " + dst.name()));
       link.slots.push_back(std::move(slot));
     }
   }

@@ -58,7 +58,7 @@ RunStatus RunControl::finish(std::vector<std::uint64_t>& iterations, std::string
     if (failure_) {
       std::ostringstream os;
       os << "device " << failure_->device << " (replica " << failure_->replica
-         << ") failed at iteration " << failure_->iteration << " of " << requested_ << ": "
+         << ") failed at iteration " << failure_->iteration << of_requested() << ": "
          << describe_exception(failure_->cause);
       if (more_failures_ > 0) {
         os << " (and " << more_failures_ << " more replica" << (more_failures_ == 1 ? "" : "s")
@@ -89,8 +89,8 @@ RunStatus RunControl::finish(std::vector<std::uint64_t>& iterations, std::string
                                              : "cancelled");
       const char* sep = " (";
       for (std::size_t r = 0; r < n; ++r) {
-        os << sep << "replica " << r << " on device " << ends_[r].device << ": "
-           << ends_[r].iterations << " of " << requested_ << " iterations";
+        os << sep << "replica " << r << " on device " << ends_[r].device << ": " << ends_[r].iterations
+           << of_requested() << " iteration" << (ends_[r].iterations == 1 && open_ended() ? "" : "s");
         if (ends_[r].status != status) os << ", " << to_string(ends_[r].status);
         sep = "; ";
       }

@@ -17,6 +17,13 @@ void throw_bad_value(std::string_view name, std::uint64_t given, std::string_vie
   throw_bad_value(name, std::to_string(given), allowed);
 }
 
+std::string count_of(std::uint64_t n, std::string_view noun) {
+  std::string out = std::to_string(n);
+  out.append(" ").append(noun);
+  if (n != 1) out.append("s");
+  return out;
+}
+
 std::string format_bytes(std::uint64_t bytes) {
   static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double v = static_cast<double>(bytes);

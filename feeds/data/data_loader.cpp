@@ -123,15 +123,14 @@ LoadPlan::LoadPlan(StepShape shape, std::uint64_t dataset_size, const LoaderConf
 
 std::string LoadPlan::describe_step() const {
   return "combined batch " + std::to_string(batch_) + " batch x " +
-         std::to_string(shape_.device_iterations) + " device iterations x " +
+         detail::count_of(shape_.device_iterations, "device iteration") + " x " +
          std::to_string(shape_.gradient_accumulation) + " gradient accumulation x " +
-         std::to_string(shape_.replicas) + " replicas = " + std::to_string(per_step_) +
-         " samples";
+         detail::count_of(shape_.replicas, "replica") + " = " + detail::count_of(per_step_, "sample");
 }
 
 std::string LoadPlan::describe() const {
-  std::string s = describe_step() + "; " + std::to_string(size_) + " samples -> " +
-                  std::to_string(steps_) + " steps per epoch";
+  std::string s = describe_step() + "; " + detail::count_of(size_, "sample") + " -> " +
+                  detail::count_of(steps_, "step") + " per epoch";
   if (instances_ > 1) {
     s += " (instance " + std::to_string(instance_) + " of " + std::to_string(instances_) + ": positions " +
          std::to_string(offset_) + ".." + std::to_string(offset_ + size_ - 1) + " of " + std::to_string(total_) + ")";
@@ -146,7 +145,7 @@ std::string LoadPlan::remainder_notice() const {
     return "DataLoader: drop_last drops " + std::to_string(dropped_) + " of " +
            std::to_string(total_) + " samples every epoch: " + std::to_string(total_) + " = " +
            (instances_ > 1 ? std::to_string(instances_) + " instances x " : std::string()) +
-           std::to_string(steps_) + " steps x " + std::to_string(per_step_) + " + " +
+           detail::count_of(steps_, "step") + " x " + std::to_string(per_step_) + " + " +
            std::to_string(dropped_) + " (" + describe_step() +
            "). Set drop_last = false to keep them (the last step is then padded with label "
            "-1 samples), or choose sizes that divide the dataset.";

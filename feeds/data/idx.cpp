@@ -52,7 +52,12 @@ bool read_exact(gzFile f, const std::filesystem::path& file, void* out, std::siz
     if (got < 0) {
       int code = 0;
       const char* msg = gzerror(f, &code);
-      fail(file, std::string("not a valid gzip stream (") + (msg ? msg : "zlib error") + ")");
+      // zlib's message may start with the path, which fail() already names.
+      std::string detail = msg != nullptr ? msg : "";
+      const std::string prefix = file.string() + ": ";
+      if (detail.rfind(prefix, 0) == 0) detail.erase(0, prefix.size());
+      fail(file, "its gzip data is corrupt or cut short" + (detail.empty() ? std::string() : " (zlib: " + detail + ")") +
+                     "; fetch the file again");
     }
     if (got == 0) return false;
     p += got;

@@ -19,7 +19,7 @@ TEST_CASE("link model: latency + bytes / bandwidth, validated") {
   CHECK(l.duration(1000) == 3us);
   CHECK(LinkModel::taking(100us, 4096).duration(4096) == 100us);
   CHECK(LinkModel::taking(100us, 4096).duration(2048) == 50us);
-  CHECK(contains(error_of([] { LinkModel{0, 0ns}.validate("host link"); }), "host link bandwidth"));
+  CHECK(contains(error_of([] { LinkModel{0, 0ns}.validate("host link"); }), "host link bytes_per_second = 0 is not allowed"));
   CHECK(contains(error_of([] { LinkModel{1e9, -1ns}.validate("host link"); }), "host link latency"));
   CHECK(contains(LinkModel::host().describe(), "GB/s"));
 }

@@ -70,6 +70,11 @@ class Topology {
   // hwloc). Pages are committed on first touch. Throws std::bad_alloc on failure.
   void* allocate(std::size_t bytes, int numa_node) const;
   void release(void* ptr, std::size_t bytes) const noexcept;
+  // Any thread. This machine's memory in bytes (the larger of the physical pages the OS
+  // reports and hwloc's total; 0 if neither says), and NUMA node `numa_node`'s own (0 if
+  // unknown: no hwloc, or no such node). Never throw.
+  std::size_t memory_bytes() const noexcept;
+  std::size_t numa_node_memory_bytes(int numa_node) const noexcept;
 
   // "2 cores (2 hardware threads), 1 NUMA node, hwloc 2.9.0" plus one line per core and
   // the cores this process's devices take.

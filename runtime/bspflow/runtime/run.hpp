@@ -128,6 +128,12 @@ class RunControl {
   RunStatus finish(std::vector<std::uint64_t>& iterations, std::string& message);
 
  private:
+  // A count this large is no count: a run meant to go until its infeed ends (a service
+  // loop asking for 2^62 iterations). Messages then leave the count out.
+  bool open_ended() const noexcept { return requested_ >= (std::uint64_t{1} << 53); }
+  // " of 10", or "" for an open-ended run. Allocates.
+  std::string of_requested() const { return open_ended() ? std::string() : " of " + std::to_string(requested_); }
+
   StopFlag stop_;
   std::function<void()> waker_;  // touches the run's feeds: only while !done_
   // Orders waker_ calls against the end of the run: the last replica_done() sets done_ under
@@ -234,7 +240,7 @@ class Run {
   // I/O; a write failure is logged, not thrown).
   RepeatResult<State> get() {
     auto s = std::move(state_);
-    if (!s) throw Error("Run::get() on an empty Run (get() was already called, or it was moved)");
+    if (!s) throw Error("Run::get() on an empty Run: it was default-constructed, moved from, or get() was already called");
     s->control.wait();
     RepeatResult<State> r;
     r.status = s->control.finish(r.iterations, r.message);
@@ -256,7 +262,7 @@ class Run {
 
  private:
   detail::RunState<State>& checked() const {
-    if (!state_) throw Error("Run: empty handle (get() was already called, or it was moved)");
+    if (!state_) throw Error("Run: an empty handle: it was default-constructed, moved from, or get() was already called");
     return *state_;
   }
   void stop_and_wait() noexcept {

@@ -31,6 +31,9 @@ namespace detail {
 // Human-readable byte count: "624.0 KiB", "897.0 MiB".
 std::string format_bytes(std::uint64_t bytes);
 
+// "1 step", "2 steps": a count and its noun (plural with an s unless n is 1).
+std::string count_of(std::uint64_t n, std::string_view noun);
+
 // The message of an exception_ptr, or "unknown exception".
 std::string describe_exception(const std::exception_ptr& e);
 
