@@ -11,16 +11,8 @@
 namespace bspflow::detail {
 
 namespace {
-// A 64-bit value as three floats of 22 bits each: exact in fp32, and exact after a sum
-// with zeros (each instance writes only its own part of the tail).
-void put64(float* at, std::uint64_t v) {
-  for (int i = 0; i < 3; ++i) at[i] = static_cast<float>((v >> (22 * i)) & ((std::uint64_t{1} << 22) - 1));
-}
-std::uint64_t get64(const float* at) {
-  std::uint64_t v = 0;
-  for (int i = 0; i < 3; ++i) v |= static_cast<std::uint64_t>(at[i]) << (22 * i);
-  return v;
-}
+constexpr auto put64 = &InstanceWire::put64;
+constexpr auto get64 = &InstanceWire::get64;
 std::string hex(std::uint64_t v) {
   char text[24];
   std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(v));
@@ -115,15 +107,17 @@ void InstanceReduction::exchange_step(std::uint64_t step, Kind kind) noexcept {
     bool everyone = true, checked = true, steps_differ = false, checksums_differ = false;
     std::string steps_seen, checksums_seen;
     const float* first = buffer.data() + payload_;
+    const std::uint64_t first_steps = get64(first + kSteps), first_checksum = get64(first + kChecksum);
     for (std::uint32_t i = 0; i < count; ++i) {
       const float* t = buffer.data() + payload_ + i * kTail;
       if (t[kCode] != 0.0f && stopped_instance_ == count) stopped_instance_ = i;
       everyone = everyone && t[kCode] == 0.0f;
       checked = checked && t[kHasChecksum] == 1.0f;
-      const bool differs = get64(t + kSteps) != get64(first + kSteps) || get64(t + kChecksum) != get64(first + kChecksum);
-      if (differs && mismatch_instance_ == count) mismatch_instance_ = i;
-      steps_differ = steps_differ || get64(t + kSteps) != get64(first + kSteps);
-      checksums_differ = checksums_differ || get64(t + kChecksum) != get64(first + kChecksum);
+      const bool steps_differ_here = get64(t + kSteps) != first_steps;
+      const bool checksum_differs_here = get64(t + kChecksum) != first_checksum;
+      if ((steps_differ_here || checksum_differs_here) && mismatch_instance_ == count) mismatch_instance_ = i;
+      steps_differ = steps_differ || steps_differ_here;
+      checksums_differ = checksums_differ || checksum_differs_here;
     }
     if (steps_differ || (everyone && checked && checksums_differ)) {
       for (std::uint32_t i = 0; i < count; ++i) {

@@ -29,18 +29,11 @@ struct Shape {
     names.push_back(std::move(name));
     values.push_back(v);
   }
-  // As floats of 22 bits each (exact in fp32, so a broadcast carries them unchanged).
+  // As floats (InstanceWire::put64: a broadcast carries them unchanged).
   std::vector<float> encoded() const {
-    std::vector<float> out;
-    for (std::uint64_t v : values) {
-      for (int i = 0; i < 3; ++i) out.push_back(static_cast<float>((v >> (22 * i)) & ((1u << 22) - 1)));
-    }
+    std::vector<float> out(values.size() * detail::InstanceWire::kWords);
+    for (std::size_t i = 0; i < values.size(); ++i) detail::InstanceWire::put64(&out[i * detail::InstanceWire::kWords], values[i]);
     return out;
-  }
-  static std::uint64_t decode(const float* at) {
-    std::uint64_t v = 0;
-    for (int i = 0; i < 3; ++i) v |= static_cast<std::uint64_t>(at[i]) << (22 * i);
-    return v;
   }
 };
 
@@ -83,7 +76,7 @@ void Pipeline::Impl::join_instances(Instance& inst) {
   inst.broadcast(theirs, 0);
   std::string differs;
   for (std::size_t i = 0; i < shape.values.size() && differs.empty(); ++i) {
-    const std::uint64_t zero = Shape::decode(theirs.data() + 3 * i);
+    const std::uint64_t zero = detail::InstanceWire::get64(theirs.data() + detail::InstanceWire::kWords * i);
     if (zero != shape.values[i]) {
       differs = shape.names[i] + " is " + std::to_string(shape.values[i]) + " here, " + std::to_string(zero) +
                 " in instance 0";
@@ -170,7 +163,7 @@ PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exceptio
   float* at = ends.data() + std::size_t{me} * kEndFields;
   at[0] = static_cast<float>(code);
   at[1] = static_cast<float>(replica);
-  for (int i = 0; i < 3; ++i) at[2 + i] = static_cast<float>((step >> (22 * i)) & ((1u << 22) - 1));
+  detail::InstanceWire::put64(at + 2, step);
   collective([&] { inst.allreduce_sum(ends); });
   // The first instance (by index) with the weightiest end speaks for the run.
   std::uint32_t who = count, worst = kCompletedEnd;
@@ -188,7 +181,7 @@ PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exceptio
     collective([&] { detail::InstanceWire::broadcast_text(inst, text, who); });
     const float* w = ends.data() + std::size_t{who} * kEndFields;
     const auto their_replica = static_cast<std::uint32_t>(w[1]);
-    const std::uint64_t their_step = Shape::decode(w + 2);
+    const std::uint64_t their_step = detail::InstanceWire::get64(w + 2);
     const std::string where = "instance " + std::to_string(who) + " of " + std::to_string(count);
     if (who == me || code == kFailedEnd) {
       if (count == 1) std::rethrow_exception(failure);

@@ -82,7 +82,6 @@ class InstanceReduction {
   // applied: the first instance that stopped (count() when none did).
   std::uint32_t mismatch_instance() const noexcept { return mismatch_instance_; }
   std::uint32_t stopped_instance() const noexcept { return stopped_instance_; }
-  std::size_t payload() const noexcept { return payload_; }  // gradient floats per step
   // Whether serve() ran this run (a run that failed before its devices started did not:
   // then the caller serves with a stopped flag, so the others' step 0 gets its partner).
   bool served() const noexcept { return served_; }
