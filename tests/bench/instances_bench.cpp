@@ -40,6 +40,7 @@
 #include <bspflow/bspflow.hpp>
 
 #include "bench_util.hpp"
+#include "plain_training.hpp"
 #include "model_kit.hpp"
 
 using namespace bspflow;
@@ -182,36 +183,7 @@ double plain_rate(std::uint32_t threads, std::uint64_t steps) {
   std::vector<double> seconds(threads);
   bench::on_placed_threads(threads, [&](std::uint32_t t) {
     StageList model = kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{});
-    std::vector<std::vector<float>> sum(4), outs(4), saved(4), grad_in(4);
-    for (std::uint32_t s = 0; s < 4; ++s) {
-      sum[s].assign(model[s]->gradient_elements(), 0.0f);
-      outs[s].assign(model[s]->output_elements(), 0.0f);
-      grad_in[s].assign(s == 0 ? 0 : outs[s - 1].size(), 0.0f);
-    }
-    std::vector<float> g;
-    const auto t0 = bench::Clock::now();
-    for (std::uint64_t step = 0; step < steps; ++step) {
-      for (auto& v : sum) std::fill(v.begin(), v.end(), 0.0f);
-      for (std::uint32_t i = 0; i < kAccumulation; ++i) {
-        for (std::uint32_t s = 0; s < 4; ++s) {
-          ForwardArgs a{one, s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]), outs[s], saved[s]};
-          model[s]->forward(StageContext{s, 0, 0, step, i}, a);
-        }
-        for (std::uint32_t s = 4; s-- > 0;) {
-          g.assign(model[s]->gradient_elements(), 0.0f);
-          std::fill(grad_in[s].begin(), grad_in[s].end(), 0.0f);
-          BackwardArgs a{one, s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]), saved[s],
-                         s == 3 ? std::span<const float>{} : std::span<const float>(grad_in[s + 1]), grad_in[s], g};
-          model[s]->backward(StageContext{s, 0, 0, step, i}, a);
-          for (std::size_t j = 0; j < g.size(); ++j) sum[s][j] += g[j];
-        }
-      }
-      for (std::uint32_t s = 0; s < 4; ++s) {
-        for (float& x : sum[s]) x /= kAccumulation;
-        model[s]->update(StageContext{}, sum[s]);
-      }
-    }
-    seconds[t] = bench::seconds_since(t0);
+    seconds[t] = bench::train_plainly(model, steps, kAccumulation, [&](std::uint64_t) -> const Batch& { return one; });
   });
   const double slowest = *std::max_element(seconds.begin(), seconds.end());
   return static_cast<double>(threads * steps * kAccumulation * kBatch) / slowest;

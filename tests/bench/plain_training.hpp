@@ -1,0 +1,58 @@
+// Shared by the benchmarks that compare with training without the runtime: the stages'
+// forward, backward and update called directly, micro-batch by micro-batch, gradients
+// summed over the step, averaged, one update per stage.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include <bspflow/bspflow.hpp>
+
+#include "bench_util.hpp"
+
+namespace bench {
+
+// Trains `model` for `steps` steps of `accumulation` micro-batches; batch_of(m) is
+// micro-batch m of the run (m counts from 0). Returns the seconds the steps took (the
+// buffers are set up before the clock starts).
+template <class BatchOf>
+double train_plainly(bspflow::StageList& model, std::uint64_t steps, std::uint32_t accumulation, BatchOf&& batch_of) {
+  using namespace bspflow;
+  const auto n = static_cast<std::uint32_t>(model.size());
+  std::vector<std::vector<float>> sum(n), outs(n), saved(n), grad_in(n);
+  for (std::uint32_t s = 0; s < n; ++s) {
+    sum[s].assign(model[s]->gradient_elements(), 0.0f);
+    outs[s].assign(model[s]->output_elements(), 0.0f);
+    grad_in[s].assign(s == 0 ? 0 : outs[s - 1].size(), 0.0f);
+  }
+  std::vector<float> g;
+  const auto t0 = Clock::now();
+  std::uint64_t m = 0;
+  for (std::uint64_t step = 0; step < steps; ++step) {
+    for (auto& v : sum) std::fill(v.begin(), v.end(), 0.0f);
+    for (std::uint32_t i = 0; i < accumulation; ++i, ++m) {
+      const Batch& batch = batch_of(m);
+      for (std::uint32_t s = 0; s < n; ++s) {
+        ForwardArgs a{batch, s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]), outs[s], saved[s]};
+        model[s]->forward(StageContext{s, 0, 0, step, i}, a);
+      }
+      for (std::uint32_t s = n; s-- > 0;) {
+        g.assign(model[s]->gradient_elements(), 0.0f);
+        std::fill(grad_in[s].begin(), grad_in[s].end(), 0.0f);
+        BackwardArgs a{batch, s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]), saved[s],
+                       s + 1 == n ? std::span<const float>{} : std::span<const float>(grad_in[s + 1]), grad_in[s], g};
+        model[s]->backward(StageContext{s, 0, 0, step, i}, a);
+        for (std::size_t j = 0; j < g.size(); ++j) sum[s][j] += g[j];
+      }
+    }
+    for (std::uint32_t s = 0; s < n; ++s) {
+      for (float& x : sum[s]) x /= static_cast<float>(accumulation);
+      model[s]->update(StageContext{}, sum[s]);
+    }
+  }
+  return seconds_since(t0);
+}
+
+}  // namespace bench
