@@ -58,6 +58,7 @@ struct InfeedConfig {
 template <class T>
 class InfeedQueue {
   using Lane = detail::BoundedQueue<T>;
+  struct LaneSlot;  // below; declared here because Reader names it (clang insists)
 
  public:
   using value_type = T;
@@ -234,11 +235,11 @@ class InfeedQueue {
       }
       return refilled(n);
     }
-    Reader(typename InfeedQueue::LaneSlot& lane, std::span<T> buffer,
+    Reader(LaneSlot& lane, std::span<T> buffer,
            std::unique_ptr<T[]> owned)
         : lane_(&lane), owned_(std::move(owned)), buffer_(buffer) {}
 
-    typename InfeedQueue::LaneSlot* lane_;
+    LaneSlot* lane_;
     std::unique_ptr<T[]> owned_;
     std::span<T> buffer_;
     std::size_t pos_ = 0;
