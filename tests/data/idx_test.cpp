@@ -2,6 +2,7 @@
 // written here.
 #include <doctest/doctest.h>
 
+#include <sys/resource.h>
 #include <unistd.h>
 #include <zlib.h>
 
@@ -188,6 +189,33 @@ TEST_CASE("idx: bad files are clear errors naming the file and what is wrong") {
   const std::string path = file("bad.gz");
   CHECK(corrupt.find(path) != std::string::npos);
   CHECK(corrupt.find(path, corrupt.find(path) + path.size()) == std::string::npos);  // once
+}
+
+// Found by tests/fuzz/fuzz_idx (regressions/idx/oom_found_by_fuzz_idx): a short file
+// promising 4 GiB made the reader allocate (and zero) the 4 GiB before finding the file
+// short. The buffer now grows with the data read: the peak memory of the process (which
+// zeroing would have raised by 4 GiB) stays near where it was.
+TEST_CASE("idx: a short file whose header promises gigabytes is refused without allocating them") {
+  TempDir dir;
+  const auto peak_bytes = [] {
+    rusage u{};
+    REQUIRE(getrusage(RUSAGE_SELF, &u) == 0);
+    return static_cast<std::uint64_t>(u.ru_maxrss) * 1024;  // ru_maxrss is in KiB
+  };
+  for (const bool gz : {false, true}) {
+    CAPTURE(gz);
+    const auto promise = header(0x08, {65536, 65536});  // 4 GiB of uint8, then nothing
+    const fs::path f = dir.path / (gz ? "promise.gz" : "promise");
+    if (gz) {
+      write_gz(f, promise);
+    } else {
+      write_plain(f, promise);
+    }
+    const std::uint64_t before = peak_bytes();
+    const std::string e = error_of([&] { idx::read(f); });
+    CHECK(contains(e, "truncated: the header says 65536 x 65536 uint8 (4294967296 bytes of data)"));
+    CHECK(peak_bytes() - before < (std::uint64_t{1} << 30));
+  }
 }
 
 TEST_CASE("idx: load_mnist checks types, shapes and that images and labels agree") {
