@@ -55,11 +55,12 @@
 //   data float32-le
 //   <90026 little-endian IEEE-754 float32 values>
 //
-// Lines end in '\n'. The values follow the last header line directly: the stages in the
-// order listed, each stage's layers in order, each layer's weights then its biases (the
-// model kit's layout: LayerStage::parameters()). Loading checks every header line, the
-// stage names and sizes against the model, that exactly as many bytes as promised follow,
-// and that every value is finite; an error names the file and what is wrong.
+// The values follow the last header line directly: the stages in the order listed, each
+// stage's layers in order, each layer's weights then its biases (the model kit's layout:
+// LayerStage::parameters()). examples/common/weights_file.hpp reads and writes it: loading
+// checks every header line, the stage names and sizes against the model, that exactly as
+// many bytes as promised follow, and that every value is finite; an error names the file
+// and what is wrong (tests/fuzz/fuzz_weights_file.cpp fuzzes the reader).
 #include <CLI/CLI.hpp>
 
 #ifdef __linux__
@@ -69,7 +70,6 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <bit>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
@@ -77,8 +77,6 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -91,6 +89,7 @@
 #include <bspflow/runtime/stream.hpp>
 
 #include "model_kit.hpp"
+#include "weights_file.hpp"
 
 namespace {
 
@@ -227,99 +226,14 @@ void check_image(const Image& x) {
   }
 }
 
-// ---- weights files (format in the header comment) ----
+// ---- weights files (the format: examples/common/weights_file.hpp) ----
 
-constexpr const char* kMagic = "bspflow-weights 1";
+constexpr std::string_view kModel = "conv";
 
-std::uint32_t to_little_endian(std::uint32_t v) {
-  if constexpr (std::endian::native == std::endian::little) return v;
-  return (v >> 24) | ((v >> 8) & 0xff00u) | ((v << 8) & 0xff0000u) | (v << 24);
-}
-
-void save_weights(const std::string& path, const std::vector<Block>& net) {
-  std::string out = std::string(kMagic) + "\nmodel conv\n";
-  for (const Block& b : net) out += "stage " + b.name + " " + std::to_string(b.params.size()) + "\n";
-  out += "data float32-le\n";
-  for (const Block& b : net) {
-    for (float v : b.params) {
-      const std::uint32_t u = to_little_endian(std::bit_cast<std::uint32_t>(v));
-      char bytes[4];
-      std::memcpy(bytes, &u, 4);
-      out.append(bytes, 4);
-    }
-  }
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f || !f.write(out.data(), static_cast<std::streamsize>(out.size())) || !f.flush()) {
-    throw std::runtime_error(path + ": cannot write the weights: " + std::strerror(errno));
-  }
-}
-
-void load_weights(const std::string& path, std::vector<Block>& net) {
-  std::error_code ec;
-  const auto size = std::filesystem::file_size(path, ec);
-  if (ec) throw std::runtime_error(path + ": cannot read the weights: " + ec.message());
-  const std::size_t expected_values = param_count(net);
-  if (size > 4 * expected_values + 4096) {
-    throw std::runtime_error(path + ": " + std::to_string(size) + " bytes, far more than a weights file of this model (" +
-                             std::to_string(4 * expected_values) + " bytes of weights plus a short header)");
-  }
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw std::runtime_error(path + ": cannot open the weights: " + std::strerror(errno));
-  std::string all((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  if (!f.good() && !f.eof()) throw std::runtime_error(path + ": cannot read the weights");
-  std::size_t pos = 0;
-  int line_no = 0;
-  const auto next_line = [&](const std::string& what) {
-    ++line_no;
-    const std::size_t end = all.find('\n', pos);
-    if (end == std::string::npos || end - pos > 200) {
-      throw std::runtime_error(path + ": line " + std::to_string(line_no) + ": expected " + what +
-                               (pos >= all.size() ? ", the file ends first" : ", found no end of line"));
-    }
-    std::string line = all.substr(pos, end - pos);
-    pos = end + 1;
-    return line;
-  };
-  const auto bad_line = [&](const std::string& line, const std::string& expected) {
-    return std::runtime_error(path + ": line " + std::to_string(line_no) + " is '" + line + "', expected " + expected);
-  };
-  if (all.compare(0, std::strlen(kMagic), kMagic) != 0) {
-    throw std::runtime_error(path + ": not a bspflow weights file (it does not start with '" + std::string(kMagic) +
-                             "'; written by --save-weights)");
-  }
-  if (const std::string l = next_line("'" + std::string(kMagic) + "'"); l != kMagic) {
-    throw bad_line(l, "'" + std::string(kMagic) + "'");
-  }
-  if (const std::string l = next_line("'model conv'"); l != "model conv") {
-    throw bad_line(l, "'model conv' (this example serves the conv net)");
-  }
-  for (const Block& b : net) {
-    const std::string want = "stage " + b.name + " " + std::to_string(b.params.size());
-    if (const std::string l = next_line("'" + want + "'"); l != want) {
-      throw bad_line(l, "'" + want + "' (the model's stage " + b.name + " has " + std::to_string(b.params.size()) +
-                            " values)");
-    }
-  }
-  if (const std::string l = next_line("'data float32-le'"); l != "data float32-le") {
-    throw bad_line(l, "'data float32-le' (the model has " + std::to_string(net.size()) + " stages)");
-  }
-  const std::size_t data_bytes = all.size() - pos;
-  if (data_bytes != 4 * expected_values) {
-    throw std::runtime_error(path + ": " + std::to_string(data_bytes) + " bytes of weights after the header, expected " +
-                             std::to_string(4 * expected_values) + " (" + std::to_string(expected_values) +
-                             " float32 values)" + (data_bytes < 4 * expected_values ? ": the file is truncated" : ""));
-  }
-  for (Block& b : net) {
-    for (std::size_t i = 0; i < b.params.size(); ++i, pos += 4) {
-      std::uint32_t u;
-      std::memcpy(&u, all.data() + pos, 4);
-      const float v = std::bit_cast<float>(to_little_endian(u));
-      if (!std::isfinite(v)) {
-        throw std::runtime_error(path + ": value " + std::to_string(i) + " of stage " + b.name + " is not finite");
-      }
-      b.params[i] = v;
-    }
-  }
+std::vector<kit::WeightsSection> sections_of(std::vector<Block>& net) {
+  std::vector<kit::WeightsSection> sections;
+  for (Block& b : net) sections.push_back({b.name, b.params});
+  return sections;
 }
 
 // ---- data ----
@@ -567,11 +481,11 @@ int run(Settings st, bool min_accuracy_given) {
   if (st.weights.empty()) {
     set_parameters(net, train(devices, *data.train, st));
   } else {
-    load_weights(st.weights, net);
+    kit::load_weights_file(st.weights, kModel, sections_of(net));
     std::printf("weights: %s (%zu values)\n", st.weights.c_str(), param_count(net));
   }
   if (!st.save_weights.empty()) {
-    save_weights(st.save_weights, net);
+    kit::save_weights_file(st.save_weights, kModel, sections_of(net));
     std::printf("weights saved to %s\n", st.save_weights.c_str());
   }
 
