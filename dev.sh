@@ -7,6 +7,10 @@
 #   ./dev.sh bench         build and run the benchmarks (opt-in; prints key: value figures)
 #   ./dev.sh tsan          build under ThreadSanitizer (build-tsan/) and run the thread tests
 #   ./dev.sh asan          the same with AddressSanitizer + UBSan (build-asan/)
+#   ./dev.sh fuzz [ARGS]   build the libFuzzer targets with clang (build-fuzz/) and run each
+#                          for BSPFLOW_FUZZ_SECONDS (default 30); ARGS go to meson test
+#   ./dev.sh consumers     install the library (staged) and build a program against it
+#                          through pkg-config, CMake and a meson subproject
 #   ./dev.sh deps          only install the packages
 #
 # Environment: BUILD_DIR (default build), MESON_ARGS (extra `meson setup` options for a new
@@ -18,9 +22,13 @@ PACKAGES="g++ meson ninja-build pkg-config cmake libconcurrentqueue-dev libboost
 libhwloc-dev doctest-dev libcli11-dev nlohmann-json3-dev zlib1g-dev dataset-fashion-mnist \
 libeigen3-dev libtbb-dev libreaderwriterqueue-dev openmpi-bin libopenmpi-dev"
 
+# The fuzz targets' compiler and libFuzzer (Debian 12's clang is clang 14).
+FUZZ_PACKAGES="clang libfuzzer-14-dev"
+
+# install_deps [PACKAGES...]: installs those of the packages (default: $PACKAGES) missing.
 install_deps() {
   missing=""
-  for p in $PACKAGES; do
+  for p in ${*:-$PACKAGES}; do
     if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed"; then
       missing="$missing $p"
     fi
@@ -89,10 +97,24 @@ case "$what" in
     configure "${BUILD_DIR:-build-asan}" -Db_sanitize=address,undefined -Db_lundef=false \
       -Dexamples=false
     UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 meson test -C "${BUILD_DIR:-build-asan}" \
-      --print-errorlogs --suite base --suite feeds --suite data --suite devices --suite runtime "$@"
+      --print-errorlogs --suite base --suite feeds --suite data --suite devices --suite runtime \
+      --suite fuzz_corpus "$@"
+    ;;
+  fuzz)
+    install_deps
+    install_deps $FUZZ_PACKAGES
+    CC=clang CXX=clang++ configure "${BUILD_DIR:-build-fuzz}" -Dfuzz=true -Dexamples=false \
+      -Db_sanitize=address,undefined -Db_lundef=false
+    UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 meson test -C "${BUILD_DIR:-build-fuzz}" \
+      --print-errorlogs --suite fuzz "$@"
+    ;;
+  consumers)
+    install_deps
+    configure "$build"
+    BUILD_DIR="$build" tests/consumers/check.sh
     ;;
   *)
-    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
     [ -z "$what" ] || { echo "dev.sh: unknown command '$what'" >&2; exit 2; }
     ;;
 esac
