@@ -6,9 +6,12 @@
 //   bspflow-info --devices 8  # placement of 8 devices
 //
 // It also prints the hwloc release and API version it was compiled against and those of
-// the hwloc library loaded at run time (built with hwloc's headers when meson found hwloc).
+// the hwloc library loaded at run time, and what the machine offers for pinning (threads to
+// cores, memory to NUMA nodes, the hardware threads this process may use), when built with
+// hwloc's headers (meson found hwloc).
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -25,14 +28,40 @@ std::string api_version(unsigned v) {  // hwloc packs X.Y.Z as (X << 16) + (Y <<
 
 // Compiled against: HWLOC_VERSION and HWLOC_API_VERSION from the headers. At run time:
 // hwloc_get_api_version() from the loaded library, and its release, which hwloc records as
-// the "hwlocVersion" info of a topology's root object when it discovers the machine.
-void print_hwloc_versions() {
+// the "hwlocVersion" info of a topology's root object when it discovers the machine. Then
+// what the machine offers for pinning: whether this OS lets hwloc bind a thread to cores
+// and memory to NUMA nodes, and which hardware threads this process may use (a cgroup,
+// taskset or mpirun's binding may allow fewer than the machine has).
+void print_hwloc() {
   std::string runtime_release = "unknown";
+  std::string pinning = "unknown (hwloc could not load the topology)";
   hwloc_topology_t topology = nullptr;
   if (hwloc_topology_init(&topology) == 0) {
     if (hwloc_topology_load(topology) == 0) {
       const char* v = hwloc_obj_get_info_by_name(hwloc_get_root_obj(topology), "hwlocVersion");
       if (v != nullptr) runtime_release = v;
+      const hwloc_topology_support* support = hwloc_topology_get_support(topology);
+      const bool threads = support->cpubind->set_thread_cpubind || support->cpubind->set_thisthread_cpubind;
+      const bool memory = support->membind->set_area_membind || support->membind->alloc_membind;
+      char* allowed = nullptr;
+      char* all = nullptr;
+      // Allowed: what the OS lets the process use (cgroups) and what it is bound to (taskset,
+      // mpirun --bind-to), together.
+      hwloc_bitmap_t usable = hwloc_bitmap_dup(hwloc_topology_get_allowed_cpuset(topology));
+      hwloc_bitmap_t bound = hwloc_bitmap_alloc();
+      if (usable != nullptr && bound != nullptr && hwloc_get_cpubind(topology, bound, HWLOC_CPUBIND_PROCESS) == 0) {
+        hwloc_bitmap_and(usable, usable, bound);
+      }
+      if (usable != nullptr) hwloc_bitmap_list_asprintf(&allowed, usable);
+      hwloc_bitmap_free(bound);
+      hwloc_bitmap_free(usable);
+      hwloc_bitmap_list_asprintf(&all, hwloc_topology_get_complete_cpuset(topology));
+      pinning = std::string("threads to cores ") + (threads ? "yes" : "no (devices run unpinned)") +
+                ", memory to NUMA nodes " + (memory ? "yes" : "no (arenas use the OS's default placement)") +
+                "; this process may use hardware threads " + (allowed != nullptr ? allowed : "?") + " of " +
+                (all != nullptr ? all : "?");
+      std::free(allowed);
+      std::free(all);
     }
     hwloc_topology_destroy(topology);
   }
@@ -40,6 +69,7 @@ void print_hwloc_versions() {
   std::printf("hwloc: compiled against %s (API %s); running with library %s (API %s)%s\n", HWLOC_VERSION,
               api_version(HWLOC_API_VERSION).c_str(), runtime_release.c_str(), api_version(runtime_api).c_str(),
               runtime_api == HWLOC_API_VERSION ? "" : ": API versions differ, rebuild bspflow against this hwloc");
+  std::printf("pinning: %s\n", pinning.c_str());
 }
 
 }  // namespace
@@ -69,9 +99,11 @@ int main(int argc, char** argv) {
   std::printf("instance: %u of %u (%u on this host), %s\n", instance.index(), instance.count(),
               instance.local_count(), instance.transport().c_str());
 #if BSPFLOW_INFO_HWLOC
-  print_hwloc_versions();
+  print_hwloc();
 #else
-  std::printf("hwloc: this tool was built without hwloc's headers; the library line above says what it uses\n");
+  std::printf("hwloc: this tool was built without hwloc's headers; the topology line above says what the library uses\n");
+  std::printf("pinning: %s\n", topo.has_hwloc() ? "see the placements below (this tool cannot ask hwloc itself)"
+                                            : "none: bspflow was built without hwloc, devices run unpinned");
 #endif
   bspflow::DeviceConfig config;
   config.host_cores = host_cores;
