@@ -95,6 +95,10 @@ template <class T>
 class OutfeedQueue {
   using Queue = detail::BoundedQueue<OutfeedEntry<T>>;
   using Lane = detail::SpscLane<OutfeedEntry<T>>;
+  // A run stopped while a bounded outfeed is full still hands over what its devices wrote:
+  // up to this many entries per replica (one write-combining batch and a final()/sum()
+  // value) go in past the capacity.
+  static constexpr std::size_t kStoppedSpare = tunables::kOutfeedCombine + 1;
 
  public:
   using Entry = OutfeedEntry<T>;
@@ -112,7 +116,7 @@ class OutfeedQueue {
     if (single()) {
       lanes_.reserve(config_.replicas);
       for (std::uint32_t r = 0; r < config_.replicas; ++r) {
-        lanes_.push_back(std::make_unique<Lane>(config_.capacity, &readable_));
+        lanes_.push_back(std::make_unique<Lane>(config_.capacity, &readable_, kStoppedSpare));
         lanes_.back()->close();
       }
     } else {
@@ -213,8 +217,8 @@ class OutfeedQueue {
 
     // Device thread. Applies the output mode to iteration `i`'s value. Entries of fast
     // iterations are staged and handed over in bulk (see tunables::kOutfeedCombine). Blocks
-    // while a bounded outfeed is full; returns false if `stop` was set first (the entries
-    // not handed over are dropped).
+    // while a bounded outfeed is full, until `stop` is set (see flush()); returns false only
+    // if entries were dropped. The caller checks `stop` itself.
     bool write(std::uint64_t i, T&& value, const detail::StopFlag* stop = nullptr) {
       const OutputMode mode = q_->config_.mode;
       if (mode.emits_at(i)) {
@@ -246,20 +250,24 @@ class OutfeedQueue {
     }
 
     // Device thread. Hands every staged entry to the host now (the runtime calls it before
-    // the device waits for input). Returns false if `stop` was set first.
+    // the device waits for input). Blocks while a bounded outfeed is full, until `stop` is
+    // set: then what the device has written still goes in, past the capacity (at most
+    // kStoppedSpare per replica per stopped run; found by the soak suite: a cancel while the
+    // reader had stopped lost them). Returns false only if entries were dropped (dropped()).
     bool flush(const detail::StopFlag* stop = nullptr) {
       if (staged_.empty()) return true;
       const std::size_t n = staged_.size();
       const std::size_t pushed = lane_ != nullptr
                                      ? lane_->push_bulk(staged_.begin(), n, stop)
                                      : q_->queue_->push_bulk(*token_, staged_.begin(), n, stop);
-      dropped_ += n - pushed;
+      if (pushed != n) [[unlikely]] return keep_stopped(pushed) == n;
       staged_.clear();
-      return pushed == n;
+      return true;
     }
 
-    // Device thread. Entries dropped because `stop` was set while the outfeed was full
-    // (written but never handed to the host). Never blocks.
+    // Device thread. Entries dropped: written, never handed to the host, because the stop
+    // found the outfeed full and its spare room (kStoppedSpare) too (a reader that stopped
+    // for several runs in a row). Never blocks.
     std::uint64_t dropped() const noexcept { return dropped_; }
 
     // Device thread. Ends this replica's part of the run, delivering the final()/sum()
@@ -290,9 +298,27 @@ class OutfeedQueue {
       }
       staged_.reserve(tunables::kOutfeedCombine);
     }
+    // The stopped path of flush() and deliver(), out of line (the write path stays small
+    // enough to be inlined into a device's loop). Hands
+    // staged_[pushed..] over past the bound and empties staged_; returns how many of its entries
+    // are now with the host.
+    [[gnu::noinline, gnu::cold]] std::size_t keep_stopped(std::size_t pushed) {
+      const std::size_t n = staged_.size();
+      const auto rest = staged_.begin() + static_cast<std::ptrdiff_t>(pushed);
+      const std::size_t kept = pushed + (lane_ != nullptr ? lane_->push_bulk_spare(rest, n - pushed)
+                                                           : q_->queue_->push_bulk_past_bound(*token_, rest, n - pushed));
+      dropped_ += n - kept;
+      staged_.clear();
+      return kept;
+    }
+    // (Not through flush(): a third caller made GCC stop inlining flush() into write(), which
+    // cost the feed benchmark 15%.)
     bool deliver(Entry&& e, const detail::StopFlag* stop) {
-      return lane_ != nullptr ? lane_->push(std::move(e), stop)
-                              : q_->queue_->push(*token_, std::move(e), stop);
+      if (lane_ != nullptr ? lane_->push(std::move(e), stop) : q_->queue_->push(*token_, std::move(e), stop)) {
+        return true;
+      }
+      staged_.push_back(std::move(e));  // a refused push leaves the value untouched
+      return keep_stopped(0) == 1;
     }
 
     OutfeedQueue* q_;

@@ -117,6 +117,24 @@ class BoundedQueue {
     return done;
   }
 
+  // Producer. Never blocks. As push_bulk, but past the bound: for entries that must not be
+  // dropped when nobody reads (a stopped outfeed writer's last ones). Returns n, or 0 once
+  // closed. The queue then holds more than its capacity until the consumer catches up;
+  // bounded pushes wait until it has.
+  template <class It>
+  std::size_t push_bulk_past_bound(Token& token, It first, std::size_t n) {
+    std::uint64_t r = reserved_.load(std::memory_order_relaxed);
+    do {
+      if ((r & kClosedBit) != 0) return 0;
+    } while (!reserved_.compare_exchange_weak(r, r + n, std::memory_order_seq_cst, std::memory_order_relaxed));
+    if (!enqueue_bulk(token, first, n)) {
+      unreserve(n);
+      throw std::bad_alloc();
+    }
+    not_empty_.notify();
+    return n;
+  }
+
   // Consumer. Never blocks. Moves up to `max` elements into out[0..). Returns the count.
   // `ctok`, if given, is this consumer's own token (not shared with a concurrent consumer).
   std::size_t try_pop_bulk(T* out, std::size_t max, ConsumerToken* ctok = nullptr) {

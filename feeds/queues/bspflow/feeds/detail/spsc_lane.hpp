@@ -42,9 +42,10 @@ class SpscLane {
  public:
   // Setup path: room for `capacity` elements (>= 1; the caller validates the range).
   // `readable`: the WaitPoint publishes and close() notify, shared by lanes with one consumer
-  // (null: the lane's own).
-  explicit SpscLane(std::size_t capacity, WaitPoint* readable = nullptr)
-      : slots_(std::bit_ceil(capacity)), capacity_(capacity), mask_(slots_.size() - 1),
+  // (null: the lane's own). `spare`: slots beyond the capacity that only push_bulk_spare
+  // fills (an outfeed lane keeps room for a stopped writer's staged entries).
+  explicit SpscLane(std::size_t capacity, WaitPoint* readable = nullptr, std::size_t spare = 0)
+      : slots_(std::bit_ceil(capacity + spare)), capacity_(capacity), mask_(slots_.size() - 1),
         readable_(readable != nullptr ? readable : &not_empty_) {}
   SpscLane(const SpscLane&) = delete;
   SpscLane& operator=(const SpscLane&) = delete;
@@ -91,6 +92,21 @@ class SpscLane {
       if (done < n && fit == 0 && !wait_for_room(stop)) return done;
     }
     return done;
+  }
+
+  // Never blocks. As push_bulk, but the bound is the slots, spare ones included, not the
+  // capacity: for entries that must not be dropped when nobody reads (a stopped outfeed
+  // writer's last ones). Returns how many fit (fewer than n only once closed or out of slots).
+  template <class It>
+  std::size_t push_bulk_spare(It first, std::size_t n) {
+    if (!enter()) return 0;
+    producer_.head_seen = head_.load(std::memory_order_acquire);
+    const std::uint64_t used = producer_.tail - producer_.head_seen;
+    const std::size_t fit = static_cast<std::size_t>(std::min<std::uint64_t>(slots_.size() - used, n));
+    for (std::size_t i = 0; i < fit; ++i, ++first) slots_[(producer_.tail + i) & mask_] = std::move(*first);
+    if (fit != 0) publish(producer_.tail + fit);
+    leave();
+    return fit;
   }
 
   // ---- consumer ----
@@ -185,11 +201,12 @@ class SpscLane {
   void leave() noexcept { busy_.store(false, std::memory_order_release); }  // after the publish
 
   // Room for up to `want`, checked against the producer's cached head first.
+  // (push_bulk_spare may have filled the lane past the capacity: then there is no room.)
   std::size_t room_for(std::size_t want) noexcept {
-    std::uint64_t free_slots = capacity_ - (producer_.tail - producer_.head_seen);
+    std::uint64_t free_slots = capacity_ - std::min<std::uint64_t>(producer_.tail - producer_.head_seen, capacity_);
     if (free_slots < want) {
       producer_.head_seen = head_.load(std::memory_order_acquire);
-      free_slots = capacity_ - (producer_.tail - producer_.head_seen);
+      free_slots = capacity_ - std::min<std::uint64_t>(producer_.tail - producer_.head_seen, capacity_);
     }
     return static_cast<std::size_t>(std::min<std::uint64_t>(free_slots, want));
   }
