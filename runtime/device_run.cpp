@@ -108,7 +108,15 @@ void DeviceRun::run(const Program& program) {
     for (auto& [q, link] : ins_) {
       for (auto& slot : link.slots) submit_fill(link, *slot);
     }
-    if (!exec(program) && status_ == RunStatus::kCompleted) status_ = RunStatus::kCancelled;
+    if (!exec(program)) {
+      if (status_ == RunStatus::kEndOfData && syncs_) {
+        // The devices this one syncs with would wait for it at their next Sync forever
+        // (found by the soak suite): the step ends for all of them.
+        control_.end_of_data();
+      } else if (status_ == RunStatus::kCompleted) {
+        status_ = control_.stopped_by_end_of_data() ? RunStatus::kEndOfData : RunStatus::kCancelled;
+      }
+    }
   } catch (...) {
     failed = true;
     control_.fail(detail::RunControl::Failure{device_.id(), index_, ctx_.iteration, std::current_exception()});

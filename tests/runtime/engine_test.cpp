@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <numeric>
 #include <set>
@@ -236,6 +237,36 @@ TEST_CASE("StreamCopy: end of data ends the program with kEndOfData, with and wi
     CHECK(r.status == RunStatus::kEndOfData);
     CHECK(r.iterations == std::vector<std::uint64_t>{5});
     CHECK(computed == 5);
+  }
+}
+
+// Found by the soak suite: a device whose infeed ended left the devices it syncs with
+// waiting for it at their next Sync, and the run never returned.
+TEST_CASE("StreamCopy: end of data on one device ends a run whose devices sync (no one waits forever)") {
+  for (std::uint32_t io : {0u, 4u}) {
+    CAPTURE(io);
+    DeviceGroup devices(2, kSmall);
+    Engine engine(devices, with_link(1us, 256, io, 2));
+    InfeedQueue<Tensor> infeed(InfeedConfig{2, 16, 2});
+    auto p = infeed.make_producer();
+    for (int i = 0; i < 3; ++i) p.push_to(0, filled(64, 1.0f));
+    for (int i = 0; i < 2; ++i) p.push_to(1, filled(64, 1.0f));  // device 1 runs dry a trip earlier
+    infeed.close();
+    auto sync = std::make_shared<SyncGroup>(2);
+    std::vector<Program> programs;
+    for (std::uint32_t d = 0; d < 2; ++d) {
+      Buffer x = make_buffer(devices[d], "x", DType::kFloat32, 64);
+      programs.push_back(Repeat(10, Sequence{StreamCopy(infeed, x), Sync(sync)}));
+    }
+    auto run = std::async(std::launch::async, [&] { return engine.run(programs); });
+    if (run.wait_for(10s) != std::future_status::ready) {
+      engine.cancel();  // so the test can end
+      FAIL("the run did not end: a device waits at its Sync for one whose infeed ended");
+    }
+    const EngineResult r = run.get();
+    CHECK(r.status == RunStatus::kEndOfData);
+    CHECK(r.iterations == std::vector<std::uint64_t>{2, 2});
+    CHECK(contains(r.message, "end of data"));
   }
 }
 
