@@ -27,12 +27,6 @@ void RunControl::cancel() noexcept {
   if (waker_ && !done()) waker_();
 }
 
-void RunControl::end_of_data() noexcept {
-  if (stop_.requested()) return;  // already stopping (a cancel, a failure): that is the story
-  data_ended_.store(true, std::memory_order_release);
-  cancel();
-}
-
 void RunControl::fail(Failure f) noexcept {
   {
     std::lock_guard lock(mutex_);

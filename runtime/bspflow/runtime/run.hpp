@@ -96,13 +96,6 @@ class RunControl {
   // failure (first one wins; later ones are counted) and cancels the rest. Never blocks for
   // long, never throws.
   void fail(Failure f) noexcept;
-  // Device thread. A replica whose infeed ended while it syncs with others (a Sync in its
-  // program): the others cannot finish the step without it, so the whole run stops, as an
-  // end of data rather than a cancel (unless a stop was already requested). Never blocks for
-  // long, never throws.
-  void end_of_data() noexcept;
-  // Any thread: whether end_of_data() stopped the run. Never blocks, never throws.
-  bool stopped_by_end_of_data() const noexcept { return data_ended_.load(std::memory_order_acquire); }
   // Device thread (or the host thread, for an abandoned replica), once per replica, after it
   // released its feeds. The last one makes done() true and wakes waiters. Never blocks for
   // long, never allocates, never throws.
@@ -142,7 +135,6 @@ class RunControl {
   std::string of_requested() const { return open_ended() ? std::string() : " of " + std::to_string(requested_); }
 
   StopFlag stop_;
-  std::atomic<bool> data_ended_{false};
   std::function<void()> waker_;  // touches the run's feeds: only while !done_
   // Orders waker_ calls against the end of the run: the last replica_done() sets done_ under
   // it, so a cancel() after the end (a device destructor, a late Run::cancel) never wakes

@@ -241,6 +241,9 @@ class Segment final : public SegmentBase {
   bool serve(Device& device, const WaitPolicy& policy, OnError on_error, StreamRunState& state) {
     const StopFlag& stop = state.stop;
     for (;;) {
+      // A stop ends the loop here too: requests ready in the ring would otherwise keep it
+      // going (put() keeps what it is given once stopped, past a bounded outfeed's capacity).
+      if (stop.requested()) return false;
       if (!source_.try_next(in_)) {
         sink_.flush(stop);  // nothing is held back while this device waits
         if (!source_.next(in_, policy, stop)) return true;
