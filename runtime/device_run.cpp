@@ -109,12 +109,13 @@ void DeviceRun::run(const Program& program) {
       for (auto& slot : link.slots) submit_fill(link, *slot);
     }
     if (!exec(program)) {
-      if (status_ == RunStatus::kEndOfData && syncs_) {
+      if (status_ == RunStatus::kEndOfData) {
         // The devices this one syncs with would wait for it at their next Sync forever
-        // (found by the soak suite): the step ends for all of them.
-        control_.end_of_data();
+        // (found by the soak suite): they end there, each after finishing what it does
+        // before that Sync.
+        for (SyncGroup* g : groups_) g->abort();
       } else if (status_ == RunStatus::kCompleted) {
-        status_ = control_.stopped_by_end_of_data() ? RunStatus::kEndOfData : RunStatus::kCancelled;
+        status_ = RunStatus::kCancelled;
       }
     }
   } catch (...) {
@@ -194,6 +195,8 @@ bool DeviceRun::exec_node(const program::Sync& s) {
                                                       ? detail::Spin::kYield
                                                       : detail::Spin::kTight);
   if (track_) track_->record(Phase::kSync, t0, Clock::now());
+  // A device this one syncs with ran out of data: the run ends here, as an end of data.
+  if (!ok && !stop_.requested() && s.group->aborted()) status_ = RunStatus::kEndOfData;
   return ok;
 }
 

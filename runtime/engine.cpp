@@ -237,7 +237,7 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
     for (const program::Execute* e : uses[d].executes) run.label(e, e->name);
     for (const auto& [node, name] : uses[d].transfers) run.label(node, name);
     if (uses[d].fused) run.add_fused(*uses[d].fused);
-    run.set_syncs(!uses[d].groups.empty());
+    run.set_groups(std::vector<SyncGroup*>(uses[d].groups.begin(), uses[d].groups.end()));
     for (const program::StreamCopy* s : uses[d].streams) {
       if (s->infeed) {
         run.add_infeed(*s->infeed, *s->buffer);

@@ -15,7 +15,13 @@ SyncGroup::SyncGroup(std::uint32_t participants) : participants_(participants) {
   }
 }
 
+void SyncGroup::abort() noexcept {
+  aborted_.store(true, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
+  point_.notify();
+}
+
 bool SyncGroup::arrive_and_wait(const detail::StopFlag& stop, detail::Spin spin) {
+  if (aborted_.load(std::memory_order_acquire)) return false;
   const std::uint64_t before = state_.fetch_add(1, std::memory_order_acq_rel);
   const std::uint64_t gen = generation(before);
   if ((before & kCountMask) + 1 == participants_) {
@@ -30,7 +36,10 @@ bool SyncGroup::arrive_and_wait(const detail::StopFlag& stop, detail::Spin spin)
     if (spin == detail::Spin::kYield) std::this_thread::yield();
     return true;
   }
-  point_.wait([&] { return generation(state_.load(std::memory_order_seq_cst)) != gen || stop.requested(); }, spin,
+  point_.wait([&] {
+    return generation(state_.load(std::memory_order_seq_cst)) != gen || stop.requested() ||
+           aborted_.load(std::memory_order_seq_cst);
+  }, spin,
               detail::Fence::kSymmetric,
               spin == detail::Spin::kYield ? tunables::kSpinBudget : tunables::kSyncSpinBudget);
   return generation(state_.load(std::memory_order_acquire)) != gen;

@@ -85,9 +85,9 @@ class DeviceRun {
     fused_label_ = track_ ? track_->add_label(f.name) : 0;
   }
 
-  // Host thread, before the run: whether this device's program has a Sync (its end of
-  // data then ends the run for every device).
-  void set_syncs(bool syncs) noexcept { syncs_ = syncs; }
+  // Host thread, before the run: the sync groups this device's program uses (its end of
+  // data aborts them, so the others end at their next Sync).
+  void set_groups(std::vector<SyncGroup*> groups) { groups_ = std::move(groups); }
 
   // Device thread: the whole run.
   void run(const Program& program);
@@ -197,7 +197,7 @@ class DeviceRun {
   TraceTrack* io_track_;
   ComputeContext ctx_;
   bool in_repeat_ = false;
-  bool syncs_ = false;  // the program has a Sync (set_syncs)
+  std::vector<SyncGroup*> groups_;  // the sync groups its program uses (set_groups)
   std::uint64_t iterations_ = 0;
   RunStatus status_ = RunStatus::kCompleted;
   std::map<const InfeedQueue<Tensor>*, InLink> ins_;

@@ -18,13 +18,24 @@ class SyncGroup {
  public:
   explicit SyncGroup(std::uint32_t participants);
   // Device thread. Returns when every participant has arrived (true), or when `stop` is set
-  // (false; the group is then unusable for this run). Spin::kYield for a device that shares
-  // its core: it gives the core to the others between checks.
+  // or the group was aborted (false; the group is then unusable for this run). Spin::kYield
+  // for a device that shares its core: it gives the core to the others between checks.
   bool arrive_and_wait(const detail::StopFlag& stop, detail::Spin spin = detail::Spin::kTight);
+  // Device thread: a participant that will not arrive again this run (its infeed ended).
+  // Every wait on the group, now and until reset(), returns false, so the others end at
+  // their next Sync instead of waiting for it forever; what they do before it still runs.
+  // Never blocks, never throws.
+  void abort() noexcept;
+  // Any thread: whether abort() was called this run.
+  bool aborted() const noexcept { return aborted_.load(std::memory_order_acquire); }
   // Any thread: wakes parked participants so they re-check their stop flag.
   void wake() noexcept { point_.notify(); }
-  // Between runs only (nobody waiting): forgets arrivals of a run that was stopped midway.
-  void reset() noexcept { state_.store(0, std::memory_order_relaxed); }  // relaxed: no waiters
+  // Between runs only (nobody waiting): forgets arrivals of a run that was stopped midway,
+  // and an abort.
+  void reset() noexcept {
+    state_.store(0, std::memory_order_relaxed);  // relaxed: no waiters
+    aborted_.store(false, std::memory_order_relaxed);
+  }
   std::uint32_t participants() const noexcept { return participants_; }
 
  private:
@@ -33,6 +44,7 @@ class SyncGroup {
 
   const std::uint32_t participants_;
   alignas(tunables::kCacheLine) std::atomic<std::uint64_t> state_{0};  // generation << 32 | arrivals
+  std::atomic<bool> aborted_{false};  // on state_'s line: read at every arrival
   detail::WaitPoint point_;
 };
 
