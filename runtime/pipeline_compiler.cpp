@@ -353,7 +353,7 @@ Program Pipeline::Impl::compile_single(std::uint32_t replica, std::uint64_t step
   StageRun* head = on_device.front();
   std::vector<Program> body;
   // head->got: this trip's micro-batch went forward through every stage. A forward pass
-  // stopped on the way (waiting for its input, its host copy or room in the outfeed) voids
+  // stopped on the way (waiting for its input or its host copy) voids
   // the trip: no later pass runs, and the step, now short of a micro-batch, is not applied
   // (finish_reduce); the loop ends the run at its next look at the stop flag.
   for (std::uint32_t s = 0; s < stages; ++s) {

@@ -171,6 +171,10 @@ Array read(const std::filesystem::path& file) {
   // promises gigabytes costs one chunk, not the promised size (found by tests/fuzz).
   for (std::size_t filled = 0; filled < bytes;) {
     const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(bytes - filled, kReadChunk));
+    if (filled + n > a.data.capacity()) {  // doubling, but never past the promised size
+      a.data.reserve(static_cast<std::size_t>(
+          std::min<std::uint64_t>(bytes, std::max<std::uint64_t>(2 * a.data.capacity(), filled + n))));
+    }
     a.data.resize(filled + n);
     if (!read_exact(f.get(), file, a.data.data() + filled, n)) {
       std::string shape;

@@ -493,6 +493,14 @@ Closing closing_for(Rng& rng, const Trial& t, std::uint64_t total) {
   return {rng.below(total), false};
 }
 
+// The trial's outfeed: unbounded, or bounded with one reader (a ring per replica) or shared
+// (the reader-stops fault).
+OutfeedConfig outfeed_config(std::uint32_t replicas, std::size_t capacity, Rng& rng) {
+  OutfeedConfig c{replicas, OutputMode::all(), capacity};
+  if (capacity != 0 && rng.coin()) c.consumer_type = ConsumerType::kSingle;
+  return c;
+}
+
 // Busy for `d` (a body that takes time, so a cancel can land mid-run).
 void spin_for(std::chrono::microseconds d) {
   if (d.count() == 0) return;
@@ -539,7 +547,7 @@ void loops_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   const auto prefetch = static_cast<std::uint32_t>(rng.in(1, 8));
   InfeedQueue<std::uint64_t> in(InfeedConfig{d, rng.in(prefetch, 32), prefetch});
   const std::size_t out_capacity = t.fault == Fault::kReaderStops ? rng.in(1, 16) : 0;
-  OutfeedQueue<std::uint64_t> out(OutfeedConfig{d, OutputMode::all(), out_capacity});
+  OutfeedQueue<std::uint64_t> out(outfeed_config(d, out_capacity, rng));
   Seen seen(total);
   std::vector<std::atomic<std::uint64_t>> ok(d);
   const auto fail_replica = static_cast<std::uint32_t>(rng.below(d));
@@ -662,7 +670,7 @@ void engine_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   Engine engine(group, config);
   InfeedQueue<Tensor> in(InfeedConfig{d, rng.in(1, 16), 1});
   const std::size_t out_capacity = t.fault == Fault::kReaderStops ? rng.in(1, 8) : 0;
-  OutfeedQueue<Tensor> out(OutfeedConfig{d, OutputMode::all(), out_capacity});
+  OutfeedQueue<Tensor> out(outfeed_config(d, out_capacity, rng));
   const bool with_sync = rng.coin();
   auto sync = std::make_shared<SyncGroup>(d);
   Seen seen(total);
@@ -707,7 +715,9 @@ void engine_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   std::atomic<bool> give_up{false};
   if (t.fault == Fault::kCancel) {
     std::this_thread::sleep_for(micros(rng, 3000));
-    engine.cancel();
+    // cancel() stops the run in progress, if any: one that comes before the run has started
+    // finds none. Repeated until the run has ended, so it lands.
+    while (running.wait_for(200us) != std::future_status::ready) engine.cancel();
   } else if (t.fault == Fault::kReaderStops) {
     const std::uint64_t k = rng.in(0, 12);
     std::thread watcher([&] {
@@ -867,7 +877,7 @@ void pipeline_inference_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   const auto prefetch = static_cast<std::uint32_t>(rng.in(1, 4));
   InfeedQueue<Batch> in(InfeedConfig{replicas, rng.in(prefetch, 32), prefetch});
   const std::size_t out_capacity = t.fault == Fault::kReaderStops ? rng.in(1, 8) : 0;
-  OutfeedQueue<std::vector<float>> out(OutfeedConfig{replicas, OutputMode::all(), out_capacity});
+  OutfeedQueue<std::vector<float>> out(outfeed_config(replicas, out_capacity, rng));
   std::atomic<std::uint64_t> pushed{0};
   const Closing closing = closing_for(rng, t, total);
   std::thread producer([&] {
@@ -882,7 +892,9 @@ void pipeline_inference_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   std::atomic<bool> give_up{false};
   if (t.fault == Fault::kCancel) {
     std::this_thread::sleep_for(micros(rng, 5000));
-    pipe.cancel();
+    // cancel() stops the run in progress, if any: one that comes before the run has started
+    // finds none. Repeated until the run has ended, so it lands.
+    while (running.wait_for(200us) != std::future_status::ready) pipe.cancel();
   } else if (t.fault == Fault::kReaderStops) {
     const std::uint64_t k = rng.in(0, 12);
     std::thread watcher([&] {
@@ -1027,7 +1039,7 @@ void pipeline_training_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   const auto prefetch = static_cast<std::uint32_t>(rng.in(1, 4));
   InfeedQueue<Batch> in(InfeedConfig{replicas, std::max<std::uint64_t>(total, prefetch), prefetch});
   const std::size_t out_capacity = t.fault == Fault::kReaderStops ? rng.in(1, 8) : 0;
-  OutfeedQueue<std::vector<float>> out(OutfeedConfig{replicas, OutputMode::all(), out_capacity});
+  OutfeedQueue<std::vector<float>> out(outfeed_config(replicas, out_capacity, rng));
   std::atomic<std::uint64_t> pushed{0};
   const Closing closing = closing_for(rng, t, total);
   std::thread producer([&] {
@@ -1045,7 +1057,9 @@ void pipeline_training_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   std::atomic<bool> give_up{false};
   if (t.fault == Fault::kCancel) {
     std::this_thread::sleep_for(micros(rng, 5000));
-    pipe.cancel();
+    // cancel() stops the run in progress, if any: one that comes before the run has started
+    // finds none. Repeated until the run has ended, so it lands.
+    while (running.wait_for(200us) != std::future_status::ready) pipe.cancel();
   } else if (t.fault == Fault::kReaderStops) {
     const std::uint64_t n = rng.in(0, 12);
     std::thread watcher([&] {

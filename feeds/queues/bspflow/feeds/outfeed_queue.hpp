@@ -96,9 +96,15 @@ class OutfeedQueue {
   using Queue = detail::BoundedQueue<OutfeedEntry<T>>;
   using Lane = detail::SpscLane<OutfeedEntry<T>>;
   // A run stopped while a bounded outfeed is full still hands over what its devices wrote:
-  // up to this many entries per replica (one write-combining batch and a final()/sum()
-  // value) go in past the capacity.
+  // past the capacity. With one reader (kSingle) each replica's ring keeps room for this
+  // many more entries (one write-combining batch and a final()/sum() value; the ring's slot
+  // count is a power of two, so this may double a ring whose capacity is one; rings above
+  // 2^20 entries keep only the power-of-two slack); a shared queue (kMulti) takes them
+  // whatever its capacity.
   static constexpr std::size_t kStoppedSpare = tunables::kOutfeedCombine + 1;
+  static constexpr std::size_t spare_slots(std::size_t capacity) noexcept {
+    return capacity <= (std::size_t{1} << 20) ? kStoppedSpare : 0;
+  }
 
  public:
   using Entry = OutfeedEntry<T>;
@@ -116,7 +122,7 @@ class OutfeedQueue {
     if (single()) {
       lanes_.reserve(config_.replicas);
       for (std::uint32_t r = 0; r < config_.replicas; ++r) {
-        lanes_.push_back(std::make_unique<Lane>(config_.capacity, &readable_, kStoppedSpare));
+        lanes_.push_back(std::make_unique<Lane>(config_.capacity, &readable_, spare_slots(config_.capacity)));
         lanes_.back()->close();
       }
     } else {
