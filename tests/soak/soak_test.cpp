@@ -538,6 +538,37 @@ std::chrono::microseconds micros(Rng& rng, std::uint64_t max) {
   return std::chrono::microseconds(rng.in(0, max));
 }
 
+// The cancel and reader-stops faults against a run in progress: `ended_within(d)` waits up
+// to d for the run to end and says whether it has, `cancel()` stops it. A cancel comes after a
+// random delay of up to `cancel_within`; a reader reads up to `read_at_most` entries (or until
+// the run ends by itself), stops, and the run, which cannot end by itself now, is cancelled.
+// Engine and Pipeline cancel() stop the run in progress, if any: one that comes before the run
+// has started finds none, so the cancel is repeated until the run has ended. Returns what the
+// reader read.
+template <class T, class Ended, class Cancel>
+std::vector<OutfeedEntry<T>> stop_fault(Rng& rng, const Trial& t, OutfeedQueue<T>& out,
+                                        std::uint64_t cancel_within, std::uint64_t read_at_most,
+                                        Ended ended_within, Cancel cancel) {
+  std::vector<OutfeedEntry<T>> read;
+  if (t.fault == Fault::kCancel) {
+    std::this_thread::sleep_for(micros(rng, cancel_within));
+    while (!ended_within(200us)) cancel();
+  } else if (t.fault == Fault::kReaderStops) {
+    const std::uint64_t k = rng.in(0, read_at_most);
+    std::atomic<bool> give_up{false};
+    std::thread watcher([&] {
+      while (!ended_within(1ms)) {
+      }
+      give_up = true;  // a run that ends (the outfeed held everything) ends the reading too
+    });
+    read = read_then_stop(out, k, give_up);
+    std::this_thread::sleep_for(micros(rng, 2000));
+    while (!ended_within(1ms)) cancel();
+    watcher.join();
+  }
+  return read;
+}
+
 // ---- loops::repeat ----
 
 void loops_trial(Rng& rng, Trial& t, DeviceGroup& group) {
@@ -571,22 +602,8 @@ void loops_trial(Rng& rng, Trial& t, DeviceGroup& group) {
     return x;
   };
   Run<int> run = loops::repeat_async(group, n, body, 0, in, out);
-  std::vector<OutfeedEntry<std::uint64_t>> read;
-  std::atomic<bool> give_up{false};
-  if (t.fault == Fault::kCancel) {
-    std::this_thread::sleep_for(micros(rng, 3000));
-    run.cancel();
-  } else if (t.fault == Fault::kReaderStops) {
-    const std::uint64_t k = rng.in(0, 20);
-    std::thread watcher([&] {
-      run.wait();  // a run that ends (the outfeed held everything) ends the reading too
-      give_up = true;
-    });
-    read = read_then_stop(out, k, give_up);
-    std::this_thread::sleep_for(micros(rng, 2000));
-    run.cancel();
-    watcher.join();
-  }
+  const std::vector<OutfeedEntry<std::uint64_t>> read = stop_fault(
+      rng, t, out, 3000, 20, [&](auto d) { return run.wait_for(d); }, [&] { run.cancel(); });
   std::optional<RepeatResult<int>> r;
   try {
     r = run.get();
@@ -711,27 +728,9 @@ void engine_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   std::vector<Program> programs;
   for (std::uint32_t dev = 0; dev < d; ++dev) programs.push_back(program_for(dev, n, out, throws && dev == fail_device, with_sync));
   auto running = std::async(std::launch::async, [&] { return engine.run(programs); });
-  std::vector<OutfeedEntry<Tensor>> read;
-  std::atomic<bool> give_up{false};
-  if (t.fault == Fault::kCancel) {
-    std::this_thread::sleep_for(micros(rng, 3000));
-    // cancel() stops the run in progress, if any: one that comes before the run has started
-    // finds none. Repeated until the run has ended, so it lands.
-    while (running.wait_for(200us) != std::future_status::ready) engine.cancel();
-  } else if (t.fault == Fault::kReaderStops) {
-    const std::uint64_t k = rng.in(0, 12);
-    std::thread watcher([&] {
-      running.wait();
-      give_up = true;
-    });
-    read = read_then_stop(out, k, give_up);
-    std::this_thread::sleep_for(micros(rng, 2000));
-    // The run cannot end by itself now. A cancel that comes before the run has started finds
-    // no run to stop (cancel()'s contract: the run in progress, if any): repeat it until the
-    // run has ended.
-    while (running.wait_for(1ms) != std::future_status::ready) engine.cancel();
-    watcher.join();
-  }
+  const auto ended_within = [&](auto d) { return running.wait_for(d) == std::future_status::ready; };
+  const std::vector<OutfeedEntry<Tensor>> read =
+      stop_fault(rng, t, out, 3000, 12, ended_within, [&] { engine.cancel(); });
   std::optional<EngineResult> r;
   try {
     r = running.get();
@@ -888,27 +887,9 @@ void pipeline_inference_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   std::thread closer;
   if (closing.from_outside) closer = close_later(in, micros(rng, 3000));
   auto running = std::async(std::launch::async, [&] { return pipe.run(in, std::uint64_t{1} << 40, &out); });
-  std::vector<OutfeedEntry<std::vector<float>>> read;
-  std::atomic<bool> give_up{false};
-  if (t.fault == Fault::kCancel) {
-    std::this_thread::sleep_for(micros(rng, 5000));
-    // cancel() stops the run in progress, if any: one that comes before the run has started
-    // finds none. Repeated until the run has ended, so it lands.
-    while (running.wait_for(200us) != std::future_status::ready) pipe.cancel();
-  } else if (t.fault == Fault::kReaderStops) {
-    const std::uint64_t k = rng.in(0, 12);
-    std::thread watcher([&] {
-      running.wait();
-      give_up = true;
-    });
-    read = read_then_stop(out, k, give_up);
-    std::this_thread::sleep_for(micros(rng, 2000));
-    // The run cannot end by itself now. A cancel that comes before the run has started finds
-    // no run to stop (cancel()'s contract: the run in progress, if any): repeat it until the
-    // run has ended.
-    while (running.wait_for(1ms) != std::future_status::ready) pipe.cancel();
-    watcher.join();
-  }
+  const auto ended_within = [&](auto d) { return running.wait_for(d) == std::future_status::ready; };
+  const std::vector<OutfeedEntry<std::vector<float>>> read =
+      stop_fault(rng, t, out, 5000, 12, ended_within, [&] { pipe.cancel(); });
   std::optional<PipelineResult> r;
   bool threw = false;
   try {
@@ -1053,27 +1034,9 @@ void pipeline_training_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   std::thread closer;
   if (closing.from_outside) closer = close_later(in, micros(rng, 3000));
   auto running = std::async(std::launch::async, [&] { return pipe.run(in, steps, &out); });
-  std::vector<OutfeedEntry<std::vector<float>>> read;
-  std::atomic<bool> give_up{false};
-  if (t.fault == Fault::kCancel) {
-    std::this_thread::sleep_for(micros(rng, 5000));
-    // cancel() stops the run in progress, if any: one that comes before the run has started
-    // finds none. Repeated until the run has ended, so it lands.
-    while (running.wait_for(200us) != std::future_status::ready) pipe.cancel();
-  } else if (t.fault == Fault::kReaderStops) {
-    const std::uint64_t n = rng.in(0, 12);
-    std::thread watcher([&] {
-      running.wait();
-      give_up = true;
-    });
-    read = read_then_stop(out, n, give_up);
-    std::this_thread::sleep_for(micros(rng, 2000));
-    // The run cannot end by itself now. A cancel that comes before the run has started finds
-    // no run to stop (cancel()'s contract: the run in progress, if any): repeat it until the
-    // run has ended.
-    while (running.wait_for(1ms) != std::future_status::ready) pipe.cancel();
-    watcher.join();
-  }
+  const auto ended_within = [&](auto d) { return running.wait_for(d) == std::future_status::ready; };
+  const std::vector<OutfeedEntry<std::vector<float>>> read =
+      stop_fault(rng, t, out, 5000, 12, ended_within, [&] { pipe.cancel(); });
   std::optional<PipelineResult> r;
   try {
     r = running.get();
