@@ -10,8 +10,8 @@ namespace bspflow {
 
 HostLinkTimeline::HostLinkTimeline(const Shape& shape)
     : shape_(shape),
-      in_buffer_free_(std::max<std::uint32_t>(shape.prefetch_depth, 1)),
-      out_buffer_free_(std::max<std::uint32_t>(shape.prefetch_depth, 1)) {}
+      in_buffer_free_(std::max<std::uint32_t>(shape.host_io.prefetch_depth, 1)),
+      out_buffer_free_(std::max<std::uint32_t>(shape.host_io.prefetch_depth, 1)) {}
 
 void HostLinkTimeline::start(Clock::time_point now) noexcept {
   in_link_free_ = out_link_free_ = now;
@@ -31,17 +31,17 @@ bool HostLinkTimeline::wait(Clock::time_point now, Clock::time_point until, cons
 }
 
 bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const detail::StopFlag* stop) {
-  if (shape_.io_tiles > 0) {
-    const std::size_t room = std::size_t{shape_.io_tiles} * shape_.bytes_per_tile;
-    if (bytes * shape_.prefetch_depth > room) {
+  if (shape_.host_io.io_tiles > 0) {
+    const std::size_t room = std::size_t{shape_.host_io.io_tiles} * shape_.bytes_per_tile;
+    if (bytes * shape_.host_io.prefetch_depth > room) {
       throw Error("the I/O tiles of device " + std::to_string(shape_.device) + " (" +
-                  std::to_string(shape_.io_tiles) + " x " + detail::format_bytes(shape_.bytes_per_tile) + " = " +
+                  std::to_string(shape_.host_io.io_tiles) + " x " + detail::format_bytes(shape_.bytes_per_tile) + " = " +
                   detail::format_bytes(room) + ") cannot hold prefetch_depth " +
-                  std::to_string(shape_.prefetch_depth) + " x " + shape_.element + " of " +
+                  std::to_string(shape_.host_io.prefetch_depth) + " x " + shape_.element + " of " +
                   detail::format_bytes(bytes) + ": raise io_tiles or lower prefetch_depth");
     }
   }
-  const std::chrono::nanoseconds duration = shape_.link.duration(bytes);
+  const std::chrono::nanoseconds duration = shape_.host_io.host_link.duration(bytes);
   if (duration.count() == 0) {  // a link that costs nothing: no clock to read
     bytes_in_ += bytes;
     ++copies_in_;
@@ -50,7 +50,7 @@ bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const detail::Sto
   const Clock::time_point now = Clock::now();
   Clock::time_point start = std::max(now, in_link_free_);
   Clock::time_point& buffer = in_buffer_free_[copies_in_ % in_buffer_free_.size()];
-  if (shape_.io_tiles > 0) {
+  if (shape_.host_io.io_tiles > 0) {
     // The copy could start once its I/O-tile buffer was free and the link was free; if the
     // lane was empty, only now.
     start = std::max(buffer, in_link_free_);
@@ -67,7 +67,7 @@ bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const detail::Sto
 }
 
 bool HostLinkTimeline::copy_out(std::size_t bytes, const detail::StopFlag* stop) noexcept {
-  const std::chrono::nanoseconds duration = shape_.link.duration(bytes);
+  const std::chrono::nanoseconds duration = shape_.host_io.host_link.duration(bytes);
   if (duration.count() == 0) {
     bytes_out_ += bytes;
     ++copies_out_;
@@ -77,7 +77,7 @@ bool HostLinkTimeline::copy_out(std::size_t bytes, const detail::StopFlag* stop)
   const Clock::time_point done = std::max(now, out_link_free_) + duration;
   out_link_free_ = done;
   Clock::time_point until = done;  // without I/O tiles: the device waits for its copy
-  if (shape_.io_tiles > 0) {
+  if (shape_.host_io.io_tiles > 0) {
     Clock::time_point& buffer = out_buffer_free_[copies_out_ % out_buffer_free_.size()];
     until = buffer;
     buffer = done;
@@ -90,7 +90,7 @@ bool HostLinkTimeline::copy_out(std::size_t bytes, const detail::StopFlag* stop)
 }
 
 bool HostLinkTimeline::finish_out(const detail::StopFlag* stop) noexcept {
-  if (copies_out_ == 0 || shape_.io_tiles == 0) return true;  // nothing left in flight
+  if (copies_out_ == 0 || shape_.host_io.io_tiles == 0) return true;  // nothing left in flight
   const Clock::time_point now = Clock::now();
   Clock::time_point after = now;
   return wait(now, out_link_free_, stop, after);

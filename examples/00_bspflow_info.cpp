@@ -115,8 +115,8 @@ int main(int argc, char** argv) {
     }
   }
   std::printf("device memory: %u tiles x %s = %s per device\n", config.tiles,
-              bspflow::detail::format_bytes(config.bytes_per_tile).c_str(),
-              bspflow::detail::format_bytes(config.memory_bytes()).c_str());
+              bspflow::format_bytes(config.bytes_per_tile).c_str(),
+              bspflow::format_bytes(config.memory_bytes()).c_str());
 
   for (std::uint32_t n : counts) {
     std::printf("\n%u device%s:\n", n, n == 1 ? "" : "s");

@@ -19,8 +19,8 @@ std::uint64_t mix_seed(std::uint64_t seed, std::uint32_t device, std::uint32_t r
   return detail::splitmix64(s);
 }
 
-void fill_synthetic(DeviceBuffer& b, SyntheticData kind, std::uint64_t seed) {
-  if (kind == SyntheticData::kZeros) {
+void fill_synthetic(DeviceBuffer& b, SyntheticFill kind, std::uint64_t seed) {
+  if (kind == SyntheticFill::kZeros) {
     std::memset(b.raw().data(), 0, b.bytes());
     return;
   }
@@ -65,7 +65,7 @@ void DeviceRun::add_infeed(InfeedQueue<Tensor>& q, const DeviceBuffer& dst) {
   link.bytes = dst.bytes();
   link.dtype = dst.dtype();
   link.name = dst.name();
-  if (eng_.config.synthetic != SyntheticData::kOff) return;  // no host copies at all
+  if (eng_.config.synthetic_data) return;  // no host copies at all
   link.reader.emplace(q.reader(index_));
   if (eng_.config.io_tiles > 0) {
     for (std::uint32_t k = 0; k < eng_.config.prefetch_depth; ++k) {
@@ -81,7 +81,7 @@ void DeviceRun::add_outfeed(OutfeedQueue<Tensor>& q, const DeviceBuffer& src, Ou
   auto [it, fresh] = outs_.try_emplace(&q);
   OutLink& link = it->second;
   if (fresh) link.writer.emplace(std::move(*w));
-  if (eng_.config.io_tiles > 0 && eng_.config.synthetic == SyntheticData::kOff) {
+  if (eng_.config.io_tiles > 0 && !eng_.config.synthetic_data) {
     // One outbound I/O buffer per prefetch step, sized for the largest source.
     if (link.slots.empty()) {
       for (std::uint32_t k = 0; k < eng_.config.prefetch_depth; ++k) link.slots.push_back(std::make_unique<Slot>());
@@ -216,10 +216,10 @@ bool DeviceRun::exec_node(const program::StreamCopy& s) {
   DeviceBuffer& buf = *s.buffer;
   if (s.infeed != nullptr) {
     InLink& link = ins_.at(s.infeed);
-    if (eng_.config.synthetic != SyntheticData::kOff) return synthesize(buf);
+    if (eng_.config.synthetic_data) return synthesize(buf);
     return eng_.config.io_tiles > 0 ? copy_in_from_io_tiles(link, buf) : copy_in(link, buf);
   }
-  if (eng_.config.synthetic != SyntheticData::kOff) return true;  // nothing leaves either
+  if (eng_.config.synthetic_data) return true;  // nothing leaves either
   OutLink& link = outs_.at(s.outfeed);
   return eng_.config.io_tiles > 0 ? copy_out_to_io_tiles(link, buf) : copy_out(link, buf);
 }
@@ -227,7 +227,7 @@ bool DeviceRun::exec_node(const program::StreamCopy& s) {
 bool DeviceRun::synthesize(DeviceBuffer& buf) {
   if (!synthesized_.insert(&buf).second) return true;  // filled once, then left in place
   const Clock::time_point t0 = track_ ? Clock::now() : Clock::time_point{};
-  fill_synthetic(buf, eng_.config.synthetic, mix_seed(eng_.config.seed, device_.id(), index_));
+  fill_synthetic(buf, eng_.config.synthetic_fill, mix_seed(eng_.config.seed, device_.id(), index_));
   if (track_) track_->record(Phase::kCompute, t0, Clock::now(), 0, track_->add_label("synthetic data"));
   return true;
 }
@@ -279,6 +279,8 @@ bool DeviceRun::copy_in(InLink& link, DeviceBuffer& buf) {
   transfer_and_wait(t1, link.bytes, false,
                     [&] { std::memcpy(buf.raw().data(), link.staging.raw().data(), link.bytes); });
   const Clock::time_point t2 = Clock::now();
+  host_bytes_in_ += link.bytes;
+  host_wait_ += t2 - t1;
   link.staging = Tensor();  // the host buffer goes back (to its pool, if it has one)
   if (track_) {
     if (t1 - t0 > std::chrono::nanoseconds(0)) track_->record(Phase::kStreamCopyBegin, t0, t1);
@@ -302,6 +304,8 @@ bool DeviceRun::copy_in_from_io_tiles(InLink& link, DeviceBuffer& buf) {
   }
   if (state == kFailed) throw Error(slot.error);
   if (state != kReady) return false;  // stopped
+  host_bytes_in_ += link.bytes;
+  host_wait_ += t1 - t0;
   std::memcpy(buf.raw().data(), slot.mem, link.bytes);  // I/O tiles -> compute tiles
   slot.tensor = Tensor();
   slot.state.store(kFree, std::memory_order_relaxed);  // relaxed: only this thread reads it now
@@ -353,6 +357,8 @@ bool DeviceRun::copy_out(OutLink& link, DeviceBuffer& buf) {
   transfer_and_wait(t0, buf.bytes(), true,
                     [&] { std::memcpy(out.raw().data(), buf.raw().data(), buf.bytes()); });
   const Clock::time_point t1 = Clock::now();
+  host_bytes_out_ += buf.bytes();
+  host_wait_ += t1 - t0;
   const bool ok = link.writer->write(ctx_.iteration, std::move(out), &stop_);
   if (track_) {
     track_->record(Phase::kStreamCopyMid, t0, t1, buf.bytes(), 0, true);
@@ -370,6 +376,8 @@ bool DeviceRun::copy_out_to_io_tiles(OutLink& link, DeviceBuffer& buf) {
   if (track_ && t1 - t0 > std::chrono::microseconds(1)) track_->record(Phase::kStreamCopyBegin, t0, t1);
   if (stop_.requested()) return false;
   const std::size_t bytes = buf.bytes();
+  host_bytes_out_ += bytes;
+  host_wait_ += t1 - t0;
   std::memcpy(slot.mem, buf.raw().data(), bytes);  // compute tiles -> I/O tiles
   slot.iteration = ctx_.iteration;
   slot.state.store(kFilling, std::memory_order_relaxed);  // relaxed: published by the post

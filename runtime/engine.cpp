@@ -20,23 +20,10 @@ using detail::EngineState;
 
 // ---- config ----
 
-EngineConfig EngineConfig::from(const Options& options) {
-  EngineConfig c;
-  c.io_tiles = options.io_tiles();
-  c.prefetch_depth = options.prefetch_depth();
-  c.host_link = options.host_link();
-  if (options.synthetic_data()) c.synthetic = SyntheticData::kRandomNormal;
-  return c;
-}
+EngineConfig EngineConfig::from(const Options& options) { return options.engine_config(); }
 
 void EngineConfig::validate() const {
-  if (prefetch_depth < tunables::kMinPrefetchDepth || prefetch_depth > tunables::kMaxPrefetchDepth) {
-    detail::throw_bad_value("prefetch_depth", prefetch_depth, "must be in 1..255");
-  }
-  if (io_tiles % 2 != 0) {
-    detail::throw_bad_value("io_tiles", io_tiles, "must be 0 or an even number");
-  }
-  host_link.validate("host link");
+  HostIO::validate();
   device_link.validate("device link");
 }
 
@@ -302,6 +289,11 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
   }
   EngineResult result;
   result.elapsed = end - origin;
+  for (const auto& r : rs.runs) {
+    result.host_bytes_in += r->host_bytes_in();
+    result.host_bytes_out += r->host_bytes_out();
+    result.host_wait += r->host_wait();
+  }
   if (host_failure) {
     try {  // the devices' own failure, if any, is dropped for the host's
       (void)control.finish(result.iterations, result.message);

@@ -4,6 +4,8 @@
 #include <sstream>
 
 #include "bspflow/base/error.hpp"
+#include "bspflow/runtime/engine.hpp"
+#include "bspflow/runtime/pipeline.hpp"
 
 namespace bspflow {
 
@@ -43,7 +45,7 @@ Options& Options::prefetch_depth(std::uint32_t depth) {
     detail::throw_bad_value("prefetch_depth", depth,
                             range(tunables::kMinPrefetchDepth, tunables::kMaxPrefetchDepth));
   }
-  prefetch_depth_ = depth;
+  host_io_.prefetch_depth = depth;
   return *this;
 }
 
@@ -70,18 +72,18 @@ Options& Options::io_tiles(std::uint32_t tiles) {
     detail::throw_bad_value("io_tiles", tiles, "must be 0 or an even number (e.g. " +
                                                    std::to_string(tiles + 1) + ")");
   }
-  io_tiles_ = tiles;
+  host_io_.io_tiles = tiles;
   return *this;
 }
 
 Options& Options::host_link(const LinkModel& link) {
   link.validate("host link");
-  host_link_ = link;
+  host_io_.host_link = link;
   return *this;
 }
 
 Options& Options::synthetic_data(bool on) noexcept {
-  synthetic_data_ = on;
+  host_io_.synthetic_data = on;
   return *this;
 }
 
@@ -91,11 +93,9 @@ Options& Options::precision(const Precision& p) {
   return *this;
 }
 
-Options& Options::tiles_per_device(std::uint32_t tiles) {
-  if (tiles < 1 || tiles > tunables::kMaxTiles) {
-    detail::throw_bad_value("tiles_per_device", tiles, range(1, tunables::kMaxTiles));
-  }
-  tiles_per_device_ = tiles;
+Options& Options::tiles(std::uint32_t n) {
+  if (n < 1 || n > tunables::kMaxTiles) detail::throw_bad_value("tiles", n, range(1, tunables::kMaxTiles));
+  tiles_ = n;
   return *this;
 }
 
@@ -108,35 +108,35 @@ Options& Options::bytes_per_tile(std::size_t bytes) {
   return *this;
 }
 
-Options& Options::infeed_producer(ProducerType type) noexcept {
-  infeed_producer_ = type;
+Options& Options::producer_type(ProducerType type) noexcept {
+  producer_type_ = type;
   return *this;
 }
 
-Options& Options::outfeed_consumer(ConsumerType type) noexcept {
-  outfeed_consumer_ = type;
+Options& Options::consumer_type(ConsumerType type) noexcept {
+  consumer_type_ = type;
   return *this;
 }
 
-Options& Options::pin_devices(bool on) noexcept {
-  pin_devices_ = on;
+Options& Options::pin(bool on) noexcept {
+  pin_ = on;
   return *this;
 }
 
 void Options::validate() const {
-  if (io_tiles_ >= tiles_per_device_) {
-    detail::throw_bad_value("io_tiles", io_tiles_,
-                            "must be below tiles_per_device (" + std::to_string(tiles_per_device_) +
+  if (host_io_.io_tiles >= tiles_) {
+    detail::throw_bad_value("io_tiles", host_io_.io_tiles,
+                            "must be below tiles (" + std::to_string(tiles_) +
                                 "), leaving tiles for compute");
   }
-  if (infeed_capacity_ < prefetch_depth_) {
+  if (infeed_capacity_ < host_io_.prefetch_depth) {
     detail::throw_bad_value("infeed_capacity", infeed_capacity_,
-                            "must be at least prefetch_depth (" + std::to_string(prefetch_depth_) +
-                                ")");
+                            "must be at least prefetch_depth (" +
+                                std::to_string(host_io_.prefetch_depth) + ")");
   }
-  if (outfeed_consumer_ == ConsumerType::kSingle && outfeed_capacity_ == 0) {
+  if (consumer_type_ == ConsumerType::kSingle && outfeed_capacity_ == 0) {
     detail::throw_bad_value("outfeed_capacity", outfeed_capacity_,
-                            "must be at least 1 with outfeed_consumer(ConsumerType::kSingle): each "
+                            "must be at least 1 with consumer_type(ConsumerType::kSingle): each "
                             "replica writes into a ring, which needs a bound (0 = unbounded needs "
                             "ConsumerType::kMulti)");
   }
@@ -158,19 +158,40 @@ std::uint64_t Options::samples_per_step(std::uint64_t micro_batch) const {
 
 InfeedConfig Options::infeed_config() const {
   validate();
-  InfeedConfig c{replicas_, infeed_capacity_, prefetch_depth_};
-  c.producer_type = infeed_producer_;
+  InfeedConfig c{replicas_, infeed_capacity_, host_io_.prefetch_depth};
+  c.producer_type = producer_type_;
   return c;
 }
 
 OutfeedConfig Options::outfeed_config() const {
   validate();
-  return OutfeedConfig{replicas_, output_mode_, outfeed_capacity_, outfeed_consumer_};
+  return OutfeedConfig{replicas_, output_mode_, outfeed_capacity_, consumer_type_};
 }
 
 DeviceConfig Options::device_config() const {
   validate();
-  return DeviceConfig{tiles_per_device_, bytes_per_tile_, pin_devices_};
+  return DeviceConfig{tiles_, bytes_per_tile_, pin_};
+}
+
+HostIO Options::host_io() const {
+  validate();
+  return host_io_;
+}
+
+EngineConfig Options::engine_config() const {
+  EngineConfig c;
+  static_cast<HostIO&>(c) = host_io();
+  c.synthetic_fill = SyntheticFill::kRandomNormal;
+  return c;
+}
+
+PipelineConfig Options::pipeline_config() const {
+  PipelineConfig c;
+  static_cast<HostIO&>(c) = host_io();
+  c.replicas = replicas_;
+  c.gradient_accumulation = gradient_accumulation_;
+  c.precision = precision_;
+  return c;
 }
 
 std::string Options::describe() const {
@@ -179,18 +200,18 @@ std::string Options::describe() const {
      << "replicas = " << replicas_ << '\n'
      << "gradient_accumulation = " << gradient_accumulation_ << '\n'
      << "output_mode = " << output_mode_.to_string() << '\n'
-     << "prefetch_depth = " << prefetch_depth_ << '\n'
+     << "prefetch_depth = " << host_io_.prefetch_depth << '\n'
      << "infeed_capacity = " << infeed_capacity_ << '\n'
      << "outfeed_capacity = " << outfeed_capacity_ << (outfeed_capacity_ == 0 ? " (unbounded)" : "")
      << '\n'
-     << "infeed_producer = " << (infeed_producer_ == ProducerType::kSingle ? "single" : "multi") << '\n'
-     << "outfeed_consumer = " << (outfeed_consumer_ == ConsumerType::kSingle ? "single" : "multi") << '\n'
-     << "io_tiles = " << io_tiles_ << '\n'
-     << "host_link = " << host_link_.describe() << '\n'
-     << "synthetic_data = " << (synthetic_data_ ? "true" : "false") << '\n'
-     << "tiles_per_device = " << tiles_per_device_ << '\n'
+     << "producer_type = " << (producer_type_ == ProducerType::kSingle ? "single" : "multi") << '\n'
+     << "consumer_type = " << (consumer_type_ == ConsumerType::kSingle ? "single" : "multi") << '\n'
+     << "io_tiles = " << host_io_.io_tiles << '\n'
+     << "host_link = " << host_io_.host_link.describe() << '\n'
+     << "synthetic_data = " << (host_io_.synthetic_data ? "true" : "false") << '\n'
+     << "tiles = " << tiles_ << '\n'
      << "bytes_per_tile = " << bytes_per_tile_ << '\n'
-     << "pin_devices = " << (pin_devices_ ? "true" : "false") << '\n'
+     << "pin = " << (pin_ ? "true" : "false") << '\n'
      << "precision = storage " << to_string(precision_.storage) << ", partials " << to_string(precision_.partials)
      << ", loss scaling " << precision_.loss_scaling << '\n';
   return os.str();

@@ -8,7 +8,7 @@
 
 namespace bspflow {
 
-Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory& make_stages)
+Pipeline::Pipeline(DeviceList group, PipelineConfig config, const StageFactory& make_stages)
     : impl_(std::make_unique<Impl>()) {
   // Distributed: with one instance (a plain process) the same machinery runs, its
   // exchanges the identity.
@@ -23,7 +23,7 @@ Pipeline::Pipeline(DeviceGroup& group, PipelineConfig config, const StageFactory
   if (inst != nullptr) impl_->join_instances(*inst);
 }
 
-void Pipeline::Impl::build(DeviceGroup& group, PipelineConfig config, const StageFactory& make_stages) {
+void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config, const StageFactory& make_stages) {
   Impl& im = *this;
   if (!make_stages) throw Error("Pipeline: the stage factory is empty");
   if (config.replicas == 0) detail::throw_bad_value("replicas", config.replicas, "must be at least 1");
@@ -84,8 +84,7 @@ void Pipeline::Impl::build(DeviceGroup& group, PipelineConfig config, const Stag
       sr->reduced.assign(g, 0.0f);
       sr->batches = &im.batches[r];
       sr->wait = sr->device->placement().wait_policy(sr->wait);
-      sr->link = HostLinkTimeline(HostLinkTimeline::Shape{config.host_link, config.io_tiles,
-                                                          sr->device->config().bytes_per_tile, config.prefetch_depth,
+      sr->link = HostLinkTimeline(HostLinkTimeline::Shape{config, sr->device->config().bytes_per_tile,
                                                           sr->device->id(), sr->device->placement().shares_core(),
                                                           "a micro-batch (data and labels)"});
       sr->local_out.assign(sr->out_elements, 0.0f);
@@ -232,10 +231,9 @@ void Pipeline::Impl::build(DeviceGroup& group, PipelineConfig config, const Stag
 
 EngineConfig engine_config_of(const PipelineConfig& config) {
   EngineConfig ec;
+  static_cast<HostIO&>(ec) = config;  // the host side as the pipeline states it
+  ec.synthetic_data = false;  // the stages make synthetic data themselves (stage_execution)
   ec.device_link = config.device_link;
-  ec.host_link = config.host_link;
-  ec.io_tiles = config.io_tiles;
-  ec.prefetch_depth = config.prefetch_depth;
   ec.trace = config.trace;
   return ec;
 }

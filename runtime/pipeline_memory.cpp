@@ -172,7 +172,7 @@ MemoryReport plan_memory_with_advice(const MemoryInputs& in) {
                                  format_bytes(per_sample) + " on device " + std::to_string(worst->device) +
                                  ") grow with it");
   }
-  report.suggestions.push_back("more memory per device (Options::tiles_per_device, bytes_per_tile): device " +
+  report.suggestions.push_back("more memory per device (Options::tiles, bytes_per_tile): device " +
                                std::to_string(worst->device) + " needs " + format_bytes(worst->peak()) + ", has " +
                                format_bytes(worst->capacity));
   return report;

@@ -34,18 +34,7 @@ void Stage::update(const StageContext&, std::span<const float>) {}
 
 // ---- config and plan ----
 
-PipelineConfig PipelineConfig::from(const Options& options) {
-  options.validate();
-  PipelineConfig c;
-  c.replicas = options.replicas();
-  c.gradient_accumulation = options.gradient_accumulation();
-  c.precision = options.precision();
-  c.io_tiles = options.io_tiles();
-  c.prefetch_depth = options.prefetch_depth();
-  c.host_link = options.host_link();
-  c.synthetic_data = options.synthetic_data();
-  return c;
-}
+PipelineConfig PipelineConfig::from(const Options& options) { return options.pipeline_config(); }
 
 std::uint32_t PipelineConfig::devices_per_replica(std::uint32_t stages) const {
   if (strategy == ExecutionStrategy::kSingle) return 1;

@@ -12,6 +12,7 @@ const char* to_string(RunStatus s) noexcept {
     case RunStatus::kCompleted: return "completed";
     case RunStatus::kEndOfData: return "end of data";
     case RunStatus::kCancelled: return "cancelled";
+    case RunStatus::kFailed: return "failed";
   }
   return "?";
 }
@@ -19,7 +20,8 @@ const char* to_string(RunStatus s) noexcept {
 namespace detail {
 
 RunControl::RunControl(std::uint32_t replicas, std::uint64_t requested)
-    : requested_(requested), ends_(replicas), remaining_(replicas) {}
+    : requested_(requested), ends_(replicas), remaining_(replicas),
+      started_(std::chrono::steady_clock::now()) {}
 
 void RunControl::cancel() noexcept {
   stop_.set();
@@ -42,6 +44,7 @@ void RunControl::fail(Failure f) noexcept {
 void RunControl::replica_done(std::uint32_t replica, ReplicaEnd end) noexcept {
   ends_[replica] = end;  // each replica writes only its own slot
   if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    ended_ = std::chrono::steady_clock::now();  // published by done_
     {
       std::lock_guard lock(wake_mutex_);
       done_.store(true, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
@@ -84,7 +87,8 @@ RunStatus RunControl::finish(std::vector<std::uint64_t>& iterations, std::string
          << n << " replica" << (n == 1 ? "" : "s");
       break;
     case RunStatus::kEndOfData:
-    case RunStatus::kCancelled: {
+    case RunStatus::kCancelled:
+    case RunStatus::kFailed: {  // (not reached: a failure throws above)
       os << (status == RunStatus::kEndOfData ? "end of data: infeed closed and drained"
                                              : "cancelled");
       const char* sep = " (";

@@ -8,15 +8,6 @@
 
 namespace bspflow {
 
-const char* to_string(StreamStatus s) noexcept {
-  switch (s) {
-    case StreamStatus::kDrained: return "drained";
-    case StreamStatus::kCancelled: return "cancelled";
-    case StreamStatus::kFailed: return "failed";
-  }
-  return "?";
-}
-
 void StreamConfig::validate(std::uint32_t devices) const {
   if (capacity < 1 || capacity > tunables::kMaxQueueCapacity) {
     detail::throw_bad_value("StreamConfig::capacity", capacity,
@@ -144,18 +135,19 @@ StreamResult StreamCore::finish(std::uint64_t accepted, std::uint64_t delivered,
   r.unanswered = accepted >= delivered ? accepted - delivered : 0;
   r.failure = state_ ? state_->failure() : nullptr;
   if (r.failure) {
-    r.status = StreamStatus::kFailed;
+    r.status = RunStatus::kFailed;
   } else if (state_ && state_->stop.requested()) {
-    r.status = StreamStatus::kCancelled;
+    r.status = RunStatus::kCancelled;
   } else {
-    r.status = StreamStatus::kDrained;
+    r.status = RunStatus::kCompleted;
   }
-  r.message = std::string(to_string(r.status)) + ": " + std::to_string(accepted) +
+  // A Stream's normal end reads "drained": the infeed closed and everything answered.
+  r.message = std::string(r.status == RunStatus::kCompleted ? "drained" : to_string(r.status)) + ": " + std::to_string(accepted) +
               " request(s) accepted, " + std::to_string(delivered) + " answered (" +
               std::to_string(errors) + " with an error), " + std::to_string(r.unanswered) +
               " unanswered";
   if (r.failure) r.message += "; " + r.failure->message;
-  if (r.status == StreamStatus::kDrained && r.unanswered != 0) {
+  if (r.status == RunStatus::kCompleted && r.unanswered != 0) {
     // Cannot happen by design: say so loudly rather than hide a lost request.
     log(LogLevel::kError, "stream drained with unanswered requests: " + r.message);
   }

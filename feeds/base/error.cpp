@@ -24,6 +24,19 @@ std::string count_of(std::uint64_t n, std::string_view noun) {
   return out;
 }
 
+std::string describe_exception(const std::exception_ptr& e) {
+  if (!e) return "no exception";
+  try {
+    std::rethrow_exception(e);
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "unknown exception (not derived from std::exception)";
+  }
+}
+
+}  // namespace detail
+
 std::string format_bytes(std::uint64_t bytes) {
   static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double v = static_cast<double>(bytes);
@@ -40,18 +53,5 @@ std::string format_bytes(std::uint64_t bytes) {
   }
   return buf;
 }
-
-std::string describe_exception(const std::exception_ptr& e) {
-  if (!e) return "no exception";
-  try {
-    std::rethrow_exception(e);
-  } catch (const std::exception& ex) {
-    return ex.what();
-  } catch (...) {
-    return "unknown exception (not derived from std::exception)";
-  }
-}
-
-}  // namespace detail
 
 }  // namespace bspflow

@@ -96,6 +96,11 @@ class DeviceRun {
   void abandon() noexcept;
 
   void wake() noexcept { point_.notify(); }
+  // Host thread, once the run has ended: bytes of stream copies in and out over the host
+  // link, and how long this device waited for them.
+  std::uint64_t host_bytes_in() const noexcept { return host_bytes_in_; }
+  std::uint64_t host_bytes_out() const noexcept { return host_bytes_out_; }
+  std::chrono::nanoseconds host_wait() const noexcept { return host_wait_; }
   // Host thread, before the run: what keeps this object alive (the run's shared state).
   // Every I/O-engine callback holds it, because the engine may still be inside one when the
   // device has already seen the transfer end and the host has moved on.
@@ -200,6 +205,8 @@ class DeviceRun {
   std::vector<SyncGroup*> groups_;  // the sync groups its program uses (set_groups)
   std::uint64_t iterations_ = 0;
   RunStatus status_ = RunStatus::kCompleted;
+  std::uint64_t host_bytes_in_ = 0, host_bytes_out_ = 0;  // device thread; read after the run
+  std::chrono::nanoseconds host_wait_{0};
   std::map<const InfeedQueue<Tensor>*, InLink> ins_;
   std::map<const OutfeedQueue<Tensor>*, OutLink> outs_;
   std::map<const void*, std::uint32_t> labels_;  // by program node

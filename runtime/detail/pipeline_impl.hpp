@@ -310,7 +310,7 @@ struct Pipeline::Impl {
   }
   std::vector<std::shared_ptr<SyncGroup>> replica_groups, reduce_groups;
   // The constructor's work before any other instance is involved.
-  void build(DeviceGroup& group, PipelineConfig config, const StageFactory& make_stages);
+  void build(const DeviceList& group, PipelineConfig config, const StageFactory& make_stages);
   // The host call in this process (Pipeline::run without the agreement across instances).
   PipelineResult run_local(InfeedQueue<Batch>& infeed, std::uint64_t steps, OutfeedQueue<std::vector<float>>* outfeed);
   std::uint32_t ended_replica = 0;  // the last run's kEndOfData: the replica whose lane ended

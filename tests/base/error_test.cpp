@@ -19,12 +19,12 @@ TEST_CASE("throw_bad_value names the field, the value given and what is allowed"
 }
 
 TEST_CASE("format_bytes picks the unit") {
-  CHECK(detail::format_bytes(0) == "0 B");
-  CHECK(detail::format_bytes(1023) == "1023 B");
-  CHECK(detail::format_bytes(1024) == "1.0 KiB");
-  CHECK(detail::format_bytes(624 * 1024) == "624.0 KiB");
-  CHECK(detail::format_bytes(std::uint64_t{3} << 30) == "3.0 GiB");
-  CHECK(detail::format_bytes(std::uint64_t{5} << 40) == "5.0 TiB");
+  CHECK(format_bytes(0) == "0 B");
+  CHECK(format_bytes(1023) == "1023 B");
+  CHECK(format_bytes(1024) == "1.0 KiB");
+  CHECK(format_bytes(624 * 1024) == "624.0 KiB");
+  CHECK(format_bytes(std::uint64_t{3} << 30) == "3.0 GiB");
+  CHECK(format_bytes(std::uint64_t{5} << 40) == "5.0 TiB");
 }
 
 TEST_CASE("describe_exception gives the message, or says what it cannot") {

@@ -521,7 +521,7 @@ TEST_CASE("the loader's batches cross a loop's modeled host link as data plus la
   std::uint64_t bytes = 0, samples = 0, steps = 0;
   while (loader.feed_next(producer)) {
     const auto r = loops::repeat(device, opts.device_iterations(), [](std::size_t& seen, Batch& b) { seen += b.valid; },
-                                 std::size_t{0}, infeed, loops::LoopConfig::from(opts));
+                                 std::size_t{0}, infeed, opts.host_io());
     REQUIRE(r.completed());
     bytes += r.host_bytes_in;
     samples += r.state();

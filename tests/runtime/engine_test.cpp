@@ -446,7 +446,8 @@ TEST_CASE("cancel() reaches a device inside a long modeled transfer (AllReduce, 
 TEST_CASE("synthetic data: no host copies, seeded differently per device") {
   DeviceGroup devices(2, kSmall);
   EngineConfig c;
-  c.synthetic = SyntheticData::kRandomNormal;
+  c.synthetic_data = true;
+  c.synthetic_fill = SyntheticFill::kRandomNormal;
   c.seed = 7;
   Engine engine(devices, c);
   InfeedQueue<Tensor> infeed(InfeedConfig{2});

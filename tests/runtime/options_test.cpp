@@ -23,12 +23,13 @@ TEST_CASE("options: each bad value is an error naming the option, the value and 
   CHECK(contains(error_of([&] { o.prefetch_depth(0); }), "prefetch_depth = 0 is not allowed: must be in 1..255"));
   CHECK(contains(error_of([&] { o.prefetch_depth(256); }), "1..255"));
   CHECK(contains(error_of([&] { o.io_tiles(3); }), "io_tiles = 3"));
-  CHECK(contains(error_of([&] { o.tiles_per_device(0); }), "tiles_per_device = 0"));
+  CHECK(contains(error_of([&] { o.tiles(0); }), "tiles = 0"));
+  CHECK(contains(error_of([&] { o.tiles_per_device(0); }), "tiles = 0"));  // the old spelling
   CHECK(contains(error_of([&] { o.bytes_per_tile(1); }), "bytes_per_tile = 1"));
   CHECK(contains(error_of([&] { o.infeed_capacity(0); }), "infeed_capacity = 0"));
   // Cross-option rules are checked by validate() and by the config getters.
-  o.tiles_per_device(32).io_tiles(32);
-  CHECK(contains(error_of([&] { o.validate(); }), "io_tiles = 32 is not allowed: must be below tiles_per_device (32)"));
+  o.tiles(32).io_tiles(32);
+  CHECK(contains(error_of([&] { o.validate(); }), "io_tiles = 32 is not allowed: must be below tiles (32)"));
   o.io_tiles(16);
   o.prefetch_depth(8).infeed_capacity(4);
   CHECK(contains(error_of([&] { (void)o.infeed_config(); }), "infeed_capacity = 4"));
@@ -51,11 +52,53 @@ TEST_CASE("options: samples per step = micro-batch x iterations x accumulation x
   CHECK(out.mode == OutputMode::every_n(5));
 }
 
+TEST_CASE("options: every config derives from Options, the host side as one HostIO") {
+  Options o;
+  o.prefetch_depth(3).io_tiles(8).synthetic_data(true).host_link(LinkModel{2e9, std::chrono::microseconds(3)});
+  o.replicas(2).gradient_accumulation(7).tiles(64).bytes_per_tile(4096).pin(false);
+  const HostIO io = o.host_io();
+  CHECK(io.prefetch_depth == 3);
+  CHECK(io.io_tiles == 8);
+  CHECK(io.synthetic_data);
+  CHECK(io.host_link.bytes_per_second == 2e9);
+  const EngineConfig e = o.engine_config();
+  CHECK(static_cast<const HostIO&>(e).io_tiles == 8);
+  CHECK(e.prefetch_depth == 3);
+  CHECK(e.synthetic_data);
+  CHECK(e.synthetic_fill == SyntheticFill::kRandomNormal);
+  const PipelineConfig p = o.pipeline_config();
+  CHECK(p.io_tiles == 8);
+  CHECK(p.prefetch_depth == 3);
+  CHECK(p.synthetic_data);
+  CHECK(p.replicas == 2);
+  CHECK(p.gradient_accumulation == 7);
+  CHECK(PipelineConfig::from(o).gradient_accumulation == 7);  // the old spelling agrees
+  CHECK(EngineConfig::from(o).io_tiles == 8);
+  CHECK(o.infeed_config().prefetch_depth == io.prefetch_depth);
+  const DeviceConfig d = o.device_config();
+  CHECK(d.tiles == 64);
+  CHECK(d.bytes_per_tile == 4096);
+  CHECK_FALSE(d.pin);
+  CHECK(o.tiles_per_device() == 64);  // the old spellings read the same options
+  CHECK_FALSE(o.pin_devices());
+  // Each config checks what it derives: io_tiles must stay below the tiles.
+  o.tiles(8);
+  CHECK(contains(error_of([&] { (void)o.host_io(); }), "io_tiles = 8 is not allowed: must be below tiles (8)"));
+  CHECK(contains(error_of([&] { (void)o.pipeline_config(); }), "must be below tiles (8)"));
+  // HostIO checks its own fields.
+  HostIO bad;
+  bad.prefetch_depth = 0;
+  CHECK(contains(error_of([&] { bad.validate(); }), "prefetch_depth = 0 is not allowed: must be in 1..255"));
+  bad.prefetch_depth = 1;
+  bad.io_tiles = 3;
+  CHECK(contains(error_of([&] { bad.validate(); }), "io_tiles = 3"));
+}
+
 TEST_CASE("options: one run shape for the pipeline, its feeds and its loader") {
   Options o;
   o.device_iterations(3).gradient_accumulation(5).replicas(2).infeed_capacity(30).prefetch_depth(2);
   o.output_mode(OutputMode::final()).outfeed_capacity(0);
-  const PipelineConfig p = PipelineConfig::from(o);
+  const PipelineConfig p = o.pipeline_config();
   CHECK(p.replicas == 2);
   CHECK(p.gradient_accumulation == 5);
   CHECK(p.training);  // everything else keeps its default
@@ -119,8 +162,10 @@ TEST_CASE("options: one client thread each side, said once") {
   const OutfeedConfig out = o.outfeed_config();
   CHECK(out.consumer_type == ConsumerType::kSingle);
   CHECK(out.capacity == 64);
-  CHECK(contains(o.describe(), "infeed_producer = single"));
-  CHECK(contains(o.describe(), "outfeed_consumer = single"));
+  CHECK(contains(o.describe(), "producer_type = single"));
+  CHECK(contains(o.describe(), "consumer_type = single"));
+  CHECK(o.producer_type() == ProducerType::kSingle);  // the old setters set the same option
+  CHECK(o.consumer_type() == ConsumerType::kSingle);
   // The queues they build behave as said: a second producer is refused.
   InfeedQueue<int> in(o.infeed_config());
   auto first = in.make_producer();

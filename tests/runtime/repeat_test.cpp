@@ -619,7 +619,7 @@ TEST_CASE("LoopConfig: synthetic data reads one element per replica, and nothing
 TEST_CASE("LoopConfig: from Options, and bad settings named with what is allowed") {
   Options o;
   o.host_link(LinkModel{2e9, 3us}).io_tiles(4).synthetic_data(true);
-  const loops::LoopConfig c = loops::LoopConfig::from(o);
+  const loops::LoopConfig c = o.host_io();
   CHECK(c.host_link.bytes_per_second == 2e9);
   CHECK(c.host_link.latency == 3us);
   CHECK(c.io_tiles == 4);
@@ -636,11 +636,11 @@ TEST_CASE("LoopConfig: from Options, and bad settings named with what is allowed
   auto body = [](int& s, Tensor&) { ++s; };
   loops::LoopConfig odd;
   odd.io_tiles = 3;
-  CHECK(contains(error_of([&] { loops::repeat(device, 4, body, 0, infeed, odd); }), "LoopConfig::io_tiles = 3"));
+  CHECK(contains(error_of([&] { loops::repeat(device, 4, body, 0, infeed, odd); }), "io_tiles = 3"));
   loops::LoopConfig all;
   all.io_tiles = 8;
   const std::string why = error_of([&] { loops::repeat(device, 4, body, 0, infeed, all); });
-  CHECK(contains(why, "LoopConfig::io_tiles = 8"));
+  CHECK(contains(why, "io_tiles = 8"));
   CHECK(contains(why, "below device 0's tiles (8)"));
   // 2 tiles x 1 KiB cannot hold prefetch_depth 4 x 1 KiB: the run ends with the device's error.
   loops::LoopConfig small;

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "bspflow/devices/host_io.hpp"
 #include "bspflow/devices/link_model.hpp"
 
 namespace bspflow::detail {
@@ -33,10 +34,11 @@ class HostLinkTimeline {
   using Clock = std::chrono::steady_clock;
 
   struct Shape {
-    LinkModel link = LinkModel::host();
-    std::uint32_t io_tiles = 0;         // 0: no I/O tiles, every copy waited for
+    // The link, the I/O tiles (0: every copy waited for), prefetch_depth (I/O-tile buffers
+    // per direction) and synthetic_data (not read here: a caller with synthetic data makes
+    // no copies).
+    HostIO host_io{};
     std::size_t bytes_per_tile = 0;     // the device's, for the I/O tiles' room
-    std::uint32_t prefetch_depth = 1;   // I/O-tile buffers per direction, 1..255
     std::uint32_t device = 0;           // named in errors
     bool shares_core = false;           // the device yields its core while it waits
     const char* element = "an element";  // what one copy in moves, for errors

@@ -2,7 +2,10 @@
 // modeled by the I/O engine, I/O tiles, synthetic data, and every phase traced.
 //
 //   DeviceGroup devices(2);
-//   Engine engine(devices, EngineConfig{.io_tiles = 32, .prefetch_depth = 2});
+//   EngineConfig config;  // or options.engine_config()
+//   config.io_tiles = 32;
+//   config.prefetch_depth = 2;
+//   Engine engine(devices, config);
 //   EngineResult r = engine.run({p0, p1});
 #pragma once
 
@@ -15,6 +18,7 @@
 #include <vector>
 
 #include "bspflow/devices/device.hpp"
+#include "bspflow/devices/host_io.hpp"
 #include "bspflow/devices/link_model.hpp"
 #include "bspflow/runtime/options.hpp"
 #include "bspflow/runtime/program.hpp"
@@ -23,32 +27,32 @@
 
 namespace bspflow {
 
-// What replaces host data when synthetic data is on: nothing is copied from the host, the
-// device fills each stream-copy destination once, seeded differently per device and replica.
-enum class SyntheticData { kOff, kZeros, kRandomNormal };
+// What a device generates when synthetic data is on (HostIO::synthetic_data): nothing is
+// copied from the host, the device fills each stream-copy destination once, seeded
+// differently per device and replica.
+enum class SyntheticFill { kZeros, kRandomNormal };
 
-struct EngineConfig {
-  std::uint32_t io_tiles = 0;            // 0, or even, below the device's tiles, >= one micro-batch
-  std::uint32_t prefetch_depth = 1;      // 1..255: micro-batches the I/O tiles move ahead
-  LinkModel host_link = LinkModel::host();
+// An Engine run's shape: the host side (HostIO: host_link, io_tiles, prefetch_depth,
+// synthetic_data; for an Engine io_tiles must hold one micro-batch and prefetch_depth counts
+// micro-batches) and the Engine's own fields. Options::engine_config() derives one.
+struct EngineConfig : HostIO {
   LinkModel device_link = LinkModel::device();
-  SyntheticData synthetic = SyntheticData::kOff;
+  SyntheticFill synthetic_fill = SyntheticFill::kRandomNormal;  // with synthetic_data
   std::uint64_t seed = 0;                // for kRandomNormal
   bool trace = false;                    // record a trace (also on if BSPFLOW_TRACE is set)
   std::string trace_path;                // write it here after each run (BSPFLOW_TRACE=FILE)
 
-  // From Options: io_tiles, prefetch_depth, host_link, synthetic data (random normal).
+  // The old spelling of options.engine_config(); kept so older code compiles.
   static EngineConfig from(const Options& options);
-  // Field ranges; throws bspflow::Error naming the field, the value and what is allowed.
+  // Field ranges (HostIO::validate, the device link); throws bspflow::Error naming the
+  // field, the value and what is allowed.
   void validate() const;
 };
 
-struct EngineResult {
-  RunStatus status = RunStatus::kCompleted;
-  std::vector<std::uint64_t> iterations;  // outermost Repeat trips completed, per device
-  std::string message;
-  std::chrono::nanoseconds elapsed{0};    // wall time of the run
-  bool completed() const noexcept { return status == RunStatus::kCompleted; }
+// How an Engine run ended (RunResult: status, message, elapsed, host link), and the
+// outermost Repeat trips each device completed.
+struct EngineResult : RunResult {
+  std::vector<std::uint64_t> iterations;  // per device
 };
 
 class Engine {

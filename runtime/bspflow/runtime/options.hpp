@@ -1,10 +1,16 @@
-// Options: run-wide settings in the spirit of poptorch.Options. Each setter validates its
-// value at once and throws bspflow::Error naming the option, the value given and what is
-// allowed; validate() checks the rules that tie options together.
+// Options: where a run is stated once, in the spirit of poptorch.Options. Every config of
+// the run's pieces derives from it, in one direction: infeed_config(), outfeed_config(),
+// device_config(), host_io() (a loop's), engine_config(), pipeline_config(); the DataLoader
+// takes the Options themselves. Each setter validates its value at once and throws
+// bspflow::Error naming the option, the value given and what is allowed; validate() checks
+// the rules that tie options together.
 //
 //   bspflow::Options opts;
-//   opts.device_iterations(10).replicas(2).prefetch_depth(3);
+//   opts.device_iterations(10).replicas(2).prefetch_depth(3).io_tiles(32);
 //   bspflow::InfeedQueue<Sample> infeed(opts.infeed_config());
+//   bspflow::DeviceGroup devices(opts.replicas(), opts.device_config());
+//   auto r = bspflow::loops::repeat(devices, opts.device_iterations(), body, state, infeed,
+//                                   opts.host_io());
 //
 // Samples per host step = micro-batch x device iterations x gradient accumulation x replicas.
 //
@@ -19,6 +25,7 @@
 
 #include "bspflow/base/tunables.hpp"
 #include "bspflow/devices/device.hpp"
+#include "bspflow/devices/host_io.hpp"
 #include "bspflow/devices/link_model.hpp"
 #include "bspflow/feeds/infeed_queue.hpp"
 #include "bspflow/feeds/outfeed_queue.hpp"
@@ -26,6 +33,9 @@
 #include "bspflow/runtime/memory.hpp"
 
 namespace bspflow {
+
+struct EngineConfig;    // bspflow/runtime/engine.hpp
+struct PipelineConfig;  // bspflow/runtime/pipeline.hpp
 
 class Options {
  public:
@@ -53,7 +63,7 @@ class Options {
   // Elements per replica moved toward the device ahead of use.
   // kMinPrefetchDepth..kMaxPrefetchDepth (1..255).
   Options& prefetch_depth(std::uint32_t depth);
-  std::uint32_t prefetch_depth() const noexcept { return prefetch_depth_; }
+  std::uint32_t prefetch_depth() const noexcept { return host_io_.prefetch_depth; }
 
   // Infeed lane capacity per replica, elements. The setter takes 1..kMaxQueueCapacity;
   // validate() also asks for at least prefetch_depth.
@@ -67,34 +77,40 @@ class Options {
 
   // One producer thread per infeed (kSingle: a ring per lane, faster) or several (kMulti,
   // default); one reading thread per outfeed (kSingle: a ring per replica, needs a bounded
-  // outfeed_capacity) or several (kMulti, default). See InfeedConfig::producer_type and
-  // OutfeedConfig::consumer_type. Never throw.
-  Options& infeed_producer(ProducerType type) noexcept;
-  ProducerType infeed_producer() const noexcept { return infeed_producer_; }
-  Options& outfeed_consumer(ConsumerType type) noexcept;
-  ConsumerType outfeed_consumer() const noexcept { return outfeed_consumer_; }
+  // outfeed_capacity) or several (kMulti, default). InfeedConfig::producer_type and
+  // OutfeedConfig::consumer_type take them. Never throw. (infeed_producer and
+  // outfeed_consumer are the old spellings, kept so older code compiles.)
+  Options& producer_type(ProducerType type) noexcept;
+  ProducerType producer_type() const noexcept { return producer_type_; }
+  Options& consumer_type(ConsumerType type) noexcept;
+  ConsumerType consumer_type() const noexcept { return consumer_type_; }
+  Options& infeed_producer(ProducerType type) noexcept { return producer_type(type); }
+  ProducerType infeed_producer() const noexcept { return producer_type_; }
+  Options& outfeed_consumer(ConsumerType type) noexcept { return consumer_type(type); }
+  ConsumerType outfeed_consumer() const noexcept { return consumer_type_; }
 
-  // Tiles per device reserved for I/O (stream copies overlapping compute). 0, or an even
-  // number below tiles_per_device: the setter checks evenness, validate() the bound. Used
-  // by EngineConfig::from, PipelineConfig::from and loops::LoopConfig::from (each also
-  // checks that the I/O tiles hold prefetch_depth of what crosses the link).
+  // The host side of the run (host_io(); prefetch_depth above is its fourth field).
+  // Tiles per device reserved for I/O (stream copies overlapping compute): 0, or an even
+  // number below tiles; the setter checks evenness, validate() the bound (each entry point
+  // also checks that the I/O tiles hold prefetch_depth of what crosses the link).
   Options& io_tiles(std::uint32_t tiles);
-  std::uint32_t io_tiles() const noexcept { return io_tiles_; }
-
-  // The modeled host link (default LinkModel::host(): 10 GB/s, 5 us per copy) that
-  // EngineConfig::from, PipelineConfig::from and loops::LoopConfig::from copy. Throws what
+  std::uint32_t io_tiles() const noexcept { return host_io_.io_tiles; }
+  // The modeled host link (default LinkModel::host(): 10 GB/s, 5 us per copy). Throws what
   // LinkModel::validate("host link") throws.
   Options& host_link(const LinkModel& link);
-  const LinkModel& host_link() const noexcept { return host_link_; }
+  const LinkModel& host_link() const noexcept { return host_io_.host_link; }
   // No host copies: an Engine's device generates its input (random normal); a Pipeline or a
   // loop reads one element per replica and reuses it every iteration. Never throws.
   Options& synthetic_data(bool on) noexcept;
-  bool synthetic_data() const noexcept { return synthetic_data_; }
+  bool synthetic_data() const noexcept { return host_io_.synthetic_data; }
 
-  // Device memory: tiles x bytes per tile. tiles_per_device 1..kMaxTiles; bytes_per_tile
-  // kArenaAlignment..kMaxBytesPerTile.
-  Options& tiles_per_device(std::uint32_t tiles);
-  std::uint32_t tiles_per_device() const noexcept { return tiles_per_device_; }
+  // Device memory: tiles x bytes per tile (DeviceConfig::tiles, bytes_per_tile). tiles
+  // 1..kMaxTiles; bytes_per_tile kArenaAlignment..kMaxBytesPerTile. (tiles_per_device is
+  // the old spelling, kept so older code compiles.)
+  Options& tiles(std::uint32_t n);
+  std::uint32_t tiles() const noexcept { return tiles_; }
+  Options& tiles_per_device(std::uint32_t n) { return tiles(n); }
+  std::uint32_t tiles_per_device() const noexcept { return tiles_; }
   Options& bytes_per_tile(std::size_t bytes);
   std::size_t bytes_per_tile() const noexcept { return bytes_per_tile_; }
 
@@ -104,14 +120,16 @@ class Options {
   Options& precision(const Precision& p);
   const Precision& precision() const noexcept { return precision_; }
 
-  // Pin device threads to cores (needs hwloc; without it, devices run unpinned). Never
-  // throws.
-  Options& pin_devices(bool on) noexcept;
-  bool pin_devices() const noexcept { return pin_devices_; }
+  // Pin device threads to cores (DeviceConfig::pin; needs hwloc, without it devices run
+  // unpinned). Never throws. (pin_devices is the old spelling, kept so older code compiles.)
+  Options& pin(bool on) noexcept;
+  bool pin() const noexcept { return pin_; }
+  Options& pin_devices(bool on) noexcept { return pin(on); }
+  bool pin_devices() const noexcept { return pin_; }
 
-  // Any thread. Cross-option rules (io_tiles below tiles_per_device, infeed_capacity >=
-  // prefetch_depth, a bounded outfeed_capacity with outfeed_consumer kSingle). Never blocks, never allocates. Throws bspflow::Error naming the field,
-  // the value and what is allowed.
+  // Any thread. Cross-option rules (io_tiles below tiles, infeed_capacity >=
+  // prefetch_depth, a bounded outfeed_capacity with consumer_type kSingle). Never blocks,
+  // never allocates. Throws bspflow::Error naming the field, the value and what is allowed.
   void validate() const;
 
   // Any thread. micro_batch x device_iterations x gradient_accumulation x replicas. Never
@@ -120,10 +138,22 @@ class Options {
   std::uint64_t samples_per_step(std::uint64_t micro_batch) const;
 
   // Any thread. Configs for the pieces these options describe (each calls validate(), and
-  // throws what it throws). Never blocks, never allocates.
+  // throws what it throws). Never blocks; device_config() and pipeline_config() allocate
+  // only empty vectors, engine_config() an empty string.
+  //   infeed_config():   replicas, infeed_capacity, prefetch_depth, producer_type
+  //   outfeed_config():  replicas, output_mode, outfeed_capacity, consumer_type
+  //   device_config():   tiles, bytes_per_tile, pin
+  //   host_io():         host_link, io_tiles, prefetch_depth, synthetic_data (a loop's
+  //                      LoopConfig; the host side of the two below)
+  //   engine_config():   host_io() (synthetic data generated as random normal)
+  //   pipeline_config(): host_io(), replicas, gradient_accumulation, precision
+  // Every other field of a config keeps its default: set it on the config.
   InfeedConfig infeed_config() const;
   OutfeedConfig outfeed_config() const;
   DeviceConfig device_config() const;
+  HostIO host_io() const;
+  EngineConfig engine_config() const;      // include bspflow/runtime/engine.hpp to call
+  PipelineConfig pipeline_config() const;  // include bspflow/runtime/pipeline.hpp to call
 
   // Any thread. One line per option, "name = value". Never blocks; allocates (the returned
   // string). Throws only std::bad_alloc.
@@ -134,17 +164,14 @@ class Options {
   std::uint32_t replicas_ = 1;
   std::uint32_t gradient_accumulation_ = 1;
   OutputMode output_mode_ = OutputMode::all();
-  std::uint32_t prefetch_depth_ = tunables::kDefaultPrefetchDepth;
+  HostIO host_io_{};  // host_link, io_tiles, prefetch_depth, synthetic_data
   std::size_t infeed_capacity_ = tunables::kDefaultInfeedCapacity;
   std::size_t outfeed_capacity_ = tunables::kDefaultOutfeedCapacity;
-  ProducerType infeed_producer_ = ProducerType::kMulti;
-  ConsumerType outfeed_consumer_ = ConsumerType::kMulti;
-  std::uint32_t io_tiles_ = 0;
-  LinkModel host_link_ = LinkModel::host();
-  bool synthetic_data_ = false;
-  std::uint32_t tiles_per_device_ = tunables::kDefaultTiles;
+  ProducerType producer_type_ = ProducerType::kMulti;
+  ConsumerType consumer_type_ = ConsumerType::kMulti;
+  std::uint32_t tiles_ = tunables::kDefaultTiles;
   std::size_t bytes_per_tile_ = tunables::kDefaultBytesPerTile;
-  bool pin_devices_ = true;
+  bool pin_ = true;
   Precision precision_{};
 };
 

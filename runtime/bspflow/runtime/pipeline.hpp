@@ -178,7 +178,21 @@ using StageList = std::vector<std::unique_ptr<Stage>>;
 using StageFactory = std::function<StageList(std::uint32_t replica)>;
 
 // A plain value type; Pipeline copies it. validate() states the rules.
-struct PipelineConfig {
+// A Pipeline's shape: the host side (HostIO, below) and the Pipeline's own fields.
+// Options::pipeline_config() derives one from a run's Options.
+//
+// The host side (HostIO): host_link carries stage 0's micro-batches in (data and labels),
+// the last stage's outputs out, and optimiser state offload. io_tiles per device (0, or even
+// and below the devices' tiles): with them the host link moves up to prefetch_depth
+// micro-batches ahead of stage 0 (and outputs off the last stage) while the devices compute;
+// without, stage 0 waits for each micro-batch's copy and the last stage for each output's.
+// Their memory (io_tiles x bytes per tile) is in every device's memory plan and must hold
+// prefetch_depth micro-batches. synthetic_data: no host copies (the upper bound on
+// throughput): stage 0 takes one micro-batch per replica from its lane when a run starts
+// and every micro-batch of the run is a copy of it, already on the device; nothing else is
+// read from the infeed, and nothing goes back to it on a cancel. Outputs still reach the
+// outfeed, without link time.
+struct PipelineConfig : HostIO {
   ExecutionStrategy strategy = ExecutionStrategy::kPipelined;
   PipelineSchedule schedule = PipelineSchedule::kGrouped;  // sharded, single: Sequential
   SyncMode sync = SyncMode::kBsp;
@@ -202,21 +216,6 @@ struct PipelineConfig {
   bool offload_optimizer = false;
   // Activations and gradients between devices; the Engine validates both links.
   LinkModel device_link = LinkModel::device();
-  // The host link: stage 0's micro-batches in (data and labels), the last stage's outputs
-  // out, and optimiser state offload.
-  LinkModel host_link = LinkModel::host();
-  // I/O tiles per device (0, or even and below the devices' tiles): with them the host link
-  // moves up to prefetch_depth micro-batches ahead of stage 0 (and outputs off the last
-  // stage) while the devices compute; without, stage 0 waits for each micro-batch's copy
-  // and the last stage for each output's. Their memory (io_tiles x bytes per tile) is in
-  // every device's memory plan and must hold prefetch_depth micro-batches.
-  std::uint32_t io_tiles = 0;
-  std::uint32_t prefetch_depth = 1;   // 1..255
-  // No host copies (the upper bound on throughput): stage 0 takes one micro-batch per
-  // replica from its lane when a run starts and every micro-batch of the run is a copy of
-  // it, already on the device; nothing else is read from the infeed, and nothing goes back
-  // to it on a cancel. Outputs still reach the outfeed, without link time.
-  bool synthetic_data = false;
   bool trace = false;            // also on with BSPFLOW_TRACE=FILE
   // Training over several instances (processes launched by mpirun; see instance.hpp):
   // `replicas` is this instance's local replicas (InstanceLayout::local_replicas), and the
@@ -239,12 +238,7 @@ struct PipelineConfig {
   // weights).
   std::optional<std::uint32_t> weight_check_interval;
 
-  // Any thread. The run shape from Options (as poptorch.Options gives a model its
-  // replication factor and gradient accumulation): replicas, gradient_accumulation,
-  // precision, io_tiles, prefetch_depth, host_link and synthetic_data; every other field keeps its
-  // default. The infeed, the outfeed and the DataLoader take
-  // the same Options (infeed_config(), outfeed_config(), DataLoader(options, ...)), so the
-  // four agree. Never blocks, never allocates. Throws what Options::validate() throws.
+  // The old spelling of options.pipeline_config(); kept so older code compiles.
   static PipelineConfig from(const Options& options);
 
   // Any thread. Devices the strategy needs for `stages` stages: devices_per_replica x
@@ -318,25 +312,20 @@ class StageError : public Error {
 };
 
 // What Pipeline::run() returns. A plain value type.
-struct PipelineResult {
-  RunStatus status = RunStatus::kCompleted;  // kCompleted, kEndOfData or kCancelled
+// How a Pipeline run ended (RunResult: status kCompleted, kEndOfData or kCancelled, message,
+// elapsed wall time of the Engine run, the host link: bytes of micro-batches in (data and
+// labels) and of outputs out (none with synthetic data), and how long devices waited for it:
+// stage 0 for input, the last stage for room to put outputs; an input-bound pipeline shows
+// there), and what it did. A plain value type.
+struct PipelineResult : RunResult {
   // Device iterations completed (training: weights updated), per replica (the fewest any
   // device completed).
   std::uint64_t iterations = 0;
   // Forward passes of the last stage, all replicas (inference: micro-batches answered).
   std::uint64_t micro_batches = 0;
-  std::string message;              // one line saying how the run ended
-  std::chrono::nanoseconds elapsed{0};  // wall time of the Engine run
   // Per stage (replica 0): the most inputs its activation FIFO held while a forward pass
   // added one — compare with PipelinePlan::fifo_depth.
   std::vector<std::uint32_t> fifo_depth;
-  // The host link, all replicas: bytes of micro-batches in (data and labels) and of outputs
-  // out (none with synthetic data), and how long devices waited for it (stage 0 for
-  // input, the last stage for room to put outputs) — an input-bound pipeline shows here.
-  std::uint64_t host_bytes_in = 0, host_bytes_out = 0;
-  std::chrono::nanoseconds host_wait{0};
-  // Never blocks, never allocates, never throws.
-  bool completed() const noexcept { return status == RunStatus::kCompleted; }
 };
 
 // One run at a time: run() must not be called again (from any thread) before it returns.
@@ -354,7 +343,7 @@ class Pipeline {
   // bspflow::Error) if a device cannot hold its tensors — it names the device, the
   // largest holders and what would help, and carries the whole report; whatever
   // make_stages throws.
-  Pipeline(DeviceGroup& devices, PipelineConfig config, const StageFactory& make_stages);
+  Pipeline(DeviceList devices, PipelineConfig config, const StageFactory& make_stages);
   // Host thread, not during run(). Stops the Engine's I/O thread and frees the stages and
   // buffers. Never throws.
   ~Pipeline();

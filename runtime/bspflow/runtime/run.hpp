@@ -1,6 +1,9 @@
-// Run<State>: the host's handle on a loop launched with loops::repeat_async, and
-// RepeatResult<State>: what the loop returns. RunStatus says how a loop (or a Pipeline run)
-// ended; detail::RunControl is the shared state behind a Run and behind an Engine run.
+// How a run ended, for every entry point: RunStatus and RunResult (status, message, wall
+// time, what crossed the host link). Each entry point's result extends RunResult with what it
+// has more to say: RepeatResult<State> (loops::repeat), EngineResult, PipelineResult,
+// StreamResult. Run<State> is the host's handle on a loop launched with
+// loops::repeat_async; detail::RunControl is the shared state behind a Run and behind an
+// Engine run.
 #pragma once
 
 #include <atomic>
@@ -21,16 +24,39 @@
 
 namespace bspflow {
 
-// How a loop ended (when it did not fail: a failure is thrown as DeviceError).
+// How a run ended. A loop, an Engine or a Pipeline that fails throws (DeviceError,
+// StageError) instead of returning kFailed; a Stream with OnError::kFailFast returns kFailed.
 enum class RunStatus {
-  kCompleted,  // every replica ran all requested iterations
+  kCompleted,  // every replica ran all requested iterations; a Stream: its infeed was
+               // closed and every accepted request answered
   kEndOfData,  // an infeed was closed and drained before the requested iterations
-  kCancelled,  // Run::cancel() (Engine/Pipeline::cancel()), the Run handle or a device
-               // was destroyed mid-run
+  kCancelled,  // cancel() (Run, Engine, Pipeline, Stream), or the Run handle, the Stream or
+               // a device was destroyed mid-run
+  kFailed,     // a Stream stopped at its first stage failure (OnError::kFailFast)
+  kDrained = kCompleted,  // a Stream's old name for kCompleted (StreamStatus::kDrained)
 };
-// Any thread. "completed", "end of data", "cancelled". Never blocks, never allocates, never
-// throws.
+// Any thread. "completed", "end of data", "cancelled", "failed". Never blocks, never
+// allocates, never throws.
 const char* to_string(RunStatus s) noexcept;
+
+// What every run returns, extended by each entry point. A plain value: any thread may read
+// it once the run has returned it.
+struct RunResult {
+  RunStatus status = RunStatus::kCompleted;
+  std::string message;                  // one line saying how the run ended
+  std::chrono::nanoseconds elapsed{0};  // wall time of the run
+  // The modeled host link, all devices: bytes of elements in and of outputs out (none with
+  // synthetic data, none for a loop without a HostIO or a Stream), and how long devices
+  // waited for it.
+  std::uint64_t host_bytes_in = 0, host_bytes_out = 0;
+  std::chrono::nanoseconds host_wait{0};
+
+  // Never blocks, never allocates, never throws.
+  bool completed() const noexcept { return status == RunStatus::kCompleted; }
+  bool end_of_data() const noexcept { return status == RunStatus::kEndOfData; }
+  bool cancelled() const noexcept { return status == RunStatus::kCancelled; }
+  bool failed() const noexcept { return status == RunStatus::kFailed; }
+};
 
 // Where one loop iteration runs; an optional last argument of a loop body (passed by const
 // reference, valid for that call).
@@ -42,25 +68,17 @@ struct Iteration {
 };
 
 // A plain value: any thread may read it once Run::get() has returned it.
+// How a loop ended (RunResult; the host link is counted for a loop with a HostIO), and
+// its iterations and final states.
 template <class State>
-struct RepeatResult {
-  RunStatus status = RunStatus::kCompleted;
+struct RepeatResult : RunResult {
   std::uint64_t requested = 0;             // iterations asked for, per replica
   std::vector<std::uint64_t> iterations;   // iterations completed, per replica
   std::vector<State> states;               // final loop state, per replica (as each left it)
-  std::string message;                     // one line saying how the run ended
-  // The modeled host link (a loop with a LoopConfig; else zero), all replicas: bytes of
-  // elements in and of outputs out (none with synthetic data), and how long devices waited
-  // for it.
-  std::uint64_t host_bytes_in = 0, host_bytes_out = 0;
-  std::chrono::nanoseconds host_wait{0};
   // With BSPFLOW_TRACE=FILE set: the loop's trace (one track per replica), also written to
   // FILE; else null.
   std::shared_ptr<const Trace> trace;
 
-  // Never blocks, never allocates, never throws.
-  bool completed() const noexcept { return status == RunStatus::kCompleted; }
-  bool end_of_data() const noexcept { return status == RunStatus::kEndOfData; }
   // Replica `replica`'s final state. Never blocks, never allocates. Throws std::out_of_range
   // (not bspflow::Error: it is states.at()) if replica >= states.size().
   const State& state(std::uint32_t replica = 0) const { return states.at(replica); }
@@ -104,6 +122,8 @@ class RunControl {
   // Any thread. Never blocks, never allocates, never throws.
   const StopFlag& stop() const noexcept { return stop_; }
   std::uint64_t requested() const noexcept { return requested_; }
+  // Any thread, once done(): from construction to the last replica's end.
+  std::chrono::nanoseconds elapsed() const noexcept { return ended_ - started_; }
   bool done() const noexcept { return done_.load(std::memory_order_seq_cst); }
   // Any thread. Blocks (spin, then park) until done(). Never allocates.
   void wait() {
@@ -145,6 +165,7 @@ class RunControl {
   std::atomic<std::uint32_t> remaining_;
   std::atomic<bool> done_{false};
   WaitPoint done_point_;
+  std::chrono::steady_clock::time_point started_, ended_;
   mutable std::mutex mutex_;
   std::optional<Failure> failure_;
   std::uint32_t more_failures_ = 0;
@@ -245,6 +266,7 @@ class Run {
     RepeatResult<State> r;
     r.status = s->control.finish(r.iterations, r.message);
     r.requested = s->control.requested();
+    r.elapsed = s->control.elapsed();
     r.states.reserve(s->states.size());
     for (auto& st : s->states) r.states.push_back(std::move(*st));
     for (const auto& l : s->links) {

@@ -10,6 +10,7 @@
 #include "bspflow/base/tunables.hpp"
 #include "bspflow/base/wait_policy.hpp"
 #include "bspflow/runtime/request.hpp"
+#include "bspflow/runtime/run.hpp"
 
 namespace bspflow {
 
@@ -18,13 +19,11 @@ enum class OnError {
   kFailFast,  // stop the stream at the first exception (kFailed)
 };
 
-enum class StreamStatus {
-  kDrained,    // the infeed was closed; every accepted request was answered
-  kCancelled,  // cancel() (or the Stream destroyed mid-run)
-  kFailed,     // OnError::kFailFast and a stage threw, or the runtime failed
-};
-// Any thread. "drained", "cancelled", "failed". Never blocks, never throws.
-const char* to_string(StreamStatus s) noexcept;
+// How a Stream ended is a RunStatus: kCompleted (the infeed was closed and every accepted
+// request answered: "drained"), kCancelled (cancel(), or the Stream destroyed mid-run),
+// kFailed (OnError::kFailFast and a stage threw, or the runtime failed). StreamStatus is the
+// old name, kept so older code compiles; kDrained is a Stream's name for kCompleted.
+using StreamStatus = RunStatus;
 
 struct StreamConfig {
   std::size_t capacity = tunables::kDefaultStreamCapacity;  // ring slots between devices, 1..kMaxQueueCapacity
@@ -35,16 +34,15 @@ struct StreamConfig {
   void validate(std::uint32_t devices) const;
 };
 
-struct StreamResult {
-  StreamStatus status = StreamStatus::kDrained;
+// How a Stream ended (RunResult: status, message, elapsed from start() to the end; a Stream
+// models no host link, so the host fields stay zero), and what happened to its requests.
+struct StreamResult : RunResult {
   std::uint64_t accepted = 0;    // requests the first stage took off the infeed
   std::uint64_t answered = 0;    // responses delivered to the outfeed (errors included)
   std::uint64_t errors = 0;      // of those, RequestErrors
   std::uint64_t unanswered = 0;  // accepted - answered: cut short by cancel or fail-fast
-  std::string message{};         // one line saying the above
   std::shared_ptr<const RequestError> failure{};  // kFailed: the error that stopped it
-  std::chrono::nanoseconds elapsed{0};          // start() to the end
-  bool drained() const noexcept { return status == StreamStatus::kDrained; }
+  bool drained() const noexcept { return status == RunStatus::kCompleted; }
 };
 
 }  // namespace bspflow

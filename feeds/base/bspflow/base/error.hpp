@@ -19,7 +19,13 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+// Any thread. A byte count as people read it: "624.0 KiB", "897.0 MiB" (binary units, one
+// decimal). Never blocks; allocates (the string). Throws only std::bad_alloc.
+std::string format_bytes(std::uint64_t bytes);
+
 namespace detail {
+
+using bspflow::format_bytes;  // (its old home; kept so older code compiles)
 
 // "prefetch_depth = 0 is not allowed: must be in 1..255" — the one shape every
 // validation error takes, so they read the same everywhere.
@@ -27,9 +33,6 @@ namespace detail {
                                   std::string_view allowed);
 [[noreturn]] void throw_bad_value(std::string_view name, std::uint64_t given,
                                   std::string_view allowed);
-
-// Human-readable byte count: "624.0 KiB", "897.0 MiB".
-std::string format_bytes(std::uint64_t bytes);
 
 // "1 step", "2 steps": a count and its noun (plural with an s unless n is 1).
 std::string count_of(std::uint64_t n, std::string_view noun);

@@ -1,0 +1,276 @@
+// loops::repeat's machinery, part two: the launch of a run (one replica per device) and how
+// a call's feeds are told apart. Not part of the API (see bspflow/runtime/repeat.hpp);
+// installed because repeat's templates include it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "bspflow/base/error.hpp"
+#include "bspflow/base/log.hpp"
+#include "bspflow/devices/device.hpp"
+#include "bspflow/devices/host_io.hpp"
+#include "bspflow/feeds/infeed_queue.hpp"
+#include "bspflow/feeds/outfeed_queue.hpp"
+#include "bspflow/runtime/detail/repeat_replica.hpp"
+#include "bspflow/runtime/engine.hpp"
+#include "bspflow/runtime/program.hpp"
+#include "bspflow/runtime/run.hpp"
+#include "bspflow/runtime/trace.hpp"
+
+namespace bspflow::loops::detail {
+
+using bspflow::detail::RunControl;
+using bspflow::detail::RunState;
+
+// The replica's program: a FusedRepeat that runs the trips and, at the end, delivers the
+// outfeed's held results (after a full run or end of data: a partial final()/sum() would be
+// mistaken for the real one), releases the feeds and hands the state over.
+template <class State, class Body, class InQ, class OutQ>
+Program replica_program(RunState<State>& run, Replica<State, Body, InQ, OutQ>& rep,
+                        std::uint32_t device, std::uint32_t replica, std::uint64_t n) {
+  auto loop = [&rep, device, replica, n](const program::LoopFrame& frame) {
+    return rep.link ? run_trips<true>(rep, frame, device, replica, n) : run_trips<false>(rep, frame, device, replica, n);
+  };
+  auto finish = [&run, &rep, replica](bool deliver) {
+    auto release = [&] {
+      rep.outfeed.reset();
+      rep.infeed.reset();  // releases the lane and the arena buffer
+      if (rep.link) {
+        const HostLinkTimeline& t = rep.link->timeline;
+        run.links[replica] = {t.bytes_in(), t.bytes_out(), t.waited()};
+        rep.link.reset();  // releases the I/O tiles
+      }
+      run.states[replica].emplace(std::move(rep.state));
+    };
+    try {
+      rep.outfeed->finish(deliver, &run.control.stop());
+    } catch (...) {
+      release();
+      throw;
+    }
+    release();
+  };
+  return program::FusedRepeat("loop body", n, std::move(loop), std::move(finish));
+}
+
+template <class State, class Body, class InQ, class OutQ>
+Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State init, InQ* infeed,
+                  OutQ* outfeed, const HostIO* config = nullptr) {
+  const std::uint32_t replicas = devices.size();
+  if (replicas == 0) throw Error("loops::repeat needs at least one device");
+  if (config) config->validate();
+  if constexpr (!std::is_same_v<InQ, NoFeed>) {
+    if (infeed->replicas() != replicas) {
+      throw Error("infeed has " + std::to_string(infeed->replicas()) +
+                  " replica lane(s) but the loop runs on " + std::to_string(replicas) +
+                  " device(s); each replica needs its own lane (InfeedConfig::replicas = " +
+                  std::to_string(replicas) + ")");
+    }
+  }
+  if constexpr (!std::is_same_v<OutQ, NoFeed>) {
+    if (outfeed->replicas() != replicas) {
+      throw Error("outfeed has " + std::to_string(outfeed->replicas()) +
+                  " replica(s) but the loop runs on " + std::to_string(replicas) +
+                  " device(s) (OutfeedConfig::replicas = " + std::to_string(replicas) + ")");
+    }
+    const OutputMode mode = outfeed->mode();
+    if (mode.kind() == OutputMode::Kind::kEveryN && mode.n() > n) {
+      log(LogLevel::kWarning, "outfeed mode " + mode.to_string() + " with " + std::to_string(n) +
+                                  " iterations delivers no entries");
+    }
+  }
+
+  auto run = std::make_shared<RunState<State>>(replicas, n);
+  if (std::string path = bspflow::detail::trace_path_from_env(); !path.empty()) {
+    run->trace = std::make_unique<Trace>();
+    for (std::uint32_t r = 0; r < replicas; ++r) {
+      run->tracks.push_back(&run->trace->add_track("device " + std::to_string(devices[r].id()),
+                                                   TraceTrack::Kind::kDevice, r));
+    }
+    run->trace_path = std::move(path);
+  }
+  using Rep = Replica<State, Body, InQ, OutQ>;
+  std::vector<std::shared_ptr<Rep>> reps;
+  reps.reserve(replicas);
+  {
+    // The links (I/O tiles checked and taken from the arenas) first, then readers (which
+    // claim the infeed lanes), then outfeed writers (which attach the run): if anything
+    // throws, everything built so far is released again.
+    std::vector<std::unique_ptr<ReplicaLink>> links(replicas);
+    if (config) {
+      std::uint32_t depth = 1;
+      if constexpr (!std::is_same_v<InQ, NoFeed>) depth = infeed->prefetch_depth();
+      for (std::uint32_t r = 0; r < replicas; ++r) {
+        links[r] = std::make_unique<ReplicaLink>(*config, devices[r], r, depth);
+      }
+    }
+    std::vector<std::optional<InfeedSide<InQ>>> ins(replicas);
+    for (std::uint32_t r = 0; r < replicas; ++r) ins[r].emplace(infeed, devices[r], r);
+    std::vector<OutfeedSide<OutQ>> outs;
+    if constexpr (!std::is_same_v<OutQ, NoFeed>) {
+      for (auto& w : outfeed->begin_run()) outs.emplace_back(std::move(w), outfeed->mode());
+    } else {
+      outs.resize(replicas);
+    }
+    for (std::uint32_t r = 0; r < replicas; ++r) {
+      reps.push_back(std::make_shared<Rep>(body, init, std::move(*ins[r]), std::move(outs[r]), std::move(links[r])));
+    }
+  }
+  run->control.set_waker([infeed, outfeed] {
+    if constexpr (!std::is_same_v<InQ, NoFeed>) infeed->wake_all();
+    if constexpr (!std::is_same_v<OutQ, NoFeed>) outfeed->wake_all();
+  });
+
+  for (std::uint32_t r = 0; r < replicas; ++r) {
+    Device& device = devices[r];
+    std::shared_ptr<Rep> rep = reps[r];
+    try {
+      device.submit(DeviceJob{
+          [run, rep, &device, r, n] {
+            const Program program = replica_program(*run, *rep, device.id(), r, n);
+            bspflow::detail::run_on_device(device, r, program, run->control, run->track(r));
+          },
+          [run] { run->control.cancel(); },
+      });
+    } catch (...) {
+      // This device refused the job: stop the replicas already submitted, and finish this
+      // one and the rest here so the run still completes.
+      run->control.fail(RunControl::Failure{device.id(), r, 0, std::current_exception()});
+      for (std::uint32_t k = r; k < replicas; ++k) {
+        const Program program = replica_program(*run, *reps[k], devices[k].id(), k, n);
+        bspflow::detail::abandon_on_device(devices[k], k, program, run->control);
+      }
+      break;
+    }
+  }
+  return Run<State>(std::move(run));
+}
+
+// Sync calls with a bounded outfeed would deadlock if the run produces more entries than fit
+// (nobody reads until the call returns): refuse them up front.
+template <class OutQ>
+void check_sync_outfeed(const OutQ* outfeed, std::uint64_t n) {
+  if constexpr (!std::is_same_v<OutQ, NoFeed>) {
+    // kSingle: each replica has a ring of `capacity` entries; kMulti: one queue for all.
+    const bool per_replica = outfeed->config().consumer_type == ConsumerType::kSingle;
+    const std::uint64_t entries = outfeed->mode().entries_for(n) * (per_replica ? 1 : outfeed->replicas());
+    if (outfeed->capacity() != 0 && entries > outfeed->capacity()) {
+      throw Error("outfeed capacity " + std::to_string(outfeed->capacity()) +
+                  (per_replica ? " per replica" : "") + " < " + std::to_string(entries) +
+                  " entries this run delivers" + (per_replica ? " to each replica" : "") +
+                  ", and loops::repeat reads nothing until the loop ends: use "
+                  "loops::repeat_async and read the outfeed while it runs, or raise the capacity" +
+                  (per_replica ? "" : " (0 = unbounded)"));
+    }
+  }
+}
+
+
+// ---- the feeds a loops::repeat call names (any of an infeed, an outfeed, a HostIO) ----
+
+template <class T>
+inline constexpr bool kIsInfeed = false;
+template <class T>
+inline constexpr bool kIsInfeed<InfeedQueue<T>> = true;
+template <class T>
+inline constexpr bool kIsOutfeed = false;
+template <class T>
+inline constexpr bool kIsOutfeed<OutfeedQueue<T>> = true;
+template <class T>
+inline constexpr bool kIsHostIO = std::is_same_v<T, HostIO>;
+
+template <class F>
+using Bare = std::remove_cvref_t<F>;
+
+// The element type a queue carries.
+template <class Q>
+struct ElementOf;
+template <class T>
+struct ElementOf<InfeedQueue<T>> {
+  using type = T;
+};
+template <class T>
+struct ElementOf<OutfeedQueue<T>> {
+  using type = T;
+};
+
+// The first type of Fs... that Pick selects, or NoFeed.
+template <template <class> class Pick, class... Fs>
+struct FirstOf {
+  using type = NoFeed;
+};
+template <template <class> class Pick, class F, class... Fs>
+struct FirstOf<Pick, F, Fs...> {
+  using type = std::conditional_t<Pick<Bare<F>>::value, Bare<F>, typename FirstOf<Pick, Fs...>::type>;
+};
+template <class T>
+struct PickInfeed : std::bool_constant<kIsInfeed<T>> {};
+template <class T>
+struct PickOutfeed : std::bool_constant<kIsOutfeed<T>> {};
+
+// The queue types a call names (NoFeed where absent), checked: only feeds and a HostIO,
+// each at most once, queues as lvalues (they must outlive the run).
+template <class... Fs>
+struct Feeds {
+  static constexpr int kInfeeds = (0 + ... + int{kIsInfeed<Bare<Fs>>});
+  static constexpr int kOutfeeds = (0 + ... + int{kIsOutfeed<Bare<Fs>>});
+  static constexpr int kHostIOs = (0 + ... + int{kIsHostIO<Bare<Fs>>});
+  static_assert(((kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>> || kIsHostIO<Bare<Fs>>) && ...),
+                "loops::repeat takes, after the initial state, only feeds: an InfeedQueue<In>&, "
+                "an OutfeedQueue<Out>& and a const HostIO& (LoopConfig), each at most once, in "
+                "any order");
+  static_assert(kInfeeds <= 1, "loops::repeat takes at most one InfeedQueue");
+  static_assert(kOutfeeds <= 1, "loops::repeat takes at most one OutfeedQueue");
+  static_assert(kHostIOs <= 1, "loops::repeat takes at most one HostIO (LoopConfig)");
+  static_assert(((!(kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>>) || std::is_lvalue_reference_v<Fs>) && ...),
+                "loops::repeat takes its queues by reference: pass a named InfeedQueue or "
+                "OutfeedQueue that outlives the run");
+  using In = typename FirstOf<PickInfeed, Fs...>::type;
+  using Out = typename FirstOf<PickOutfeed, Fs...>::type;
+};
+
+// A pointer to the one argument of type Q among fs..., or null.
+template <class Q, class F>
+Q* pointer_if(F& f) noexcept {
+  if constexpr (std::is_same_v<Bare<F>, std::remove_cv_t<Q>>) {
+    return const_cast<Q*>(&f);  // queues come as non-const lvalues; a HostIO is only read
+  } else {
+    return nullptr;
+  }
+}
+template <class Q, class... Fs>
+Q* find_feed(Fs&... fs) noexcept {
+  Q* out = nullptr;
+  ((out = out != nullptr ? out : pointer_if<Q>(fs)), ...);
+  return out;
+}
+
+// loops::repeat_async's body: checks the element types a HostIO measures, then launches.
+template <class State, class Body, class... Fs>
+Run<State> launch_with(DeviceList devices, std::uint64_t n, Body body, State init, Fs&... fs) {
+  using F = Feeds<Fs&...>;
+  using InQ = typename F::In;
+  using OutQ = typename F::Out;
+  if constexpr (F::kHostIOs == 1) {
+    if constexpr (!std::is_same_v<InQ, NoFeed>) {
+      static_assert(kMeasurable<typename ElementOf<InQ>::type>,
+                    "with a HostIO, the infeed's element needs host_bytes(const T&) (found by "
+                    "ADL), or to be trivially copyable, or a std::vector of such");
+    }
+    if constexpr (!std::is_same_v<OutQ, NoFeed>) {
+      static_assert(kMeasurable<typename ElementOf<OutQ>::type>,
+                    "with a HostIO, the outfeed's element needs host_bytes(const T&) (found by "
+                    "ADL), or to be trivially copyable, or a std::vector of such");
+    }
+  }
+  return launch(devices, n, std::move(body), std::move(init), find_feed<InQ>(fs...),
+                find_feed<OutQ>(fs...), find_feed<const HostIO>(fs...));
+}
+
+}  // namespace bspflow::loops::detail
