@@ -74,7 +74,7 @@ case "$what" in
   demo)
     install_deps
     configure "$build"
-    "$build/examples/08_fashion_mnist_pipeline" "$@"
+    "$build/examples/t03_fashion_mnist_pipeline" "$@"
     ;;
   test)
     install_deps

@@ -1,4 +1,4 @@
-// 06_data_loading: PopTorch's "efficient data loading" tutorial in C++. Is the host's data
+// t01_data_loading: PopTorch's "efficient data loading" tutorial in C++. Is the host's data
 // loader the bottleneck, or the device?
 //
 // A synthetic dataset of 10000 samples of 1x128x128 floats with labels (the tutorial's:
@@ -12,7 +12,7 @@
 // sample: --work dot products of the sample with resident weight vectors (so the figures
 // mean something); its label checksum is checked against the dataset.
 //
-//   06_data_loading [--samples N] [--batch-size B] [--device-iterations D] [--workers W]
+//   t01_data_loading [--samples N] [--batch-size B] [--device-iterations D] [--workers W]
 //                   [--work K] [--replicas R ...] [--eight-bit-io] [--data-dir DIR]
 //                   [--link-gbytes-per-s G] [--link-steps S]
 //
@@ -311,7 +311,7 @@ void link_findings(const Settings& st, const bspflow::TensorDataset& data) {
 
 int main(int argc, char** argv) {
   Settings st;
-  CLI::App app{"bspflow 06_data_loading: is the data loader the bottleneck?"};
+  CLI::App app{"bspflow t01_data_loading: is the data loader the bottleneck?"};
   app.option_defaults()->always_capture_default();  // --help shows every option's default
   app.add_option("--samples", st.samples, "dataset size")->check(CLI::PositiveNumber);
   app.add_option("--batch-size", st.batch, "micro-batch size")->check(CLI::PositiveNumber);
@@ -355,7 +355,7 @@ int main(int argc, char** argv) {
                           : bspflow::mnist_dataset(st.data_dir, "train");
   std::printf("dataset: %zu samples of %s (%s) built in %.2f s\n", data.size(),
               data.spec().describe().c_str(),
-              bspflow::detail::format_bytes(data.bytes().size()).c_str(), seconds_since(t0));
+              bspflow::format_bytes(data.bytes().size()).c_str(), seconds_since(t0));
   std::printf("loader: batch %zu, %llu device iterations, async, %u workers, %s to the device; "
               "device work: %d dot products per sample\n\n",
               st.batch, static_cast<unsigned long long>(st.device_iterations), st.workers,

@@ -1,4 +1,4 @@
-// 07_io_overlap: what I/O tiles and prefetch buy (the IPU optimisation guide's figures 4.6
+// t02_io_overlap: what I/O tiles and prefetch buy (the IPU optimisation guide's figures 4.6
 // and 4.7, made runnable).
 //
 // One device runs the same workload four ways: I/O tiles 0 or 32, prefetch depth 1 or 3.
@@ -57,7 +57,7 @@ double consume(DeviceBuffer& x, std::chrono::microseconds compute, Clock::time_p
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"07_io_overlap: step time with and without I/O tiles, prefetch 1 and 3"};
+  CLI::App app{"t02_io_overlap: step time with and without I/O tiles, prefetch 1 and 3"};
   app.option_defaults()->always_capture_default();  // --help shows every option's default
   std::size_t elements = 24576;
   double link_gbytes_per_s = 1.0;  // gigabytes (not gigabits) per second
@@ -88,7 +88,7 @@ int main(int argc, char** argv) {
   const auto io = link.duration(bytes);
   const auto compute = std::chrono::microseconds(compute_us);
   std::printf("micro-batch: %zu %s = %s; host link %s -> modeled I/O %.1f us; compute %d us\n",
-              elements, to_string(dtype), detail::format_bytes(bytes).c_str(), link.describe().c_str(),
+              elements, to_string(dtype), bspflow::format_bytes(bytes).c_str(), link.describe().c_str(),
               static_cast<double>(io.count()) / 1e3, compute_us);
   const double io_us = static_cast<double>(io.count()) / 1e3;
   const double serial_us = io_us + compute_us;
@@ -103,12 +103,12 @@ int main(int argc, char** argv) {
     config.host_link = link;
     config.trace = true;
     if (!trace_dir.empty()) {
-      config.trace_path = trace_dir + "/07_io_overlap_io" + std::to_string(s.io_tiles) + "_p" +
+      config.trace_path = trace_dir + "/t02_io_overlap_io" + std::to_string(s.io_tiles) + "_p" +
                           std::to_string(s.prefetch) + ".json";
     }
     Engine engine(device, config);
     // The host queues every micro-batch up front, so the step times show the device and the
-    // link alone (06_data_loading is about keeping a host producer fast enough).
+    // link alone (t01_data_loading is about keeping a host producer fast enough).
     InfeedQueue<Tensor> infeed(InfeedConfig{1, steps, s.prefetch});
     Buffer x = make_buffer(device, "x", dtype, elements);
     double device_sum = 0;

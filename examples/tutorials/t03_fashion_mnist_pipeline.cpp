@@ -1,16 +1,16 @@
-// 08_fashion_mnist_pipeline: PopTorch's pipelining tutorial in C++ on real data. Trains a
+// t03_fashion_mnist_pipeline: PopTorch's pipelining tutorial in C++ on real data. Trains a
 // classifier on Fashion-MNIST pipelined over 4 emulated IPUs (batch 40, 10 device
 // iterations, gradient accumulation 10, AdamW lr 0.001), then evaluates it with an
 // inference pipeline (batch 8, 100 device iterations) and prints the test accuracy.
 //
-//   08_fashion_mnist_pipeline [--epochs N] [--batch-size B] [--test-batch-size B]
+//   t03_fashion_mnist_pipeline [--epochs N] [--batch-size B] [--test-batch-size B]
 //       [--device-iterations D] [--gradient-accumulation K] [--replicas R]
 //       [--learning-rate LR] [--strategy pipelined|sharded] [--schedule grouped|interleaved|
 //       sequential] [--sync bsp|dataflow] [--eight-bit-io] [--offload-optimiser] [--trace FILE]
 //       [--precision fp32|fp16] [--loss-scaling S] [--recompute] [--memory]
 //       [--loader sync|async] [--io-tiles N] [--device-mapping 0,0,1,2]
 //       [--data-dir DIR] [--model conv|mlp]
-//   mpirun -np 2 08_fashion_mnist_pipeline --replicas 2    # one replica per process
+//   mpirun -np 2 t03_fashion_mnist_pipeline --replicas 2    # one replica per process
 //
 // The model is the tutorial's network (conv 5x5 1->10, max-pool, ReLU, conv 5x5 10->20,
 // max-pool, ReLU, dense 320->256, ReLU, dense 256->10), split like the tutorial into 4
@@ -192,7 +192,7 @@ int run(Settings st) {
     std::printf("%s", pipe.memory().to_string().c_str());
   } else {
     std::printf("memory: peak %s per device at the most (storage %s; --memory prints the report)\n",
-                bspflow::detail::format_bytes(pipe.memory().peak()).c_str(),
+                bspflow::format_bytes(pipe.memory().peak()).c_str(),
                 bspflow::to_string(cfg.precision.storage));
   }
   const bool tty = isatty(STDOUT_FILENO) != 0;
@@ -307,7 +307,7 @@ int run(Settings st) {
               100 * accuracy, valid, st.test_batch, static_cast<unsigned long long>(test_iterations),
               valid / eval_seconds);
   std::printf("  host link while training: %s moved, devices waited %.2f s for it (%s)\n",
-              bspflow::detail::format_bytes(link_bytes).c_str(), std::chrono::duration<double>(link_wait).count(),
+              bspflow::format_bytes(link_bytes).c_str(), std::chrono::duration<double>(link_wait).count(),
               st.io_tiles > 0 ? "I/O tiles: copies overlap compute" : "no I/O tiles: every copy waited for");
   std::printf("  device utilisation while training (share of time computing, from the trace summary%s):\n",
               inst.distributed() ? "; instance 0's devices" : "");
@@ -329,7 +329,7 @@ int main(int argc, char** argv) {
   // First, before any device: under mpirun this joins the other processes (MPI_Init).
   bspflow::Instance& inst = bspflow::Instance::current();
   Settings st;
-  CLI::App app{"08_fashion_mnist_pipeline: train Fashion-MNIST pipelined over 4 emulated IPUs, then test it"};
+  CLI::App app{"t03_fashion_mnist_pipeline: train Fashion-MNIST pipelined over 4 emulated IPUs, then test it"};
   app.option_defaults()->always_capture_default();  // --help shows every option's default
   app.add_option("--batch-size", st.batch, "micro-batch size for training")->check(CLI::Range(1, 4096));
   app.add_option("--test-batch-size", st.test_batch, "micro-batch size for evaluation")->check(CLI::Range(1, 4096));
@@ -373,7 +373,7 @@ int main(int argc, char** argv) {
   try {
     return run(st);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "08_fashion_mnist_pipeline%s: %s\n",
+    std::fprintf(stderr, "t03_fashion_mnist_pipeline%s: %s\n",
                  inst.distributed() ? (" (instance " + std::to_string(inst.index()) + ")").c_str() : "", e.what());
     // An error only this instance saw (a missing file, a bad option) would leave the
     // others waiting in their next collective: end them all.

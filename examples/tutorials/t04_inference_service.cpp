@@ -1,10 +1,10 @@
-// 09_inference_service: the flagship's conv net served as a latency-sensitive inference
+// t04_inference_service: the flagship's conv net served as a latency-sensitive inference
 // service. A Stream of four stages (one per block of the net) runs over 2 emulated IPUs
 // (or 4); client threads send one Fashion-MNIST test image per request and get the 10
 // logits back; the example measures the latency of every request, as a benchmark of a
 // real service would.
 //
-//   09_inference_service [--devices 2|4] [--train-steps N] [--train-seconds S]
+//   t04_inference_service [--devices 2|4] [--train-steps N] [--train-seconds S]
 //       [--weights FILE] [--save-weights FILE] [--requests N] [--warmup N] [--rate R]
 //       [--seconds S] [--wait busy_spin|spin_then_park|park] [--hgrm BASE]
 //       [--min-accuracy A] [--data-dir DIR]
@@ -97,7 +97,7 @@ using Clock = std::chrono::steady_clock;
 using bspflow::Request;
 using bspflow::Response;
 
-constexpr const char* kName = "09_inference_service";
+constexpr const char* kName = "t04_inference_service";
 constexpr std::size_t kSide = 28;
 constexpr std::size_t kPixels = kSide * kSide;
 constexpr std::size_t kClasses = 10;
@@ -706,7 +706,7 @@ int run(Settings st, bool min_accuracy_given) {
 
 int main(int argc, char** argv) {
   Settings st;
-  CLI::App app{"09_inference_service: serve the flagship's conv net with a Stream and measure request latency"};
+  CLI::App app{"t04_inference_service: serve the flagship's conv net with a Stream and measure request latency"};
   app.option_defaults()->always_capture_default();  // --help shows every option's default
   app.add_option("--devices", st.devices, "devices to serve on (the net's 4 stages split over them)")
       ->check(CLI::IsMember({2, 4}));

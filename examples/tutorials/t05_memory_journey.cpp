@@ -1,4 +1,4 @@
-// 10_memory_journey: the IPU hands-on session's out-of-memory journey in C++. The
+// t05_memory_journey: the IPU hands-on session's out-of-memory journey in C++. The
 // tutorial's conv net on Fashion-MNIST-shaped data, micro-batch 64, gradient accumulation
 // 3, on devices with a small memory budget (--tiles x --bytes-per-tile). It starts on one
 // device in fp32 and runs out of memory; each step then changes one thing — half
@@ -7,7 +7,7 @@
 // synthetic data to measure samples per second. The run ends with a table: configuration,
 // fits or not, peak memory per device, samples/s.
 //
-//   10_memory_journey [--micro-batch 64] [--gradient-accumulation 3]
+//   t05_memory_journey [--micro-batch 64] [--gradient-accumulation 3]
 //       [--pipeline-accumulation 24] [--tiles 10] [--bytes-per-tile 614400] [--steps 6]
 //       [--quiet]
 //
@@ -152,8 +152,8 @@ int run(const Settings& st) {
   for (const Row& r : rows) best = std::max(best, r.samples_per_s);
   for (const Row& r : rows) {
     std::string peaks;
-    for (std::size_t d = 0; d < r.peaks.size(); ++d) peaks += (d ? " " : "") + bspflow::detail::format_bytes(r.peaks[d]);
-    peaks += " (" + bspflow::detail::format_bytes(r.capacity) + ")";
+    for (std::size_t d = 0; d < r.peaks.size(); ++d) peaks += (d ? " " : "") + bspflow::format_bytes(r.peaks[d]);
+    peaks += " (" + bspflow::format_bytes(r.capacity) + ")";
     char rate[32] = "-";
     if (r.fits) std::snprintf(rate, sizeof rate, "%.0f", r.samples_per_s);
     std::printf("%-50s %4u %3u %-5s %-36s %10s\n", r.what.c_str(), r.devices, r.k, r.fits ? "yes" : "no", peaks.c_str(),
@@ -190,7 +190,7 @@ int main(int argc, char** argv) {
   try {
     return run(st);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "10_memory_journey: %s\n", e.what());
+    std::fprintf(stderr, "t05_memory_journey: %s\n", e.what());
     return 1;
   }
 }

@@ -1,4 +1,4 @@
-// Flagship benchmark: the 08_fashion_mnist_pipeline model and settings (4 stages, batch 40,
+// Flagship benchmark: the t03_fashion_mnist_pipeline model and settings (4 stages, batch 40,
 // gradient accumulation 10, 10 device iterations, AdamW) on synthetic images. Keys:
 //
 //   flagship_samples_per_s   training throughput pipelined over 4 emulated devices
