@@ -1,4 +1,4 @@
-// The I/O engine (see bspflow/io_engine.hpp). The only file that includes Asio.
+// The I/O engine (see bspflow/devices/io_engine.hpp). The only file that includes Asio.
 #include "bspflow/devices/device_tunables.hpp"
 #include "bspflow/devices/io_engine.hpp"
 

@@ -1,4 +1,4 @@
-// membarrier-based heavy fence (see bspflow/detail/fence.hpp).
+// membarrier-based heavy fence (see bspflow/base/detail/fence.hpp).
 #include "bspflow/base/detail/fence.hpp"
 
 #if defined(__linux__)

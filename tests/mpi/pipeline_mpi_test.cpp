@@ -6,10 +6,8 @@
 #include <doctest/doctest.h>
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <cmath>
-#include <optional>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -18,108 +16,19 @@
 
 #include <bspflow/bspflow.hpp>
 
+#include "runtime/dense_stage.hpp"
+
 using namespace bspflow;
 using namespace std::chrono_literals;
 
 namespace {
 
 const DeviceConfig kSmall{64, 64 * 1024};
-constexpr std::size_t kBatch = 4, kIn = 5, kClasses = 3;
+constexpr std::size_t kBatch = test::kDenseBatch, kIn = 5, kClasses = 3;
+using test::Dense;
 
-// A dense layer (tanh; the last stage adds softmax cross-entropy and outputs {loss, correct})
-// with SGD and momentum (the momentum is its optimiser state). `seed` sets the initial
-// weights: instances seeded differently start the same once the constructor broadcast
-// instance 0's.
-class Dense final : public Stage {
- public:
-  Dense(std::size_t in, std::size_t out, bool last, float seed)
-      : in_(in), out_(out), last_(last), w_(in * out + out), v_(w_.size(), 0.0f) {
-    for (std::size_t j = 0; j < w_.size(); ++j) w_[j] = 0.3f * std::sin(0.7f * static_cast<float>(j + 1) + seed);
-  }
-  std::string name() const override { return last_ ? "head" : "dense"; }
-  std::size_t output_elements() const override { return last_ ? 2 : kBatch * out_; }
-  std::size_t gradient_elements() const override { return w_.size(); }
-  std::span<float> weights() override { return w_; }
-  std::span<float> optimizer_state() override { return v_; }
-
-  void forward(const StageContext& ctx, ForwardArgs& a) override {
-    if (fail_at_step && *fail_at_step == ctx.step && ctx.micro_batch == 1) throw std::runtime_error("injected failure");
-    const float* x = ctx.stage == 0 ? a.batch.data.as<float>().data() : a.input.data();
-    std::vector<float>& z = a.saved;
-    z.assign(kBatch * out_, 0.0f);
-    for (std::size_t b = 0; b < kBatch; ++b) {
-      for (std::size_t o = 0; o < out_; ++o) {
-        float acc = w_[in_ * out_ + o];
-        for (std::size_t i = 0; i < in_; ++i) acc += w_[o * in_ + i] * x[b * in_ + i];
-        z[b * out_ + o] = acc;
-      }
-    }
-    if (!last_) {
-      for (std::size_t j = 0; j < z.size(); ++j) a.output[j] = std::tanh(z[j]);
-      return;
-    }
-    float loss = 0;
-    for (std::size_t b = 0; b < kBatch; ++b) {
-      const float* l = &z[b * out_];
-      const float mx = *std::max_element(l, l + out_);
-      float sum = 0;
-      for (std::size_t o = 0; o < out_; ++o) sum += std::exp(l[o] - mx);
-      loss += std::log(sum) - (l[static_cast<std::size_t>(a.batch.labels[b])] - mx);
-    }
-    a.output[0] = loss;
-    a.output[1] = 0;
-  }
-
-  void backward(const StageContext& ctx, BackwardArgs& a) override {
-    const float* x = ctx.stage == 0 ? a.batch.data.as<float>().data() : a.input.data();
-    std::vector<float> dz(kBatch * out_);
-    for (std::size_t b = 0; b < kBatch; ++b) {
-      for (std::size_t o = 0; o < out_; ++o) {
-        if (last_) {
-          const float* l = &a.saved[b * out_];
-          const float mx = *std::max_element(l, l + out_);
-          float sum = 0;
-          for (std::size_t c = 0; c < out_; ++c) sum += std::exp(l[c] - mx);
-          const float p = std::exp(l[o] - mx) / sum;
-          dz[b * out_ + o] = (p - (static_cast<std::size_t>(a.batch.labels[b]) == o ? 1.0f : 0.0f)) / kBatch;
-        } else {
-          const float t = std::tanh(a.saved[b * out_ + o]);
-          dz[b * out_ + o] = a.grad_output[b * out_ + o] * (1 - t * t);
-        }
-      }
-    }
-    for (std::size_t b = 0; b < kBatch; ++b) {
-      for (std::size_t o = 0; o < out_; ++o) {
-        const float d = dz[b * out_ + o];
-        a.gradients[in_ * out_ + o] += d;
-        for (std::size_t i = 0; i < in_; ++i) {
-          a.gradients[o * in_ + i] += d * x[b * in_ + i];
-          if (!a.grad_input.empty()) a.grad_input[b * in_ + i] += d * w_[o * in_ + i];
-        }
-      }
-    }
-  }
-
-  void update(const StageContext& ctx, std::span<const float> g) override {
-    updates.fetch_add(1);
-    for (std::size_t j = 0; j < w_.size(); ++j) {
-      v_[j] = 0.9f * v_[j] + g[j];
-      w_[j] -= 0.05f * v_[j];
-    }
-    if (drift_at_step && *drift_at_step == ctx.step) w_[0] += 1e-3f;  // this instance only
-  }
-
-  std::optional<std::uint64_t> fail_at_step;
-  std::optional<std::uint64_t> drift_at_step;
-  std::atomic<int> updates{0};
-
- private:
-  std::size_t in_, out_;
-  bool last_;
-  std::vector<float> w_, v_;
-};
-
-// Two stages: 5 -> 6 (tanh) -> 3 classes.
+// Two stages: 5 -> 6 (tanh) -> 3 classes. Instances seeded differently start the same once
+// the constructor has broadcast instance 0's weights.
 StageList make_model(float seed) {
   StageList list;
   list.push_back(std::make_unique<Dense>(kIn, 6, false, seed));

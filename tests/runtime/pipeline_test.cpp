@@ -7,13 +7,12 @@
 #include <cmath>
 #include <map>
 #include <random>
-#include <set>
-#include <stdexcept>
 #include <thread>
 #include <vector>
 
 #include <bspflow/bspflow.hpp>
 
+#include "dense_stage.hpp"
 #include "test_util.hpp"
 
 using namespace bspflow;
@@ -22,108 +21,9 @@ using namespace std::chrono_literals;
 namespace {
 
 const DeviceConfig kSmall{64, 64 * 1024};
-constexpr std::size_t kBatch = 4;
+constexpr std::size_t kBatch = test::kDenseBatch;
 constexpr std::uint32_t kClasses = 3;
-
-// A dense layer (tanh unless it is the last stage, which adds softmax cross-entropy and
-// outputs {loss sum, correct}), trained with SGD with momentum (the momentum is its
-// optimiser state). Deterministic initial weights.
-class Dense final : public Stage {
- public:
-  Dense(std::size_t in, std::size_t out, bool last, std::uint32_t seed, float lr = 0.05f)
-      : in_(in), out_(out), last_(last), lr_(lr), w_(in * out + out), v_(w_.size(), 0.0f) {
-    for (std::size_t j = 0; j < w_.size(); ++j) {
-      w_[j] = 0.3f * std::sin(0.7f * static_cast<float>(j + 1) + static_cast<float>(seed));
-    }
-  }
-  std::string name() const override { return last_ ? "head" : "dense"; }
-  std::size_t output_elements() const override { return last_ ? 2 : kBatch * out_; }
-  std::size_t gradient_elements() const override { return w_.size(); }
-
-  void forward(const StageContext& ctx, ForwardArgs& a) override {
-    if (fail_at && *fail_at == ctx.micro_batch) throw std::runtime_error("injected failure");
-    if (ctx.stage == 0) seen.insert(a.batch.indices.front());
-    const float* x = ctx.stage == 0 ? a.batch.data.as<float>().data() : a.input.data();
-    std::vector<float>& z = a.saved;  // pre-activations (last: logits), then kept for backward
-    z.assign(kBatch * out_, 0.0f);
-    for (std::size_t b = 0; b < kBatch; ++b) {
-      for (std::size_t o = 0; o < out_; ++o) {
-        float acc = w_[in_ * out_ + o];
-        for (std::size_t i = 0; i < in_; ++i) acc += w_[o * in_ + i] * x[b * in_ + i];
-        z[b * out_ + o] = acc;
-      }
-    }
-    if (!last_) {
-      for (std::size_t j = 0; j < z.size(); ++j) a.output[j] = std::tanh(z[j]);
-      return;
-    }
-    float loss = 0, correct = 0;
-    for (std::size_t b = 0; b < kBatch; ++b) {
-      const float* l = &z[b * out_];
-      const float mx = *std::max_element(l, l + out_);
-      float sum = 0;
-      for (std::size_t o = 0; o < out_; ++o) sum += std::exp(l[o] - mx);
-      const auto label = static_cast<std::size_t>(a.batch.labels[b]);
-      loss += std::log(sum) - (l[label] - mx);
-      correct += static_cast<float>(std::max_element(l, l + out_) - l == static_cast<std::ptrdiff_t>(label));
-    }
-    a.output[0] = loss;
-    a.output[1] = correct;
-  }
-
-  void backward(const StageContext& ctx, BackwardArgs& a) override {
-    const float* x = ctx.stage == 0 ? a.batch.data.as<float>().data() : a.input.data();
-    std::vector<float> dz(kBatch * out_);
-    for (std::size_t b = 0; b < kBatch; ++b) {
-      if (last_) {
-        const float* l = &a.saved[b * out_];
-        const float mx = *std::max_element(l, l + out_);
-        float sum = 0;
-        for (std::size_t o = 0; o < out_; ++o) sum += std::exp(l[o] - mx);
-        for (std::size_t o = 0; o < out_; ++o) {
-          const float p = std::exp(l[o] - mx) / sum;
-          dz[b * out_ + o] = (p - (static_cast<std::size_t>(a.batch.labels[b]) == o ? 1.0f : 0.0f)) / kBatch;
-        }
-      } else {
-        for (std::size_t o = 0; o < out_; ++o) {
-          const float t = std::tanh(a.saved[b * out_ + o]);
-          dz[b * out_ + o] = a.grad_output[b * out_ + o] * (1 - t * t);
-        }
-      }
-    }
-    for (std::size_t b = 0; b < kBatch; ++b) {
-      for (std::size_t o = 0; o < out_; ++o) {
-        const float d = dz[b * out_ + o];
-        a.gradients[in_ * out_ + o] += d;
-        for (std::size_t i = 0; i < in_; ++i) {
-          a.gradients[o * in_ + i] += d * x[b * in_ + i];
-          if (!a.grad_input.empty()) a.grad_input[b * in_ + i] += d * w_[o * in_ + i];
-        }
-      }
-    }
-  }
-
-  void update(const StageContext&, std::span<const float> g) override {
-    ++updates;
-    for (std::size_t j = 0; j < w_.size(); ++j) {
-      v_[j] = 0.9f * v_[j] + g[j];
-      w_[j] -= lr_ * v_[j];
-    }
-  }
-  std::span<float> optimizer_state() override { return v_; }
-
-  const std::vector<float>& weights() const { return w_; }
-  std::set<std::uint64_t> seen;
-  std::optional<std::uint64_t> fail_at;
-  int updates = 0;
-
- private:
-  std::size_t in_, out_;
-  bool last_;
-  float lr_;
-  std::vector<float> w_;
-  std::vector<float> v_;
-};
+using test::Dense;
 
 // Layer widths: 5 -> 6 -> 4 -> ... -> kClasses.
 std::vector<std::size_t> widths(std::uint32_t stages) {
@@ -137,7 +37,7 @@ StageList make_model(std::uint32_t stages) {
   const auto w = widths(stages);
   StageList list;
   for (std::uint32_t s = 0; s < stages; ++s) {
-    list.push_back(std::make_unique<Dense>(w[s], w[s + 1], s + 1 == stages, s));
+    list.push_back(std::make_unique<Dense>(w[s], w[s + 1], s + 1 == stages, static_cast<float>(s)));
   }
   return list;
 }
@@ -193,7 +93,7 @@ std::vector<std::vector<float>> reference(std::uint32_t stages, std::uint32_t k,
     }
   }
   std::vector<std::vector<float>> w;
-  for (auto& st : model) w.push_back(static_cast<Dense&>(*st).weights());
+  for (auto& st : model) w.push_back(static_cast<Dense&>(*st).weight_vector());
   return w;
 }
 
@@ -304,8 +204,8 @@ TEST_CASE("pipelined training reaches the weights of plain sequential training: 
     REQUIRE(entries.size() == k * steps);
     for (std::size_t e = 0; e < entries.size(); ++e) CHECK(entries[e].iteration == e);
     for (std::uint32_t s = 0; s < n; ++s) {
-      check_close(dense(pipe, 0, s).weights(), expected[s]);
-      CHECK(dense(pipe, 0, s).updates == static_cast<int>(steps));
+      check_close(dense(pipe, 0, s).weight_vector(), expected[s]);
+      CHECK(dense(pipe, 0, s).updates.load() == static_cast<int>(steps));
     }
   }
 }
@@ -328,8 +228,8 @@ TEST_CASE("replication: replicas see different samples, reduce gradients, stay b
     REQUIRE(r.completed());
     CHECK(r.micro_batches == k * steps * replicas);
     for (std::uint32_t s = 0; s < n; ++s) {
-      CHECK(dense(pipe, 0, s).weights() == dense(pipe, 1, s).weights());  // bit-identical
-      check_close(dense(pipe, 0, s).weights(), expected[s]);
+      CHECK(dense(pipe, 0, s).weight_vector() == dense(pipe, 1, s).weight_vector());  // bit-identical
+      check_close(dense(pipe, 0, s).weight_vector(), expected[s]);
     }
     const auto& a = dense(pipe, 0, 0).seen;
     const auto& b = dense(pipe, 1, 0).seen;
@@ -392,7 +292,7 @@ TEST_CASE("optimiser state offload: streamed in and out around each update, same
     feed(infeed, k * steps, 1);
     REQUIRE(pipe.run(infeed, steps).completed());
     for (std::uint32_t s = 0; s < n; ++s) {
-      check_close(dense(pipe, 0, s).weights(), expected[s]);  // the momentum made it back each time
+      check_close(dense(pipe, 0, s).weight_vector(), expected[s]);  // the momentum made it back each time
       for (float v : dense(pipe, 0, s).optimizer_state()) CHECK(v == 0.0f);  // not resident
     }
     std::uint64_t in = 0, out = 0, bytes_in = 0;
@@ -538,8 +438,8 @@ TEST_CASE("device mapping: consecutive stages share a device and training reache
     CHECK(outfeed.drain().size() == k * steps * c.replicas);
     for (std::uint32_t rep = 0; rep < c.replicas; ++rep) {
       for (std::uint32_t s = 0; s < n; ++s) {
-        check_close(dense(pipe, rep, s).weights(), expected[s]);
-        CHECK(dense(pipe, rep, s).updates == static_cast<int>(steps));
+        check_close(dense(pipe, rep, s).weight_vector(), expected[s]);
+        CHECK(dense(pipe, rep, s).updates.load() == static_cast<int>(steps));
       }
     }
     // The memory plan puts each stage on its mapped device.
@@ -623,8 +523,8 @@ TEST_CASE("inference: forward passes only, every micro-batch's output reaches th
   const PipelineResult r = pipe.run(infeed, 2, &outfeed);
   REQUIRE(r.completed());
   CHECK(outfeed.drain().size() == k * 2);
-  CHECK(dense(pipe, 0, 0).updates == 0);
-  CHECK(dense(pipe, 0, 1).weights() == reference(n, k, 1, 0)[1]);  // untouched
+  CHECK(dense(pipe, 0, 0).updates.load() == 0);
+  CHECK(dense(pipe, 0, 1).weight_vector() == reference(n, k, 1, 0)[1]);  // untouched
 }
 
 TEST_CASE("errors: the config is checked against the stages and devices, saying what is allowed") {
@@ -699,7 +599,7 @@ TEST_CASE("an infeed that ends mid-run ends it with kEndOfData and says what was
   CHECK(r.status == RunStatus::kEndOfData);
   CHECK(r.iterations == 1);
   CHECK(test::contains(r.message, "step 1, micro-batch 2"));
-  CHECK(dense(pipe, 0, 0).updates == 1);
+  CHECK(dense(pipe, 0, 0).updates.load() == 1);
 }
 
 TEST_CASE("a cancel while stage 0 waits for its input ends a single-device training run as cancelled, not failed") {
@@ -727,8 +627,8 @@ TEST_CASE("a cancel while stage 0 waits for its input ends a single-device train
     CHECK(r.status == RunStatus::kCancelled);
     CHECK(r.iterations <= 1);
     // The step cut short is not applied: updates and iterations agree, in every stage.
-    CHECK(dense(pipe, 0, 0).updates == static_cast<int>(r.iterations));
-    CHECK(dense(pipe, 0, 1).updates == static_cast<int>(r.iterations));
+    CHECK(dense(pipe, 0, 0).updates.load() == static_cast<int>(r.iterations));
+    CHECK(dense(pipe, 0, 1).updates.load() == static_cast<int>(r.iterations));
   }
 }
 
@@ -760,7 +660,7 @@ TEST_CASE("distributed in one process: the exchange is the identity, the weights
         CHECK(r.iterations == 4);
       }
       for (std::uint32_t r = 0; r < replicas; ++r) {
-        for (std::uint32_t s = 0; s < n; ++s) CHECK(dense(dist, r, s).weights() == dense(plain, 0, s).weights());
+        for (std::uint32_t s = 0; s < n; ++s) CHECK(dense(dist, r, s).weight_vector() == dense(plain, 0, s).weight_vector());
       }
     }
   }
@@ -789,19 +689,19 @@ TEST_CASE("distributed in one process: cancels at random times and an end of dat
     const PipelineResult r = pipe.run(infeed, 40);
     canceller = {};
     CHECK((r.completed() || r.status == RunStatus::kCancelled));
-    CHECK(dense(pipe, 0, 0).updates == dense(pipe, 1, 0).updates);
-    for (std::uint32_t s = 0; s < n; ++s) CHECK(dense(pipe, 0, s).weights() == dense(pipe, 1, s).weights());
+    CHECK(dense(pipe, 0, 0).updates.load() == dense(pipe, 1, 0).updates.load());
+    for (std::uint32_t s = 0; s < n; ++s) CHECK(dense(pipe, 0, s).weight_vector() == dense(pipe, 1, s).weight_vector());
   }
   // End of data mid-step: the cut-short step is applied nowhere.
-  const int before = dense(pipe, 0, 0).updates;
+  const int before = dense(pipe, 0, 0).updates.load();
   InfeedQueue<Batch> infeed(InfeedConfig{2, 128, 1});
   feed(infeed, 2 * k + 1, 2);
   infeed.close();
   const PipelineResult r = pipe.run(infeed, 5);
   CHECK(r.status == RunStatus::kEndOfData);
   CHECK(r.iterations == 2);
-  CHECK(dense(pipe, 0, 0).updates == before + 2);
-  CHECK(dense(pipe, 1, 0).updates == before + 2);
+  CHECK(dense(pipe, 0, 0).updates.load() == before + 2);
+  CHECK(dense(pipe, 1, 0).updates.load() == before + 2);
 }
 
 TEST_SUITE_END();

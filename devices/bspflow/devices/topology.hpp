@@ -54,7 +54,6 @@ class Topology {
   std::uint32_t cores() const noexcept { return static_cast<std::uint32_t>(cores_.size()); }
   std::uint32_t pus() const noexcept { return pus_; }
   std::uint32_t numa_nodes() const noexcept { return numa_nodes_; }
-  const std::vector<CoreInfo>& core_list() const noexcept { return cores_; }
 
   // Any thread. Where `devices` devices would be placed (see the policy above), keeping off
   // `host_cores` where it can, on this process's cores (instance_cores()). Pure; logs

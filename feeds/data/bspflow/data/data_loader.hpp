@@ -154,7 +154,6 @@ class LoadPlan {
   // This instance's samples per epoch (the whole dataset with one instance).
   std::uint64_t dataset_size() const noexcept { return size_; }
   std::uint64_t total_size() const noexcept { return total_; }
-  std::uint64_t first_position() const noexcept { return offset_; }  // in the epoch order
   std::size_t batch_size() const noexcept { return batch_; }
   std::uint32_t replicas() const noexcept { return shape_.replicas; }
   // Micro-batches per replica per step: device iterations x gradient accumulation.

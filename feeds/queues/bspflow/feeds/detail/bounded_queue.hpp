@@ -233,7 +233,6 @@ class BoundedQueue {
   std::uint64_t total_pushed() const noexcept {
     return reserved_.load(std::memory_order_seq_cst) & kCountMask;
   }
-  std::uint64_t total_popped() const noexcept { return popped_.load(std::memory_order_acquire); }
 
  private:
   static constexpr std::uint64_t kClosedBit = std::uint64_t{1} << 63;
