@@ -4,13 +4,21 @@
 #
 #   ./dev.sh demo          build and run the main demo
 #   ./dev.sh test [ARGS]   build and run every test suite (meson test; ARGS go to it)
-#   ./dev.sh bench         build and run the benchmarks (opt-in; prints key: value figures)
+#   ./dev.sh bench [ARGS]  build and run the benchmarks (opt-in; prints key: value figures)
+#                          and keep their figures in tests/bench/results/DATE_COMMIT/
 #   ./dev.sh tsan          build under ThreadSanitizer (build-tsan/) and run the thread tests
 #   ./dev.sh asan          the same with AddressSanitizer + UBSan (build-asan/)
 #   ./dev.sh fuzz [ARGS]   build the libFuzzer targets with clang (build-fuzz/) and run each
 #                          for BSPFLOW_FUZZ_SECONDS (default 30); ARGS go to meson test
 #   ./dev.sh consumers     install the library (staged) and build a program against it
 #                          through pkg-config, CMake and a meson subproject
+#   ./dev.sh format [--check]  lay out every C++ file with clang-format (.clang-format);
+#                          --check changes nothing and fails if a file is not laid out
+#   ./dev.sh ab REV [BENCH...] [--runs N] [--quick]
+#                          same-run A/B: builds REV's benchmarks in build-ab/<commit>
+#                          (cached), runs each BENCH (default: feed pipeline) alternately
+#                          from REV and from the working tree N times (default 5) and prints
+#                          every key's median and range for both, and the difference
 #   ./dev.sh deps          only install the packages
 #
 # Environment: BUILD_DIR (default build), MESON_ARGS (extra `meson setup` options for a new
@@ -24,6 +32,17 @@ libeigen3-dev libtbb-dev libreaderwriterqueue-dev openmpi-bin libopenmpi-dev"
 
 # The fuzz targets' compiler and libFuzzer (Debian 12's clang is clang 14).
 FUZZ_PACKAGES="clang libfuzzer-14-dev"
+
+# The formatter (Debian 12's clang-format is clang-format 14, the version .clang-format is
+# written for) and the A/B command's interpreter.
+FORMAT_PACKAGES="clang-format"
+AB_PACKAGES="python3"
+
+# cxx_files: every C++ file git tracks, outside the wrap fallbacks and the fuzz corpus.
+cxx_files() {
+  git ls-files '*.cpp' '*.hpp' '*.h' '*.cc' '*.hpp.in' | grep -v -e '^subprojects/' -e '^tests/fuzz/corpus/' \
+    -e '^tests/fuzz/regressions/'
+}
 
 # install_deps [PACKAGES...]: installs those of the packages (default: $PACKAGES) missing.
 install_deps() {
@@ -85,6 +104,14 @@ case "$what" in
     install_deps
     configure "$build"
     meson test -C "$build" --benchmark --suite bench "$@"
+    # The figures, dated: tests/bench/results/<date>_<commit>[-dirty]/<bench>.json.
+    stamp="$(date -u +%Y-%m-%d)_$(git rev-parse --short HEAD)"
+    git diff --quiet HEAD -- 2>/dev/null || stamp="$stamp-dirty"
+    mkdir -p "tests/bench/results/$stamp"
+    for f in "$build"/tests/bench/*.json; do
+      [ -f "$f" ] && cp "$f" "tests/bench/results/$stamp/"
+    done
+    echo "dev.sh bench: figures kept in tests/bench/results/$stamp/"
     ;;
   tsan)
     install_deps
@@ -113,8 +140,61 @@ case "$what" in
     configure "$build"
     BUILD_DIR="$build" tests/consumers/check.sh
     ;;
+  format)
+    install_deps $FORMAT_PACKAGES
+    if [ "${1:-}" = "--check" ]; then
+      # shellcheck disable=SC2046  # one argument per file
+      if ! clang-format --dry-run --Werror $(cxx_files); then
+        echo "dev.sh format: the files above are not laid out as .clang-format says: run ./dev.sh format" >&2
+        exit 1
+      fi
+      echo "dev.sh format: $(cxx_files | wc -l) files laid out as .clang-format says"
+    elif [ $# -eq 0 ]; then
+      # shellcheck disable=SC2046
+      clang-format -i $(cxx_files)
+    else
+      echo "dev.sh format: unknown argument '$1' (allowed: --check, or nothing)" >&2
+      exit 2
+    fi
+    ;;
+  ab)
+    [ $# -ge 1 ] || { echo "dev.sh ab: usage: ./dev.sh ab REV [BENCH...] [--runs N] [--quick]" >&2; exit 2; }
+    install_deps
+    install_deps $AB_PACKAGES
+    rev=$1
+    shift
+    commit=$(git rev-parse --verify --quiet "$rev^{commit}") ||
+      { echo "dev.sh ab: '$rev' is not a commit of this repository" >&2; exit 2; }
+    benches=""
+    ab_args=""
+    while [ $# -gt 0 ]; do
+      case "$1" in
+        --runs) [ $# -ge 2 ] || { echo "dev.sh ab: --runs needs a number" >&2; exit 2; }
+                ab_args="$ab_args --runs $2"; shift 2 ;;
+        --quick) ab_args="$ab_args --quick"; shift ;;
+        -*) echo "dev.sh ab: unknown option '$1' (allowed: --runs N, --quick)" >&2; exit 2 ;;
+        *) benches="$benches $1"; shift ;;
+      esac
+    done
+    [ -n "$benches" ] || benches="feed pipeline"
+    side="build-ab/$commit"
+    if [ ! -f "$side/src/meson.build" ]; then
+      rm -rf "$side"
+      mkdir -p "$side/src"
+      git archive "$commit" | tar -x -C "$side/src"
+    fi
+    [ -f "$side/build/build.ninja" ] || meson setup "$side/build" "$side/src" -Dexamples=false >/dev/null
+    configure "$build"
+    for b in $benches; do
+      ninja -C "$side/build" "tests/bench/${b}_bench" >/dev/null
+      ninja -C "$build" "tests/bench/${b}_bench" >/dev/null
+    done
+    # shellcheck disable=SC2086  # lists meant to split
+    python3 tests/bench/ab.py --a "$side/build" --a-name "$(git rev-parse --short "$commit")" \
+      --b "$build" --b-name "working tree" $ab_args $benches
+    ;;
   *)
-    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
     [ -z "$what" ] || { echo "dev.sh: unknown command '$what'" >&2; exit 2; }
     ;;
 esac

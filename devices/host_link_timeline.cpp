@@ -21,7 +21,7 @@ void HostLinkTimeline::start(Clock::time_point now) noexcept {
   waited_ = std::chrono::nanoseconds{0};
 }
 
-bool HostLinkTimeline::wait(Clock::time_point now, Clock::time_point until, const detail::StopFlag* stop,
+bool HostLinkTimeline::wait(Clock::time_point now, Clock::time_point until, const StopFlag* stop,
                             Clock::time_point& after) noexcept {
   if (until <= now) return true;
   const bool ok = wait_until_deadline(until, stop, shape_.shares_core);
@@ -30,7 +30,7 @@ bool HostLinkTimeline::wait(Clock::time_point now, Clock::time_point until, cons
   return ok;
 }
 
-bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const detail::StopFlag* stop) {
+bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const StopFlag* stop) {
   if (shape_.host_io.io_tiles > 0) {
     const std::size_t room = std::size_t{shape_.host_io.io_tiles} * shape_.bytes_per_tile;
     if (bytes * shape_.host_io.prefetch_depth > room) {
@@ -66,7 +66,7 @@ bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const detail::Sto
   return true;
 }
 
-bool HostLinkTimeline::copy_out(std::size_t bytes, const detail::StopFlag* stop) noexcept {
+bool HostLinkTimeline::copy_out(std::size_t bytes, const StopFlag* stop) noexcept {
   const std::chrono::nanoseconds duration = shape_.host_io.host_link.duration(bytes);
   if (duration.count() == 0) {
     bytes_out_ += bytes;
@@ -89,7 +89,7 @@ bool HostLinkTimeline::copy_out(std::size_t bytes, const detail::StopFlag* stop)
   return true;
 }
 
-bool HostLinkTimeline::finish_out(const detail::StopFlag* stop) noexcept {
+bool HostLinkTimeline::finish_out(const StopFlag* stop) noexcept {
   if (copies_out_ == 0 || shape_.host_io.io_tiles == 0) return true;  // nothing left in flight
   const Clock::time_point now = Clock::now();
   Clock::time_point after = now;

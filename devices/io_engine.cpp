@@ -41,7 +41,7 @@ void sleep_until_near(std::chrono::steady_clock::time_point deadline) noexcept {
 }
 
 bool wait_until_deadline(std::chrono::steady_clock::time_point deadline,
-                         const detail::StopFlag* stop, bool yield) noexcept {
+                         const StopFlag* stop, bool yield) noexcept {
   using Clock = std::chrono::steady_clock;
   if (stop == nullptr) sleep_until_near(deadline);
   for (;;) {

@@ -20,7 +20,7 @@ void SyncGroup::abort() noexcept {
   point_.notify();
 }
 
-bool SyncGroup::arrive_and_wait(const detail::StopFlag& stop, detail::Spin spin) {
+bool SyncGroup::arrive_and_wait(const StopFlag& stop, Spin spin) {
   if (aborted_.load(std::memory_order_acquire)) return false;
   const std::uint64_t before = state_.fetch_add(1, std::memory_order_acq_rel);
   const std::uint64_t gen = generation(before);

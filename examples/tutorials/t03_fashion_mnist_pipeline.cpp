@@ -127,7 +127,7 @@ bspflow::Options training_options(const Settings& st) {
 void sum_over_instances(std::vector<double>& values) { bspflow::Instance::current().allreduce_sum(values); }
 
 bspflow::PipelineConfig pipeline_config(const Settings& st, const bspflow::Options& opts) {
-  bspflow::PipelineConfig cfg = bspflow::PipelineConfig::from(opts);
+  bspflow::PipelineConfig cfg = opts.pipeline_config();
   cfg.strategy = st.strategy == "sharded" ? bspflow::ExecutionStrategy::kSharded : bspflow::ExecutionStrategy::kPipelined;
   cfg.schedule = st.schedule == "interleaved"  ? bspflow::PipelineSchedule::kInterleaved
                  : st.schedule == "sequential" ? bspflow::PipelineSchedule::kSequential
@@ -156,7 +156,7 @@ int run(Settings st) {
   bspflow::PipelineConfig cfg = pipeline_config(st, opts);
   cfg.distributed = inst.distributed();  // reduce across the instances too
   cfg.validate(kStages);  // a bad --device-mapping says so before any device is made
-  bspflow::DeviceGroup devices(cfg.devices_needed(kStages));
+  bspflow::DeviceGroup devices(cfg.devices_needed(kStages), opts.device_config());
   const kit::Model model = st.model == "mlp" ? kit::Model::kMlp : kit::Model::kConv;
   bspflow::Pipeline pipe(devices, cfg, [&](std::uint32_t) { return kit::make_model(model, kStages, st.batch, adamw); });
 

@@ -213,8 +213,6 @@ std::string SampleSpec::describe() const {
   return s;
 }
 
-namespace detail {
-
 BufferPool::~BufferPool() {
   for (std::byte* b : spare_) delete[] b;
 }
@@ -245,8 +243,6 @@ void BufferPool::give(std::byte* block) noexcept {
   delete[] block;
 }
 
-}  // namespace detail
-
 namespace {
 
 std::size_t checked_bytes(DType dtype, const std::vector<std::size_t>& shape) {
@@ -264,7 +260,7 @@ std::size_t checked_bytes(DType dtype, const std::vector<std::size_t>& shape) {
 }  // namespace
 
 Tensor::Tensor(DType dtype, std::vector<std::size_t> shape,
-               std::shared_ptr<detail::BufferPool> pool)
+               std::shared_ptr<BufferPool> pool)
     : dtype_(dtype), shape_(std::move(shape)), size_(checked_bytes(dtype_, shape_)) {
   if (!pool || pool->block_bytes() != size_) {
     throw Error("tensor of " + std::to_string(size_) + " bytes cannot use a buffer pool of " +

@@ -624,8 +624,8 @@ TEST_CASE("LoopConfig: from Options, and bad settings named with what is allowed
   CHECK(c.host_link.latency == 3us);
   CHECK(c.io_tiles == 4);
   CHECK(c.synthetic_data);
-  CHECK(EngineConfig::from(o).host_link.bytes_per_second == 2e9);
-  CHECK(PipelineConfig::from(o).host_link.latency == 3us);
+  CHECK(o.engine_config().host_link.bytes_per_second == 2e9);
+  CHECK(o.pipeline_config().host_link.latency == 3us);
   CHECK(contains(o.describe(), "host_link = 2.0 GB/s, 3.0 us latency"));
   CHECK(contains(error_of([&] { o.host_link(LinkModel{0.0, 1us}); }), "host link bytes_per_second = 0 is not allowed"));
   CHECK(o.host_link().bytes_per_second == 2e9);  // not stored

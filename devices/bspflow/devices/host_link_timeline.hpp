@@ -20,12 +20,9 @@
 #include <cstdint>
 #include <vector>
 
+#include "bspflow/base/stop_flag.hpp"
 #include "bspflow/devices/host_io.hpp"
 #include "bspflow/devices/link_model.hpp"
-
-namespace bspflow::detail {
-class StopFlag;
-}  // namespace bspflow::detail
 
 namespace bspflow {
 
@@ -59,14 +56,14 @@ class HostLinkTimeline {
   // Throws bspflow::Error naming the device, its I/O tiles' room, prefetch_depth and the
   // element's bytes if the I/O tiles cannot hold prefetch_depth elements (checked for
   // inputs; outputs go through the same buffers one at a time).
-  bool copy_in(std::size_t bytes, bool waited, const detail::StopFlag* stop);
+  bool copy_in(std::size_t bytes, bool waited, const StopFlag* stop);
   // Owner thread. An output of `bytes` leaves (see above). false: stopped while waiting.
   // Never allocates, never throws.
-  bool copy_out(std::size_t bytes, const detail::StopFlag* stop) noexcept;
+  bool copy_out(std::size_t bytes, const StopFlag* stop) noexcept;
   // Owner thread, at the end of a run: waits until every output copy has ended (with I/O
   // tiles the device did not wait for the last ones). false: stopped. Never allocates,
   // never throws.
-  bool finish_out(const detail::StopFlag* stop) noexcept;
+  bool finish_out(const StopFlag* stop) noexcept;
 
   // Any thread, once the owner is done. Counts copies that ended (or, out with I/O tiles,
   // were handed to them). Never blocks, never allocates, never throws.
@@ -81,7 +78,7 @@ class HostLinkTimeline {
  private:
   // Waits from `now` until `until` (counted in waited_), setting `after` to when the wait
   // ended (left alone if there was nothing to wait for). false: stopped.
-  bool wait(Clock::time_point now, Clock::time_point until, const detail::StopFlag* stop,
+  bool wait(Clock::time_point now, Clock::time_point until, const StopFlag* stop,
             Clock::time_point& after) noexcept;
 
   Shape shape_;

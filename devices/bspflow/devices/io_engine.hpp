@@ -26,11 +26,8 @@
 #include <string>
 #include <vector>
 
+#include "bspflow/base/stop_flag.hpp"
 #include "bspflow/devices/device_tunables.hpp"
-
-namespace bspflow::detail {
-class StopFlag;
-}  // namespace bspflow::detail
 
 namespace bspflow {
 
@@ -108,6 +105,6 @@ void sleep_until_near(std::chrono::steady_clock::time_point deadline) noexcept;
 // flag it sleeps in slices of at most kModeledWaitSlice and returns false as soon as the flag
 // is set; true: the deadline passed.
 bool wait_until_deadline(std::chrono::steady_clock::time_point deadline,
-                         const detail::StopFlag* stop = nullptr, bool yield = false) noexcept;
+                         const StopFlag* stop = nullptr, bool yield = false) noexcept;
 
 }  // namespace bspflow

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "bspflow/base/stop_flag.hpp"
 #include "bspflow/devices/device.hpp"
 #include "bspflow/devices/host_io.hpp"
 #include "bspflow/devices/link_model.hpp"
@@ -83,7 +84,7 @@ class Engine {
   // it look). If `host` throws, the run is cancelled and, once every device has ended, the
   // exception is rethrown.
   EngineResult run(const std::vector<Program>& programs, std::function<void()> wake,
-                   const std::function<void(const detail::StopFlag&)>& host);
+                   const std::function<void(const StopFlag&)>& host);
 
   // Any thread. Stops the current run (if any) at each device's next Repeat trip or wait;
   // run() then returns RunStatus::kCancelled. Never blocks for long, never throws.

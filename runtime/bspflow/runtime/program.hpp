@@ -36,10 +36,11 @@
 #include <variant>
 #include <vector>
 
-#include "bspflow/base/detail/wait.hpp"
+#include "bspflow/base/stop_flag.hpp"
 #include "bspflow/data/tensor.hpp"
 #include "bspflow/feeds/infeed_queue.hpp"
 #include "bspflow/feeds/outfeed_queue.hpp"
+#include "bspflow/runtime/detail/fused_repeat.hpp"
 #include "bspflow/runtime/device_buffer.hpp"
 #include "bspflow/runtime/run.hpp"
 #include "bspflow/runtime/sync_group.hpp"
@@ -55,7 +56,7 @@ struct ComputeContext {
   std::uint32_t compute_tiles = 0;   // tiles - io_tiles
   // The run's stop request: a codelet that waits for something must give up when it is set
   // (and be woken by the waker passed to Engine::run).
-  const detail::StopFlag* stop = nullptr;
+  const StopFlag* stop = nullptr;
 };
 // The share of an Execute's work items one tile gets: [begin, end).
 struct TileWork {
@@ -133,31 +134,6 @@ struct Repeat {
   std::uint64_t count;
   std::vector<Program> body;  // one element (a vector only to break the type cycle)
 };
-// What the interpreter hands a FusedRepeat's loop: where it runs, when to stop, where to
-// record, and the counters it advances.
-struct LoopFrame {
-  ComputeContext* ctx;              // ctx->iteration: set by the loop to the trip in progress
-  const detail::StopFlag* stop;     // checked by the loop before each trip and in every wait
-  TraceTrack* track;                // null when untraced
-  std::uint32_t label;              // the trace label of the loop's compute (its name)
-  std::uint64_t* trips_done;        // advanced by the loop after each completed trip
-};
-// Repeat(count, {StreamCopy in, Execute(name), StreamCopy out}) compiled into one function
-// that runs every trip: what loops::repeat compiles its typed feeds and body to, so the
-// interpreter does not walk a tree (or call through a std::function) once per element.
-// Only as a whole device program (not inside another node).
-struct FusedRepeat {
-  using Loop = std::function<RunStatus(const LoopFrame&)>;
-  // `loop` runs the trips and says how it ended: kCompleted, kEndOfData (its input ended)
-  // or kCancelled (stop requested); an exception is a failure at ctx->iteration.
-  // `finish(deliver)` runs once on the device thread when the run ends (deliver: it neither
-  // failed nor was cancelled), before the host hears the end.
-  FusedRepeat(std::string name, std::uint64_t count, Loop loop, std::function<void(bool)> finish);
-  std::string name;
-  std::uint64_t count;
-  Loop loop;
-  std::function<void(bool)> finish;
-};
 struct RepeatWhile {
   // Runs body while condition(context) holds, checked before each trip; at most
   // `max_trips` trips (a guard against a condition that never turns false).
@@ -181,7 +157,7 @@ class Program {
   Program(program::StreamCopy n);  // NOLINT
   Program(program::Repeat n);      // NOLINT
   Program(program::RepeatWhile n); // NOLINT
-  Program(program::FusedRepeat n); // NOLINT
+  Program(program::FusedRepeat n); // NOLINT (loops::repeat's; see detail/fused_repeat.hpp)
   Program(program::RemoteCopy n);  // NOLINT
   Program(program::AllReduce n);   // NOLINT
   const Node& node() const noexcept { return *node_; }

@@ -5,6 +5,8 @@
 #include <cstdint>
 
 #include "bspflow/base/detail/wait.hpp"
+#include "bspflow/base/spin.hpp"
+#include "bspflow/base/stop_flag.hpp"
 #include "bspflow/base/tunables.hpp"
 
 namespace bspflow {
@@ -20,7 +22,7 @@ class SyncGroup {
   // Device thread. Returns when every participant has arrived (true), or when `stop` is set
   // or the group was aborted (false; the group is then unusable for this run). Spin::kYield
   // for a device that shares its core: it gives the core to the others between checks.
-  bool arrive_and_wait(const detail::StopFlag& stop, detail::Spin spin = detail::Spin::kTight);
+  bool arrive_and_wait(const StopFlag& stop, Spin spin = Spin::kTight);
   // Device thread: a participant that will not arrive again this run (its infeed ended).
   // Every wait on the group, now and until reset(), returns false, so the others end at
   // their next Sync instead of waiting for it forever; what they do before it still runs.

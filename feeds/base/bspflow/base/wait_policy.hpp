@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "bspflow/base/detail/wait.hpp"
+#include "bspflow/base/spin.hpp"
 #include "bspflow/base/tunables.hpp"
 
 namespace bspflow {
@@ -55,7 +56,7 @@ struct WaitPolicy {
 
   // How a wait under this policy spins before it parks, and for how long (busy-spin: for
   // as long as it takes; park: not at all). Never throws.
-  detail::Spin spin_mode() const noexcept { return yields ? detail::Spin::kYield : detail::Spin::kTight; }
+  Spin spin_mode() const noexcept { return yields ? Spin::kYield : Spin::kTight; }
   std::chrono::nanoseconds spin_budget() const noexcept {
     switch (strategy) {
       case WaitStrategy::kBusySpin: return std::chrono::hours(24 * 365);

@@ -76,22 +76,33 @@ struct SampleSpec {
   bool operator==(const SampleSpec&) const = default;
 };
 
-namespace detail {
-
 // Recycles equal-sized tensor buffers (a DataLoader's micro-batches), so a steady stream of
 // batches does not map and fault in fresh memory for every step. Keeps at most `keep`
-// spare blocks; any thread may take or give. Tensors hold a shared_ptr to their pool, so
-// the pool outlives every buffer it handed out.
+// spare blocks; any thread may take or give. Tensors made from a pool (the Tensor
+// constructor that takes one) hold a shared_ptr to it, so the pool outlives every buffer
+// it handed out.
+//
+//   auto pool = std::make_shared<bspflow::BufferPool>(16 * 784, 8);
+//   bspflow::Tensor t(bspflow::DType::kUint8, {16, 784}, pool);  // its buffer goes back to
+//                                                                 // the pool when t dies
 class BufferPool {
  public:
+  // Setup path. Blocks of `block_bytes`; at most `keep` spare ones are kept. Never blocks,
+  // never allocates, never throws.
   BufferPool(std::size_t block_bytes, std::size_t keep) : block_(block_bytes), keep_(keep) {}
+  // Frees the spare blocks (blocks still taken are not its to free: do not destroy a pool
+  // while a block is out; a Tensor's shared_ptr sees to that). Never throws.
   ~BufferPool();
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;
+  // Any thread. Never blocks, never allocates, never throws.
   std::size_t block_bytes() const noexcept { return block_; }
-  // A block of block_bytes() (uninitialised). Throws std::bad_alloc.
+  // Any thread. A block of block_bytes() (uninitialised): a spare one, else a new one.
+  // Blocks briefly (a mutex). Allocates when no spare is left; throws only std::bad_alloc.
   std::byte* take();
-  // Returns a block taken from this pool.
+  // Any thread. Hands back a block taken from this pool: kept as a spare, or freed when
+  // `keep` are already kept (or the spare list cannot grow). Blocks briefly (a mutex). May
+  // allocate (the spare list); never throws.
   void give(std::byte* block) noexcept;
 
  private:
@@ -100,6 +111,10 @@ class BufferPool {
   std::mutex mutex_;
   std::vector<std::byte*> spare_;
 };
+
+namespace detail {
+
+using bspflow::BufferPool;  // (its old home; kept so older code compiles)
 
 // Frees a tensor's buffer, or hands it back to the pool it came from.
 struct TensorDeleter {
@@ -126,8 +141,9 @@ class Tensor {
   Tensor(DType dtype, std::initializer_list<std::size_t> shape)
       : Tensor(dtype, std::vector<std::size_t>(shape)) {}
   // Uninitialised, with its buffer from `pool` (whose block size must equal the tensor's
-  // bytes; throws bspflow::Error otherwise).
-  Tensor(DType dtype, std::vector<std::size_t> shape, std::shared_ptr<detail::BufferPool> pool);
+  // bytes; throws bspflow::Error otherwise). The buffer goes back to the pool when the
+  // tensor (or the one it was moved to) dies.
+  Tensor(DType dtype, std::vector<std::size_t> shape, std::shared_ptr<BufferPool> pool);
   Tensor(const Tensor& other);
   Tensor& operator=(const Tensor& other);
   // A moved-from tensor is empty (no elements), so it can be refilled safely.

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "bspflow/base/error.hpp"
+#include "bspflow/base/stop_flag.hpp"
 #include "bspflow/base/tunables.hpp"
 #include "bspflow/feeds/detail/bounded_queue.hpp"
 #include "bspflow/feeds/detail/spsc_lane.hpp"
@@ -118,14 +119,14 @@ class InfeedQueue {
       if (queue_ != nullptr && queue_->single()) queue_->producer_live_.store(false, std::memory_order_release);
     }
 
-    std::uint32_t next_replica() {
+   private:
+    friend class InfeedQueue;
+    // The replica push() targets: the round-robin position, then advances it.
+    std::uint32_t next_replica() noexcept {
       const std::uint32_t r = cursor_;
       advance();
       return r;
     }
-
-   private:
-    friend class InfeedQueue;
     explicit Producer(InfeedQueue& q) : queue_(&q) {
       if (q.single()) {
         if (q.producer_live_.exchange(true, std::memory_order_acq_rel)) {
@@ -191,7 +192,7 @@ class InfeedQueue {
     // Device thread. Moves the next element into `out`. Blocks while the lane is empty,
     // waiting as `policy` says (null: spin, then park). Returns false at end of data (closed
     // and drained: end_of_data() is then true) or when `stop` is set.
-    bool pop(T& out, const detail::StopFlag* stop = nullptr, const WaitPolicy* policy = nullptr) {
+    bool pop(T& out, const StopFlag* stop = nullptr, const WaitPolicy* policy = nullptr) {
       if (pos_ == count_ && !refilled_from_carry() &&
           !refilled(lane_->pop_bulk(buffer_.data(), buffer_.size(), stop, policy))) {
         end_of_data_ = lane_->drained();
@@ -316,7 +317,7 @@ class InfeedQueue {
         consumer.emplace(mpmc->make_consumer_token());
       }
     }
-    std::size_t pop_bulk(T* out, std::size_t max, const detail::StopFlag* stop, const WaitPolicy* policy) {
+    std::size_t pop_bulk(T* out, std::size_t max, const StopFlag* stop, const WaitPolicy* policy) {
       return spsc ? spsc->pop_bulk(out, max, stop, policy) : mpmc->pop_bulk(out, max, stop, &*consumer, policy);
     }
     std::size_t try_pop_bulk(T* out, std::size_t max) {

@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "bspflow/base/error.hpp"
+#include "bspflow/base/stop_flag.hpp"
 #include "bspflow/base/tunables.hpp"
 #include "bspflow/feeds/detail/bounded_queue.hpp"
 #include "bspflow/feeds/detail/spsc_lane.hpp"
@@ -225,7 +226,7 @@ class OutfeedQueue {
     // iterations are staged and handed over in bulk (see tunables::kOutfeedCombine). Blocks
     // while a bounded outfeed is full, until `stop` is set (see flush()); returns false only
     // if entries were dropped. The caller checks `stop` itself.
-    bool write(std::uint64_t i, T&& value, const detail::StopFlag* stop = nullptr) {
+    bool write(std::uint64_t i, T&& value, const StopFlag* stop = nullptr) {
       const OutputMode mode = q_->config_.mode;
       if (mode.emits_at(i)) {
         staged_.push_back(Entry{replica_, i, std::move(value)});
@@ -260,7 +261,7 @@ class OutfeedQueue {
     // set: then what the device has written still goes in, past the capacity (at most
     // kStoppedSpare per replica per stopped run; found by the soak suite: a cancel while the
     // reader had stopped lost them). Returns false only if entries were dropped (dropped()).
-    bool flush(const detail::StopFlag* stop = nullptr) {
+    bool flush(const StopFlag* stop = nullptr) {
       if (staged_.empty()) return true;
       const std::size_t n = staged_.size();
       const std::size_t pushed = lane_ != nullptr
@@ -279,7 +280,7 @@ class OutfeedQueue {
     // Device thread. Ends this replica's part of the run, delivering the final()/sum()
     // value when `deliver_held` (false after a failure: a partial sum is no result). The
     // last writer of the run to finish ends it, which ends the host's range-for.
-    void finish(bool deliver_held, const detail::StopFlag* stop = nullptr) {
+    void finish(bool deliver_held, const StopFlag* stop = nullptr) {
       if (q_ == nullptr) return;
       flush(stop);
       if (deliver_held && held_) deliver(std::move(*held_), stop);
@@ -319,7 +320,7 @@ class OutfeedQueue {
     }
     // (Not through flush(): a third caller made GCC stop inlining flush() into write(), which
     // cost the feed benchmark 15%.)
-    bool deliver(Entry&& e, const detail::StopFlag* stop) {
+    bool deliver(Entry&& e, const StopFlag* stop) {
       if (lane_ != nullptr ? lane_->push(std::move(e), stop) : q_->queue_->push(*token_, std::move(e), stop)) {
         return true;
       }

@@ -26,6 +26,7 @@
 
 #include "bspflow/base/detail/wait.hpp"
 #include "bspflow/base/error.hpp"
+#include "bspflow/base/stop_flag.hpp"
 #include "bspflow/base/tunables.hpp"
 #include "bspflow/base/wait_policy.hpp"
 
@@ -72,7 +73,7 @@ class SpscRing {
 
   // Blocks while full, waiting as `policy` says. Returns false (value untouched) if `stop`
   // was set first. Never allocates.
-  bool push(T&& value, const WaitPolicy& policy, const detail::StopFlag& stop) {
+  bool push(T&& value, const WaitPolicy& policy, const StopFlag& stop) {
     T* slot = claim(policy, stop);
     if (slot == nullptr) return false;
     *slot = std::move(value);
@@ -84,7 +85,7 @@ class SpscRing {
   // publish(); blocks while full, waiting as `policy` says; nullptr if `stop` was set
   // first. The slot holds whatever it held before (its buffers are reused). Never
   // allocates.
-  T* claim(const WaitPolicy& policy, const detail::StopFlag& stop) {
+  T* claim(const WaitPolicy& policy, const StopFlag& stop) {
     const std::uint64_t t = producer_.tail;
     if (t - producer_.head_seen >= capacity_) {
       detail::wait_with(not_full_, policy, [&] {
@@ -122,7 +123,7 @@ class SpscRing {
   // Blocks until an element is there (returns it, in place: read or move from it, then
   // pop()), the ring is closed and drained, or `stop` is set (both: nullptr). Waits as
   // `policy` says. Never allocates.
-  T* front(const WaitPolicy& policy, const detail::StopFlag& stop) {
+  T* front(const WaitPolicy& policy, const StopFlag& stop) {
     if (T* f = try_front()) return f;
     const std::uint64_t h = consumer_.head;
     detail::wait_with(not_empty_, policy, [&] {

@@ -25,6 +25,7 @@
 
 namespace bspflow::loops::detail {
 
+using bspflow::detail::RunAccess;
 using bspflow::detail::RunControl;
 using bspflow::detail::RunState;
 
@@ -123,6 +124,8 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
     }
   }
   run->control.set_waker([infeed, outfeed] {
+    (void)infeed;  // (one of them is an unused NoFeed* in a loop without that feed)
+    (void)outfeed;
     if constexpr (!std::is_same_v<InQ, NoFeed>) infeed->wake_all();
     if constexpr (!std::is_same_v<OutQ, NoFeed>) outfeed->wake_all();
   });
@@ -149,7 +152,7 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
       break;
     }
   }
-  return Run<State>(std::move(run));
+  return RunAccess::make(std::move(run));
 }
 
 // Sync calls with a bounded outfeed would deadlock if the run produces more entries than fit

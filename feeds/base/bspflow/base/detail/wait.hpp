@@ -13,6 +13,8 @@
 #include <thread>
 
 #include "bspflow/base/detail/fence.hpp"
+#include "bspflow/base/spin.hpp"
+#include "bspflow/base/stop_flag.hpp"
 #include "bspflow/base/tunables.hpp"
 
 namespace bspflow::detail {
@@ -27,13 +29,8 @@ inline void cpu_relax() noexcept {
 #endif
 }
 
-// How a spin polls. kTight re-checks after every pause: for waits whose end is latency
-// (data arriving). kBackoff doubles the pauses between checks up to 64: for waits whose
-// end is someone else's progress (room in a full queue), so that polling a counter does not
-// keep stealing its cache line from the thread that must advance it.
-// kYield gives the core away between checks: for waits whose partner may be sharing this
-// core (more devices than cores), where a tight spin would only delay the partner.
-enum class Spin { kTight, kBackoff, kYield };
+using bspflow::Spin;      // (public, bspflow/base/spin.hpp; kept so older code compiles)
+using bspflow::StopFlag;  // (public, bspflow/base/stop_flag.hpp; likewise)
 
 // Spins while !ready() for at most `budget`. Returns true as soon as ready() holds.
 template <class Ready>
@@ -126,17 +123,6 @@ class alignas(tunables::kCacheLine) WaitPoint {
 
   std::atomic<std::uint32_t> epoch_{0};
   std::atomic<std::uint32_t> waiters_{0};
-};
-
-// A stop request that parked waiters can observe: set() flips the flag; callers then
-// notify the WaitPoints the stopped work may be parked on.
-class StopFlag {
- public:
-  bool requested() const noexcept { return flag_.load(std::memory_order_seq_cst); }
-  void set() noexcept { flag_.store(true, std::memory_order_seq_cst); }
-
- private:
-  std::atomic<bool> flag_{false};
 };
 
 }  // namespace bspflow::detail

@@ -1,0 +1,77 @@
+// LoaderConfig: what a DataLoader is asked for (batch size, shuffling, workers, mode, the
+// instance it is), and StepShape: the run shape it fills (device iterations, gradient
+// accumulation, replicas; bspflow::Options has them). See bspflow/data/data_loader.hpp.
+#pragma once
+
+#include <concepts>
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+#include "bspflow/base/tunables.hpp"
+#include "bspflow/data/tensor.hpp"
+
+namespace bspflow {
+
+enum class LoaderMode { kSync, kAsync };
+// Any thread. "sync" or "async". Never blocks, never allocates, never throws.
+const char* to_string(LoaderMode m) noexcept;
+
+// A plain value type; the loader copies it. validate() states the rules.
+struct LoaderConfig {
+  std::size_t batch_size = 1;        // micro-batch, samples; >= 1
+  bool shuffle = false;              // random-access datasets only (checked by DataLoader)
+  std::uint64_t seed = 0;            // shuffle seed
+  bool drop_last = true;             // false: pad the last step (label -1)
+  // kAsync: 1..kMaxLoaderWorkers; kSync: helpers, 0..kMaxLoaderWorkers. A streaming
+  // dataset needs exactly 1 (kAsync) or 0 (kSync).
+  std::uint32_t num_workers = 0;
+  LoaderMode mode = LoaderMode::kSync;
+  // kAsync: steps loaded ahead, 1..kMaxLoaderBuffer (kSync ignores it: one step at a time).
+  std::uint32_t buffer_size = tunables::kDefaultLoaderBuffer;
+  bool early_preload = false;        // kAsync only: start loading at construction
+  bool load_indefinitely = false;    // kAsync only: keep loading across epoch ends
+                                     // (needs persistent_workers)
+  bool persistent_workers = true;    // kAsync: keep workers between epochs
+  std::optional<DType> output_dtype; // convert samples to this type (default: keep)
+  // Several processes (Instance, bspflow/runtime/instance.hpp): this loader is instance
+  // `instance` of `instances` and loads its part of every epoch. Every instance shuffles
+  // the whole dataset with the same seed, then takes its own contiguous slice of that
+  // order, so no sample is seen twice or by no one: with drop_last each instance takes
+  // size / instances samples and steps() is the same everywhere (what is dropped, the
+  // remainder included, is counted by dropped() and logged once, by instance 0); without
+  // it the first size % instances instances take one sample more and every instance pads
+  // to the same number of steps. The replicas of the run shape are this instance's local
+  // replicas. instances 1..kMaxReplicas, instance below it.
+  std::uint32_t instance = 0;
+  std::uint32_t instances = 1;
+  // Any thread. Never blocks, never allocates. Throws bspflow::Error naming the field, the
+  // value and what is allowed (or the options that conflict).
+  void validate() const;
+};
+
+// The run shape a loader fills: anything with device_iterations(), gradient_accumulation()
+// and replicas() (bspflow::Options), or a StepShape. Checked by the loader: device
+// iterations and gradient accumulation >= 1, replicas 1..kMaxReplicas.
+struct StepShape {
+  std::uint64_t device_iterations = 1;
+  std::uint32_t gradient_accumulation = 1;
+  std::uint32_t replicas = 1;
+};
+template <class O>
+concept RunShape = requires(const O& o) {
+  { o.device_iterations() } -> std::convertible_to<std::uint64_t>;
+  { o.gradient_accumulation() } -> std::convertible_to<std::uint32_t>;
+  { o.replicas() } -> std::convertible_to<std::uint32_t>;
+};
+// Any thread. The shape of `o`. Never blocks, never allocates; throws only what o's
+// getters throw.
+template <RunShape O>
+StepShape step_shape(const O& o) {
+  return StepShape{static_cast<std::uint64_t>(o.device_iterations()),
+                   static_cast<std::uint32_t>(o.gradient_accumulation()),
+                   static_cast<std::uint32_t>(o.replicas())};
+}
+inline StepShape step_shape(const StepShape& s) { return s; }
+
+}  // namespace bspflow
