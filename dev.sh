@@ -40,7 +40,7 @@ AB_PACKAGES="python3"
 
 # cxx_files: every C++ file git tracks, outside the wrap fallbacks and the fuzz corpus.
 cxx_files() {
-  git ls-files '*.cpp' '*.hpp' '*.h' '*.cc' '*.hpp.in' | grep -v -e '^subprojects/' -e '^tests/fuzz/corpus/' \
+  git ls-files '*.cpp' '*.hpp' '*.h' '*.cc' | grep -v -e '^subprojects/' -e '^tests/fuzz/corpus/' \
     -e '^tests/fuzz/regressions/'
 }
 

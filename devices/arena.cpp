@@ -12,7 +12,9 @@ namespace bspflow {
 
 namespace {
 constexpr std::size_t kAlign = tunables::kArenaAlignment;
-std::size_t round_up(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+std::size_t round_up(std::size_t n) {
+  return (n + kAlign - 1) / kAlign * kAlign;
+}
 }  // namespace
 
 Arena::Arena(std::size_t bytes, int numa_node, std::string owner)
@@ -21,7 +23,9 @@ Arena::Arena(std::size_t bytes, int numa_node, std::string owner)
   if (capacity_ > 0) free_.emplace(0, capacity_);
 }
 
-Arena::~Arena() { Topology::get().release(base_, capacity_); }
+Arena::~Arena() {
+  Topology::get().release(base_, capacity_);
+}
 
 void* Arena::allocate(std::size_t bytes, std::string_view what) {
   const std::size_t need = round_up(std::max<std::size_t>(bytes, 1));
@@ -38,9 +42,8 @@ void* Arena::allocate(std::size_t bytes, std::string_view what) {
   }
   const std::size_t free_now = capacity_ - used_;
   std::ostringstream os;
-  os << owner_ << ": out of memory allocating " << detail::format_bytes(bytes) << " for '"
-     << what << "': " << detail::format_bytes(free_now) << " free of "
-     << detail::format_bytes(capacity_);
+  os << owner_ << ": out of memory allocating " << detail::format_bytes(bytes) << " for '" << what
+     << "': " << detail::format_bytes(free_now) << " free of " << detail::format_bytes(capacity_);
   if (free_now >= need) {
     os << " (but fragmented: largest free block " << detail::format_bytes(largest_free_locked())
        << ")";
@@ -126,7 +129,7 @@ std::string Arena::report_locked() const {
     entry.second += 1;
   }
   std::vector<std::pair<std::string, std::pair<std::size_t, std::size_t>>> rows(by_name.begin(),
-                                                                               by_name.end());
+                                                                                by_name.end());
   std::stable_sort(rows.begin(), rows.end(),
                    [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
   std::ostringstream os;
@@ -135,7 +138,8 @@ std::string Arena::report_locked() const {
   os << ", held by:";
   constexpr std::size_t kShown = 8;
   for (std::size_t i = 0; i < rows.size() && i < kShown; ++i) {
-    os << (i == 0 ? " '" : ", '") << rows[i].first << "' " << detail::format_bytes(rows[i].second.first);
+    os << (i == 0 ? " '" : ", '") << rows[i].first << "' "
+       << detail::format_bytes(rows[i].second.first);
     if (rows[i].second.second > 1) os << " (" << rows[i].second.second << " allocations)";
   }
   if (rows.size() > kShown) os << ", and " << rows.size() - kShown << " more names";

@@ -32,8 +32,8 @@ Placement placement_for(std::uint32_t id, const DeviceConfig& config,
   return p;
 }
 std::string budget(const DeviceConfig& c) {
-  return detail::format_bytes(c.memory_bytes()) + " (tiles " + std::to_string(c.tiles) + " x bytes_per_tile " +
-         detail::format_bytes(c.bytes_per_tile) + ")";
+  return detail::format_bytes(c.memory_bytes()) + " (tiles " + std::to_string(c.tiles) +
+         " x bytes_per_tile " + detail::format_bytes(c.bytes_per_tile) + ")";
 }
 // The device's memory, checked against the machine's (and, on a machine with several NUMA
 // nodes, its node's): a device cannot have more than there is.
@@ -41,11 +41,13 @@ std::size_t checked_memory(std::uint32_t id, const DeviceConfig& c, const Placem
   const Topology& topo = Topology::get();
   const std::size_t want = c.memory_bytes();
   auto refuse = [&](const std::string& where, std::size_t has) {
-    throw OutOfMemoryError("device " + std::to_string(id) + " asks for " + budget(c) + ", more than " + where +
-                               " has (" + detail::format_bytes(has) + "): lower tiles or bytes_per_tile",
+    throw OutOfMemoryError("device " + std::to_string(id) + " asks for " + budget(c) +
+                               ", more than " + where + " has (" + detail::format_bytes(has) +
+                               "): lower tiles or bytes_per_tile",
                            want, has);
   };
-  if (const std::size_t machine = topo.memory_bytes(); machine > 0 && want > machine) refuse("this machine", machine);
+  if (const std::size_t machine = topo.memory_bytes(); machine > 0 && want > machine)
+    refuse("this machine", machine);
   if (topo.numa_nodes() > 1) {
     const std::size_t node = topo.numa_node_memory_bytes(p.numa_node);
     if (node > 0 && want > node) refuse("its NUMA node " + std::to_string(p.numa_node), node);
@@ -56,17 +58,19 @@ std::size_t checked_memory(std::uint32_t id, const DeviceConfig& c, const Placem
 
 Device::Device(std::uint32_t id, DeviceConfig config, std::optional<Placement> placement) try
     : id_(id), config_(validated(config)), placement_(placement_for(id, config_, placement)),
-      arena_(checked_memory(id, config_, placement_), placement_.numa_node, "device " + std::to_string(id)) {
+      arena_(checked_memory(id, config_, placement_), placement_.numa_node,
+             "device " + std::to_string(id)) {
   thread_ = std::thread([this] { thread_main(); });
 } catch (const std::bad_alloc&) {
   // The system would not map the device's memory (the arena reserves it whole and commits
   // pages as they are used): say who asked for what.
   const std::size_t machine = Topology::get().memory_bytes();
-  throw OutOfMemoryError("device " + std::to_string(id) + ": the system refused to reserve its memory, " +
-                             budget(config) + ", on a machine with " + detail::format_bytes(machine) +
-                             " (devices made before it hold theirs too): lower tiles or bytes_per_tile, or "
-                             "make fewer devices",
-                         config.memory_bytes(), 0);
+  throw OutOfMemoryError(
+      "device " + std::to_string(id) + ": the system refused to reserve its memory, " +
+          budget(config) + ", on a machine with " + detail::format_bytes(machine) +
+          " (devices made before it hold theirs too): lower tiles or bytes_per_tile, or "
+          "make fewer devices",
+      config.memory_bytes(), 0);
 }
 
 Device::~Device() {
@@ -150,7 +154,8 @@ DeviceGroup::DeviceGroup(std::uint32_t count, DeviceConfig config) {
     const std::size_t cores = topo.instance_cores().size();
     os << count << " devices on " << cores << (cores == 1 ? " core" : " cores");
     if (cores < topo.cores()) os << " of this process (" << topo.instance_cores_reason() << ")";
-    if (!config.host_cores.empty()) os << " (" << config.host_cores.size() << " kept for host threads)";
+    if (!config.host_cores.empty())
+      os << " (" << config.host_cores.size() << " kept for host threads)";
     os << ": devices share cores (up to " << max_sharing_
        << " per core); waits yield the core and park after a bounded spin, so this works, but "
           "expect lower throughput than with a core per device";
@@ -159,13 +164,16 @@ DeviceGroup::DeviceGroup(std::uint32_t count, DeviceConfig config) {
   // Together beyond the machine: allowed (an arena commits pages only as they are used),
   // but said, since a model that fills them will not fit.
   if (const std::size_t machine = topo.memory_bytes();
-      machine > 0 && count > 1 && static_cast<double>(count) * static_cast<double>(config.memory_bytes()) > static_cast<double>(machine)) {
-    log(LogLevel::kWarning, std::to_string(count) + " devices of " + budget(config) + " each hold " +
-                                detail::format_bytes(std::uint64_t{count} * config.memory_bytes()) +
-                                " of device memory together, more than this machine's " +
-                                detail::format_bytes(machine) +
-                                ": this works while they use less than that (pages are committed as they are used), "
-                                "but models that fill them will not fit");
+      machine > 0 && count > 1 &&
+      static_cast<double>(count) * static_cast<double>(config.memory_bytes()) >
+          static_cast<double>(machine)) {
+    log(LogLevel::kWarning,
+        std::to_string(count) + " devices of " + budget(config) + " each hold " +
+            detail::format_bytes(std::uint64_t{count} * config.memory_bytes()) +
+            " of device memory together, more than this machine's " +
+            detail::format_bytes(machine) +
+            ": this works while they use less than that (pages are committed as they are used), "
+            "but models that fill them will not fit");
   }
   devices_.reserve(count);
   for (std::uint32_t i = 0; i < count; ++i) {

@@ -5,10 +5,12 @@
 namespace bspflow {
 
 void HostIO::validate() const {
-  if (prefetch_depth < tunables::kMinPrefetchDepth || prefetch_depth > tunables::kMaxPrefetchDepth) {
+  if (prefetch_depth < tunables::kMinPrefetchDepth ||
+      prefetch_depth > tunables::kMaxPrefetchDepth) {
     detail::throw_bad_value("prefetch_depth", prefetch_depth, "must be in 1..255");
   }
-  if (io_tiles % 2 != 0) detail::throw_bad_value("io_tiles", io_tiles, "must be 0 or an even number");
+  if (io_tiles % 2 != 0)
+    detail::throw_bad_value("io_tiles", io_tiles, "must be 0 or an even number");
   host_link.validate("host link");
 }
 

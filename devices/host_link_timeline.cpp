@@ -9,8 +9,7 @@
 namespace bspflow {
 
 HostLinkTimeline::HostLinkTimeline(const Shape& shape)
-    : shape_(shape),
-      in_buffer_free_(std::max<std::uint32_t>(shape.host_io.prefetch_depth, 1)),
+    : shape_(shape), in_buffer_free_(std::max<std::uint32_t>(shape.host_io.prefetch_depth, 1)),
       out_buffer_free_(std::max<std::uint32_t>(shape.host_io.prefetch_depth, 1)) {}
 
 void HostLinkTimeline::start(Clock::time_point now) noexcept {
@@ -35,10 +34,11 @@ bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const StopFlag* s
     const std::size_t room = std::size_t{shape_.host_io.io_tiles} * shape_.bytes_per_tile;
     if (bytes * shape_.host_io.prefetch_depth > room) {
       throw Error("the I/O tiles of device " + std::to_string(shape_.device) + " (" +
-                  std::to_string(shape_.host_io.io_tiles) + " x " + detail::format_bytes(shape_.bytes_per_tile) + " = " +
-                  detail::format_bytes(room) + ") cannot hold prefetch_depth " +
-                  std::to_string(shape_.host_io.prefetch_depth) + " x " + shape_.element + " of " +
-                  detail::format_bytes(bytes) + ": raise io_tiles or lower prefetch_depth");
+                  std::to_string(shape_.host_io.io_tiles) + " x " +
+                  detail::format_bytes(shape_.bytes_per_tile) + " = " + detail::format_bytes(room) +
+                  ") cannot hold prefetch_depth " + std::to_string(shape_.host_io.prefetch_depth) +
+                  " x " + shape_.element + " of " + detail::format_bytes(bytes) +
+                  ": raise io_tiles or lower prefetch_depth");
     }
   }
   const std::chrono::nanoseconds duration = shape_.host_io.host_link.duration(bytes);

@@ -1,6 +1,6 @@
 // The I/O engine (see bspflow/devices/io_engine.hpp). The only file that includes Asio.
-#include "bspflow/devices/device_tunables.hpp"
 #include "bspflow/devices/io_engine.hpp"
+#include "bspflow/devices/device_tunables.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -40,8 +40,8 @@ void sleep_until_near(std::chrono::steady_clock::time_point deadline) noexcept {
   }
 }
 
-bool wait_until_deadline(std::chrono::steady_clock::time_point deadline,
-                         const StopFlag* stop, bool yield) noexcept {
+bool wait_until_deadline(std::chrono::steady_clock::time_point deadline, const StopFlag* stop,
+                         bool yield) noexcept {
   using Clock = std::chrono::steady_clock;
   if (stop == nullptr) sleep_until_near(deadline);
   for (;;) {
@@ -51,8 +51,8 @@ bool wait_until_deadline(std::chrono::steady_clock::time_point deadline,
     const Clock::duration left = deadline - now;
     if (left > tunables::kTimerMargin) {
       // Only with a stop flag: sleep toward the margin in slices, so a stop is seen within one.
-      std::this_thread::sleep_for(std::min<Clock::duration>(left - tunables::kTimerMargin,
-                                                            tunables::kModeledWaitSlice));
+      std::this_thread::sleep_for(
+          std::min<Clock::duration>(left - tunables::kTimerMargin, tunables::kModeledWaitSlice));
     } else if (yield) {
       std::this_thread::yield();  // a neighbour on this core may have work
     } else {
@@ -67,7 +67,7 @@ struct IoEngine::Impl {
     std::deque<Transfer> queue;  // engine thread only
     bool busy = false;           // the front transfer has started (or is being retried)
     std::chrono::nanoseconds poll = tunables::kIoPollFirst;
-    bool waited = false;       // the front transfer's data was not there at first
+    bool waited = false;          // the front transfer's data was not there at first
     Clock::time_point free_at{};  // when the previous transfer ended
     asio::steady_timer timer;
   };
@@ -104,13 +104,15 @@ struct IoEngine::Impl {
 
   // Engine thread. Starts the channel's front transfer, or schedules a retry.
   void start_front(Channel& ch) {
-    if (ch.queue.empty() || stopping.load(std::memory_order_relaxed)) return;  // relaxed: re-checked at stop
+    if (ch.queue.empty() || stopping.load(std::memory_order_relaxed))
+      return;  // relaxed: re-checked at stop
     ch.busy = true;
     Transfer& t = ch.queue.front();
     const Clock::time_point now = Clock::now();
     // Modeled start: when asked for or when the link came free (see Transfer::submitted);
     // after a wait for data, when the data was found.
-    const Clock::time_point begin = ch.waited ? now : std::min(now, std::max(t.submitted, ch.free_at));
+    const Clock::time_point begin =
+        ch.waited ? now : std::min(now, std::max(t.submitted, ch.free_at));
     const Start what = t.start();
     if (what == Start::kSkip) {
       finish_front(ch, Times{begin, begin});
@@ -129,7 +131,7 @@ struct IoEngine::Impl {
     const Clock::time_point deadline = begin + t.modeled;
     ch.timer.expires_at(deadline - tunables::kTimerMargin);
     ch.timer.async_wait([this, &ch, begin, deadline](const boost::system::error_code& ec) {
-      if (ec) return;  // cancelled at stop: finished below
+      if (ec) return;                 // cancelled at stop: finished below
       wait_until_deadline(deadline);  // the timer fired within the margin: this spins
       finish_front(ch, Times{begin, Clock::now()});
     });
@@ -211,7 +213,9 @@ void IoEngine::submit(std::uint32_t channel, Transfer t) {
 std::uint32_t IoEngine::channels() const noexcept {
   return static_cast<std::uint32_t>(impl_->channels.size());
 }
-const std::string& IoEngine::name() const noexcept { return impl_->name; }
+const std::string& IoEngine::name() const noexcept {
+  return impl_->name;
+}
 bool IoEngine::low_timer_slack() const noexcept {
   return impl_->slack_lowered.load(std::memory_order_relaxed);  // relaxed: a diagnostic
 }

@@ -33,8 +33,9 @@ void LinkModel::validate(const std::string& what) const {
   if (!(bytes_per_second > 0) || !std::isfinite(bytes_per_second)) {
     char given[32];
     std::snprintf(given, sizeof given, "%g", bytes_per_second);  // as written: 0, 1e+10, nan
-    detail::throw_bad_value(what + " bytes_per_second", given,
-                            "must be a positive, finite number of bytes per second (10e9 is 10 GB/s)");
+    detail::throw_bad_value(
+        what + " bytes_per_second", given,
+        "must be a positive, finite number of bytes per second (10e9 is 10 GB/s)");
   }
   if (latency.count() < 0 || latency > std::chrono::seconds(1)) {
     detail::throw_bad_value(what + " latency", std::to_string(latency.count()) + " ns",

@@ -2,8 +2,8 @@
 #include "bspflow/devices/topology.hpp"
 
 #include <sched.h>
-#include <unistd.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -22,7 +22,9 @@ namespace bspflow {
 
 #if BSPFLOW_HAVE_HWLOC
 namespace {
-hwloc_topology_t as_topo(void* p) { return static_cast<hwloc_topology_t>(p); }
+hwloc_topology_t as_topo(void* p) {
+  return static_cast<hwloc_topology_t>(p);
+}
 }  // namespace
 #endif
 
@@ -91,12 +93,14 @@ std::string join_cores(const std::vector<std::uint32_t>& cores) {
 }
 }  // namespace
 
-std::vector<std::uint32_t> Topology::slice_for_instance(std::uint32_t cores, std::uint32_t local_index,
+std::vector<std::uint32_t> Topology::slice_for_instance(std::uint32_t cores,
+                                                        std::uint32_t local_index,
                                                         std::uint32_t local_count) {
   if (cores == 0) detail::throw_bad_value("cores", cores, "must be at least 1");
   if (local_index >= local_count) {
-    detail::throw_bad_value("local instance index", local_index,
-                            "must be below the instances on this host (" + std::to_string(local_count) + ")");
+    detail::throw_bad_value(
+        "local instance index", local_index,
+        "must be below the instances on this host (" + std::to_string(local_count) + ")");
   }
   std::vector<std::uint32_t> out;
   if (local_count >= cores) {
@@ -131,8 +135,9 @@ void Topology::find_instance_cores() {
   const std::optional<std::uint32_t> local_size = env_count("OMPI_COMM_WORLD_LOCAL_SIZE");
   if (local_rank && local_size && *local_size > 1 && *local_rank < *local_size) {
     instance_cores_ = slice_for_instance(ncores, *local_rank, *local_size);
-    instance_reason_ = "instance " + std::to_string(*local_rank) + " of " + std::to_string(*local_size) +
-                       " on this host: core(s) " + join_cores(instance_cores_) +
+    instance_reason_ = "instance " + std::to_string(*local_rank) + " of " +
+                       std::to_string(*local_size) + " on this host: core(s) " +
+                       join_cores(instance_cores_) +
                        (*local_size > ncores ? " (more instances than cores: they share)" : "");
     return;
   }
@@ -171,7 +176,8 @@ std::vector<Placement> Topology::place(std::uint32_t devices, bool pin,
   }
   const bool on_host_cores = usable.empty();
   if (on_host_cores) {
-    for (std::size_t k = instance_cores_.size(); k-- > 0;) usable.push_back(&cores_[instance_cores_[k]]);
+    for (std::size_t k = instance_cores_.size(); k-- > 0;)
+      usable.push_back(&cores_[instance_cores_[k]]);
   }
   const auto n = static_cast<std::uint32_t>(usable.size());
   const bool pinned = pin && has_hwloc();
@@ -211,8 +217,8 @@ void* Topology::allocate(std::size_t bytes, int numa_node) const {
   if (bytes == 0) bytes = 1;
 #if BSPFLOW_HAVE_HWLOC
   if (hwloc_ != nullptr) {
-    hwloc_obj_t node = hwloc_get_numanode_obj_by_os_index(as_topo(hwloc_),
-                                                          static_cast<unsigned>(numa_node));
+    hwloc_obj_t node =
+        hwloc_get_numanode_obj_by_os_index(as_topo(hwloc_), static_cast<unsigned>(numa_node));
     if (node != nullptr) {
       void* p = hwloc_alloc_membind(as_topo(hwloc_), bytes, node->nodeset, HWLOC_MEMBIND_BIND,
                                     HWLOC_MEMBIND_BYNODESET);
@@ -224,8 +230,8 @@ void* Topology::allocate(std::size_t bytes, int numa_node) const {
 #endif
   // No hwloc (or binding refused): plain anonymous memory. MAP_NORESERVE because an arena
   // reserves the device's whole budget but touches only what it hands out.
-  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                   -1, 0);
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (p == MAP_FAILED) throw std::bad_alloc();
   return p;
 }
@@ -234,11 +240,13 @@ std::size_t Topology::memory_bytes() const noexcept {
   // The larger of the OS's physical pages and hwloc's total (on some VMs hwloc counts only
   // part of the memory: 11.6 GiB of 23 GiB on the development VM).
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  std::size_t bytes = pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) : 0;
+  std::size_t bytes =
+      pages > 0 && page > 0 ? static_cast<std::size_t>(pages) * static_cast<std::size_t>(page) : 0;
 #if BSPFLOW_HAVE_HWLOC
   if (hwloc_ != nullptr) {
     const hwloc_obj_t root = hwloc_get_root_obj(as_topo(hwloc_));
-    if (root != nullptr) bytes = std::max<std::size_t>(bytes, static_cast<std::size_t>(root->total_memory));
+    if (root != nullptr)
+      bytes = std::max<std::size_t>(bytes, static_cast<std::size_t>(root->total_memory));
   }
 #endif
   return bytes;
@@ -247,8 +255,10 @@ std::size_t Topology::memory_bytes() const noexcept {
 std::size_t Topology::numa_node_memory_bytes(int numa_node) const noexcept {
 #if BSPFLOW_HAVE_HWLOC
   if (hwloc_ != nullptr && numa_node >= 0) {
-    const hwloc_obj_t node = hwloc_get_numanode_obj_by_os_index(as_topo(hwloc_), static_cast<unsigned>(numa_node));
-    if (node != nullptr && node->attr != nullptr) return static_cast<std::size_t>(node->attr->numanode.local_memory);
+    const hwloc_obj_t node =
+        hwloc_get_numanode_obj_by_os_index(as_topo(hwloc_), static_cast<unsigned>(numa_node));
+    if (node != nullptr && node->attr != nullptr)
+      return static_cast<std::size_t>(node->attr->numanode.local_memory);
   }
 #else
   (void)numa_node;

@@ -23,7 +23,8 @@
 namespace {
 
 std::string api_version(unsigned v) {  // hwloc packs X.Y.Z as (X << 16) + (Y << 8) + Z
-  return std::to_string(v >> 16) + '.' + std::to_string((v >> 8) & 0xff) + '.' + std::to_string(v & 0xff);
+  return std::to_string(v >> 16) + '.' + std::to_string((v >> 8) & 0xff) + '.' +
+         std::to_string(v & 0xff);
 }
 
 // Compiled against: HWLOC_VERSION and HWLOC_API_VERSION from the headers. At run time:
@@ -41,7 +42,8 @@ void print_hwloc() {
       const char* v = hwloc_obj_get_info_by_name(hwloc_get_root_obj(topology), "hwlocVersion");
       if (v != nullptr) runtime_release = v;
       const hwloc_topology_support* support = hwloc_topology_get_support(topology);
-      const bool threads = support->cpubind->set_thread_cpubind || support->cpubind->set_thisthread_cpubind;
+      const bool threads =
+          support->cpubind->set_thread_cpubind || support->cpubind->set_thisthread_cpubind;
       const bool memory = support->membind->set_area_membind || support->membind->alloc_membind;
       char* allowed = nullptr;
       char* all = nullptr;
@@ -49,7 +51,8 @@ void print_hwloc() {
       // mpirun --bind-to), together.
       hwloc_bitmap_t usable = hwloc_bitmap_dup(hwloc_topology_get_allowed_cpuset(topology));
       hwloc_bitmap_t bound = hwloc_bitmap_alloc();
-      if (usable != nullptr && bound != nullptr && hwloc_get_cpubind(topology, bound, HWLOC_CPUBIND_PROCESS) == 0) {
+      if (usable != nullptr && bound != nullptr &&
+          hwloc_get_cpubind(topology, bound, HWLOC_CPUBIND_PROCESS) == 0) {
         hwloc_bitmap_and(usable, usable, bound);
       }
       if (usable != nullptr) hwloc_bitmap_list_asprintf(&allowed, usable);
@@ -57,18 +60,22 @@ void print_hwloc() {
       hwloc_bitmap_free(usable);
       hwloc_bitmap_list_asprintf(&all, hwloc_topology_get_complete_cpuset(topology));
       pinning = std::string("threads to cores ") + (threads ? "yes" : "no (devices run unpinned)") +
-                ", memory to NUMA nodes " + (memory ? "yes" : "no (arenas use the OS's default placement)") +
-                "; this process may use hardware threads " + (allowed != nullptr ? allowed : "?") + " of " +
-                (all != nullptr ? all : "?");
+                ", memory to NUMA nodes " +
+                (memory ? "yes" : "no (arenas use the OS's default placement)") +
+                "; this process may use hardware threads " + (allowed != nullptr ? allowed : "?") +
+                " of " + (all != nullptr ? all : "?");
       std::free(allowed);
       std::free(all);
     }
     hwloc_topology_destroy(topology);
   }
   const unsigned runtime_api = hwloc_get_api_version();
-  std::printf("hwloc: compiled against %s (API %s); running with library %s (API %s)%s\n", HWLOC_VERSION,
-              api_version(HWLOC_API_VERSION).c_str(), runtime_release.c_str(), api_version(runtime_api).c_str(),
-              runtime_api == HWLOC_API_VERSION ? "" : ": API versions differ, rebuild bspflow against this hwloc");
+  std::printf("hwloc: compiled against %s (API %s); running with library %s (API %s)%s\n",
+              HWLOC_VERSION, api_version(HWLOC_API_VERSION).c_str(), runtime_release.c_str(),
+              api_version(runtime_api).c_str(),
+              runtime_api == HWLOC_API_VERSION
+                  ? ""
+                  : ": API versions differ, rebuild bspflow against this hwloc");
   std::printf("pinning: %s\n", pinning.c_str());
 }
 
@@ -79,14 +86,16 @@ int main(int argc, char** argv) {
   CLI::App app{"bspflow-info: topology and device placement"};
   app.option_defaults()->always_capture_default();  // --help shows every option's default
   std::vector<std::uint32_t> counts{1, 2, 4};
-  app.add_option("-d,--devices", counts, "device counts to show placement for (repeat the option for several)")
+  app.add_option("-d,--devices", counts,
+                 "device counts to show placement for (repeat the option for several)")
       ->check(CLI::Range(1u, bspflow::tunables::kMaxReplicas));
   std::vector<std::uint32_t> host_cores;
   app.add_option("--host-cores", host_cores,
                  "cores the application keeps for its own threads (DeviceConfig::host_cores); "
                  "devices are placed elsewhere (default: none)");
   bool start = true;
-  app.add_flag("!--no-start", start, "only print the plan; do not start devices (default: start them)");
+  app.add_flag("!--no-start", start,
+               "only print the plan; do not start devices (default: start them)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -101,15 +110,19 @@ int main(int argc, char** argv) {
 #if BSPFLOW_INFO_HWLOC
   print_hwloc();
 #else
-  std::printf("hwloc: this tool was built without hwloc's headers; the topology line above says what the library uses\n");
-  std::printf("pinning: %s\n", topo.has_hwloc() ? "see the placements below (this tool cannot ask hwloc itself)"
-                                            : "none: bspflow was built without hwloc, devices run unpinned");
+  std::printf(
+      "hwloc: this tool was built without hwloc's headers; the topology line above says what the "
+      "library uses\n");
+  std::printf("pinning: %s\n", topo.has_hwloc()
+                                   ? "see the placements below (this tool cannot ask hwloc itself)"
+                                   : "none: bspflow was built without hwloc, devices run unpinned");
 #endif
   bspflow::DeviceConfig config;
   config.host_cores = host_cores;
   for (std::uint32_t c : host_cores) {
     if (c >= topo.cores()) {
-      std::fprintf(stderr, "bspflow-info: --host-cores %u is not allowed: this machine has cores 0..%u\n",
+      std::fprintf(stderr,
+                   "bspflow-info: --host-cores %u is not allowed: this machine has cores 0..%u\n",
                    c, topo.cores() - 1);
       return 2;
     }

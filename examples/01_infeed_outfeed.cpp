@@ -39,7 +39,9 @@ Pair make_pair(int k) {
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
-      std::puts("usage: 01_infeed_outfeed\n  no options: runs the loop, checks the outfeed, exits 0 if right");
+      std::puts(
+          "usage: 01_infeed_outfeed\n  no options: runs the loop, checks the outfeed, exits 0 if "
+          "right");
       return 0;
     }
     std::fprintf(stderr, "01_infeed_outfeed: unknown argument '%s' (try --help)\n", argv[i]);
@@ -77,8 +79,8 @@ int main(int argc, char** argv) {
     const bool ok = e.value.d1.front() == 1.5f * k1 && e.value.d2.back() == 0.5f * k1 &&
                     e.value.d1.back() == 1.5f * k1 && e.value.d2.front() == 0.5f * k1;
     std::printf("iteration %llu: d1 = [%g ... %g] (800 values), d2 = [%g ... %g]%s\n",
-                static_cast<unsigned long long>(e.iteration), e.value.d1.front(),
-                e.value.d1.back(), e.value.d2.front(), e.value.d2.back(), ok ? "" : "  WRONG");
+                static_cast<unsigned long long>(e.iteration), e.value.d1.front(), e.value.d1.back(),
+                e.value.d2.front(), e.value.d2.back(), ok ? "" : "  WRONG");
     if (!ok || e.iteration != static_cast<std::uint64_t>(entries)) ++bad;
     ++entries;
   }

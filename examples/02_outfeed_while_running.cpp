@@ -15,7 +15,9 @@
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
-      std::puts("usage: 02_outfeed_while_running\n  no options: runs the loop, prints entries as they arrive, exits 0 if right");
+      std::puts(
+          "usage: 02_outfeed_while_running\n  no options: runs the loop, prints entries as they "
+          "arrive, exits 0 if right");
       return 0;
     }
     std::fprintf(stderr, "02_outfeed_while_running: unknown argument '%s' (try --help)\n", argv[i]);

@@ -17,7 +17,8 @@ using namespace bspflow::program;
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
-      std::puts("usage: 03_engine_program\n  no options: runs the program, checks it, exits 0 if right");
+      std::puts(
+          "usage: 03_engine_program\n  no options: runs the program, checks it, exits 0 if right");
       return 0;
     }
     std::fprintf(stderr, "03_engine_program: unknown argument '%s' (try --help)\n", argv[i]);
@@ -44,15 +45,18 @@ int main(int argc, char** argv) {
   std::vector<bspflow::Program> programs;
   for (std::uint32_t d = 0; d < 2; ++d) {
     bspflow::Buffer mine = x[d];
-    programs.push_back(Repeat(kTrips, Sequence{
-        StreamCopy(infeed, mine),                                            // host -> device
-        Execute("double", kElements, [mine](const bspflow::ComputeContext&, const bspflow::TileWork& w) {
-          for (std::size_t i = w.begin; i < w.end; ++i) mine->as<float>()[i] *= 2;  // this tile's share
-        }),
-        Sync(sync),                                                          // both have doubled
-        Copy(x[1 - d], y[d]),                                                // exchange
-        Sync(sync),                                                          // both have copied
-        StreamCopy(y[d], outfeed)}));                                        // device -> host
+    programs.push_back(
+        Repeat(kTrips,
+               Sequence{StreamCopy(infeed, mine),  // host -> device
+                        Execute("double", kElements,
+                                [mine](const bspflow::ComputeContext&, const bspflow::TileWork& w) {
+                                  for (std::size_t i = w.begin; i < w.end; ++i)
+                                    mine->as<float>()[i] *= 2;  // this tile's share
+                                }),
+                        Sync(sync),                    // both have doubled
+                        Copy(x[1 - d], y[d]),          // exchange
+                        Sync(sync),                    // both have copied
+                        StreamCopy(y[d], outfeed)}));  // device -> host
   }
 
   // The host feeds trip t of device d a tensor filled with 1000 d + t (capacity 256 >= 100).
@@ -65,8 +69,10 @@ int main(int argc, char** argv) {
     }
   }
   const bspflow::EngineResult r = engine.run(programs);  // blocks until both programs end
-  std::printf("%s: %llu + %llu trips\n%s", bspflow::to_string(r.status), static_cast<unsigned long long>(r.iterations[0]),
-              static_cast<unsigned long long>(r.iterations[1]), engine.summary().to_string().c_str());
+  std::printf("%s: %llu + %llu trips\n%s", bspflow::to_string(r.status),
+              static_cast<unsigned long long>(r.iterations[0]),
+              static_cast<unsigned long long>(r.iterations[1]),
+              engine.summary().to_string().c_str());
 
   int entries = 0, wrong = 0;
   for (auto& e : outfeed) {  // replica d = device d; per replica in trip order
@@ -75,9 +81,10 @@ int main(int argc, char** argv) {
     ++entries;
   }
   std::printf("outfeed: %d tensors, %d wrong values\n", entries, wrong);
-  if (!r.completed() || r.iterations != std::vector<std::uint64_t>{kTrips, kTrips} || entries != 2 * kTrips ||
-      wrong != 0) {
-    std::fprintf(stderr, "FAILED: expected %llu trips per device and 2 x (the other device's input)\n",
+  if (!r.completed() || r.iterations != std::vector<std::uint64_t>{kTrips, kTrips} ||
+      entries != 2 * kTrips || wrong != 0) {
+    std::fprintf(stderr,
+                 "FAILED: expected %llu trips per device and 2 x (the other device's input)\n",
                  static_cast<unsigned long long>(kTrips));
     return 1;
   }

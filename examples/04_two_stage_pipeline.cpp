@@ -27,7 +27,8 @@ struct Scale final : Stage {  // stage 0: output = w x
     for (std::size_t i = 0; i < kBatch; ++i) a.output[i] = w * a.batch.data.as<float>()[i];
   }
   void backward(const StageContext&, BackwardArgs& a) override {  // d loss / d w
-    for (std::size_t i = 0; i < kBatch; ++i) a.gradients[0] += a.grad_output[i] * a.batch.data.as<float>()[i];
+    for (std::size_t i = 0; i < kBatch; ++i)
+      a.gradients[0] += a.grad_output[i] * a.batch.data.as<float>()[i];
   }
   void update(const StageContext&, std::span<const float> g) override { w -= kLearningRate * g[0]; }
 };
@@ -57,14 +58,17 @@ struct BiasLoss final : Stage {  // stage 1: output = mean of (input + b - label
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
-      std::puts("usage: 04_two_stage_pipeline\n  no options: trains, checks the weights, exits 0 if right");
+      std::puts(
+          "usage: 04_two_stage_pipeline\n  no options: trains, checks the weights, exits 0 if "
+          "right");
       return 0;
     }
     std::fprintf(stderr, "04_two_stage_pipeline: unknown argument '%s' (try --help)\n", argv[i]);
     return 2;
   }
-  PipelineConfig cfg;              // pipelined, Grouped schedule, bsp sync, training
-  cfg.gradient_accumulation = 4;   // micro-batches per weight update (Grouped needs >= 3 for 2 stages)
+  PipelineConfig cfg;  // pipelined, Grouped schedule, bsp sync, training
+  cfg.gradient_accumulation =
+      4;  // micro-batches per weight update (Grouped needs >= 3 for 2 stages)
   DeviceGroup devices(cfg.devices_needed(2));
   Pipeline pipe(devices, cfg, [](std::uint32_t) {
     StageList stages;
@@ -75,7 +79,8 @@ int main(int argc, char** argv) {
   constexpr std::uint64_t kSteps = 200;  // weight updates, all in one host call
   const std::uint64_t k = cfg.gradient_accumulation;
   InfeedQueue<Batch> infeed(InfeedConfig{1, kSteps * k, 2});
-  OutfeedQueue<std::vector<float>> outfeed(OutfeedConfig{1, OutputMode::all(), 0});  // a loss per micro-batch
+  OutfeedQueue<std::vector<float>> outfeed(
+      OutfeedConfig{1, OutputMode::all(), 0});  // a loss per micro-batch
   auto producer = infeed.make_producer();
   for (std::uint64_t m = 0; m < kSteps * k; ++m) {  // micro-batch m: x in -2..2, label 3x - 1
     Batch batch;
@@ -90,16 +95,20 @@ int main(int argc, char** argv) {
   }
   const PipelineResult r = pipe.run(infeed, kSteps, &outfeed);
   std::vector<double> loss(kSteps);  // per step: the mean over its micro-batches
-  for (const auto& e : outfeed.drain()) loss[e.iteration / k] += e.value[0] / static_cast<double>(k);
-  const float w = static_cast<Scale&>(pipe.stage(0, 0)).w, b = static_cast<BiasLoss&>(pipe.stage(0, 1)).b;
+  for (const auto& e : outfeed.drain())
+    loss[e.iteration / k] += e.value[0] / static_cast<double>(k);
+  const float w = static_cast<Scale&>(pipe.stage(0, 0)).w,
+              b = static_cast<BiasLoss&>(pipe.stage(0, 1)).b;
   std::printf("%s: %llu steps, %llu micro-batches in %.1f ms\n", to_string(r.status),
-              static_cast<unsigned long long>(r.iterations), static_cast<unsigned long long>(r.micro_batches),
+              static_cast<unsigned long long>(r.iterations),
+              static_cast<unsigned long long>(r.micro_batches),
               static_cast<double>(r.elapsed.count()) / 1e6);
   for (std::uint64_t s : {1, 10, 50, 100, 200}) {
     std::printf("  step %3llu: mean loss %.3g\n", static_cast<unsigned long long>(s), loss[s - 1]);
   }
   std::printf("learnt y = %.5f x %+.5f\n", static_cast<double>(w), static_cast<double>(b));
-  if (!r.completed() || r.iterations != kSteps || std::fabs(w - 3) > 1e-3f || std::fabs(b + 1) > 1e-3f) {
+  if (!r.completed() || r.iterations != kSteps || std::fabs(w - 3) > 1e-3f ||
+      std::fabs(b + 1) > 1e-3f) {
     std::fprintf(stderr, "FAILED: %s; expected y = 3 x - 1 after %llu steps\n", r.message.c_str(),
                  static_cast<unsigned long long>(kSteps));
     return 1;

@@ -21,13 +21,16 @@ struct Seen {  // a replica's loop state
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::string_view(argv[i]) == "--help" || std::string_view(argv[i]) == "-h") {
-      std::puts("usage: 05_data_loader\n  no options: loads two epochs, checks the samples, exits 0 if right");
+      std::puts(
+          "usage: 05_data_loader\n  no options: loads two epochs, checks the samples, exits 0 if "
+          "right");
       return 0;
     }
     std::fprintf(stderr, "05_data_loader: unknown argument '%s' (try --help)\n", argv[i]);
     return 2;
   }
-  const bspflow::SyntheticDataset data({.size = 1000, .spec = {bspflow::DType::kFloat32, {4}}, .classes = 10});
+  const bspflow::SyntheticDataset data(
+      {.size = 1000, .spec = {bspflow::DType::kFloat32, {4}}, .classes = 10});
   bspflow::Options opts;
   opts.device_iterations(10).replicas(2);
   bspflow::LoaderConfig lc;
@@ -38,7 +41,8 @@ int main(int argc, char** argv) {
   lc.num_workers = 2;
   bspflow::DataLoader loader(opts, data, lc);
   std::printf("%llu steps per epoch, %llu samples dropped per epoch\n",
-              static_cast<unsigned long long>(loader.steps()), static_cast<unsigned long long>(loader.dropped()));
+              static_cast<unsigned long long>(loader.steps()),
+              static_cast<unsigned long long>(loader.dropped()));
 
   bspflow::InfeedQueue<bspflow::Batch> infeed(opts.infeed_config());
   auto producer = infeed.make_producer();
@@ -55,7 +59,8 @@ int main(int argc, char** argv) {
     std::size_t per_replica[2] = {0, 0};
     int steps = 0, wrong = 0;
     while (loader.feed_next(producer)) {  // false at the end of the epoch
-      const auto r = bspflow::loops::repeat(devices, opts.device_iterations(), body, Seen{}, infeed);
+      const auto r =
+          bspflow::loops::repeat(devices, opts.device_iterations(), body, Seen{}, infeed);
       failures += r.completed() ? 0 : 1;
       for (std::uint32_t rep = 0; rep < 2; ++rep) {
         all.insert(all.end(), r.state(rep).indices.begin(), r.state(rep).indices.end());
@@ -67,11 +72,14 @@ int main(int argc, char** argv) {
     const std::uint64_t first = all.empty() ? 0 : all.front();  // the epoch's first sample
     std::sort(all.begin(), all.end());
     const bool distinct = std::adjacent_find(all.begin(), all.end()) == all.end();
-    std::printf("epoch %d: %d steps, starting with sample %llu; replica 0 saw %zu samples, replica 1 %zu; "
-                "%s; %d wrong labels\n", epoch, steps, static_cast<unsigned long long>(first), per_replica[0],
-                per_replica[1], distinct ? "no sample twice" : "DUPLICATES", wrong);
-    if (static_cast<std::uint64_t>(steps) != loader.steps() || all.size() != data.size() - loader.dropped() ||
-        per_replica[0] != per_replica[1] || !distinct || wrong != 0) {
+    std::printf(
+        "epoch %d: %d steps, starting with sample %llu; replica 0 saw %zu samples, replica 1 %zu; "
+        "%s; %d wrong labels\n",
+        epoch, steps, static_cast<unsigned long long>(first), per_replica[0], per_replica[1],
+        distinct ? "no sample twice" : "DUPLICATES", wrong);
+    if (static_cast<std::uint64_t>(steps) != loader.steps() ||
+        all.size() != data.size() - loader.dropped() || per_replica[0] != per_replica[1] ||
+        !distinct || wrong != 0) {
       ++failures;
     }
   }

@@ -16,7 +16,9 @@ DeviceBuffer::DeviceBuffer(Device& device, std::string name, DType dtype, std::s
   std::memset(data_, 0, bytes());
 }
 
-DeviceBuffer::~DeviceBuffer() { device_->arena().release(data_); }
+DeviceBuffer::~DeviceBuffer() {
+  device_->arena().release(data_);
+}
 
 void DeviceBuffer::throw_mismatch(DType asked) const {
   throw Error("buffer '" + name_ + "' holds " + to_string(dtype_) + ", not " + to_string(asked));

@@ -14,7 +14,8 @@ namespace bspflow::detail {
 namespace {
 
 std::uint64_t mix_seed(std::uint64_t seed, std::uint32_t device, std::uint32_t replica) {
-  std::uint64_t s = seed ^ (std::uint64_t{device} << 32) ^ (std::uint64_t{replica} * 0x9E3779B97F4A7C15ULL);
+  std::uint64_t s =
+      seed ^ (std::uint64_t{device} << 32) ^ (std::uint64_t{replica} * 0x9E3779B97F4A7C15ULL);
   detail::splitmix64(s);
   return detail::splitmix64(s);
 }
@@ -44,7 +45,8 @@ void fill_synthetic(DeviceBuffer& b, SyntheticFill kind, std::uint64_t seed) {
       }
       break;
     case DType::kInt32:
-      for (std::int32_t& v : b.as<std::int32_t>()) v = static_cast<std::int32_t>(std::lround(normal() * 100));
+      for (std::int32_t& v : b.as<std::int32_t>())
+        v = static_cast<std::int32_t>(std::lround(normal() * 100));
       break;
   }
 }
@@ -56,8 +58,10 @@ void DeviceRun::add_infeed(InfeedQueue<Tensor>& q, const DeviceBuffer& dst) {
   InLink& link = it->second;
   if (!fresh) {
     if (link.bytes != dst.bytes() || link.dtype != dst.dtype()) {
-      throw Error("device " + std::to_string(device_.id()) + ": two StreamCopy from one infeed "
-                  "into buffers of different sizes ('" + link.name + "' and '" + dst.name() +
+      throw Error("device " + std::to_string(device_.id()) +
+                  ": two StreamCopy from one infeed "
+                  "into buffers of different sizes ('" +
+                  link.name + "' and '" + dst.name() +
                   "'): every copy from an infeed moves one micro-batch of one size");
     }
     return;
@@ -77,14 +81,16 @@ void DeviceRun::add_infeed(InfeedQueue<Tensor>& q, const DeviceBuffer& dst) {
   }
 }
 
-void DeviceRun::add_outfeed(OutfeedQueue<Tensor>& q, const DeviceBuffer& src, OutfeedQueue<Tensor>::Writer* w) {
+void DeviceRun::add_outfeed(OutfeedQueue<Tensor>& q, const DeviceBuffer& src,
+                            OutfeedQueue<Tensor>::Writer* w) {
   auto [it, fresh] = outs_.try_emplace(&q);
   OutLink& link = it->second;
   if (fresh) link.writer.emplace(std::move(*w));
   if (eng_.config.io_tiles > 0 && !eng_.config.synthetic_data) {
     // One outbound I/O buffer per prefetch step, sized for the largest source.
     if (link.slots.empty()) {
-      for (std::uint32_t k = 0; k < eng_.config.prefetch_depth; ++k) link.slots.push_back(std::make_unique<Slot>());
+      for (std::uint32_t k = 0; k < eng_.config.prefetch_depth; ++k)
+        link.slots.push_back(std::make_unique<Slot>());
     }
     link.bytes = std::max(link.bytes, src.bytes());
   }
@@ -93,8 +99,8 @@ void DeviceRun::add_outfeed(OutfeedQueue<Tensor>& q, const DeviceBuffer& src, Ou
 void DeviceRun::allocate_out_slots() {
   for (auto& [q, link] : outs_) {
     for (std::size_t k = 0; k < link.slots.size(); ++k) {
-      link.slots[k]->mem = static_cast<std::byte*>(device_.arena().allocate(
-          link.bytes, "I/O tiles: outbound " + std::to_string(k)));
+      link.slots[k]->mem = static_cast<std::byte*>(
+          device_.arena().allocate(link.bytes, "I/O tiles: outbound " + std::to_string(k)));
     }
   }
 }
@@ -120,15 +126,19 @@ void DeviceRun::run(const Program& program) {
     }
   } catch (...) {
     failed = true;
-    control_.fail(detail::RunControl::Failure{device_.id(), index_, ctx_.iteration, std::current_exception()});
+    control_.fail(detail::RunControl::Failure{device_.id(), index_, ctx_.iteration,
+                                              std::current_exception()});
   }
   try {
     finish(!failed && status_ != RunStatus::kCancelled);
   } catch (...) {
-    if (!failed) control_.fail(detail::RunControl::Failure{device_.id(), index_, ctx_.iteration, std::current_exception()});
+    if (!failed)
+      control_.fail(detail::RunControl::Failure{device_.id(), index_, ctx_.iteration,
+                                                std::current_exception()});
     failed = true;
   }
-  control_.replica_done(index_, detail::RunControl::ReplicaEnd{device_.id(), iterations_, status_, failed});
+  control_.replica_done(index_,
+                        detail::RunControl::ReplicaEnd{device_.id(), iterations_, status_, failed});
 }
 
 void DeviceRun::abandon() noexcept {
@@ -136,7 +146,8 @@ void DeviceRun::abandon() noexcept {
     finish(false);
   } catch (...) {  // the refusal is the error reported
   }
-  control_.replica_done(index_, detail::RunControl::ReplicaEnd{device_.id(), 0, RunStatus::kCancelled, true});
+  control_.replica_done(
+      index_, detail::RunControl::ReplicaEnd{device_.id(), 0, RunStatus::kCancelled, true});
 }
 
 bool DeviceRun::exec_node(const program::Sequence& s) {
@@ -176,24 +187,24 @@ bool DeviceRun::exec_node(const program::RemoteCopy& r) {
   const Clock::time_point t0 = Clock::now();
   const std::size_t bytes = r.copy(ctx_);
   const bool ok = take_modeled_time(t0 + eng_.config.host_link.duration(bytes), r.finish_on_stop);
-  if (track_) track_->record(Phase::kStreamCopyMid, t0, Clock::now(), bytes, labels_[&r], r.to_host);
+  if (track_)
+    track_->record(Phase::kStreamCopyMid, t0, Clock::now(), bytes, labels_[&r], r.to_host);
   return ok;
 }
 
 bool DeviceRun::exec_node(const program::AllReduce& a) {
   const Clock::time_point t0 = Clock::now();
   const std::size_t bytes = a.bytes(ctx_);
-  const bool ok = take_modeled_time(t0 + eng_.config.device_link.ring_allreduce(bytes, a.replicas), a.finish_on_stop);
+  const bool ok = take_modeled_time(t0 + eng_.config.device_link.ring_allreduce(bytes, a.replicas),
+                                    a.finish_on_stop);
   if (track_) track_->record(Phase::kExchange, t0, Clock::now(), bytes, labels_[&a]);
   return ok;
 }
 
-
 bool DeviceRun::exec_node(const program::Sync& s) {
   const Clock::time_point t0 = track_ ? Clock::now() : Clock::time_point{};
-  const bool ok = s.group->arrive_and_wait(stop_, device_.placement().shares_core()
-                                                      ? detail::Spin::kYield
-                                                      : detail::Spin::kTight);
+  const bool ok = s.group->arrive_and_wait(
+      stop_, device_.placement().shares_core() ? detail::Spin::kYield : detail::Spin::kTight);
   if (track_) track_->record(Phase::kSync, t0, Clock::now());
   // A device this one syncs with ran out of data: the run ends here, as an end of data.
   if (!ok && !stop_.requested() && s.group->aborted()) status_ = RunStatus::kEndOfData;
@@ -228,7 +239,8 @@ bool DeviceRun::synthesize(DeviceBuffer& buf) {
   if (!synthesized_.insert(&buf).second) return true;  // filled once, then left in place
   const Clock::time_point t0 = track_ ? Clock::now() : Clock::time_point{};
   fill_synthetic(buf, eng_.config.synthetic_fill, mix_seed(eng_.config.seed, device_.id(), index_));
-  if (track_) track_->record(Phase::kCompute, t0, Clock::now(), 0, track_->add_label("synthetic data"));
+  if (track_)
+    track_->record(Phase::kCompute, t0, Clock::now(), 0, track_->add_label("synthetic data"));
   return true;
 }
 
@@ -241,21 +253,22 @@ std::string DeviceRun::tensor_mismatch(const InLink& link, const Tensor& t) {
 }
 
 void DeviceRun::transfer_and_wait(Clock::time_point start, std::size_t bytes, bool to_host,
-                       std::function<void()> copy) {
+                                  std::function<void()> copy) {
   std::atomic<int> done{0};
   const auto modeled = eng_.config.host_link.duration(bytes);
   const Clock::time_point earliest_end = start + modeled;
-  eng_.io->submit(index_, IoEngine::Transfer{
-      bytes, modeled,
-      [&copy] {
-        copy();
-        return IoEngine::Start::kGo;
-      },
-      [&, keep = owner_.lock()](const IoEngine::Times& t, bool) {
-        record_io(t, bytes, to_host);
-        done.store(1, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
-        point_.notify();
-      }});
+  eng_.io->submit(
+      index_, IoEngine::Transfer{
+                  bytes, modeled,
+                  [&copy] {
+                    copy();
+                    return IoEngine::Start::kGo;
+                  },
+                  [&, keep = owner_.lock()](const IoEngine::Times& t, bool) {
+                    record_io(t, bytes, to_host);
+                    done.store(1, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
+                    point_.notify();
+                  }});
   auto arrived = [&] { return done.load(std::memory_order_seq_cst) != 0; };
   sleep_until_near(earliest_end);
   const Clock::time_point spin_end = earliest_end + tunables::kSpinBudget;
@@ -293,10 +306,13 @@ bool DeviceRun::copy_in(InLink& link, DeviceBuffer& buf) {
 bool DeviceRun::copy_in_from_io_tiles(InLink& link, DeviceBuffer& buf) {
   Slot& slot = *link.slots[link.next_use % link.slots.size()];
   const Clock::time_point t0 = Clock::now();
-  auto arrived = [&] { return slot.state.load(std::memory_order_seq_cst) >= kReady || stop_.requested(); };
+  auto arrived = [&] {
+    return slot.state.load(std::memory_order_seq_cst) >= kReady || stop_.requested();
+  };
   if (!arrived()) point_.wait(arrived);
   const Clock::time_point t1 = Clock::now();
-  if (track_ && t1 - t0 > std::chrono::microseconds(1)) track_->record(Phase::kStreamCopyBegin, t0, t1);
+  if (track_ && t1 - t0 > std::chrono::microseconds(1))
+    track_->record(Phase::kStreamCopyBegin, t0, t1);
   const int state = slot.state.load(std::memory_order_acquire);
   if (state == kEnd) {
     status_ = RunStatus::kEndOfData;
@@ -319,36 +335,38 @@ void DeviceRun::submit_fill(InLink& link, Slot& slot) {
   slot.state.store(kFilling, std::memory_order_relaxed);  // relaxed: published by the post
   ++in_flight_;
   const auto modeled = eng_.config.host_link.duration(link.bytes);
-  eng_.io->submit(index_, IoEngine::Transfer{
-      link.bytes, modeled,
-      [this, &link, &slot] {  // engine thread: the reader's consumer while the run lasts
-        if (stop_.requested() || link.closing.load(std::memory_order_acquire)) {
-          slot.state.store(kSkipped, std::memory_order_relaxed);  // relaxed: done() publishes
-          return IoEngine::Start::kSkip;
-        }
-        if (!link.reader->try_pop(slot.tensor)) {
-          if (!link.reader->at_end()) return IoEngine::Start::kWait;
-          slot.state.store(kEnd, std::memory_order_relaxed);
-          return IoEngine::Start::kSkip;
-        }
-        slot.error = tensor_mismatch(link, slot.tensor);
-        if (!slot.error.empty()) {
-          slot.state.store(kFailed, std::memory_order_relaxed);
-          return IoEngine::Start::kSkip;
-        }
-        std::memcpy(slot.mem, slot.tensor.raw().data(), link.bytes);
-        return IoEngine::Start::kGo;
-      },
-      [this, keep = owner_.lock(), &link, &slot](const IoEngine::Times& t, bool cancelled) {
-        int s = slot.state.load(std::memory_order_relaxed);
-        if (s == kFilling) {
-          if (!cancelled) record_io(t, link.bytes, false);
-          s = cancelled ? kSkipped : kReady;
-        }
-        slot.state.store(s, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
-        in_flight_.fetch_sub(1, std::memory_order_seq_cst);
-        point_.notify();
-      }});
+  eng_.io->submit(
+      index_,
+      IoEngine::Transfer{
+          link.bytes, modeled,
+          [this, &link, &slot] {  // engine thread: the reader's consumer while the run lasts
+            if (stop_.requested() || link.closing.load(std::memory_order_acquire)) {
+              slot.state.store(kSkipped, std::memory_order_relaxed);  // relaxed: done() publishes
+              return IoEngine::Start::kSkip;
+            }
+            if (!link.reader->try_pop(slot.tensor)) {
+              if (!link.reader->at_end()) return IoEngine::Start::kWait;
+              slot.state.store(kEnd, std::memory_order_relaxed);
+              return IoEngine::Start::kSkip;
+            }
+            slot.error = tensor_mismatch(link, slot.tensor);
+            if (!slot.error.empty()) {
+              slot.state.store(kFailed, std::memory_order_relaxed);
+              return IoEngine::Start::kSkip;
+            }
+            std::memcpy(slot.mem, slot.tensor.raw().data(), link.bytes);
+            return IoEngine::Start::kGo;
+          },
+          [this, keep = owner_.lock(), &link, &slot](const IoEngine::Times& t, bool cancelled) {
+            int s = slot.state.load(std::memory_order_relaxed);
+            if (s == kFilling) {
+              if (!cancelled) record_io(t, link.bytes, false);
+              s = cancelled ? kSkipped : kReady;
+            }
+            slot.state.store(s, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
+            in_flight_.fetch_sub(1, std::memory_order_seq_cst);
+            point_.notify();
+          }});
 }
 
 bool DeviceRun::copy_out(OutLink& link, DeviceBuffer& buf) {
@@ -370,10 +388,13 @@ bool DeviceRun::copy_out(OutLink& link, DeviceBuffer& buf) {
 bool DeviceRun::copy_out_to_io_tiles(OutLink& link, DeviceBuffer& buf) {
   Slot& slot = *link.slots[link.next_use % link.slots.size()];
   const Clock::time_point t0 = Clock::now();
-  auto room = [&] { return slot.state.load(std::memory_order_seq_cst) != kFilling || stop_.requested(); };
+  auto room = [&] {
+    return slot.state.load(std::memory_order_seq_cst) != kFilling || stop_.requested();
+  };
   if (!room()) point_.wait(room);
   const Clock::time_point t1 = Clock::now();
-  if (track_ && t1 - t0 > std::chrono::microseconds(1)) track_->record(Phase::kStreamCopyBegin, t0, t1);
+  if (track_ && t1 - t0 > std::chrono::microseconds(1))
+    track_->record(Phase::kStreamCopyBegin, t0, t1);
   if (stop_.requested()) return false;
   const std::size_t bytes = buf.bytes();
   host_bytes_out_ += bytes;
@@ -385,29 +406,34 @@ bool DeviceRun::copy_out_to_io_tiles(OutLink& link, DeviceBuffer& buf) {
   ++in_flight_;
   const DType dtype = buf.dtype();
   const std::size_t elements = buf.elements();
-  eng_.io->submit(index_, IoEngine::Transfer{
-      bytes, eng_.config.host_link.duration(bytes),
-      [&slot, dtype, elements, bytes] {
-        slot.tensor = Tensor(dtype, {elements}, Tensor::Init::kNone);
-        std::memcpy(slot.tensor.raw().data(), slot.mem, bytes);
-        return IoEngine::Start::kGo;
-      },
-      [this, keep = owner_.lock(), &link, &slot, bytes](const IoEngine::Times& t, bool cancelled) {
-        if (!cancelled) {
-          record_io(t, bytes, true);
-          // The engine thread writes while the device computes on; the device flushes and
-          // finishes the writer only after every outbound transfer has ended.
-          try {
-            if (!link.writer->write(slot.iteration, std::move(slot.tensor), &stop_)) lost_.fetch_add(1);
-          } catch (...) {
-            lost_.fetch_add(1);
-          }
-        }
-        slot.tensor = Tensor();
-        slot.state.store(kFree, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
-        in_flight_.fetch_sub(1, std::memory_order_seq_cst);
-        point_.notify();
-      }});
+  eng_.io->submit(index_,
+                  IoEngine::Transfer{
+                      bytes, eng_.config.host_link.duration(bytes),
+                      [&slot, dtype, elements, bytes] {
+                        slot.tensor = Tensor(dtype, {elements}, Tensor::Init::kNone);
+                        std::memcpy(slot.tensor.raw().data(), slot.mem, bytes);
+                        return IoEngine::Start::kGo;
+                      },
+                      [this, keep = owner_.lock(), &link, &slot, bytes](const IoEngine::Times& t,
+                                                                        bool cancelled) {
+                        if (!cancelled) {
+                          record_io(t, bytes, true);
+                          // The engine thread writes while the device computes on; the device
+                          // flushes and finishes the writer only after every outbound transfer has
+                          // ended.
+                          try {
+                            if (!link.writer->write(slot.iteration, std::move(slot.tensor), &stop_))
+                              lost_.fetch_add(1);
+                          } catch (...) {
+                            lost_.fetch_add(1);
+                          }
+                        }
+                        slot.tensor = Tensor();
+                        slot.state.store(
+                            kFree, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
+                        in_flight_.fetch_sub(1, std::memory_order_seq_cst);
+                        point_.notify();
+                      }});
   if (track_) track_->record(Phase::kStreamCopyEnd, t1, Clock::now(), bytes, 0, true);
   return true;
 }
@@ -417,12 +443,14 @@ void DeviceRun::finish(bool deliver) {
   const Clock::time_point t0 = Clock::now();
   for (auto& [q, link] : ins_) link.closing.store(true, std::memory_order_release);
   point_.wait([&] { return in_flight_.load(std::memory_order_seq_cst) == 0; });
-  if (track_ && Clock::now() - t0 > std::chrono::microseconds(1)) track_->record(Phase::kIdle, t0, Clock::now());
+  if (track_ && Clock::now() - t0 > std::chrono::microseconds(1))
+    track_->record(Phase::kIdle, t0, Clock::now());
   for (auto& [q, link] : ins_) {
     if (!link.reader) continue;
     for (std::size_t k = 0; k < link.slots.size(); ++k) {  // oldest first
       Slot& slot = *link.slots[(link.next_use + k) % link.slots.size()];
-      if (slot.state.load(std::memory_order_acquire) == kReady) link.reader->put_back(std::move(slot.tensor));
+      if (slot.state.load(std::memory_order_acquire) == kReady)
+        link.reader->put_back(std::move(slot.tensor));
     }
     link.reader.reset();
     for (auto& slot : link.slots) device_.arena().release(slot->mem);

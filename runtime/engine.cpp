@@ -20,15 +20,19 @@ using detail::EngineState;
 
 // ---- config ----
 
-EngineConfig EngineConfig::from(const Options& options) { return options.engine_config(); }
+EngineConfig EngineConfig::from(const Options& options) {
+  return options.engine_config();
+}
 
 void EngineConfig::validate() const {
   HostIO::validate();
   device_link.validate("device link");
 }
 
-std::optional<std::uint32_t> Engine::suggest_io_tiles(std::size_t bytes, const DeviceConfig& config) {
-  const double need = 1.05 * static_cast<double>(bytes) / static_cast<double>(config.bytes_per_tile);
+std::optional<std::uint32_t> Engine::suggest_io_tiles(std::size_t bytes,
+                                                      const DeviceConfig& config) {
+  const double need =
+      1.05 * static_cast<double>(bytes) / static_cast<double>(config.bytes_per_tile);
   for (std::uint64_t n = 2; n < config.tiles; n *= 2) {
     if (static_cast<double>(n) >= need) return static_cast<std::uint32_t>(n);
   }
@@ -54,7 +58,7 @@ struct Uses {
   std::vector<const program::StreamCopy*> streams;
   std::vector<const program::Execute*> executes;
   std::vector<std::pair<const void*, std::string>> transfers;  // RemoteCopy, AllReduce: labels
-  const program::FusedRepeat* fused = nullptr;  // only ever the whole program
+  const program::FusedRepeat* fused = nullptr;                 // only ever the whole program
   std::set<SyncGroup*> groups;
   std::vector<const DeviceBuffer*> buffers;  // buffers the device itself touches
   std::optional<std::uint64_t> outer_count;
@@ -83,7 +87,8 @@ void gather(const Program& p, Uses& u, bool in_repeat, const Program& root) {
           u.transfers.emplace_back(&n, n.name);  // host memory, or the device link: a label
         } else if constexpr (std::is_same_v<N, program::FusedRepeat>) {
           if (&n != std::get_if<program::FusedRepeat>(&root.node())) {
-            throw Error("FusedRepeat '" + n.name + "' must be a device's whole program, not "
+            throw Error("FusedRepeat '" + n.name +
+                        "' must be a device's whole program, not "
                         "part of a Sequence or Repeat (it runs every trip itself)");
           }
           u.fused = &n;
@@ -135,7 +140,9 @@ EngineResult Engine::run(const Program& program) {
   return run(std::vector<Program>(impl_->devices.size(), program));
 }
 
-EngineResult Engine::run(const std::vector<Program>& programs) { return run(programs, nullptr); }
+EngineResult Engine::run(const std::vector<Program>& programs) {
+  return run(programs, nullptr);
+}
 
 EngineResult Engine::run(const std::vector<Program>& programs, std::function<void()> wake) {
   return run(programs, std::move(wake), nullptr);
@@ -156,9 +163,10 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
     gather(programs[d], uses[d], false, programs[d]);
     for (const DeviceBuffer* b : uses[d].buffers) {
       if (&b->device() != im.devices[d]) {
-        throw Error("the program of device " + std::to_string(im.devices[d]->id()) + " uses buffer '" +
-                    b->name() + "' of device " + std::to_string(b->device().id()) +
-                    ": stream copies and the destination of a Copy must be on the device that runs them");
+        throw Error(
+            "the program of device " + std::to_string(im.devices[d]->id()) + " uses buffer '" +
+            b->name() + "' of device " + std::to_string(b->device().id()) +
+            ": stream copies and the destination of a Copy must be on the device that runs them");
       }
     }
     for (SyncGroup* g : uses[d].groups) ++group_users[g];
@@ -167,13 +175,16 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
     for (const program::StreamCopy* s : uses[d].streams) {
       if (s->infeed && seen.insert(s->infeed).second) micro_batch += s->buffer->bytes();
       if (s->infeed && s->infeed->replicas() != n) {
-        throw Error("infeed of buffer '" + s->buffer->name() + "' has " + std::to_string(s->infeed->replicas()) +
+        throw Error("infeed of buffer '" + s->buffer->name() + "' has " +
+                    std::to_string(s->infeed->replicas()) +
                     " replica lane(s) but the engine runs " + std::to_string(n) +
-                    " device(s): device d reads lane d (InfeedConfig::replicas = " + std::to_string(n) + ")");
+                    " device(s): device d reads lane d (InfeedConfig::replicas = " +
+                    std::to_string(n) + ")");
       }
       if (s->outfeed && s->outfeed->replicas() != n) {
-        throw Error("outfeed of buffer '" + s->buffer->name() + "' has " + std::to_string(s->outfeed->replicas()) +
-                    " replica(s) but the engine runs " + std::to_string(n) +
+        throw Error("outfeed of buffer '" + s->buffer->name() + "' has " +
+                    std::to_string(s->outfeed->replicas()) + " replica(s) but the engine runs " +
+                    std::to_string(n) +
                     " device(s) (OutfeedConfig::replicas = " + std::to_string(n) + ")");
       }
     }
@@ -186,16 +197,18 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
                   detail::format_bytes(std::uint64_t{im.config.io_tiles} * dc.bytes_per_tile) +
                   ", too little for one micro-batch of " + detail::format_bytes(micro_batch) +
                   " (with 5% headroom) on device " + std::to_string(im.devices[d]->id()) + ": " +
-                  (suggestion ? "use io_tiles = " + std::to_string(*suggestion) + " (leaving " +
-                                    std::to_string(dc.tiles - *suggestion) + " compute tiles)"
-                              : std::string("no even count below the device's ") +
-                                    std::to_string(dc.tiles) + " tiles holds it; shrink the micro-batch"));
+                  (suggestion
+                       ? "use io_tiles = " + std::to_string(*suggestion) + " (leaving " +
+                             std::to_string(dc.tiles - *suggestion) + " compute tiles)"
+                       : std::string("no even count below the device's ") +
+                             std::to_string(dc.tiles) + " tiles holds it; shrink the micro-batch"));
     }
   }
   for (auto& [g, users] : group_users) {
     if (users != g->participants()) {
-      throw Error("a sync group of " + std::to_string(g->participants()) + " participants is used by " +
-                  std::to_string(users) + " device program(s): every participant must sync on it, "
+      throw Error("a sync group of " + std::to_string(g->participants()) +
+                  " participants is used by " + std::to_string(users) +
+                  " device program(s): every participant must sync on it, "
                   "or the others would wait forever");
     }
   }
@@ -207,10 +220,12 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
   std::vector<TraceTrack*> tracks(n, nullptr), io_tracks(n, nullptr);
   if (trace) {
     for (std::uint32_t d = 0; d < n; ++d) {
-      tracks[d] = &trace->add_track("device " + std::to_string(im.devices[d]->id()), TraceTrack::Kind::kDevice, d);
+      tracks[d] = &trace->add_track("device " + std::to_string(im.devices[d]->id()),
+                                    TraceTrack::Kind::kDevice, d);
     }
     for (std::uint32_t d = 0; d < n; ++d) {
-      io_tracks[d] = &trace->add_track("I/O engine: link " + std::to_string(im.devices[d]->id()), TraceTrack::Kind::kIo, d);
+      io_tracks[d] = &trace->add_track("I/O engine: link " + std::to_string(im.devices[d]->id()),
+                                       TraceTrack::Kind::kIo, d);
     }
   }
   auto shared = std::make_shared<RunShared>(n, uses.front().outer_count.value_or(1));
@@ -218,7 +233,8 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
   detail::RunControl& control = rs.control;
   rs.programs = programs;
   for (std::uint32_t d = 0; d < n; ++d) {
-    rs.runs.push_back(std::make_unique<DeviceRun>(im, *im.devices[d], d, control, tracks[d], io_tracks[d]));
+    rs.runs.push_back(
+        std::make_unique<DeviceRun>(im, *im.devices[d], d, control, tracks[d], io_tracks[d]));
     DeviceRun& run = *rs.runs[d];
     run.set_owner(shared);
     for (const program::Execute* e : uses[d].executes) run.label(e, e->name);
@@ -231,7 +247,8 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
         rs.infeeds.insert(s->infeed);
       } else {
         auto it = rs.writers.find(s->outfeed);
-        if (it == rs.writers.end()) it = rs.writers.emplace(s->outfeed, s->outfeed->begin_run()).first;
+        if (it == rs.writers.end())
+          it = rs.writers.emplace(s->outfeed, s->outfeed->begin_run()).first;
         run.add_outfeed(*s->outfeed, *s->buffer, &it->second[d]);
       }
     }
@@ -241,13 +258,14 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
     g->reset();  // a run stopped midway may have left arrivals behind
     rs.groups.insert(g);
   }
-  control.set_waker([&rs, wake = std::move(wake)] {  // called only while the run is open: rs is alive
-    if (wake) wake();
-    for (SyncGroup* g : rs.groups) g->wake();
-    for (InfeedQueue<Tensor>* q : rs.infeeds) q->wake_all();
-    for (auto& [q, w] : rs.writers) q->wake_all();
-    for (auto& r : rs.runs) r->wake();
-  });
+  control.set_waker(
+      [&rs, wake = std::move(wake)] {  // called only while the run is open: rs is alive
+        if (wake) wake();
+        for (SyncGroup* g : rs.groups) g->wake();
+        for (InfeedQueue<Tensor>* q : rs.infeeds) q->wake_all();
+        for (auto& [q, w] : rs.writers) q->wake_all();
+        for (auto& r : rs.runs) r->wake();
+      });
 
   {
     std::lock_guard lock(im.current_mutex);
@@ -258,7 +276,8 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
       im.devices[d]->submit(DeviceJob{[shared, d] { shared->runs[d]->run(shared->programs[d]); },
                                       [shared] { shared->control.cancel(); }});
     } catch (...) {
-      control.fail(detail::RunControl::Failure{im.devices[d]->id(), d, 0, std::current_exception()});
+      control.fail(
+          detail::RunControl::Failure{im.devices[d]->id(), d, 0, std::current_exception()});
       for (std::uint32_t k = d; k < n; ++k) rs.runs[k]->abandon();
       break;
     }
@@ -342,16 +361,29 @@ void abandon_on_device(Device& device, std::uint32_t replica, const Program& pro
     LoneRun lone(device, replica, program, control, nullptr);
     lone.run->abandon();
   } catch (...) {  // not a FusedRepeat: nothing to finish
-    control.replica_done(replica, RunControl::ReplicaEnd{device.id(), 0, RunStatus::kCancelled, true});
+    control.replica_done(replica,
+                         RunControl::ReplicaEnd{device.id(), 0, RunStatus::kCancelled, true});
   }
 }
 }  // namespace detail
 
-const Trace* Engine::trace() const noexcept { return impl_->trace.get(); }
-TraceSummary Engine::summary() const { return impl_->trace ? impl_->trace->summary() : TraceSummary{}; }
-const EngineConfig& Engine::config() const noexcept { return impl_->config; }
-std::uint32_t Engine::devices() const noexcept { return static_cast<std::uint32_t>(impl_->devices.size()); }
-std::uint32_t Engine::compute_tiles() const noexcept { return impl_->compute_tiles; }
-bool Engine::low_timer_slack() const noexcept { return impl_->io->low_timer_slack(); }
+const Trace* Engine::trace() const noexcept {
+  return impl_->trace.get();
+}
+TraceSummary Engine::summary() const {
+  return impl_->trace ? impl_->trace->summary() : TraceSummary{};
+}
+const EngineConfig& Engine::config() const noexcept {
+  return impl_->config;
+}
+std::uint32_t Engine::devices() const noexcept {
+  return static_cast<std::uint32_t>(impl_->devices.size());
+}
+std::uint32_t Engine::compute_tiles() const noexcept {
+  return impl_->compute_tiles;
+}
+bool Engine::low_timer_slack() const noexcept {
+  return impl_->io->low_timer_slack();
+}
 
 }  // namespace bspflow

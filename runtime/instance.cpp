@@ -19,12 +19,15 @@
 
 namespace bspflow {
 
-InstanceLayout InstanceLayout::of(std::uint32_t index, std::uint32_t count, std::uint32_t total_replicas) {
+InstanceLayout InstanceLayout::of(std::uint32_t index, std::uint32_t count,
+                                  std::uint32_t total_replicas) {
   if (count == 0) detail::throw_bad_value("instance count", count, "must be at least 1");
   if (index >= count) {
-    detail::throw_bad_value("instance index", index, "must be below the instance count (" + std::to_string(count) + ")");
+    detail::throw_bad_value("instance index", index,
+                            "must be below the instance count (" + std::to_string(count) + ")");
   }
-  if (total_replicas == 0) detail::throw_bad_value("replicas", total_replicas, "must be at least 1");
+  if (total_replicas == 0)
+    detail::throw_bad_value("replicas", total_replicas, "must be at least 1");
   if (total_replicas % count != 0) {
     detail::throw_bad_value("replicas", total_replicas,
                             "must be a multiple of the instance count (" + std::to_string(count) +
@@ -41,7 +44,8 @@ InstanceLayout InstanceLayout::of(std::uint32_t index, std::uint32_t count, std:
 
 std::string InstanceLayout::describe() const {
   return "instance " + std::to_string(index) + " of " + std::to_string(count) + ": replicas " +
-         std::to_string(replica_offset) + ".." + std::to_string(replica_offset + local_replicas - 1) + " of " +
+         std::to_string(replica_offset) + ".." +
+         std::to_string(replica_offset + local_replicas - 1) + " of " +
          std::to_string(total_replicas);
 }
 
@@ -81,13 +85,15 @@ Instance::Instance() : impl_(std::make_unique<Impl>()) {
     int provided = 0;
     // SERIALIZED: collectives may come from any host thread (a Pipeline::run on a thread
     // of the application's choosing), one at a time (Impl::calls).
-    check_mpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+    check_mpi(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided),
+              "MPI_Init_thread");
     impl_->we_initialised = true;
     if (provided < MPI_THREAD_SERIALIZED) {
       MPI_Finalize();
-      throw Error("MPI_Init_thread: this MPI library gives thread level " + std::to_string(provided) +
-                  ", below MPI_THREAD_SERIALIZED (" + std::to_string(MPI_THREAD_SERIALIZED) +
-                  "): bspflow's devices are threads, and MPI is called from whichever host thread runs");
+      throw Error(
+          "MPI_Init_thread: this MPI library gives thread level " + std::to_string(provided) +
+          ", below MPI_THREAD_SERIALIZED (" + std::to_string(MPI_THREAD_SERIALIZED) +
+          "): bspflow's devices are threads, and MPI is called from whichever host thread runs");
     }
   }
   impl_->mpi = true;
@@ -123,7 +129,8 @@ void Instance::setup_communicators() {
   int len = 0;
   MPI_Get_library_version(version, &len);
   impl_->library.assign(version, static_cast<std::size_t>(len));
-  if (const auto cut = impl_->library.find_first_of(",\n"); cut != std::string::npos) impl_->library.resize(cut);
+  if (const auto cut = impl_->library.find_first_of(",\n"); cut != std::string::npos)
+    impl_->library.resize(cut);
 }
 #endif
 
@@ -154,10 +161,18 @@ Instance& Instance::current() {
   return instance;
 }
 
-std::uint32_t Instance::index() const noexcept { return impl_->index; }
-std::uint32_t Instance::count() const noexcept { return impl_->count; }
-std::uint32_t Instance::local_index() const noexcept { return impl_->local_index; }
-std::uint32_t Instance::local_count() const noexcept { return impl_->local_count; }
+std::uint32_t Instance::index() const noexcept {
+  return impl_->index;
+}
+std::uint32_t Instance::count() const noexcept {
+  return impl_->count;
+}
+std::uint32_t Instance::local_index() const noexcept {
+  return impl_->local_index;
+}
+std::uint32_t Instance::local_count() const noexcept {
+  return impl_->local_count;
+}
 
 std::string Instance::transport() const {
 #if BSPFLOW_HAVE_MPI
@@ -178,22 +193,24 @@ namespace {
 // (max of n and of -n), so a mismatch is an error in every instance, not a hang or garbage.
 void check_same_length(MPI_Comm comm, std::size_t n, const char* call) {
   if (n > static_cast<std::size_t>(std::numeric_limits<int>::max())) {
-    throw Error(std::string(call) + ": " + std::to_string(n) + " values is more than one MPI call takes (" +
+    throw Error(std::string(call) + ": " + std::to_string(n) +
+                " values is more than one MPI call takes (" +
                 std::to_string(std::numeric_limits<int>::max()) + ")");
   }
   long long mine[2] = {static_cast<long long>(n), -static_cast<long long>(n)};
   long long all[2] = {0, 0};
   check_mpi(MPI_Allreduce(mine, all, 2, MPI_LONG_LONG, MPI_MAX, comm), call);
   if (all[0] != -all[1]) {
-    throw Error(std::string(call) + ": instances passed different lengths (this one " + std::to_string(n) +
-                ", from " + std::to_string(-all[1]) + " to " + std::to_string(all[0]) +
-                "): every instance must reduce the same values");
+    throw Error(std::string(call) + ": instances passed different lengths (this one " +
+                std::to_string(n) + ", from " + std::to_string(-all[1]) + " to " +
+                std::to_string(all[0]) + "): every instance must reduce the same values");
   }
 }
 // Both allreduce_sum overloads: `n` values of `type` at `data`, summed in place.
 void sum_in_place(MPI_Comm comm, void* data, std::size_t n, MPI_Datatype type) {
   check_same_length(comm, n, "Instance::allreduce_sum");
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(n), type, MPI_SUM, comm), "MPI_Allreduce");
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(n), type, MPI_SUM, comm),
+            "MPI_Allreduce");
 }
 }  // namespace
 #endif
@@ -220,13 +237,16 @@ void Instance::allreduce_sum(std::span<double> values) {
 
 void Instance::broadcast(std::span<float> values, std::uint32_t root) {
   if (root >= impl_->count) {
-    detail::throw_bad_value("broadcast root", root, "must be below the instance count (" + std::to_string(impl_->count) + ")");
+    detail::throw_bad_value(
+        "broadcast root", root,
+        "must be below the instance count (" + std::to_string(impl_->count) + ")");
   }
 #if BSPFLOW_HAVE_MPI
   if (!impl_->mpi || impl_->count == 1) return;
   const std::lock_guard lock(impl_->calls);
   check_same_length(impl_->comm, values.size(), "Instance::broadcast");
-  check_mpi(MPI_Bcast(values.data(), static_cast<int>(values.size()), MPI_FLOAT, static_cast<int>(root), impl_->comm),
+  check_mpi(MPI_Bcast(values.data(), static_cast<int>(values.size()), MPI_FLOAT,
+                      static_cast<int>(root), impl_->comm),
             "MPI_Bcast");
 #else
   (void)values;
@@ -238,7 +258,8 @@ bool Instance::all_agree(bool ok) {
   if (!impl_->mpi || impl_->count == 1) return ok;
   const std::lock_guard lock(impl_->calls);
   int mine = ok ? 1 : 0, all = 0;
-  check_mpi(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_LAND, impl_->comm), "MPI_Allreduce (all_agree)");
+  check_mpi(MPI_Allreduce(&mine, &all, 1, MPI_INT, MPI_LAND, impl_->comm),
+            "MPI_Allreduce (all_agree)");
   return all != 0;
 #else
   return ok;
@@ -260,7 +281,8 @@ void InstanceWire::sum(Instance& instance, std::span<float> values) {
   Instance::Impl& im = *instance.impl_;
   if (!im.mpi || im.count == 1) return;
   const std::lock_guard lock(im.calls);
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_FLOAT, MPI_SUM, im.comm),
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_FLOAT,
+                          MPI_SUM, im.comm),
             "MPI_Allreduce");
 #else
   (void)instance;
@@ -275,9 +297,12 @@ void InstanceWire::broadcast_text(Instance& instance, std::string& text, std::ui
   const std::lock_guard lock(im.calls);
   if (im.index == root && text.size() > InstanceWire::kMaxText) text.resize(InstanceWire::kMaxText);
   unsigned long long length = text.size();
-  check_mpi(MPI_Bcast(&length, 1, MPI_UNSIGNED_LONG_LONG, static_cast<int>(root), im.comm), "MPI_Bcast");
+  check_mpi(MPI_Bcast(&length, 1, MPI_UNSIGNED_LONG_LONG, static_cast<int>(root), im.comm),
+            "MPI_Bcast");
   text.resize(static_cast<std::size_t>(length));
-  check_mpi(MPI_Bcast(text.data(), static_cast<int>(text.size()), MPI_CHAR, static_cast<int>(root), im.comm), "MPI_Bcast");
+  check_mpi(MPI_Bcast(text.data(), static_cast<int>(text.size()), MPI_CHAR, static_cast<int>(root),
+                      im.comm),
+            "MPI_Bcast");
 #else
   (void)instance;
   (void)text;

@@ -59,12 +59,14 @@ bool InstanceReduction::check_due(std::uint64_t step) const noexcept {
   return check_interval_ != 0 && (total_steps_ + step) % check_interval_ == 0;
 }
 
-bool InstanceReduction::exchange(std::uint32_t slot, std::uint64_t step, std::uint64_t checksum, Spin spin) {
+bool InstanceReduction::exchange(std::uint32_t slot, std::uint64_t step, std::uint64_t checksum,
+                                 Spin spin) {
   const std::uint64_t done = done_.load(std::memory_order_seq_cst);
   if (closed_.load(std::memory_order_seq_cst) || done > step) return false;  // given up on
   if (done < step) {
-    throw Error("instance reduction: slot " + std::to_string(slot) + " posted step " + std::to_string(step) +
-                " while step " + std::to_string(done) + " is exchanged (internal schedule error)");
+    throw Error("instance reduction: slot " + std::to_string(slot) + " posted step " +
+                std::to_string(step) + " while step " + std::to_string(done) +
+                " is exchanged (internal schedule error)");
   }
   checksums_[slot].store(checksum, std::memory_order_relaxed);  // published by the fetch_add
   if (posted_.fetch_add(1, std::memory_order_seq_cst) + 1 == sizes_.size() && claim(step)) {
@@ -73,18 +75,28 @@ bool InstanceReduction::exchange(std::uint32_t slot, std::uint64_t step, std::ui
     // Whoever claimed the step (the last slot, or the host for a stopped instance) always
     // finishes its call, so this wait ends without looking at the stop flag.
     device_point_.wait(
-        [&] { return done_.load(std::memory_order_seq_cst) > step || closed_.load(std::memory_order_seq_cst); }, spin);
+        [&] {
+          return done_.load(std::memory_order_seq_cst) > step ||
+                 closed_.load(std::memory_order_seq_cst);
+        },
+        spin);
   }
   return applied(step);
 }
 
 bool InstanceReduction::wait_done(std::uint64_t step, Spin spin) {
   device_point_.wait(
-      [&] { return done_.load(std::memory_order_seq_cst) > step || closed_.load(std::memory_order_seq_cst); }, spin);
+      [&] {
+        return done_.load(std::memory_order_seq_cst) > step ||
+               closed_.load(std::memory_order_seq_cst);
+      },
+      spin);
   return applied(step);
 }
 
-void InstanceReduction::wake() noexcept { host_point_.notify(); }
+void InstanceReduction::wake() noexcept {
+  host_point_.notify();
+}
 
 void InstanceReduction::exchange_step(std::uint64_t step, Kind kind) noexcept {
   const bool contributing = kind != Kind::kStopped;
@@ -92,13 +104,15 @@ void InstanceReduction::exchange_step(std::uint64_t step, Kind kind) noexcept {
   try {
     const std::uint32_t count = instance_.count(), me = instance_.index();
     std::vector<float>& buffer = contributing ? wire_ : stopped_;
-    std::fill(buffer.begin() + static_cast<std::ptrdiff_t>(payload_), buffer.end(), 0.0f);  // every tail
+    std::fill(buffer.begin() + static_cast<std::ptrdiff_t>(payload_), buffer.end(),
+              0.0f);  // every tail
     float* mine = buffer.data() + payload_ + me * kTail;
     mine[kCode] = contributing ? 0.0f : 1.0f;
     put64(mine + kSteps, steps_);
     if (kind == Kind::kContributing && check_due(step)) {
       std::uint64_t h = 0xcbf29ce484222325ull;  // the slots' checksums, in slot order
-      for (const auto& c : checksums_) h = (h ^ c.load(std::memory_order_relaxed)) * 0x100000001b3ull;
+      for (const auto& c : checksums_)
+        h = (h ^ c.load(std::memory_order_relaxed)) * 0x100000001b3ull;
       mine[kHasChecksum] = 1.0f;
       put64(mine + kChecksum, h);
     }
@@ -107,7 +121,8 @@ void InstanceReduction::exchange_step(std::uint64_t step, Kind kind) noexcept {
     bool everyone = true, checked = true, steps_differ = false, checksums_differ = false;
     std::string steps_seen, checksums_seen;
     const float* first = buffer.data() + payload_;
-    const std::uint64_t first_steps = get64(first + kSteps), first_checksum = get64(first + kChecksum);
+    const std::uint64_t first_steps = get64(first + kSteps),
+                        first_checksum = get64(first + kChecksum);
     for (std::uint32_t i = 0; i < count; ++i) {
       const float* t = buffer.data() + payload_ + i * kTail;
       if (t[kCode] != 0.0f && stopped_instance_ == count) stopped_instance_ = i;
@@ -115,7 +130,8 @@ void InstanceReduction::exchange_step(std::uint64_t step, Kind kind) noexcept {
       checked = checked && t[kHasChecksum] == 1.0f;
       const bool steps_differ_here = get64(t + kSteps) != first_steps;
       const bool checksum_differs_here = get64(t + kChecksum) != first_checksum;
-      if ((steps_differ_here || checksum_differs_here) && mismatch_instance_ == count) mismatch_instance_ = i;
+      if ((steps_differ_here || checksum_differs_here) && mismatch_instance_ == count)
+        mismatch_instance_ = i;
       steps_differ = steps_differ || steps_differ_here;
       checksums_differ = checksums_differ || checksum_differs_here;
     }
@@ -131,16 +147,19 @@ void InstanceReduction::exchange_step(std::uint64_t step, Kind kind) noexcept {
       mismatch_ = "the instances' runs have different step counts (" + steps_seen +
                   "): every instance must call Pipeline::run with the same device_iterations";
     } else if (everyone && checked && checksums_differ) {
-      mismatch_ = "the weights differ across instances at step " + std::to_string(step) + " (checksums: " +
-                  checksums_seen + "): a stage's update() is not deterministic, or the stages did not start "
+      mismatch_ = "the weights differ across instances at step " + std::to_string(step) +
+                  " (checksums: " + checksums_seen +
+                  "): a stage's update() is not deterministic, or the stages did not start "
                   "from the same weights";
     }
     applied = everyone && mismatch_.empty();
   } catch (...) {
     // An MPI error seen here may not be seen by the other instances, which would then wait
     // in their next call for ever: end them all (Open MPI ends the job).
-    log(LogLevel::kError, "distributed Pipeline: step " + std::to_string(step) + "'s exchange across instances failed (" +
-                              detail::describe_exception(std::current_exception()) + "): ending every instance");
+    log(LogLevel::kError, "distributed Pipeline: step " + std::to_string(step) +
+                              "'s exchange across instances failed (" +
+                              detail::describe_exception(std::current_exception()) +
+                              "): ending every instance");
     instance_.abort(1);
   }
   if (kind == Kind::kNothing) {  // a run of 0 steps: only the mismatch matters
@@ -184,7 +203,10 @@ void InstanceReduction::serve(const StopFlag& stop) noexcept {
       break;
     }
     device_point_.wait(
-        [&] { return done_.load(std::memory_order_seq_cst) > k || closed_.load(std::memory_order_seq_cst); },
+        [&] {
+          return done_.load(std::memory_order_seq_cst) > k ||
+                 closed_.load(std::memory_order_seq_cst);
+        },
         Spin::kYield);
   }
   closed_.store(true, std::memory_order_seq_cst);

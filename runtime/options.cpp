@@ -59,9 +59,9 @@ Options& Options::infeed_capacity(std::size_t elements) {
 
 Options& Options::outfeed_capacity(std::size_t entries) {
   if (entries > tunables::kMaxQueueCapacity) {
-    detail::throw_bad_value("outfeed_capacity", entries,
-                            "must be 0 (unbounded) or at most " +
-                                std::to_string(tunables::kMaxQueueCapacity));
+    detail::throw_bad_value(
+        "outfeed_capacity", entries,
+        "must be 0 (unbounded) or at most " + std::to_string(tunables::kMaxQueueCapacity));
   }
   outfeed_capacity_ = entries;
   return *this;
@@ -69,8 +69,8 @@ Options& Options::outfeed_capacity(std::size_t entries) {
 
 Options& Options::io_tiles(std::uint32_t tiles) {
   if (tiles % 2 != 0) {
-    detail::throw_bad_value("io_tiles", tiles, "must be 0 or an even number (e.g. " +
-                                                   std::to_string(tiles + 1) + ")");
+    detail::throw_bad_value("io_tiles", tiles,
+                            "must be 0 or an even number (e.g. " + std::to_string(tiles + 1) + ")");
   }
   host_io_.io_tiles = tiles;
   return *this;
@@ -94,7 +94,8 @@ Options& Options::precision(const Precision& p) {
 }
 
 Options& Options::tiles(std::uint32_t n) {
-  if (n < 1 || n > tunables::kMaxTiles) detail::throw_bad_value("tiles", n, range(1, tunables::kMaxTiles));
+  if (n < 1 || n > tunables::kMaxTiles)
+    detail::throw_bad_value("tiles", n, range(1, tunables::kMaxTiles));
   tiles_ = n;
   return *this;
 }
@@ -125,14 +126,14 @@ Options& Options::pin(bool on) noexcept {
 
 void Options::validate() const {
   if (host_io_.io_tiles >= tiles_) {
-    detail::throw_bad_value("io_tiles", host_io_.io_tiles,
-                            "must be below tiles (" + std::to_string(tiles_) +
-                                "), leaving tiles for compute");
+    detail::throw_bad_value(
+        "io_tiles", host_io_.io_tiles,
+        "must be below tiles (" + std::to_string(tiles_) + "), leaving tiles for compute");
   }
   if (infeed_capacity_ < host_io_.prefetch_depth) {
-    detail::throw_bad_value("infeed_capacity", infeed_capacity_,
-                            "must be at least prefetch_depth (" +
-                                std::to_string(host_io_.prefetch_depth) + ")");
+    detail::throw_bad_value(
+        "infeed_capacity", infeed_capacity_,
+        "must be at least prefetch_depth (" + std::to_string(host_io_.prefetch_depth) + ")");
   }
   if (consumer_type_ == ConsumerType::kSingle && outfeed_capacity_ == 0) {
     detail::throw_bad_value("outfeed_capacity", outfeed_capacity_,
@@ -145,11 +146,12 @@ void Options::validate() const {
 std::uint64_t Options::samples_per_step(std::uint64_t micro_batch) const {
   if (micro_batch < 1) detail::throw_bad_value("micro_batch", micro_batch, "must be at least 1");
   std::uint64_t out = micro_batch;
-  for (std::uint64_t f : {device_iterations_, std::uint64_t{gradient_accumulation_},
-                          std::uint64_t{replicas_}}) {
+  for (std::uint64_t f :
+       {device_iterations_, std::uint64_t{gradient_accumulation_}, std::uint64_t{replicas_}}) {
     if (out > std::numeric_limits<std::uint64_t>::max() / f) {
-      throw Error("samples per step overflows 64 bits: micro_batch x device_iterations x "
-                  "gradient_accumulation x replicas is too large");
+      throw Error(
+          "samples per step overflows 64 bits: micro_batch x device_iterations x "
+          "gradient_accumulation x replicas is too large");
     }
     out *= f;
   }
@@ -212,8 +214,8 @@ std::string Options::describe() const {
      << "tiles = " << tiles_ << '\n'
      << "bytes_per_tile = " << bytes_per_tile_ << '\n'
      << "pin = " << (pin_ ? "true" : "false") << '\n'
-     << "precision = storage " << to_string(precision_.storage) << ", partials " << to_string(precision_.partials)
-     << ", loss scaling " << precision_.loss_scaling << '\n';
+     << "precision = storage " << to_string(precision_.storage) << ", partials "
+     << to_string(precision_.partials) << ", loss scaling " << precision_.loss_scaling << '\n';
   return os.str();
 }
 

@@ -23,10 +23,12 @@ Pipeline::Pipeline(DeviceList group, PipelineConfig config, const StageFactory& 
   if (inst != nullptr) impl_->join_instances(*inst);
 }
 
-void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config, const StageFactory& make_stages) {
+void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config,
+                           const StageFactory& make_stages) {
   Impl& im = *this;
   if (!make_stages) throw Error("Pipeline: the stage factory is empty");
-  if (config.replicas == 0) detail::throw_bad_value("replicas", config.replicas, "must be at least 1");
+  if (config.replicas == 0)
+    detail::throw_bad_value("replicas", config.replicas, "must be at least 1");
   for (std::uint32_t r = 0; r < config.replicas; ++r) {
     StageList list = make_stages(r);
     if (r > 0 && list.size() != im.stage_lists.front().size()) {
@@ -43,28 +45,30 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config, const
   config.validate(im.stages);
   const std::uint32_t needed = config.devices_needed(im.stages);
   if (group.size() < needed) {
-    throw Error("strategy " + std::string(to_string(config.strategy)) + " with " + std::to_string(im.stages) +
-                " stages and " + std::to_string(config.replicas) + " replica(s) needs " + std::to_string(needed) +
-                " devices; the group has " + std::to_string(group.size()) +
-                " (make it with PipelineConfig::devices_needed)");
+    throw Error("strategy " + std::string(to_string(config.strategy)) + " with " +
+                std::to_string(im.stages) + " stages and " + std::to_string(config.replicas) +
+                " replica(s) needs " + std::to_string(needed) + " devices; the group has " +
+                std::to_string(group.size()) + " (make it with PipelineConfig::devices_needed)");
   }
   for (std::uint32_t d = 0; d < needed; ++d) im.devices.push_back(&group[d]);
   // The Engine first: it checks the I/O tiles against each device before memory is planned
   // around them.
   im.engine = std::make_unique<Engine>(DeviceList(im.devices), engine_config_of(config));
   im.config = config;
-  im.plan = PipelinePlan{config.effective_schedule(), im.stages, config.gradient_accumulation, config.training};
+  im.plan = PipelinePlan{config.effective_schedule(), im.stages, config.gradient_accumulation,
+                         config.training};
   // The replica's micro-batches in flight, by index: a step's K in training (stage 0 reads
   // the next step only after every stage is done with this one); in inference, as many as
   // the hand-offs and the stages can hold at once.
   const std::size_t capacity = std::max<std::size_t>(2, config.gradient_accumulation);
-  const std::size_t ring = config.training ? config.gradient_accumulation
-                                           : (im.stages - 1) * capacity + im.stages + 1;
+  const std::size_t ring =
+      config.training ? config.gradient_accumulation : (im.stages - 1) * capacity + im.stages + 1;
   im.batches.assign(config.replicas, std::vector<Batch>(ring));
 
   // Stage runs and their buffers.
   const std::uint32_t n = im.stages;
-  const bool bsp_exchange = config.strategy != ExecutionStrategy::kSingle && config.sync == SyncMode::kBsp;
+  const bool bsp_exchange =
+      config.strategy != ExecutionStrategy::kSingle && config.sync == SyncMode::kBsp;
   for (std::uint32_t r = 0; r < config.replicas; ++r) {
     for (std::uint32_t s = 0; s < n; ++s) {
       auto sr = std::make_unique<Impl::StageRun>();
@@ -74,7 +78,8 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config, const
       sr->device = im.devices[im.device_of(r, s)];
       sr->out_elements = sr->stage->output_elements();
       if (sr->out_elements == 0) {
-        throw Error("stage " + std::to_string(s) + " '" + sr->stage->name() + "' has output_elements() = 0: "
+        throw Error("stage " + std::to_string(s) + " '" + sr->stage->name() +
+                    "' has output_elements() = 0: "
                     "every stage must output something (the last one: what the outfeed receives)");
       }
       sr->in_elements = s > 0 ? im.runs.back()->out_elements : 0;
@@ -84,13 +89,14 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config, const
       sr->reduced.assign(g, 0.0f);
       sr->batches = &im.batches[r];
       sr->wait = sr->device->placement().wait_policy(sr->wait);
-      sr->link = HostLinkTimeline(HostLinkTimeline::Shape{config, sr->device->config().bytes_per_tile,
-                                                          sr->device->id(), sr->device->placement().shares_core(),
-                                                          "a micro-batch (data and labels)"});
+      sr->link = HostLinkTimeline(HostLinkTimeline::Shape{
+          config, sr->device->config().bytes_per_tile, sr->device->id(),
+          sr->device->placement().shares_core(), "a micro-batch (data and labels)"});
       sr->local_out.assign(sr->out_elements, 0.0f);
       sr->local_grad.assign(sr->in_elements, 0.0f);
       if (config.recompute) sr->scratch.assign(sr->out_elements, 0.0f);
-      if (config.offload_optimizer && config.training) sr->state_to_host();  // starts in host memory
+      if (config.offload_optimizer && config.training)
+        sr->state_to_host();  // starts in host memory
       im.runs.push_back(std::move(sr));
     }
   }
@@ -101,10 +107,12 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config, const
       for (std::uint32_t s = 0; s + 1 < n; ++s) {
         Impl::StageRun& a = im.run_of(r, s);
         Impl::StageRun& b = im.run_of(r, s + 1);
-        im.handoffs.push_back(std::make_unique<Handoff>(capacity, std::vector<float>(a.out_elements)));
+        im.handoffs.push_back(
+            std::make_unique<Handoff>(capacity, std::vector<float>(a.out_elements)));
         a.fwd_out = b.fwd_in = im.handoffs.back().get();
         if (config.training) {
-          im.handoffs.push_back(std::make_unique<Handoff>(capacity, std::vector<float>(a.out_elements)));
+          im.handoffs.push_back(
+              std::make_unique<Handoff>(capacity, std::vector<float>(a.out_elements)));
           b.bwd_out = a.bwd_in = im.handoffs.back().get();
         }
       }
@@ -117,7 +125,10 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config, const
     mi.config = config;
     mi.plan = im.plan;
     mi.stages = n;
-    mi.handoff_capacity = config.strategy == ExecutionStrategy::kPipelined && config.sync == SyncMode::kDataflow ? capacity : 0;
+    mi.handoff_capacity =
+        config.strategy == ExecutionStrategy::kPipelined && config.sync == SyncMode::kDataflow
+            ? capacity
+            : 0;
     for (Device* d : im.devices) {
       mi.devices.emplace_back(d->id(), d->arena().free_bytes());
       mi.io_tile_bytes.push_back(std::size_t{config.io_tiles} * d->config().bytes_per_tile);
@@ -132,10 +143,12 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config, const
       shape.in = sr->in_elements;
       shape.out = sr->out_elements;
       shape.gradients = sr->grads.size();
-      shape.parameters = declared.parameters == StageMemory::kAuto ? sr->stage->gradient_elements() : declared.parameters;
+      shape.parameters = declared.parameters == StageMemory::kAuto ? sr->stage->gradient_elements()
+                                                                   : declared.parameters;
       shape.optimizer = !config.training ? 0
-                        : declared.optimizer_state == StageMemory::kAuto ? sr->stage->optimizer_state().size()
-                                                                         : declared.optimizer_state;
+                        : declared.optimizer_state == StageMemory::kAuto
+                            ? sr->stage->optimizer_state().size()
+                            : declared.optimizer_state;
       shape.saved = declared.saved;
       shape.working = declared.working;
       sr->saved_limit = declared.saved;
@@ -152,17 +165,19 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config, const
         asked = d.peak();
         available = d.capacity;
       }
-      lines += "device " + std::to_string(d.device) + " needs " + detail::format_bytes(d.peak()) + " at its peak, has " +
-               detail::format_bytes(d.capacity) + " (largest: ";
+      lines += "device " + std::to_string(d.device) + " needs " + detail::format_bytes(d.peak()) +
+               " at its peak, has " + detail::format_bytes(d.capacity) + " (largest: ";
       for (std::size_t i = 0; i < d.tensors.size() && i < 3; ++i) {
-        lines += (i ? ", '" : "'") + d.tensors[i].name + "' " + detail::format_bytes(d.tensors[i].bytes);
+        lines +=
+            (i ? ", '" : "'") + d.tensors[i].name + "' " + detail::format_bytes(d.tensors[i].bytes);
       }
       lines += "); ";
     }
     std::string help;
     for (const std::string& h : im.memory.suggestions) help += "\n  - " + h;
-    throw PipelineOutOfMemoryError("Pipeline: out of device memory: " + lines + "what would help:" + help,
-                                   asked, available, im.memory);
+    throw PipelineOutOfMemoryError(
+        "Pipeline: out of device memory: " + lines + "what would help:" + help, asked, available,
+        im.memory);
   };
   if (!im.memory.fits()) out_of_memory();
   // Hold it: the exchange buffers are the device buffers the programs copy between; the
@@ -172,19 +187,23 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config, const
     for (auto& srp : im.runs) {
       Impl::StageRun* sr = srp.get();
       const std::uint32_t s = sr->s;
-      const std::string tag = " (replica " + std::to_string(sr->r) + ", stage " + std::to_string(s) + ")";
+      const std::string tag =
+          " (replica " + std::to_string(sr->r) + ", stage " + std::to_string(s) + ")";
       if (bsp_exchange) {
         Device& dev = *sr->device;
         if (s + 1 < n) {
-          for (int k = 0; k < 2; ++k) sr->out_fwd[k] = make_buffer(dev, "activations out" + tag, store, sr->out_elements);
+          for (int k = 0; k < 2; ++k)
+            sr->out_fwd[k] = make_buffer(dev, "activations out" + tag, store, sr->out_elements);
         }
         if (s > 0) {
           sr->in_fwd = make_buffer(dev, "activations in" + tag, store, sr->in_elements);
           if (config.training) {
-            for (int k = 0; k < 2; ++k) sr->out_bwd[k] = make_buffer(dev, "gradients out" + tag, store, sr->in_elements);
+            for (int k = 0; k < 2; ++k)
+              sr->out_bwd[k] = make_buffer(dev, "gradients out" + tag, store, sr->in_elements);
           }
         }
-        if (s + 1 < n && config.training) sr->in_bwd = make_buffer(dev, "gradients in" + tag, store, sr->out_elements);
+        if (s + 1 < n && config.training)
+          sr->in_bwd = make_buffer(dev, "gradients in" + tag, store, sr->out_elements);
       }
     }
     for (std::size_t d = 0; d < im.devices.size(); ++d) {
@@ -197,8 +216,8 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config, const
       if (dm.not_always_live() > 0) {
         im.held.push_back(std::make_unique<Impl::Held>(
             im.devices[d]->arena(), dm.not_always_live(),
-            "not always live (compute phase " + detail::format_bytes(dm.compute_peak()) + ", update phase " +
-                detail::format_bytes(dm.phase(Liveness::kUpdate)) + ")"));
+            "not always live (compute phase " + detail::format_bytes(dm.compute_peak()) +
+                ", update phase " + detail::format_bytes(dm.phase(Liveness::kUpdate)) + ")"));
       }
     }
   } catch (const OutOfMemoryError& e) {
@@ -207,9 +226,12 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config, const
     // contiguous block, which a plan within a few hundred bytes of the limit, or an arena
     // fragmented by other holders, may not find.
     throw PipelineOutOfMemoryError(
-        "Pipeline: out of device memory: every device's plan is within what its arena had free, but the "
-        "arena could not place it (allocations are rounded up to 64 bytes and each needs a contiguous "
-        "block): " + std::string(e.what()),
+        "Pipeline: out of device memory: every device's plan is within what its arena had free, "
+        "but the "
+        "arena could not place it (allocations are rounded up to 64 bytes and each needs a "
+        "contiguous "
+        "block): " +
+            std::string(e.what()),
         e.requested(), e.free_bytes(), im.memory);
   }
 
@@ -232,7 +254,7 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config, const
 EngineConfig engine_config_of(const PipelineConfig& config) {
   EngineConfig ec;
   static_cast<HostIO&>(ec) = config;  // the host side as the pipeline states it
-  ec.synthetic_data = false;  // the stages make synthetic data themselves (stage_execution)
+  ec.synthetic_data = false;          // the stages make synthetic data themselves (stage_execution)
   ec.device_link = config.device_link;
   ec.trace = config.trace;
   return ec;
@@ -264,19 +286,22 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
   return im.settle_across(std::move(local), failure, device_iterations);
 }
 
-PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
+PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
+                                         std::uint64_t device_iterations,
                                          OutfeedQueue<std::vector<float>>* outfeed) {
   Impl& im = *this;
   const std::uint64_t steps = device_iterations;  // a step: K micro-batches, one update
   im.ended_replica = 0;
   const std::uint32_t replicas = im.config.replicas;
   if (infeed.replicas() != replicas) {
-    throw Error("infeed has " + std::to_string(infeed.replicas()) + " replica lane(s) but the pipeline has " +
-                std::to_string(replicas) + " replica(s) (InfeedConfig::replicas = " + std::to_string(replicas) + ")");
+    throw Error("infeed has " + std::to_string(infeed.replicas()) +
+                " replica lane(s) but the pipeline has " + std::to_string(replicas) +
+                " replica(s) (InfeedConfig::replicas = " + std::to_string(replicas) + ")");
   }
   if (outfeed != nullptr && outfeed->replicas() != replicas) {
-    throw Error("outfeed has " + std::to_string(outfeed->replicas()) + " replica(s) but the pipeline has " +
-                std::to_string(replicas) + " (OutfeedConfig::replicas = " + std::to_string(replicas) + ")");
+    throw Error("outfeed has " + std::to_string(outfeed->replicas()) +
+                " replica(s) but the pipeline has " + std::to_string(replicas) +
+                " (OutfeedConfig::replicas = " + std::to_string(replicas) + ")");
   }
   // Attach the feeds: stage 0 of each replica reads its lane, the last stage writes.
   std::vector<OutfeedQueue<std::vector<float>>::Writer> writers;
@@ -294,7 +319,8 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed, std::uint64
       sr.taken = sr.last_take = 0;
       sr.ended = sr.done = sr.got = false;
       sr.out_id[0] = sr.out_id[1] = sr.in_id = -1;
-      sr.end_cycle.store(Impl::StageRun::kNever, std::memory_order_relaxed);  // relaxed: no device runs yet
+      sr.end_cycle.store(Impl::StageRun::kNever,
+                         std::memory_order_relaxed);  // relaxed: no device runs yet
       sr.accumulated = 0;
       sr.updates = 0;
       sr.apply = true;
@@ -358,7 +384,8 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed, std::uint64
     };
     if (im.across && im.config.training) {
       // This thread makes the exchanges across instances while the devices run.
-      er = im.engine->run(programs, wake, [&im](const detail::StopFlag& stop) { im.across->serve(stop); });
+      er = im.engine->run(programs, wake,
+                          [&im](const detail::StopFlag& stop) { im.across->serve(stop); });
     } else {
       er = im.engine->run(programs, wake);
     }
@@ -372,7 +399,8 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed, std::uint64
         detach(false);
         throw StageError(std::string(se.what()) + " (" + std::to_string(returned) +
                              " other micro-batch(es) in flight went back to the infeed)",
-                         se.stage(), se.device(), se.replica(), se.step(), se.micro_batch(), se.cause());
+                         se.stage(), se.device(), se.replica(), se.step(), se.micro_batch(),
+                         se.cause());
       } catch (...) {
       }
       give_back(std::nullopt);
@@ -414,26 +442,32 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed, std::uint64
     host_link_figures();
     result.fifo_depth.assign(im.stages, 0);
     result.iterations = fewest / im.k();
-    result.status = stopped ? RunStatus::kCancelled : infeed_ended ? RunStatus::kEndOfData : RunStatus::kCompleted;
+    result.status = stopped        ? RunStatus::kCancelled
+                    : infeed_ended ? RunStatus::kEndOfData
+                                   : RunStatus::kCompleted;
     const std::string asked = std::to_string(im.plan.micro_batches * replicas);
     if (stopped) {
-      result.message = "cancelled: " + std::to_string(result.micro_batches) + " of " + std::to_string(taken) +
-                       " micro-batch(es) taken were answered; " + std::to_string(returned) +
-                       " went back to the infeed";
+      result.message = "cancelled: " + std::to_string(result.micro_batches) + " of " +
+                       std::to_string(taken) + " micro-batch(es) taken were answered; " +
+                       std::to_string(returned) + " went back to the infeed";
     } else if (infeed_ended) {
       result.message = "the infeed ended after " + std::to_string(taken) + " of " + asked +
-                       " micro-batch(es); all " + std::to_string(result.micro_batches) + " were answered";
+                       " micro-batch(es); all " + std::to_string(result.micro_batches) +
+                       " were answered";
     } else {
       result.message = "answered all " + asked + " micro-batch(es)";
     }
     if (dropped != 0) {
-      result.message += "; " + std::to_string(dropped) + " answer(s) were dropped: the stop came while the outfeed was full";
+      result.message += "; " + std::to_string(dropped) +
+                        " answer(s) were dropped: the stop came while the outfeed was full";
     }
     return result;
   }
   if (!ended) detach(er.completed());
-  for (std::uint32_t s = 0; s < im.stages; ++s) result.fifo_depth.push_back(im.run_of(0, s).max_fifo);
-  for (std::uint32_t r = 0; r < replicas; ++r) result.micro_batches += im.run_of(r, im.stages - 1).forwards;
+  for (std::uint32_t s = 0; s < im.stages; ++s)
+    result.fifo_depth.push_back(im.run_of(0, s).max_fifo);
+  for (std::uint32_t r = 0; r < replicas; ++r)
+    result.micro_batches += im.run_of(r, im.stages - 1).forwards;
   result.elapsed = er.elapsed;
   host_link_figures();
   if (ended) {
@@ -453,19 +487,34 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed, std::uint64
   return result;
 }
 
-void Pipeline::cancel() noexcept { impl_->engine->cancel(); }
-const PipelineConfig& Pipeline::config() const noexcept { return impl_->config; }
-std::uint32_t Pipeline::stages() const noexcept { return impl_->stages; }
+void Pipeline::cancel() noexcept {
+  impl_->engine->cancel();
+}
+const PipelineConfig& Pipeline::config() const noexcept {
+  return impl_->config;
+}
+std::uint32_t Pipeline::stages() const noexcept {
+  return impl_->stages;
+}
 Stage& Pipeline::stage(std::uint32_t replica, std::uint32_t s) {
   if (replica >= impl_->config.replicas || s >= impl_->stages) {
-    throw Error("Pipeline::stage(" + std::to_string(replica) + ", " + std::to_string(s) + "): there are " +
-                std::to_string(impl_->config.replicas) + " replica(s) of " + std::to_string(impl_->stages) + " stage(s)");
+    throw Error("Pipeline::stage(" + std::to_string(replica) + ", " + std::to_string(s) +
+                "): there are " + std::to_string(impl_->config.replicas) + " replica(s) of " +
+                std::to_string(impl_->stages) + " stage(s)");
   }
   return *impl_->stage_lists[replica][s];
 }
-const PipelinePlan& Pipeline::plan() const noexcept { return impl_->plan; }
-const MemoryReport& Pipeline::memory() const noexcept { return impl_->memory; }
-const Trace* Pipeline::trace() const noexcept { return impl_->engine->trace(); }
-TraceSummary Pipeline::summary() const { return impl_->engine->summary(); }
+const PipelinePlan& Pipeline::plan() const noexcept {
+  return impl_->plan;
+}
+const MemoryReport& Pipeline::memory() const noexcept {
+  return impl_->memory;
+}
+const Trace* Pipeline::trace() const noexcept {
+  return impl_->engine->trace();
+}
+TraceSummary Pipeline::summary() const {
+  return impl_->engine->summary();
+}
 
 }  // namespace bspflow

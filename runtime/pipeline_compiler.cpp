@@ -29,15 +29,16 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
     // not cut the step short: once posted, a step is applied in every instance or in none,
     // and every local replica must do the same (a stop before posting makes it none).
     const std::uint32_t slot = slot_of(*on_device.front());
-    steps.emplace_back(program::Execute("all-reduce across instances", [this, on_device, slot](const ComputeContext& ctx) {
-      if (on_device.front()->r != 0) {
-        (void)across->wait_done(ctx.iteration, detail::Spin::kYield);
-        return;
-      }
-      if (ctx.stop->requested()) return;  // the host makes the step's call, as stopped
-      for (StageRun* sr : on_device) local_sum(*sr);
-      exchange_across(on_device, slot, ctx.iteration);
-    }));
+    steps.emplace_back(program::Execute(
+        "all-reduce across instances", [this, on_device, slot](const ComputeContext& ctx) {
+          if (on_device.front()->r != 0) {
+            (void)across->wait_done(ctx.iteration, detail::Spin::kYield);
+            return;
+          }
+          if (ctx.stop->requested()) return;  // the host makes the step's call, as stopped
+          for (StageRun* sr : on_device) local_sum(*sr);
+          exchange_across(on_device, slot, ctx.iteration);
+        }));
   } else {
     steps.emplace_back(program::Execute("reduce", [this, on_device](const ComputeContext&) {
       for (StageRun* sr : on_device) local_sum(*sr);
@@ -45,11 +46,13 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
   }
   // The gradients' trip around the replicas' ring over the device link (modeled time).
   if (replicated) {
-    program::AllReduce ring("all-reduce", config.replicas, [this, on_device](const ComputeContext&) {
-      std::size_t bytes = 0;
-      for (const StageRun* sr : on_device) bytes += sr->accum.size() * dtype_size(config.precision.partials);
-      return bytes;
-    });
+    program::AllReduce ring("all-reduce", config.replicas,
+                            [this, on_device](const ComputeContext&) {
+                              std::size_t bytes = 0;
+                              for (const StageRun* sr : on_device)
+                                bytes += sr->accum.size() * dtype_size(config.precision.partials);
+                              return bytes;
+                            });
     ring.finish_on_stop = across != nullptr;
     steps.emplace_back(std::move(ring));
     // Without distribution: no replica zeroes its gradients (update) while a peer still
@@ -104,27 +107,28 @@ std::vector<Program> Pipeline::Impl::stage_passes(StageRun& sr) {
   std::vector<Program> body;
 
   // Forward pass of this cycle's micro-batch.
-  body.push_back(when(
-      [st, p](const ComputeContext&) { return p->at(st->s, st->cycle).forward >= 0; },
-      program::Execute(name + " forward", [this, st, first, bsp](const ComputeContext& ctx) {
-        const std::uint64_t i = static_cast<std::uint64_t>(plan.at(st->s, st->cycle).forward);
-        if (bsp) {
-          forward_exchanged(*st, i, st->cycle, ctx.stop);
-          return;
-        }
-        std::span<const float> in;
-        if (!first) {
-          const std::vector<float>* m = st->fwd_in->front(st->wait, *ctx.stop);
-          if (m == nullptr) return;
-          in = *m;
-        }
-        forward_handed_off(*st, i, in, ctx.stop);
-      })));
+  body.push_back(
+      when([st, p](const ComputeContext&) { return p->at(st->s, st->cycle).forward >= 0; },
+           program::Execute(name + " forward", [this, st, first, bsp](const ComputeContext& ctx) {
+             const std::uint64_t i = static_cast<std::uint64_t>(plan.at(st->s, st->cycle).forward);
+             if (bsp) {
+               forward_exchanged(*st, i, st->cycle, ctx.stop);
+               return;
+             }
+             std::span<const float> in;
+             if (!first) {
+               const std::vector<float>* m = st->fwd_in->front(st->wait, *ctx.stop);
+               if (m == nullptr) return;
+               in = *m;
+             }
+             forward_handed_off(*st, i, in, ctx.stop);
+           })));
 
   if (config.training) {
     body.push_back(when(
         [st, p](const ComputeContext&) { return p->at(st->s, st->cycle).backward >= 0; },
-        program::Execute(name + " backward", [this, st, first, last, bsp](const ComputeContext& ctx) {
+        program::Execute(name + " backward", [this, st, first, last,
+                                              bsp](const ComputeContext& ctx) {
           const std::uint64_t i = static_cast<std::uint64_t>(plan.at(st->s, st->cycle).backward);
           if (bsp) {
             backward_exchanged(*st, i, st->cycle);
@@ -183,7 +187,8 @@ std::vector<Program> Pipeline::Impl::stage_exchange(StageRun& sr) {
   return body;
 }
 
-Program Pipeline::Impl::compile_device_of_pipeline(const std::vector<StageRun*>& on_device, std::uint64_t steps) {
+Program Pipeline::Impl::compile_device_of_pipeline(const std::vector<StageRun*>& on_device,
+                                                   std::uint64_t steps) {
   StageRun* head = on_device.front();
   const std::uint32_t n = stages;
   std::vector<Program> body;
@@ -191,14 +196,17 @@ Program Pipeline::Impl::compile_device_of_pipeline(const std::vector<StageRun*>&
     for (Program& pass : stage_passes(*st)) body.push_back(std::move(pass));
   }
   if (config.sync == SyncMode::kBsp && n > 1) {
-    if (config.devices_per_replica(n) > 1) body.emplace_back(program::Sync(replica_groups[head->r]));
+    if (config.devices_per_replica(n) > 1)
+      body.emplace_back(program::Sync(replica_groups[head->r]));
     for (StageRun* st : on_device) {
       for (Program& copy : stage_exchange(*st)) body.push_back(std::move(copy));
     }
   }
-  Program cycle_loop = counted(on_device, &StageRun::cycle, plan.cycles(), program::Sequence(std::move(body)));
-  return program::Repeat(outer_trips(steps),
-                         program::Sequence{cycle_loop, step_end(on_device, reduce_groups[slot_of(*head)])});
+  Program cycle_loop =
+      counted(on_device, &StageRun::cycle, plan.cycles(), program::Sequence(std::move(body)));
+  return program::Repeat(
+      outer_trips(steps),
+      program::Sequence{cycle_loop, step_end(on_device, reduce_groups[slot_of(*head)])});
 }
 
 // Inference over one device per stage. bsp: a cycle is forward, sync, exchange, as in
@@ -214,34 +222,36 @@ Program Pipeline::Impl::compile_dataflow_inference(StageRun& sr) {
   const std::uint32_t n = stages;
   const bool first = sr.s == 0, last = sr.s + 1 == n;
   const std::string name = sr.stage->name();
-  Program pass = program::Execute(name + " forward", [this, st, first, last](const ComputeContext& ctx) {
-    std::uint64_t i = 0;
-    std::span<const float> in;
-    if (first) {
-      const Take t = take(*st, ctx.stop, /*block=*/true);
-      if (t == Take::kStopped) return;
-      if (t == Take::kEnd) {
-        st->ended = st->done = true;
-        if (!last) st->fwd_out->close();
-        return;
-      }
-      i = st->taken - 1;
-    } else {
-      // About to wait for input: hand over the responses held here first.
-      if (last && st->writer != nullptr && st->fwd_in->try_front() == nullptr) st->writer->flush(ctx.stop);
-      const std::vector<float>* m = st->fwd_in->front(st->wait, *ctx.stop);
-      if (m == nullptr) {
-        if (st->fwd_in->closed_and_drained()) {
-          st->done = true;
-          if (!last) st->fwd_out->close();
+  Program pass =
+      program::Execute(name + " forward", [this, st, first, last](const ComputeContext& ctx) {
+        std::uint64_t i = 0;
+        std::span<const float> in;
+        if (first) {
+          const Take t = take(*st, ctx.stop, /*block=*/true);
+          if (t == Take::kStopped) return;
+          if (t == Take::kEnd) {
+            st->ended = st->done = true;
+            if (!last) st->fwd_out->close();
+            return;
+          }
+          i = st->taken - 1;
+        } else {
+          // About to wait for input: hand over the responses held here first.
+          if (last && st->writer != nullptr && st->fwd_in->try_front() == nullptr)
+            st->writer->flush(ctx.stop);
+          const std::vector<float>* m = st->fwd_in->front(st->wait, *ctx.stop);
+          if (m == nullptr) {
+            if (st->fwd_in->closed_and_drained()) {
+              st->done = true;
+              if (!last) st->fwd_out->close();
+            }
+            return;
+          }
+          in = *m;
+          i = st->micro_batch++;  // messages arrive in the order stage 0 took them
         }
-        return;
-      }
-      in = *m;
-      i = st->micro_batch++;  // messages arrive in the order stage 0 took them
-    }
-    forward_handed_off(*st, i, in, ctx.stop);
-  });
+        forward_handed_off(*st, i, in, ctx.stop);
+      });
   return program::RepeatWhile([st](const ComputeContext&) { return !st->done; }, std::move(pass));
 }
 
@@ -252,36 +262,38 @@ Program Pipeline::Impl::compile_inference(const std::vector<StageRun*>& on_devic
   std::vector<Program> body;
   for (StageRun* st : on_device) {
     const bool first = st->s == 0, last = st->s + 1 == n;
-    body.push_back(program::Execute(st->stage->name() + " forward", [this, st, first, last, n](const ComputeContext& ctx) {
-      const std::uint64_t c = st->cycle;
-      std::int64_t id = -1;
-      if (first) {
-        if (!st->ended) {
-          // Block only when nothing taken still needs a sync to move on: the latest take
-          // left the last stage at cycle last_take+N-1 and its response was handed over
-          // after that cycle's exchange.
-          const bool in_flight = st->taken > 0 && c - st->last_take < n;
-          const Take t = take(*st, ctx.stop, !in_flight);
-          if (t == Take::kStopped) return;
-          if (t == Take::kGot) {
-            id = static_cast<std::int64_t>(st->taken - 1);
-            st->last_take = c;
-          } else if (t == Take::kEnd) {
-            st->ended = true;
-            st->end_cycle.store(c, std::memory_order_relaxed);  // see StageRun::end_cycle
+    body.push_back(program::Execute(
+        st->stage->name() + " forward", [this, st, first, last, n](const ComputeContext& ctx) {
+          const std::uint64_t c = st->cycle;
+          std::int64_t id = -1;
+          if (first) {
+            if (!st->ended) {
+              // Block only when nothing taken still needs a sync to move on: the latest take
+              // left the last stage at cycle last_take+N-1 and its response was handed over
+              // after that cycle's exchange.
+              const bool in_flight = st->taken > 0 && c - st->last_take < n;
+              const Take t = take(*st, ctx.stop, !in_flight);
+              if (t == Take::kStopped) return;
+              if (t == Take::kGot) {
+                id = static_cast<std::int64_t>(st->taken - 1);
+                st->last_take = c;
+              } else if (t == Take::kEnd) {
+                st->ended = true;
+                st->end_cycle.store(c, std::memory_order_relaxed);  // see StageRun::end_cycle
+              }
+            }
+          } else {
+            id = st->in_id;
           }
-        }
-      } else {
-        id = st->in_id;
-      }
-      st->out_id[c % 2] = id;
-      if (id < 0) return;  // a bubble
-      const auto i = static_cast<std::uint64_t>(id);
-      forward_exchanged(*st, i, c, ctx.stop);
-    }));
+          st->out_id[c % 2] = id;
+          if (id < 0) return;  // a bubble
+          const auto i = static_cast<std::uint64_t>(id);
+          forward_exchanged(*st, i, c, ctx.stop);
+        }));
   }
   if (n > 1) {
-    if (config.devices_per_replica(n) > 1) body.emplace_back(program::Sync(replica_groups[head->r]));
+    if (config.devices_per_replica(n) > 1)
+      body.emplace_back(program::Sync(replica_groups[head->r]));
     for (StageRun* st : on_device) {
       const bool first = st->s == 0, last = st->s + 1 == n;
       const std::string name = st->stage->name();
@@ -335,11 +347,13 @@ Program Pipeline::Impl::compile_single_inference(std::uint32_t replica) {
     StageRun* st = &run_of(replica, s);
     StageRun* prev = s > 0 ? &run_of(replica, s - 1) : nullptr;
     body.push_back(when([head](const ComputeContext&) { return head->got; },
-                        program::Execute(st->stage->name() + " forward", [this, st, prev, head](const ComputeContext& ctx) {
-                          forward(*st, head->micro_batch,
-                                  prev ? std::span<const float>(prev->local_out) : std::span<const float>{},
-                                  st->local_out, ctx.stop);
-                        })));
+                        program::Execute(st->stage->name() + " forward",
+                                         [this, st, prev, head](const ComputeContext& ctx) {
+                                           forward(*st, head->micro_batch,
+                                                   prev ? std::span<const float>(prev->local_out)
+                                                        : std::span<const float>{},
+                                                   st->local_out, ctx.stop);
+                                         })));
   }
   return program::RepeatWhile([head](const ComputeContext&) { return !head->done; },
                               program::Sequence(std::move(body)));
@@ -359,31 +373,39 @@ Program Pipeline::Impl::compile_single(std::uint32_t replica, std::uint64_t step
   for (std::uint32_t s = 0; s < stages; ++s) {
     StageRun* st = on_device[s];
     StageRun* prev = s > 0 ? on_device[s - 1] : nullptr;
-    Program pass = program::Execute(st->stage->name() + " forward", [this, st, prev, head, s](const ComputeContext& ctx) {
-      st->step = head->step;
-      if (s == 0) head->got = true;
-      if (!forward(*st, head->micro_batch, prev ? std::span<const float>(prev->local_out) : std::span<const float>{},
-                   st->local_out, ctx.stop)) {
-        head->got = false;
-      }
-    });
-    body.emplace_back(s == 0 ? std::move(pass) : when([head](const ComputeContext&) { return head->got; }, std::move(pass)));
+    Program pass = program::Execute(
+        st->stage->name() + " forward", [this, st, prev, head, s](const ComputeContext& ctx) {
+          st->step = head->step;
+          if (s == 0) head->got = true;
+          if (!forward(*st, head->micro_batch,
+                       prev ? std::span<const float>(prev->local_out) : std::span<const float>{},
+                       st->local_out, ctx.stop)) {
+            head->got = false;
+          }
+        });
+    body.emplace_back(
+        s == 0 ? std::move(pass)
+               : when([head](const ComputeContext&) { return head->got; }, std::move(pass)));
   }
   if (config.training) {
     for (std::uint32_t s = stages; s-- > 0;) {
       StageRun* st = on_device[s];
       StageRun* next = s + 1 < stages ? on_device[s + 1] : nullptr;
-      body.emplace_back(when([head](const ComputeContext&) { return head->got; },
-                             program::Execute(st->stage->name() + " backward", [this, st, next, head](const ComputeContext&) {
-                               st->step = head->step;
-                               backward(*st, head->micro_batch,
-                                        next ? std::span<const float>(next->local_grad) : std::span<const float>{},
-                                        st->local_grad);
-                             })));
+      body.emplace_back(when(
+          [head](const ComputeContext&) { return head->got; },
+          program::Execute(
+              st->stage->name() + " backward", [this, st, next, head](const ComputeContext&) {
+                st->step = head->step;
+                backward(*st, head->micro_batch,
+                         next ? std::span<const float>(next->local_grad) : std::span<const float>{},
+                         st->local_grad);
+              })));
     }
   }
-  Program loop = counted(head, &StageRun::micro_batch, plan.micro_batches, program::Sequence(std::move(body)));
-  return program::Repeat(outer_trips(steps), program::Sequence{loop, step_end(on_device, reduce_groups.front())});
+  Program loop =
+      counted(head, &StageRun::micro_batch, plan.micro_batches, program::Sequence(std::move(body)));
+  return program::Repeat(outer_trips(steps),
+                         program::Sequence{loop, step_end(on_device, reduce_groups.front())});
 }
 
 std::vector<Program> Pipeline::Impl::compile(std::uint64_t steps) {

@@ -32,13 +32,20 @@ struct Shape {
   // As floats (InstanceWire::put64: a broadcast carries them unchanged).
   std::vector<float> encoded() const {
     std::vector<float> out(values.size() * detail::InstanceWire::kWords);
-    for (std::size_t i = 0; i < values.size(); ++i) detail::InstanceWire::put64(&out[i * detail::InstanceWire::kWords], values[i]);
+    for (std::size_t i = 0; i < values.size(); ++i)
+      detail::InstanceWire::put64(&out[i * detail::InstanceWire::kWords], values[i]);
     return out;
   }
 };
 
 // Ends (codes) of one instance's run, exchanged after it.
-enum End : std::uint32_t { kCompletedEnd = 0, kEndedEnd = 1, kCancelledEnd = 2, kFailedEnd = 3, kPeerEnd = 4 };
+enum End : std::uint32_t {
+  kCompletedEnd = 0,
+  kEndedEnd = 1,
+  kCancelledEnd = 2,
+  kFailedEnd = 3,
+  kPeerEnd = 4
+};
 constexpr std::size_t kEndFields = 5;  // code, global replica, step (3)
 constexpr std::uint32_t kNoReplica = (1u << 22) - 1;
 
@@ -47,8 +54,11 @@ constexpr std::uint32_t kNoReplica = (1u << 22) - 1;
 void Pipeline::Impl::join_instances(Instance& inst) {
   // 0. Every instance built its pipeline (one that failed said so with all_agree(false)).
   if (!inst.all_agree(true)) {
-    throw Error("distributed Pipeline: another instance failed to build its pipeline (its error says why), so "
-                "instance " + std::to_string(inst.index()) + " of " + std::to_string(inst.count()) + " stops too");
+    throw Error(
+        "distributed Pipeline: another instance failed to build its pipeline (its error says why), "
+        "so "
+        "instance " +
+        std::to_string(inst.index()) + " of " + std::to_string(inst.count()) + " stops too");
   }
   // 1. The same pipeline everywhere: what the per-step exchange's length and meaning
   // depend on. Instance 0's shape is broadcast and each instance compares its own.
@@ -62,7 +72,8 @@ void Pipeline::Impl::join_instances(Instance& inst) {
   shape.add("reduction", static_cast<std::uint64_t>(config.reduction));
   shape.add("mean style", static_cast<std::uint64_t>(config.mean));
   shape.add("precision.partials", static_cast<std::uint64_t>(config.precision.partials));
-  shape.add("precision.loss_scaling (bits)", std::bit_cast<std::uint32_t>(config.precision.loss_scaling));
+  shape.add("precision.loss_scaling (bits)",
+            std::bit_cast<std::uint32_t>(config.precision.loss_scaling));
   shape.add("offload_optimizer", config.offload_optimizer ? 1 : 0);
   for (std::uint32_t s = 0; s < stages; ++s) {
     StageRun& sr = run_of(0, s);
@@ -76,18 +87,23 @@ void Pipeline::Impl::join_instances(Instance& inst) {
   inst.broadcast(theirs, 0);
   std::string differs;
   for (std::size_t i = 0; i < shape.values.size() && differs.empty(); ++i) {
-    const std::uint64_t zero = detail::InstanceWire::get64(theirs.data() + detail::InstanceWire::kWords * i);
+    const std::uint64_t zero =
+        detail::InstanceWire::get64(theirs.data() + detail::InstanceWire::kWords * i);
     if (zero != shape.values[i]) {
-      differs = shape.names[i] + " is " + std::to_string(shape.values[i]) + " here, " + std::to_string(zero) +
-                " in instance 0";
+      differs = shape.names[i] + " is " + std::to_string(shape.values[i]) + " here, " +
+                std::to_string(zero) + " in instance 0";
     }
   }
   if (!inst.all_agree(differs.empty())) {
-    throw Error("distributed Pipeline: instance " + std::to_string(inst.index()) + " of " + std::to_string(inst.count()) +
-                (differs.empty() ? std::string(": another instance built a different pipeline than instance 0 (its "
-                                               "error says what differs)")
-                                 : ": the pipeline differs from instance 0's: " + differs) +
-                "; every instance must build the same stages with the same config (replicas = its local replicas)");
+    throw Error(
+        "distributed Pipeline: instance " + std::to_string(inst.index()) + " of " +
+        std::to_string(inst.count()) +
+        (differs.empty()
+             ? std::string(": another instance built a different pipeline than instance 0 (its "
+                           "error says what differs)")
+             : ": the pipeline differs from instance 0's: " + differs) +
+        "; every instance must build the same stages with the same config (replicas = its local "
+        "replicas)");
   }
   // 2. Every instance starts from instance 0's weights and optimiser state; the local
   // replicas from their instance's replica 0.
@@ -104,7 +120,8 @@ void Pipeline::Impl::join_instances(Instance& inst) {
       if (pw.size() == w.size()) std::copy(w.begin(), w.end(), pw.begin());
       if (config.offload_optimizer) {
         peer.host_state = head.host_state;
-      } else if (const std::span<float> ps = peer.stage->optimizer_state(); ps.size() == state.size()) {
+      } else if (const std::span<float> ps = peer.stage->optimizer_state();
+                 ps.size() == state.size()) {
         std::copy(state.begin(), state.end(), ps.begin());
       }
     }
@@ -112,7 +129,8 @@ void Pipeline::Impl::join_instances(Instance& inst) {
   if (!config.training) return;  // inference: each instance answers its own requests
   // 3. The per-step exchange: one segment per device slot of a replica (its stages'
   // gradients in stage order).
-  const std::uint32_t slots = config.strategy == ExecutionStrategy::kSingle ? 1 : config.devices_per_replica(stages);
+  const std::uint32_t slots =
+      config.strategy == ExecutionStrategy::kSingle ? 1 : config.devices_per_replica(stages);
   std::vector<std::size_t> sizes(slots, 0);
   for (std::uint32_t s = 0; s < stages; ++s) {
     const std::uint32_t slot = slot_of(run_of(0, s));
@@ -120,11 +138,12 @@ void Pipeline::Impl::join_instances(Instance& inst) {
     sizes[slot] += run_of(0, s).grads.size();
   }
   instance = &inst;
-  across = std::make_unique<detail::InstanceReduction>(inst, std::move(sizes),
-                                                       config.weight_check_interval.value_or(kDefaultWeightCheck));
+  across = std::make_unique<detail::InstanceReduction>(
+      inst, std::move(sizes), config.weight_check_interval.value_or(kDefaultWeightCheck));
 }
 
-PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exception_ptr failure, std::uint64_t steps) {
+PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exception_ptr failure,
+                                             std::uint64_t steps) {
   Instance& inst = *instance;
   const std::uint32_t me = inst.index(), count = inst.count();
   const InstanceLayout layout = inst.layout(config.replicas * count);
@@ -133,8 +152,8 @@ PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exceptio
     try {
       call();
     } catch (const Error& e) {
-      log(LogLevel::kError, std::string("distributed Pipeline: the exchange after a run failed (") + e.what() +
-                                "): ending every instance");
+      log(LogLevel::kError, std::string("distributed Pipeline: the exchange after a run failed (") +
+                                e.what() + "): ending every instance");
       inst.abort(1);
     }
   };
@@ -188,13 +207,17 @@ PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exceptio
       try {
         std::rethrow_exception(failure);
       } catch (const StageError& e) {
-        throw StageError("instance " + std::to_string(me) + " of " + std::to_string(count) + " (global replica " +
-                             std::to_string(layout.global_replica(e.replica())) + "): " + e.what() + "; " + everywhere,
+        throw StageError("instance " + std::to_string(me) + " of " + std::to_string(count) +
+                             " (global replica " +
+                             std::to_string(layout.global_replica(e.replica())) + "): " + e.what() +
+                             "; " + everywhere,
                          e.stage(), e.device(), e.replica(), e.step(), e.micro_batch(), e.cause());
       }
     }
     throw InstanceError(where + " failed at step " + std::to_string(their_step) +
-                            (their_replica == kNoReplica ? std::string() : " (global replica " + std::to_string(their_replica) + ")") +
+                            (their_replica == kNoReplica
+                                 ? std::string()
+                                 : " (global replica " + std::to_string(their_replica) + ")") +
                             ": " + text + "; this instance stopped with it: " + everywhere,
                         who, their_replica, their_step);
   }
@@ -209,22 +232,27 @@ PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exceptio
     // cancel after its devices' last look at the stop flag): that step was applied nowhere.
     const std::uint32_t who_stopped = across->stopped_instance();
     local.status = RunStatus::kCancelled;
-    local.message = count == 1 ? "cancelled at step " + std::to_string(applied) + ": " + std::to_string(applied) +
-                                     " step(s) applied"
-                    : (who_stopped == me ? "this instance (" + std::to_string(me) + " of " + std::to_string(count) + ")"
-                                         : "instance " + std::to_string(who_stopped) + " of " + std::to_string(count)) +
-                          " stopped at step " + std::to_string(applied) + ": " + everywhere;
+    local.message =
+        count == 1
+            ? "cancelled at step " + std::to_string(applied) + ": " + std::to_string(applied) +
+                  " step(s) applied"
+            : (who_stopped == me
+                   ? "this instance (" + std::to_string(me) + " of " + std::to_string(count) + ")"
+                   : "instance " + std::to_string(who_stopped) + " of " + std::to_string(count)) +
+                  " stopped at step " + std::to_string(applied) + ": " + everywhere;
     return local;
   }
   if (worst == kCompletedEnd) return local;
   const float* w = ends.data() + std::size_t{who} * kEndFields;
   const auto their_replica = static_cast<std::uint32_t>(w[1]);
-  const std::string where = who == me ? "this instance (" + std::to_string(me) + " of " + std::to_string(count) + ")"
-                                      : "instance " + std::to_string(who) + " of " + std::to_string(count);
+  const std::string where =
+      who == me ? "this instance (" + std::to_string(me) + " of " + std::to_string(count) + ")"
+                : "instance " + std::to_string(who) + " of " + std::to_string(count);
   if (worst == kEndedEnd) {
     local.status = RunStatus::kEndOfData;
     local.message = "the infeed of " + where + " (global replica " + std::to_string(their_replica) +
-                    ") ended at step " + std::to_string(applied) + ": " + everywhere + ", the cut-short step in none" +
+                    ") ended at step " + std::to_string(applied) + ": " + everywhere +
+                    ", the cut-short step in none" +
                     (who == me ? " (" + local.message + ")" : std::string());
   } else {
     local.status = RunStatus::kCancelled;

@@ -10,31 +10,42 @@ namespace bspflow {
 
 const char* to_string(ExecutionStrategy v) noexcept {
   switch (v) {
-    case ExecutionStrategy::kPipelined: return "pipelined";
-    case ExecutionStrategy::kSharded: return "sharded";
-    case ExecutionStrategy::kSingle: return "single";
+    case ExecutionStrategy::kPipelined:
+      return "pipelined";
+    case ExecutionStrategy::kSharded:
+      return "sharded";
+    case ExecutionStrategy::kSingle:
+      return "single";
   }
   return "?";
 }
 const char* to_string(PipelineSchedule v) noexcept {
   switch (v) {
-    case PipelineSchedule::kGrouped: return "grouped";
-    case PipelineSchedule::kInterleaved: return "interleaved";
-    case PipelineSchedule::kSequential: return "sequential";
+    case PipelineSchedule::kGrouped:
+      return "grouped";
+    case PipelineSchedule::kInterleaved:
+      return "interleaved";
+    case PipelineSchedule::kSequential:
+      return "sequential";
   }
   return "?";
 }
-const char* to_string(SyncMode v) noexcept { return v == SyncMode::kBsp ? "bsp" : "dataflow"; }
+const char* to_string(SyncMode v) noexcept {
+  return v == SyncMode::kBsp ? "bsp" : "dataflow";
+}
 
 void Stage::backward(const StageContext&, BackwardArgs&) {
-  throw Error("stage '" + name() + "' has no backward pass: training needs one (or set "
+  throw Error("stage '" + name() +
+              "' has no backward pass: training needs one (or set "
               "PipelineConfig::training = false for inference)");
 }
 void Stage::update(const StageContext&, std::span<const float>) {}
 
 // ---- config and plan ----
 
-PipelineConfig PipelineConfig::from(const Options& options) { return options.pipeline_config(); }
+PipelineConfig PipelineConfig::from(const Options& options) {
+  return options.pipeline_config();
+}
 
 std::uint32_t PipelineConfig::devices_per_replica(std::uint32_t stages) const {
   if (strategy == ExecutionStrategy::kSingle) return 1;
@@ -52,9 +63,12 @@ PipelineSchedule PipelineConfig::effective_schedule() const {
 std::uint32_t PipelineConfig::min_gradient_accumulation(std::uint32_t stages) const {
   if (!training) return 1;
   switch (effective_schedule()) {
-    case PipelineSchedule::kGrouped: return 2 * stages - 1;
-    case PipelineSchedule::kInterleaved: return stages;
-    case PipelineSchedule::kSequential: return 1;
+    case PipelineSchedule::kGrouped:
+      return 2 * stages - 1;
+    case PipelineSchedule::kInterleaved:
+      return stages;
+    case PipelineSchedule::kSequential:
+      return 1;
   }
   return 1;
 }
@@ -71,9 +85,12 @@ void PipelineConfig::validate(std::uint32_t stages) const {
   engine_config_of(*this).validate();
   if (strategy == ExecutionStrategy::kSingle && schedule == PipelineSchedule::kInterleaved &&
       stages > 1) {
-    throw Error("the Interleaved schedule needs each stage on a device of its own, but strategy "
-                "single puts all " + std::to_string(stages) + " stages on one device: use the "
-                "Grouped or Sequential schedule, or strategy pipelined");
+    throw Error(
+        "the Interleaved schedule needs each stage on a device of its own, but strategy "
+        "single puts all " +
+        std::to_string(stages) +
+        " stages on one device: use the "
+        "Grouped or Sequential schedule, or strategy pipelined");
   }
   if (sync == SyncMode::kDataflow && strategy != ExecutionStrategy::kPipelined) {
     throw Error(std::string("sync mode dataflow hands activations between concurrently running "
@@ -86,23 +103,27 @@ void PipelineConfig::validate(std::uint32_t stages) const {
                   std::to_string(stages) + " stages: it needs one per stage (the device of each)");
     }
     if (device_mapping.front() != 0) {
-      detail::throw_bad_value("device_mapping[0]", device_mapping.front(), "must be 0 (the replica's first device)");
+      detail::throw_bad_value("device_mapping[0]", device_mapping.front(),
+                              "must be 0 (the replica's first device)");
     }
     for (std::size_t s = 1; s < device_mapping.size(); ++s) {
       const std::uint32_t prev = device_mapping[s - 1], here = device_mapping[s];
       if (here != prev && here != prev + 1) {
         detail::throw_bad_value("device_mapping[" + std::to_string(s) + "]", here,
-                                "must be " + std::to_string(prev) + " or " + std::to_string(prev + 1) +
+                                "must be " + std::to_string(prev) + " or " +
+                                    std::to_string(prev + 1) +
                                     ": consecutive stages share a device or move to the next one");
       }
     }
     if (strategy == ExecutionStrategy::kSingle) {
-      throw Error("device_mapping places stages on several devices, but strategy single puts all stages "
-                  "of a replica on one device: use strategy pipelined or sharded, or no mapping");
+      throw Error(
+          "device_mapping places stages on several devices, but strategy single puts all stages "
+          "of a replica on one device: use strategy pipelined or sharded, or no mapping");
     }
     if (sync == SyncMode::kDataflow) {
-      throw Error("device_mapping with sync mode dataflow is not supported: a device running two stages "
-                  "would wait on a hand-off only its other stage can fill; use sync mode bsp");
+      throw Error(
+          "device_mapping with sync mode dataflow is not supported: a device running two stages "
+          "would wait on a hand-off only its other stage can fill; use sync mode bsp");
     }
   }
   const std::uint32_t min = min_gradient_accumulation(stages);
@@ -120,9 +141,12 @@ std::uint64_t PipelinePlan::cycles() const noexcept {
   const std::uint64_t n = stages, k = micro_batches;
   if (!training) return schedule == PipelineSchedule::kSequential ? n * k : k + n - 1;
   switch (schedule) {
-    case PipelineSchedule::kGrouped: return k + 2 * (n - 1);
-    case PipelineSchedule::kInterleaved: return 2 * k + 2 * n - 2;
-    case PipelineSchedule::kSequential: return 2 * n * k;
+    case PipelineSchedule::kGrouped:
+      return k + 2 * (n - 1);
+    case PipelineSchedule::kInterleaved:
+      return 2 * k + 2 * n - 2;
+    case PipelineSchedule::kSequential:
+      return 2 * n * k;
   }
   return 0;
 }
@@ -157,9 +181,12 @@ CycleWork PipelinePlan::at(std::uint32_t stage, std::uint64_t cycle) const noexc
 std::uint32_t PipelinePlan::fifo_depth(std::uint32_t stage) const noexcept {
   if (!training) return 0;
   switch (schedule) {
-    case PipelineSchedule::kGrouped: return 2 * (stages - 1 - stage);
-    case PipelineSchedule::kInterleaved: return stages - 1 - stage;
-    case PipelineSchedule::kSequential: return 0;
+    case PipelineSchedule::kGrouped:
+      return 2 * (stages - 1 - stage);
+    case PipelineSchedule::kInterleaved:
+      return stages - 1 - stage;
+    case PipelineSchedule::kSequential:
+      return 0;
   }
   return 0;
 }

@@ -31,10 +31,12 @@ Copy::Copy(Buffer s, Buffer d) : src(std::move(s)), dst(std::move(d)) {
                 "): buffers must have the same element type and count");
   }
 }
-StreamCopy::StreamCopy(InfeedQueue<Tensor>& from, Buffer dst) : infeed(&from), buffer(std::move(dst)) {
+StreamCopy::StreamCopy(InfeedQueue<Tensor>& from, Buffer dst)
+    : infeed(&from), buffer(std::move(dst)) {
   if (!buffer) throw Error("StreamCopy: the destination buffer is null");
 }
-StreamCopy::StreamCopy(Buffer src, OutfeedQueue<Tensor>& to) : outfeed(&to), buffer(std::move(src)) {
+StreamCopy::StreamCopy(Buffer src, OutfeedQueue<Tensor>& to)
+    : outfeed(&to), buffer(std::move(src)) {
   if (!buffer) throw Error("StreamCopy: the source buffer is null");
 }
 Repeat::Repeat(std::uint64_t n, Program b) : count(n), body{std::move(b)} {}
@@ -46,7 +48,8 @@ RemoteCopy::RemoteCopy(std::string n, bool h, std::function<std::size_t(const Co
     : name(std::move(n)), to_host(h), copy(std::move(c)) {
   if (!copy) throw Error("RemoteCopy '" + name + "': the copy function is empty");
 }
-AllReduce::AllReduce(std::string n, std::uint32_t r, std::function<std::size_t(const ComputeContext&)> b)
+AllReduce::AllReduce(std::string n, std::uint32_t r,
+                     std::function<std::size_t(const ComputeContext&)> b)
     : name(std::move(n)), replicas(r), bytes(std::move(b)) {
   if (replicas == 0 || replicas > tunables::kMaxReplicas) {
     detail::throw_bad_value("AllReduce '" + name + "' replicas", replicas,

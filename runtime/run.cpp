@@ -9,10 +9,14 @@ namespace bspflow {
 
 const char* to_string(RunStatus s) noexcept {
   switch (s) {
-    case RunStatus::kCompleted: return "completed";
-    case RunStatus::kEndOfData: return "end of data";
-    case RunStatus::kCancelled: return "cancelled";
-    case RunStatus::kFailed: return "failed";
+    case RunStatus::kCompleted:
+      return "completed";
+    case RunStatus::kEndOfData:
+      return "end of data";
+    case RunStatus::kCancelled:
+      return "cancelled";
+    case RunStatus::kFailed:
+      return "failed";
   }
   return "?";
 }
@@ -93,8 +97,9 @@ RunStatus RunControl::finish(std::vector<std::uint64_t>& iterations, std::string
                                              : "cancelled");
       const char* sep = " (";
       for (std::size_t r = 0; r < n; ++r) {
-        os << sep << "replica " << r << " on device " << ends_[r].device << ": " << ends_[r].iterations
-           << of_requested() << " iteration" << (ends_[r].iterations == 1 && open_ended() ? "" : "s");
+        os << sep << "replica " << r << " on device " << ends_[r].device << ": "
+           << ends_[r].iterations << of_requested() << " iteration"
+           << (ends_[r].iterations == 1 && open_ended() ? "" : "s");
         if (ends_[r].status != status) os << ", " << to_string(ends_[r].status);
         sep = "; ";
       }

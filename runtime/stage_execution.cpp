@@ -8,7 +8,9 @@
 namespace bspflow {
 
 namespace {
-std::span<float> floats(const Buffer& b) { return b ? b->as<float>() : std::span<float>{}; }
+std::span<float> floats(const Buffer& b) {
+  return b ? b->as<float>() : std::span<float>{};
+}
 // An exchange buffer's values as fp32: the buffer itself, or (fp16) a copy in `wide`.
 std::span<float> widened(const Buffer& b, std::vector<float>& wide) {
   if (!b) return {};
@@ -32,15 +34,17 @@ void narrow(const Buffer& b, std::span<const float> wide) {
 }
 }  // namespace
 
-void Pipeline::Impl::check_saved(const StageRun& sr, std::uint64_t i, const std::vector<float>& saved) const {
+void Pipeline::Impl::check_saved(const StageRun& sr, std::uint64_t i,
+                                 const std::vector<float>& saved) const {
   if (saved.size() <= sr.saved_limit) return;
-  const std::string message = "stage " + std::to_string(sr.s) + " '" + sr.stage->name() + "' (device " +
-                              std::to_string(sr.device->id()) + ", replica " + std::to_string(sr.r) + ") saved " +
-                              std::to_string(saved.size()) + " values in its forward pass at step " +
-                              std::to_string(sr.step) + ", micro-batch " + std::to_string(i) +
-                              " but memory() declared " + std::to_string(sr.saved_limit) +
-                              " (StageMemory::saved): the memory plan would be wrong";
-  throw StageError(message, sr.s, sr.device->id(), sr.r, sr.step, i, std::make_exception_ptr(Error(message)));
+  const std::string message =
+      "stage " + std::to_string(sr.s) + " '" + sr.stage->name() + "' (device " +
+      std::to_string(sr.device->id()) + ", replica " + std::to_string(sr.r) + ") saved " +
+      std::to_string(saved.size()) + " values in its forward pass at step " +
+      std::to_string(sr.step) + ", micro-batch " + std::to_string(i) + " but memory() declared " +
+      std::to_string(sr.saved_limit) + " (StageMemory::saved): the memory plan would be wrong";
+  throw StageError(message, sr.s, sr.device->id(), sr.r, sr.step, i,
+                   std::make_exception_ptr(Error(message)));
 }
 
 bool Pipeline::Impl::pop_input(StageRun& sr, Batch& slot, bool block, const detail::StopFlag* stop,
@@ -62,7 +66,8 @@ bool Pipeline::Impl::pop_input(StageRun& sr, Batch& slot, bool block, const deta
   return true;
 }
 
-bool Pipeline::Impl::host_in(StageRun& sr, const Batch& b, bool waited, const detail::StopFlag* stop) {
+bool Pipeline::Impl::host_in(StageRun& sr, const Batch& b, bool waited,
+                             const detail::StopFlag* stop) {
   if (config.synthetic_data) return true;  // no host copies
   return sr.link.copy_in(host_bytes(b), waited, stop);
 }
@@ -70,16 +75,19 @@ bool Pipeline::Impl::host_in(StageRun& sr, const Batch& b, bool waited, const de
 void Pipeline::Impl::forward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle,
                                        const detail::StopFlag* stop) {
   const bool first = sr.s == 0, last = sr.s + 1 == stages;
-  const std::span<const float> in = first ? std::span<const float>{} : widened(sr.in_fwd, sr.wide_in);
+  const std::span<const float> in =
+      first ? std::span<const float>{} : widened(sr.in_fwd, sr.wide_in);
   const Buffer& out_buf = sr.out_fwd[cycle % 2];
-  const std::span<float> out = last ? std::span<float>(sr.local_out) : writable(out_buf, sr.wide_out);
+  const std::span<float> out =
+      last ? std::span<float>(sr.local_out) : writable(out_buf, sr.wide_out);
   forward(sr, i, in, out, stop);
   if (!last) narrow(out_buf, out);
 }
 
 void Pipeline::Impl::backward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle) {
   const bool first = sr.s == 0, last = sr.s + 1 == stages;
-  const std::span<const float> grad_out = last ? std::span<const float>{} : widened(sr.in_bwd, sr.wide_in);
+  const std::span<const float> grad_out =
+      last ? std::span<const float>{} : widened(sr.in_bwd, sr.wide_in);
   const Buffer& out_buf = sr.out_bwd[cycle % 2];
   const std::span<float> grad_in = first ? std::span<float>{} : writable(out_buf, sr.wide_out);
   backward(sr, i, grad_out, grad_in);
@@ -89,9 +97,9 @@ void Pipeline::Impl::backward_exchanged(StageRun& sr, std::uint64_t i, std::uint
 void Pipeline::Impl::local_sum(StageRun& sr) {
   // Distributed, replica 0: straight into its slot's segment of the exchange across
   // instances (no copy on the way there).
-  const std::span<float> out = across && sr.r == 0
-                                   ? across->segment(slot_of(sr)).subspan(sr.wire_at, sr.reduced.size())
-                                   : std::span<float>(sr.reduced);
+  const std::span<float> out =
+      across && sr.r == 0 ? across->segment(slot_of(sr)).subspan(sr.wire_at, sr.reduced.size())
+                          : std::span<float>(sr.reduced);
   const std::uint32_t replicas = config.replicas;
   if (replicas == 1) {
     std::copy(sr.accum.begin(), sr.accum.end(), out.begin());
@@ -111,12 +119,14 @@ void Pipeline::Impl::exchange_across(const std::vector<StageRun*>& on_device, st
     // FNV-1a over the weights' bits in four interleaved lanes (four independent multiply
     // chains: about a cycle per weight instead of four), then the lanes folded together.
     constexpr std::uint64_t kPrime = 0x100000001b3ull;
-    std::uint64_t lane[4] = {0xcbf29ce484222325ull, 0x84222325cbf29ce4ull, 0x9ce484222325cbf2ull, 0x2325cbf29ce48422ull};
+    std::uint64_t lane[4] = {0xcbf29ce484222325ull, 0x84222325cbf29ce4ull, 0x9ce484222325cbf2ull,
+                             0x2325cbf29ce48422ull};
     for (const StageRun* sr : on_device) {
       const std::span<float> w = sr->stage->weights();
       std::size_t j = 0;
       for (; j + 4 <= w.size(); j += 4) {
-        for (int l = 0; l < 4; ++l) lane[l] = (lane[l] ^ std::bit_cast<std::uint32_t>(w[j + l])) * kPrime;
+        for (int l = 0; l < 4; ++l)
+          lane[l] = (lane[l] ^ std::bit_cast<std::uint32_t>(w[j + l])) * kPrime;
       }
       for (; j < w.size(); ++j) lane[0] = (lane[0] ^ std::bit_cast<std::uint32_t>(w[j])) * kPrime;
       lane[1] = (lane[1] ^ w.size()) * kPrime;  // where one stage's weights end
@@ -147,7 +157,8 @@ void Pipeline::Impl::finish_reduce(StageRun& sr, std::uint64_t step) {
   float scale = 1.0f / config.precision.loss_scaling;
   if (config.reduction == ReductionType::kMean) {
     scale /= static_cast<float>(replicas);
-    if (config.mean == MeanStyle::kPost) scale /= static_cast<float>(sr.accumulated == 0 ? 1 : sr.accumulated);
+    if (config.mean == MeanStyle::kPost)
+      scale /= static_cast<float>(sr.accumulated == 0 ? 1 : sr.accumulated);
   }
   if (replicas > 1 && config.precision.partials == DType::kFloat16) {
     if (sum.data() != sr.reduced.data()) std::copy(sum.begin(), sum.end(), sr.reduced.begin());
@@ -161,8 +172,8 @@ void Pipeline::Impl::finish_reduce(StageRun& sr, std::uint64_t step) {
   }
 }
 
-bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const float> input, std::span<float> output,
-             const detail::StopFlag* stop) {
+bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const float> input,
+                             std::span<float> output, const detail::StopFlag* stop) {
   std::vector<Batch>& batches_of = *sr.batches;
   if (sr.s == 0 && config.training) {  // inference: take() already put it in the ring
     Batch& slot = batches_of[i % batches_of.size()];
@@ -196,8 +207,11 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
     sr.fifo.push_back(std::move(entry));
   }
   if (sr.writer != nullptr) {
-    if (!sr.writer->write(sr.step * k() + i, std::vector<float>(output.begin(), output.end()), stop)) return false;
-    return config.synthetic_data || sr.link.copy_out(output.size() * dtype_size(config.precision.storage), stop);
+    if (!sr.writer->write(sr.step * k() + i, std::vector<float>(output.begin(), output.end()),
+                          stop))
+      return false;
+    return config.synthetic_data ||
+           sr.link.copy_out(output.size() * dtype_size(config.precision.storage), stop);
   }
   return true;
 }
@@ -229,10 +243,12 @@ Pipeline::Impl::Take Pipeline::Impl::take(StageRun& sr, const detail::StopFlag* 
 }
 
 void Pipeline::Impl::backward(StageRun& sr, std::uint64_t i, std::span<const float> grad_output,
-              std::span<float> grad_input) {
+                              std::span<float> grad_input) {
   if (sr.fifo.empty() || sr.fifo.front().micro_batch != i) {
-    throw Error("pipeline: stage " + std::to_string(sr.s) + " has no stashed forward pass for "
-                "micro-batch " + std::to_string(i) + " (internal schedule error)");
+    throw Error("pipeline: stage " + std::to_string(sr.s) +
+                " has no stashed forward pass for "
+                "micro-batch " +
+                std::to_string(i) + " (internal schedule error)");
   }
   Stashed& e = sr.fifo.front();
   const Batch& batch = (*sr.batches)[i % sr.batches->size()];
@@ -264,7 +280,8 @@ void Pipeline::Impl::backward(StageRun& sr, std::uint64_t i, std::span<const flo
   ++sr.accumulated;
   if (config.reduction == ReductionType::kMean && config.mean == MeanStyle::kRunning) {
     const float w = 1.0f / static_cast<float>(sr.accumulated);
-    for (std::size_t j = 0; j < sr.grads.size(); ++j) sr.accum[j] += (sr.grads[j] - sr.accum[j]) * w;
+    for (std::size_t j = 0; j < sr.grads.size(); ++j)
+      sr.accum[j] += (sr.grads[j] - sr.accum[j]) * w;
   } else {
     for (std::size_t j = 0; j < sr.grads.size(); ++j) sr.accum[j] += sr.grads[j];
   }

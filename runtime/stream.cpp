@@ -18,7 +18,8 @@ void StreamConfig::validate(std::uint32_t devices) const {
   if (!device_wait.empty() && device_wait.size() != devices) {
     detail::throw_bad_value("StreamConfig::device_wait size", device_wait.size(),
                             "must be 0 (every device uses `wait`) or one per device of the "
-                            "stream (" + std::to_string(devices) + ")");
+                            "stream (" +
+                                std::to_string(devices) + ")");
   }
   for (const WaitPolicy& w : device_wait) w.validate();
 }
@@ -142,10 +143,10 @@ StreamResult StreamCore::finish(std::uint64_t accepted, std::uint64_t delivered,
     r.status = RunStatus::kCompleted;
   }
   // A Stream's normal end reads "drained": the infeed closed and everything answered.
-  r.message = std::string(r.status == RunStatus::kCompleted ? "drained" : to_string(r.status)) + ": " + std::to_string(accepted) +
-              " request(s) accepted, " + std::to_string(delivered) + " answered (" +
-              std::to_string(errors) + " with an error), " + std::to_string(r.unanswered) +
-              " unanswered";
+  r.message = std::string(r.status == RunStatus::kCompleted ? "drained" : to_string(r.status)) +
+              ": " + std::to_string(accepted) + " request(s) accepted, " +
+              std::to_string(delivered) + " answered (" + std::to_string(errors) +
+              " with an error), " + std::to_string(r.unanswered) + " unanswered";
   if (r.failure) r.message += "; " + r.failure->message;
   if (r.status == RunStatus::kCompleted && r.unanswered != 0) {
     // Cannot happen by design: say so loudly rather than hide a lost request.

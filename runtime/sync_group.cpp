@@ -36,12 +36,13 @@ bool SyncGroup::arrive_and_wait(const StopFlag& stop, Spin spin) {
     if (spin == detail::Spin::kYield) std::this_thread::yield();
     return true;
   }
-  point_.wait([&] {
-    return generation(state_.load(std::memory_order_seq_cst)) != gen || stop.requested() ||
-           aborted_.load(std::memory_order_seq_cst);
-  }, spin,
-              detail::Fence::kSymmetric,
-              spin == detail::Spin::kYield ? tunables::kSpinBudget : tunables::kSyncSpinBudget);
+  point_.wait(
+      [&] {
+        return generation(state_.load(std::memory_order_seq_cst)) != gen || stop.requested() ||
+               aborted_.load(std::memory_order_seq_cst);
+      },
+      spin, detail::Fence::kSymmetric,
+      spin == detail::Spin::kYield ? tunables::kSpinBudget : tunables::kSyncSpinBudget);
   return generation(state_.load(std::memory_order_acquire)) != gen;
 }
 

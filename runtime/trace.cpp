@@ -12,14 +12,22 @@ namespace bspflow {
 
 const char* to_string(Phase p) noexcept {
   switch (p) {
-    case Phase::kStreamCopyBegin: return "StreamCopyBegin";
-    case Phase::kStreamCopyMid: return "StreamCopyMid";
-    case Phase::kStreamCopyEnd: return "StreamCopyEnd";
-    case Phase::kCompute: return "Compute";
-    case Phase::kSync: return "Sync";
-    case Phase::kExchange: return "Exchange";
-    case Phase::kIdle: return "Idle";
-    case Phase::kTransfer: return "Transfer";
+    case Phase::kStreamCopyBegin:
+      return "StreamCopyBegin";
+    case Phase::kStreamCopyMid:
+      return "StreamCopyMid";
+    case Phase::kStreamCopyEnd:
+      return "StreamCopyEnd";
+    case Phase::kCompute:
+      return "Compute";
+    case Phase::kSync:
+      return "Sync";
+    case Phase::kExchange:
+      return "Exchange";
+    case Phase::kIdle:
+      return "Idle";
+    case Phase::kTransfer:
+      return "Transfer";
   }
   return "?";
 }
@@ -62,14 +70,20 @@ std::int64_t Trace::run_ns() const noexcept {
 std::string Trace::chrome_json() const {
   using nlohmann::json;
   json events = json::array();
-  events.push_back({{"ph", "M"}, {"pid", 1}, {"name", "process_name"},
-                    {"args", {{"name", "bspflow"}}}});
+  events.push_back(
+      {{"ph", "M"}, {"pid", 1}, {"name", "process_name"}, {"args", {{"name", "bspflow"}}}});
   std::uint32_t tid = 0;
   for (const TraceTrack& track : tracks_) {
     ++tid;
-    events.push_back({{"ph", "M"}, {"pid", 1}, {"tid", tid}, {"name", "thread_name"},
+    events.push_back({{"ph", "M"},
+                      {"pid", 1},
+                      {"tid", tid},
+                      {"name", "thread_name"},
                       {"args", {{"name", track.name()}}}});
-    events.push_back({{"ph", "M"}, {"pid", 1}, {"tid", tid}, {"name", "thread_sort_index"},
+    events.push_back({{"ph", "M"},
+                      {"pid", 1},
+                      {"tid", tid},
+                      {"name", "thread_sort_index"},
                       {"args", {{"sort_index", tid}}}});
     for (const TraceEvent& e : track.events()) {
       const std::string& label = track.label(e);
@@ -88,7 +102,8 @@ std::string Trace::chrome_json() const {
                         {"args", std::move(args)}});
     }
   }
-  json doc = {{"traceEvents", std::move(events)}, {"displayTimeUnit", "ns"},
+  json doc = {{"traceEvents", std::move(events)},
+              {"displayTimeUnit", "ns"},
               {"otherData", {{"run_us", static_cast<double>(run_ns()) / 1e3}}}};
   return doc.dump();
 }
@@ -174,9 +189,9 @@ std::string TraceSummary::to_string() const {
                   "%-22s %llu iterations, %s to device, %s to host, longest: %s%s%s %.1f us\n",
                   t.name.c_str(), static_cast<unsigned long long>(t.iterations),
                   detail::format_bytes(t.bytes_to_device).c_str(),
-                  detail::format_bytes(t.bytes_to_host).c_str(), bspflow::to_string(t.longest_phase),
-                  t.longest_label.empty() ? "" : " ", t.longest_label.c_str(),
-                  static_cast<double>(t.longest_ns) / 1e3);
+                  detail::format_bytes(t.bytes_to_host).c_str(),
+                  bspflow::to_string(t.longest_phase), t.longest_label.empty() ? "" : " ",
+                  t.longest_label.c_str(), static_cast<double>(t.longest_ns) / 1e3);
     os << buf;
     if (!t.label_ns.empty() && run_ns > 0) {
       os << std::string(22, ' ') << " by label:";

@@ -15,7 +15,9 @@ using ConstMatMap = Eigen::Map<const Mat>;
 using RowMap = Eigen::Map<Eigen::RowVectorXf>;
 using ConstRowMap = Eigen::Map<const Eigen::RowVectorXf>;
 
-Eigen::Index ix(std::size_t n) { return static_cast<Eigen::Index>(n); }
+Eigen::Index ix(std::size_t n) {
+  return static_cast<Eigen::Index>(n);
+}
 
 // Softmax of one sample's logits, kept as its largest logit and the sum of exp(l - max):
 // softmax(l)_c = exp(l_c - max) / sum, log-sum-exp = max + log(sum).
@@ -52,7 +54,9 @@ void AdamW::step(std::span<float> params, std::span<const float> grads, std::spa
 
 // ---- Dense ----
 
-void Dense::init(std::span<float> params, std::mt19937_64& rng) const { uniform_fan_in(params, in_, rng); }
+void Dense::init(std::span<float> params, std::mt19937_64& rng) const {
+  uniform_fan_in(params, in_, rng);
+}
 
 void Dense::forward(std::span<const float> params, const float* x, float* y, std::size_t batch) {
   ConstMatMap xm(x, ix(batch), ix(in_));
@@ -63,8 +67,8 @@ void Dense::forward(std::span<const float> params, const float* x, float* y, std
   ym.rowwise() += bias;
 }
 
-void Dense::backward(std::span<const float> params, const float* x, const float*, const float* gy, float* gx,
-                     std::span<float> grads, std::size_t batch) {
+void Dense::backward(std::span<const float> params, const float* x, const float*, const float* gy,
+                     float* gx, std::span<float> grads, std::size_t batch) {
   ConstMatMap xm(x, ix(batch), ix(in_));
   ConstMatMap g(gy, ix(batch), ix(out_));
   MatMap gw(grads.data(), ix(out_), ix(in_));
@@ -82,8 +86,8 @@ void Relu::forward(std::span<const float>, const float* x, float* y, std::size_t
   for (std::size_t i = 0, n = batch * size_; i < n; ++i) y[i] = std::max(x[i], 0.0f);
 }
 
-void Relu::backward(std::span<const float>, const float*, const float* y, const float* gy, float* gx,
-                    std::span<float>, std::size_t batch) {
+void Relu::backward(std::span<const float>, const float*, const float* y, const float* gy,
+                    float* gx, std::span<float>, std::size_t batch) {
   if (gx == nullptr) return;
   for (std::size_t i = 0, n = batch * size_; i < n; ++i) gx[i] = y[i] > 0.0f ? gy[i] : 0.0f;
 }
@@ -92,16 +96,20 @@ void Relu::backward(std::span<const float>, const float*, const float* y, const 
 
 Conv2d::Conv2d(Shape in, std::size_t out_channels, std::size_t kernel)
     : in_(in), out_{0, 0, out_channels}, k_(kernel) {
-  if (kernel == 0 || kernel > in.height || kernel > in.width || in.channels == 0 || out_channels == 0) {
-    throw std::invalid_argument("Conv2d: a " + std::to_string(kernel) + "x" + std::to_string(kernel) +
-                                " kernel does not fit a " + std::to_string(in.height) + "x" +
-                                std::to_string(in.width) + "x" + std::to_string(in.channels) + " input");
+  if (kernel == 0 || kernel > in.height || kernel > in.width || in.channels == 0 ||
+      out_channels == 0) {
+    throw std::invalid_argument("Conv2d: a " + std::to_string(kernel) + "x" +
+                                std::to_string(kernel) + " kernel does not fit a " +
+                                std::to_string(in.height) + "x" + std::to_string(in.width) + "x" +
+                                std::to_string(in.channels) + " input");
   }
   out_.height = in.height - kernel + 1;
   out_.width = in.width - kernel + 1;
 }
 
-void Conv2d::init(std::span<float> params, std::mt19937_64& rng) const { uniform_fan_in(params, patch(), rng); }
+void Conv2d::init(std::span<float> params, std::mt19937_64& rng) const {
+  uniform_fan_in(params, patch(), rng);
+}
 
 void Conv2d::im2col(const float* x, std::size_t batch) {
   const std::size_t positions = out_.height * out_.width, row = k_ * in_.channels, p = patch();
@@ -133,8 +141,8 @@ void Conv2d::forward(std::span<const float> params, const float* x, float* y, st
   ym.rowwise() += bias;
 }
 
-void Conv2d::backward(std::span<const float> params, const float* x, const float*, const float* gy, float* gx,
-                      std::span<float> grads, std::size_t batch) {
+void Conv2d::backward(std::span<const float> params, const float* x, const float*, const float* gy,
+                      float* gx, std::span<float> grads, std::size_t batch) {
   im2col(x, batch);
   const std::size_t rows = batch * out_.height * out_.width, c = out_.channels, p = patch();
   ConstMatMap g(gy, ix(rows), ix(c));
@@ -188,8 +196,8 @@ void MaxPool2::forward(std::span<const float>, const float* x, float* y, std::si
   }
 }
 
-void MaxPool2::backward(std::span<const float>, const float* x, const float* y, const float* gy, float* gx,
-                        std::span<float>, std::size_t batch) {
+void MaxPool2::backward(std::span<const float>, const float* x, const float* y, const float* gy,
+                        float* gx, std::span<float>, std::size_t batch) {
   if (gx == nullptr) return;
   // The windows tile the input exactly, so every input gradient is written once: the
   // window's first maximum gets the output's gradient, the rest zero. No branches, so the
@@ -228,12 +236,14 @@ LayerStage::LayerStage(std::string name, Layers layers, std::size_t batch, bool 
                        AdamW optimizer, std::uint64_t seed)
     : name_(std::move(name)), layers_(std::move(layers)), batch_(batch), first_(first), last_(last),
       optimizer_(optimizer) {
-  if (layers_.empty()) throw std::invalid_argument("LayerStage '" + name_ + "' needs at least one layer");
+  if (layers_.empty())
+    throw std::invalid_argument("LayerStage '" + name_ + "' needs at least one layer");
   std::size_t params = 0, saved = 0;
   for (std::size_t l = 0; l < layers_.size(); ++l) {
     if (l > 0 && layers_[l]->in_size() != layers_[l - 1]->out_size()) {
-      throw std::invalid_argument("LayerStage '" + name_ + "': layer " + std::to_string(l) + " takes " +
-                                  std::to_string(layers_[l]->in_size()) + " values, the layer before gives " +
+      throw std::invalid_argument("LayerStage '" + name_ + "': layer " + std::to_string(l) +
+                                  " takes " + std::to_string(layers_[l]->in_size()) +
+                                  " values, the layer before gives " +
                                   std::to_string(layers_[l - 1]->out_size()));
     }
     param_at_.push_back(params);
@@ -247,7 +257,8 @@ LayerStage::LayerStage(std::string name, Layers layers, std::size_t batch, bool 
   adam_state_.assign(2 * params, 0.0f);
   for (std::size_t l = 0; l < layers_.size(); ++l) {
     std::mt19937_64 rng(seed + l);
-    layers_[l]->init(std::span<float>(params_).subspan(param_at_[l], layers_[l]->param_count()), rng);
+    layers_[l]->init(std::span<float>(params_).subspan(param_at_[l], layers_[l]->param_count()),
+                     rng);
   }
 }
 
@@ -261,8 +272,9 @@ std::size_t LayerStage::output_elements() const {
 
 void LayerStage::set_parameters(const std::vector<float>& p) {
   if (p.size() != params_.size()) {
-    throw std::invalid_argument("LayerStage::set_parameters: " + std::to_string(p.size()) + " values, stage '" +
-                                name_ + "' has " + std::to_string(params_.size()));
+    throw std::invalid_argument("LayerStage::set_parameters: " + std::to_string(p.size()) +
+                                " values, stage '" + name_ + "' has " +
+                                std::to_string(params_.size()));
   }
   params_ = p;
   half_weights_ = false;
@@ -294,8 +306,9 @@ void LayerStage::forward(const bspflow::StageContext& ctx, bspflow::ForwardArgs&
   if (first_) {
     const bspflow::Tensor& data = a.batch.data;
     if (data.elements() != n) {
-      throw std::runtime_error("batch holds " + std::to_string(data.elements()) + " values, the model expects " +
-                               std::to_string(n) + " (batch x " + std::to_string(layers_.front()->in_size()) + ")");
+      throw std::runtime_error("batch holds " + std::to_string(data.elements()) +
+                               " values, the model expects " + std::to_string(n) + " (batch x " +
+                               std::to_string(layers_.front()->in_size()) + ")");
     }
     if (data.dtype() == bspflow::DType::kUint8) {  // 8-bit I/O: normalised on the device
       const auto px = data.as<std::uint8_t>();
@@ -308,7 +321,8 @@ void LayerStage::forward(const bspflow::StageContext& ctx, bspflow::ForwardArgs&
     std::copy(a.input.begin(), a.input.end(), x);
   }
   for (std::size_t l = 0; l < layers_.size(); ++l) {
-    layers_[l]->forward(params_of(l), a.saved.data() + saved_at_[l], a.saved.data() + saved_at_[l + 1], batch_);
+    layers_[l]->forward(params_of(l), a.saved.data() + saved_at_[l],
+                        a.saved.data() + saved_at_[l + 1], batch_);
   }
   const float* y = a.saved.data() + saved_at_.back();
   if (!last_) {
@@ -348,7 +362,9 @@ void LayerStage::backward(const bspflow::StageContext&, bspflow::BackwardArgs& a
       const Softmax sm(l, classes);
       for (std::size_t c = 0; c < classes; ++c) {
         g[c] = label < 0 ? 0.0f
-                         : (std::exp(l[c] - sm.max) / sm.sum - (static_cast<std::int32_t>(c) == label ? 1.0f : 0.0f)) / valid;
+                         : (std::exp(l[c] - sm.max) / sm.sum -
+                            (static_cast<std::int32_t>(c) == label ? 1.0f : 0.0f)) /
+                               valid;
       }
     }
   } else {
@@ -362,7 +378,8 @@ void LayerStage::backward(const bspflow::StageContext&, bspflow::BackwardArgs& a
     } else if (!first_) {
       gx = a.grad_input.data();
     }
-    layers_[l]->backward(params_of(l), saved + saved_at_[l], saved + saved_at_[l + 1], grad_a_.data(), gx,
+    layers_[l]->backward(params_of(l), saved + saved_at_[l], saved + saved_at_[l + 1],
+                         grad_a_.data(), gx,
                          a.gradients.subspan(param_at_[l], layers_[l]->param_count()), batch_);
     if (l > 0) grad_a_.swap(grad_b_);
   }
@@ -375,7 +392,9 @@ void LayerStage::update(const bspflow::StageContext& ctx, std::span<const float>
 
 // ---- the examples' models ----
 
-const char* to_string(Model m) noexcept { return m == Model::kConv ? "conv" : "mlp"; }
+const char* to_string(Model m) noexcept {
+  return m == Model::kConv ? "conv" : "mlp";
+}
 
 namespace {
 
@@ -420,14 +439,18 @@ std::vector<Block> mlp_blocks() {
 
 }  // namespace
 
-bspflow::StageList make_model(Model model, std::uint32_t stages, std::size_t batch, AdamW optimizer) {
+bspflow::StageList make_model(Model model, std::uint32_t stages, std::size_t batch,
+                              AdamW optimizer) {
   if (stages != 1 && stages != 2 && stages != 4) {
-    throw std::invalid_argument("the model splits into 1, 2 or 4 stages, not " + std::to_string(stages));
+    throw std::invalid_argument("the model splits into 1, 2 or 4 stages, not " +
+                                std::to_string(stages));
   }
   std::vector<Block> blocks = model == Model::kConv ? conv_blocks() : mlp_blocks();
-  const std::size_t per_stage = blocks.size() / stages;  // 2 stages: the conv blocks, the dense blocks
+  const std::size_t per_stage =
+      blocks.size() / stages;  // 2 stages: the conv blocks, the dense blocks
   bspflow::StageList list;
-  std::uint64_t seed = 1234;  // per layer of the whole model: every split starts from the same weights
+  std::uint64_t seed =
+      1234;  // per layer of the whole model: every split starts from the same weights
   for (std::uint32_t s = 0; s < stages; ++s) {
     std::string name;
     Layers layers;
@@ -437,8 +460,8 @@ bspflow::StageList make_model(Model model, std::uint32_t stages, std::size_t bat
     }
     if (stages == 1) name = to_string(model);
     const std::size_t count = layers.size();
-    list.push_back(std::make_unique<LayerStage>(std::move(name), std::move(layers), batch, s == 0, s + 1 == stages,
-                                                optimizer, seed));
+    list.push_back(std::make_unique<LayerStage>(std::move(name), std::move(layers), batch, s == 0,
+                                                s + 1 == stages, optimizer, seed));
     seed += count;
   }
   return list;

@@ -51,11 +51,12 @@ class Layer {
   virtual std::size_t scratch_per_sample() const { return 0; }
   // PyTorch's default initialisation for the layer type.
   virtual void init(std::span<float> /*params*/, std::mt19937_64& /*rng*/) const {}
-  virtual void forward(std::span<const float> params, const float* x, float* y, std::size_t batch) = 0;
+  virtual void forward(std::span<const float> params, const float* x, float* y,
+                       std::size_t batch) = 0;
   // Adds this micro-batch's parameter gradients to `grads` and writes d loss / d x to `gx`
   // (null: not needed, the layer reads the images).
-  virtual void backward(std::span<const float> params, const float* x, const float* y, const float* gy,
-                        float* gx, std::span<float> grads, std::size_t batch) = 0;
+  virtual void backward(std::span<const float> params, const float* x, const float* y,
+                        const float* gy, float* gx, std::span<float> grads, std::size_t batch) = 0;
 };
 
 // y = x W^T + b; W is out x in.
@@ -67,8 +68,8 @@ class Dense final : public Layer {
   std::size_t param_count() const override { return in_ * out_ + out_; }
   void init(std::span<float> params, std::mt19937_64& rng) const override;
   void forward(std::span<const float> params, const float* x, float* y, std::size_t batch) override;
-  void backward(std::span<const float> params, const float* x, const float* y, const float* gy, float* gx,
-                std::span<float> grads, std::size_t batch) override;
+  void backward(std::span<const float> params, const float* x, const float* y, const float* gy,
+                float* gx, std::span<float> grads, std::size_t batch) override;
 
  private:
   std::size_t in_, out_;
@@ -80,8 +81,8 @@ class Relu final : public Layer {
   std::size_t in_size() const override { return size_; }
   std::size_t out_size() const override { return size_; }
   void forward(std::span<const float> params, const float* x, float* y, std::size_t batch) override;
-  void backward(std::span<const float> params, const float* x, const float* y, const float* gy, float* gx,
-                std::span<float> grads, std::size_t batch) override;
+  void backward(std::span<const float> params, const float* x, const float* y, const float* gy,
+                float* gx, std::span<float> grads, std::size_t batch) override;
 
  private:
   std::size_t size_;
@@ -104,8 +105,8 @@ class Conv2d final : public Layer {
   std::size_t scratch_per_sample() const override { return out_.height * out_.width * patch(); }
   void init(std::span<float> params, std::mt19937_64& rng) const override;
   void forward(std::span<const float> params, const float* x, float* y, std::size_t batch) override;
-  void backward(std::span<const float> params, const float* x, const float* y, const float* gy, float* gx,
-                std::span<float> grads, std::size_t batch) override;
+  void backward(std::span<const float> params, const float* x, const float* y, const float* gy,
+                float* gx, std::span<float> grads, std::size_t batch) override;
   Shape output_shape() const noexcept { return out_; }
 
  private:
@@ -125,8 +126,8 @@ class MaxPool2 final : public Layer {
   std::size_t in_size() const override { return in_.size(); }
   std::size_t out_size() const override { return out_.size(); }
   void forward(std::span<const float> params, const float* x, float* y, std::size_t batch) override;
-  void backward(std::span<const float> params, const float* x, const float* y, const float* gy, float* gx,
-                std::span<float> grads, std::size_t batch) override;
+  void backward(std::span<const float> params, const float* x, const float* y, const float* gy,
+                float* gx, std::span<float> grads, std::size_t batch) override;
   Shape output_shape() const noexcept { return out_; }
 
  private:
@@ -142,8 +143,8 @@ using Layers = std::vector<std::unique_ptr<Layer>>;
 // Layer l's parameters are initialised from seed + l.
 class LayerStage final : public bspflow::Stage {
  public:
-  LayerStage(std::string name, Layers layers, std::size_t batch, bool first, bool last, AdamW optimizer,
-             std::uint64_t seed);
+  LayerStage(std::string name, Layers layers, std::size_t batch, bool first, bool last,
+             AdamW optimizer, std::uint64_t seed);
 
   std::string name() const override { return name_; }
   std::size_t output_elements() const override;
@@ -170,8 +171,8 @@ class LayerStage final : public bspflow::Stage {
   std::size_t batch_;
   bool first_, last_;
   AdamW optimizer_;
-  std::vector<std::size_t> param_at_;   // where each layer's parameters start
-  std::vector<std::size_t> saved_at_;   // where each layer's input sits in `saved` (+ the output)
+  std::vector<std::size_t> param_at_;  // where each layer's parameters start
+  std::vector<std::size_t> saved_at_;  // where each layer's input sits in `saved` (+ the output)
   std::vector<float> params_;
   std::vector<float> adam_state_;
   std::vector<float> grad_a_, grad_b_;  // scratch for gradients between layers
@@ -190,6 +191,7 @@ const char* to_string(Model m) noexcept;
 // The model split into `stages` stages (1, 2 or 4). Four stages follow the tutorial's
 // split: first conv block, second conv block, first dense layer, last dense layer (the MLP:
 // one dense layer each).
-bspflow::StageList make_model(Model model, std::uint32_t stages, std::size_t batch, AdamW optimizer);
+bspflow::StageList make_model(Model model, std::uint32_t stages, std::size_t batch,
+                              AdamW optimizer);
 
 }  // namespace kit

@@ -81,8 +81,8 @@ void decode_weights(std::string_view bytes, std::string_view source, std::string
     if (end == std::string_view::npos || end - pos > kMaxLine) {
       throw std::runtime_error(where + ": line " + std::to_string(line_no) + ": expected " + what +
                                (pos >= bytes.size() ? ", the file ends first"
-                                                    : ", found no end of line within " + std::to_string(kMaxLine) +
-                                                          " bytes"));
+                                                    : ", found no end of line within " +
+                                                          std::to_string(kMaxLine) + " bytes"));
     }
     const std::string_view line = bytes.substr(pos, end - pos);
     pos = end + 1;
@@ -91,26 +91,30 @@ void decode_weights(std::string_view bytes, std::string_view source, std::string
   const auto expect_line = [&](const std::string& want, const std::string& why) {
     const std::string_view line = next_line("'" + want + "'");
     if (line != want) {
-      throw std::runtime_error(where + ": line " + std::to_string(line_no) + " is '" + shown(line) + "', expected '" +
-                               want + "'" + why);
+      throw std::runtime_error(where + ": line " + std::to_string(line_no) + " is '" + shown(line) +
+                               "', expected '" + want + "'" + why);
     }
   };
   if (bytes.substr(0, kMagic.size()) != kMagic) {
-    throw std::runtime_error(where + ": not a bspflow weights file (it does not start with '" + std::string(kMagic) +
-                             "')");
+    throw std::runtime_error(where + ": not a bspflow weights file (it does not start with '" +
+                             std::string(kMagic) + "')");
   }
   expect_line(std::string(kMagic), "");
-  expect_line("model " + std::string(model), " (these weights are for the " + std::string(model) + " model)");
+  expect_line("model " + std::string(model),
+              " (these weights are for the " + std::string(model) + " model)");
   for (const WeightsSection& s : sections) {
-    expect_line(section_line(s),
-                " (the model's stage " + s.name + " has " + std::to_string(s.values.size()) + " values)");
+    expect_line(section_line(s), " (the model's stage " + s.name + " has " +
+                                     std::to_string(s.values.size()) + " values)");
   }
-  expect_line(std::string(kData), " (the model has " + std::to_string(sections.size()) + " stages)");
+  expect_line(std::string(kData),
+              " (the model has " + std::to_string(sections.size()) + " stages)");
   const std::size_t data_bytes = bytes.size() - pos;
   if (data_bytes != 4 * expected_values) {
-    throw std::runtime_error(where + ": " + std::to_string(data_bytes) + " bytes of weights after the header, expected " +
-                             std::to_string(4 * expected_values) + " (" + std::to_string(expected_values) +
-                             " float32 values)" + (data_bytes < 4 * expected_values ? ": the file is truncated" : ""));
+    throw std::runtime_error(where + ": " + std::to_string(data_bytes) +
+                             " bytes of weights after the header, expected " +
+                             std::to_string(4 * expected_values) + " (" +
+                             std::to_string(expected_values) + " float32 values)" +
+                             (data_bytes < 4 * expected_values ? ": the file is truncated" : ""));
   }
   // Check every value before filling any, so an error leaves the caller's values as they were.
   const auto value_at = [&](std::size_t at) {
@@ -122,7 +126,8 @@ void decode_weights(std::string_view bytes, std::string_view source, std::string
   for (const WeightsSection& s : sections) {
     for (std::size_t i = 0; i < s.values.size(); ++i, at += 4) {
       if (!std::isfinite(value_at(at))) {
-        throw std::runtime_error(where + ": value " + std::to_string(i) + " of stage " + s.name + " is not finite");
+        throw std::runtime_error(where + ": value " + std::to_string(i) + " of stage " + s.name +
+                                 " is not finite");
       }
     }
   }
@@ -135,7 +140,8 @@ void decode_weights(std::string_view bytes, std::string_view source, std::string
   }
 }
 
-void save_weights_file(const std::string& path, std::string_view model, std::span<const WeightsSection> sections) {
+void save_weights_file(const std::string& path, std::string_view model,
+                       std::span<const WeightsSection> sections) {
   const std::string out = encode_weights(model, sections);
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
   if (!f || !f.write(out.data(), static_cast<std::streamsize>(out.size())) || !f.flush()) {
@@ -143,14 +149,16 @@ void save_weights_file(const std::string& path, std::string_view model, std::spa
   }
 }
 
-void load_weights_file(const std::string& path, std::string_view model, std::span<const WeightsSection> sections) {
+void load_weights_file(const std::string& path, std::string_view model,
+                       std::span<const WeightsSection> sections) {
   std::error_code ec;
   const auto size = std::filesystem::file_size(path, ec);
   if (ec) throw std::runtime_error(path + ": cannot read the weights: " + ec.message());
   const std::size_t limit = 4 * value_count(sections) + (sections.size() + 3) * (kMaxLine + 1);
   if (size > limit) {
-    throw std::runtime_error(path + ": " + std::to_string(size) + " bytes, more than a weights file of this model (" +
-                             std::to_string(4 * value_count(sections)) + " bytes of weights plus a short header)");
+    throw std::runtime_error(
+        path + ": " + std::to_string(size) + " bytes, more than a weights file of this model (" +
+        std::to_string(4 * value_count(sections)) + " bytes of weights plus a short header)");
   }
   std::ifstream f(path, std::ios::binary);
   if (!f) throw std::runtime_error(path + ": cannot open the weights: " + std::strerror(errno));

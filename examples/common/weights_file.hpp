@@ -36,7 +36,9 @@ void decode_weights(std::string_view bytes, std::string_view source, std::string
 
 // encode_weights into the file at `path` / decode_weights from it (a file far larger than
 // the sections could need is refused before it is read).
-void save_weights_file(const std::string& path, std::string_view model, std::span<const WeightsSection> sections);
-void load_weights_file(const std::string& path, std::string_view model, std::span<const WeightsSection> sections);
+void save_weights_file(const std::string& path, std::string_view model,
+                       std::span<const WeightsSection> sections);
+void load_weights_file(const std::string& path, std::string_view model,
+                       std::span<const WeightsSection> sections);
 
 }  // namespace kit

@@ -29,10 +29,10 @@
 #include <cstdio>
 #include <exception>
 #include <memory>
-#include <optional>
-#include <thread>
 #include <numeric>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <bspflow/bspflow.hpp>
@@ -78,7 +78,8 @@ struct DeviceModel {
         float acc = 0;
         if (b.data.dtype() == bspflow::DType::kUint8) {  // 8-bit I/O: normalise on the device
           const std::uint8_t* x = b.data.as<std::uint8_t>().data() + s * elements;
-          for (std::size_t i = 0; i < elements; ++i) acc += w[i] * (static_cast<float>(x[i]) * (1.0f / 255.0f));
+          for (std::size_t i = 0; i < elements; ++i)
+            acc += w[i] * (static_cast<float>(x[i]) * (1.0f / 255.0f));
         } else {
           const float* x = b.data.as<float>().data() + s * elements;
           for (std::size_t i = 0; i < elements; ++i) acc += w[i] * x[i];
@@ -139,8 +140,8 @@ Figures measure(const Settings& st, const bspflow::TensorDataset& data, std::uin
           sum += model.consume(resident);
         },
         std::int64_t{0});
-    f.device = static_cast<double>(steps * st.device_iterations * st.batch * replicas) /
-               seconds_since(t0);
+    f.device =
+        static_cast<double>(steps * st.device_iterations * st.batch * replicas) / seconds_since(t0);
     if (!r.completed()) ++failures;
   }
 
@@ -157,20 +158,21 @@ Figures measure(const Settings& st, const bspflow::TensorDataset& data, std::uin
     const auto t0 = Clock::now();
     bool more = loader.feed_next(producer);
     while (more) {
-      auto run = bspflow::loops::repeat_async(devices, st.device_iterations, body,
-                                              std::int64_t{0}, infeed);
+      auto run = bspflow::loops::repeat_async(devices, st.device_iterations, body, std::int64_t{0},
+                                              infeed);
       more = loader.feed_next(producer);
       const auto r = run.get();
       if (!r.completed()) ++failures;
       for (std::uint32_t i = 0; i < replicas; ++i) labels += r.state(i);
       ++ran;
     }
-    f.together = static_cast<double>(ran * st.device_iterations * st.batch * replicas) /
-                 seconds_since(t0);
+    f.together =
+        static_cast<double>(ran * st.device_iterations * st.batch * replicas) / seconds_since(t0);
     // Without shuffle the epoch is the dataset's first steps x combined-batch samples.
     const std::uint64_t used = steps * loader.plan().samples_per_step();
     const auto all = data.labels();
-    const std::int64_t expected = std::accumulate(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(used), std::int64_t{0});
+    const std::int64_t expected = std::accumulate(
+        all.begin(), all.begin() + static_cast<std::ptrdiff_t>(used), std::int64_t{0});
     if (ran != steps || labels != expected) {
       std::fprintf(stderr, "FAILED: ran %llu of %llu steps, label checksum %lld, expected %lld\n",
                    static_cast<unsigned long long>(ran), static_cast<unsigned long long>(steps),
@@ -204,7 +206,8 @@ struct LinkRun {
 // Items per second through the Pipeline for `steps` host steps (each `device_iterations`
 // micro-batches), the loader feeding from another thread (or, with synthetic data, one
 // micro-batch per host call and no copies).
-double link_rate(const Settings& st, const bspflow::TensorDataset& data, const LinkRun& lr, std::uint64_t steps) {
+double link_rate(const Settings& st, const bspflow::TensorDataset& data, const LinkRun& lr,
+                 std::uint64_t steps) {
   bspflow::Options opts;
   opts.device_iterations(lr.device_iterations)
       .infeed_capacity(2 * lr.device_iterations)
@@ -225,7 +228,8 @@ double link_rate(const Settings& st, const bspflow::TensorDataset& data, const L
   lc.batch_size = lr.batch;
   lc.mode = lr.mode;
   lc.num_workers = lr.mode == bspflow::LoaderMode::kAsync ? st.workers : 0;
-  if (data.spec().dtype == bspflow::DType::kUint8 && !st.eight_bit) lc.output_dtype = bspflow::DType::kFloat32;
+  if (data.spec().dtype == bspflow::DType::kUint8 && !st.eight_bit)
+    lc.output_dtype = bspflow::DType::kFloat32;
   bspflow::DataLoader loader(opts, data, lc);
   steps = std::min(steps, loader.steps());
   bspflow::InfeedQueue<bspflow::Batch> infeed(opts.infeed_config());
@@ -278,33 +282,43 @@ double link_rate(const Settings& st, const bspflow::TensorDataset& data, const L
 void link_findings(const Settings& st, const bspflow::TensorDataset& data) {
   const std::uint64_t steps = st.link_steps;
   const auto async = bspflow::LoaderMode::kAsync;
-  std::printf("with the host link modeled (%.1f GB/s, 5 us per copy), a one-stage Pipeline on one device, "
-              "up to %llu host steps each:\n",
-              st.link_gbytes_per_s, static_cast<unsigned long long>(steps));
+  std::printf(
+      "with the host link modeled (%.1f GB/s, 5 us per copy), a one-stage Pipeline on one device, "
+      "up to %llu host steps each:\n",
+      st.link_gbytes_per_s, static_cast<unsigned long long>(steps));
   const double real = link_rate(st, data, {st.batch, st.device_iterations, async, false}, steps);
   // Synthetic data: a sync loader with no workers (only its first micro-batch is used, so
   // nothing should load in the background while the devices run).
-  const double synthetic =
-      link_rate(st, data, {st.batch, st.device_iterations, bspflow::LoaderMode::kSync, true}, steps);
+  const double synthetic = link_rate(
+      st, data, {st.batch, st.device_iterations, bspflow::LoaderMode::kSync, true}, steps);
   std::printf("  real data, async loader            %10.0f items/s\n", real);
-  std::printf("  synthetic data (no host copies)    %10.0f items/s  (the upper bound; real reaches %.0f%%)\n",
-              synthetic, 100 * real / synthetic);
+  std::printf(
+      "  synthetic data (no host copies)    %10.0f items/s  (the upper bound; real reaches "
+      "%.0f%%)\n",
+      synthetic, 100 * real / synthetic);
   for (std::uint64_t d : {std::uint64_t{1}, std::uint64_t{10}, st.device_iterations}) {
     const double r = link_rate(st, data, {st.batch, d, async, false}, steps);
-    std::printf("  device iterations %-4llu              %10.0f items/s\n", static_cast<unsigned long long>(d), r);
+    std::printf("  device iterations %-4llu              %10.0f items/s\n",
+                static_cast<unsigned long long>(d), r);
   }
   if (4 * st.batch * st.device_iterations <= data.size()) {
-    const double bigger = link_rate(st, data, {4 * st.batch, st.device_iterations, async, false}, steps);
+    const double bigger =
+        link_rate(st, data, {4 * st.batch, st.device_iterations, async, false}, steps);
     std::printf("  micro-batch %zu (4x)                %10.0f items/s\n", 4 * st.batch, bigger);
   } else {
-    std::printf("  micro-batch %zu (4x)                skipped: one step would need %zu samples, the dataset has %zu\n",
-                4 * st.batch, 4 * st.batch * static_cast<std::size_t>(st.device_iterations), data.size());
+    std::printf(
+        "  micro-batch %zu (4x)                skipped: one step would need %zu samples, the "
+        "dataset has %zu\n",
+        4 * st.batch, 4 * st.batch * static_cast<std::size_t>(st.device_iterations), data.size());
   }
-  const double sync = link_rate(st, data, {st.batch, st.device_iterations, bspflow::LoaderMode::kSync, false}, steps);
+  const double sync = link_rate(
+      st, data, {st.batch, st.device_iterations, bspflow::LoaderMode::kSync, false}, steps);
   std::printf("  sync loader                        %10.0f items/s  (async: %.0f)\n", sync, real);
   // 32 I/O tiles (19.5 MiB) hold the micro-batch the link moves ahead while the device computes.
-  const double overlapped = link_rate(st, data, {st.batch, st.device_iterations, async, false, 32}, steps);
-  std::printf("  32 I/O tiles (copies overlap)      %10.0f items/s  (without: %.0f)\n\n", overlapped, real);
+  const double overlapped =
+      link_rate(st, data, {st.batch, st.device_iterations, async, false, 32}, steps);
+  std::printf("  32 I/O tiles (copies overlap)      %10.0f items/s  (without: %.0f)\n\n",
+              overlapped, real);
 }
 
 }  // namespace
@@ -320,16 +334,21 @@ int main(int argc, char** argv) {
   app.add_option("--workers", st.workers, "loader worker threads")->check(CLI::Range(1, 256));
   app.add_option("--work", st.work, "dot products per sample on the device")
       ->check(CLI::Range(0, 1000));
-  app.add_option("--replicas", st.replicas, "replica counts to measure (repeat the option for several)")
+  app.add_option("--replicas", st.replicas,
+                 "replica counts to measure (repeat the option for several)")
       ->check(CLI::Range(1, 64));
   app.add_flag("--eight-bit-io", st.eight_bit,
-               "keep samples as uint8 (4x fewer bytes than fp32), normalise on the device (default: off, fp32)");
-  app.add_option("--data-dir", st.data_dir,
-                 "load Fashion-MNIST (train split) from this directory instead of the "
-                 "synthetic dataset (default: none, synthetic data); Debian's dataset-fashion-mnist "
-                 "installs it in " + std::string(bspflow::idx::kDebianFashionMnistDir))
+               "keep samples as uint8 (4x fewer bytes than fp32), normalise on the device "
+               "(default: off, fp32)");
+  app.add_option(
+         "--data-dir", st.data_dir,
+         "load Fashion-MNIST (train split) from this directory instead of the "
+         "synthetic dataset (default: none, synthetic data); Debian's dataset-fashion-mnist "
+         "installs it in " +
+             std::string(bspflow::idx::kDebianFashionMnistDir))
       ->check(CLI::ExistingDirectory);
-  app.add_option("--link-gbytes-per-s", st.link_gbytes_per_s, "host link bandwidth for the link-modeled runs")
+  app.add_option("--link-gbytes-per-s", st.link_gbytes_per_s,
+                 "host link bandwidth for the link-modeled runs")
       ->check(CLI::Range(0.001, 1000.0));
   app.add_option("--link-steps", st.link_steps, "host steps per link-modeled run (0: skip them)")
       ->check(CLI::Range(std::uint64_t{0}, std::uint64_t{100000}));
@@ -354,13 +373,13 @@ int main(int argc, char** argv) {
       st.data_dir.empty() ? bspflow::TensorDataset::materialize(bspflow::SyntheticDataset(cfg))
                           : bspflow::mnist_dataset(st.data_dir, "train");
   std::printf("dataset: %zu samples of %s (%s) built in %.2f s\n", data.size(),
-              data.spec().describe().c_str(),
-              bspflow::format_bytes(data.bytes().size()).c_str(), seconds_since(t0));
-  std::printf("loader: batch %zu, %llu device iterations, async, %u workers, %s to the device; "
-              "device work: %d dot products per sample\n\n",
-              st.batch, static_cast<unsigned long long>(st.device_iterations), st.workers,
-              data.spec().dtype == bspflow::DType::kUint8 && st.eight_bit ? "uint8" : "fp32",
-              st.work);
+              data.spec().describe().c_str(), bspflow::format_bytes(data.bytes().size()).c_str(),
+              seconds_since(t0));
+  std::printf(
+      "loader: batch %zu, %llu device iterations, async, %u workers, %s to the device; "
+      "device work: %d dot products per sample\n\n",
+      st.batch, static_cast<unsigned long long>(st.device_iterations), st.workers,
+      data.spec().dtype == bspflow::DType::kUint8 && st.eight_bit ? "uint8" : "fp32", st.work);
 
   int failures = 0;
   for (std::uint32_t replicas : st.replicas) {
@@ -371,18 +390,23 @@ int main(int argc, char** argv) {
     std::printf("  (c) loader + device          %10.0f items/s  (%.0f%% of the slower alone)\n",
                 f.together, 100.0 * f.together / std::min(f.loader, f.device));
     if (f.loader < f.device) {
-      std::printf("  verdict: the loader is the bottleneck: it supplies %.0f items/s, the device "
-                  "could take %.0f (add workers, use --eight-bit-io, or do more per sample on "
-                  "the device)\n\n", f.loader, f.device);
+      std::printf(
+          "  verdict: the loader is the bottleneck: it supplies %.0f items/s, the device "
+          "could take %.0f (add workers, use --eight-bit-io, or do more per sample on "
+          "the device)\n\n",
+          f.loader, f.device);
     } else {
-      std::printf("  verdict: the loader keeps up (%.0f items/s available, the device takes "
-                  "%.0f): the device is the bottleneck\n\n", f.loader, f.device);
+      std::printf(
+          "  verdict: the loader keeps up (%.0f items/s available, the device takes "
+          "%.0f): the device is the bottleneck\n\n",
+          f.loader, f.device);
     }
     if (f.together < 0.8 * std::min(f.loader, f.device)) {
-      std::printf("  note: together is well below either alone: on this %u-core host the loader's "
-                  "workers and the emulated devices share cores and memory bandwidth (an IPU "
-                  "would not take host cores)\n\n",
-                  bspflow::Topology::get().cores());
+      std::printf(
+          "  note: together is well below either alone: on this %u-core host the loader's "
+          "workers and the emulated devices share cores and memory bandwidth (an IPU "
+          "would not take host cores)\n\n",
+          bspflow::Topology::get().cores());
     }
   }
   if (st.link_steps > 0) {

@@ -66,14 +66,18 @@ int main(int argc, char** argv) {
   std::string dtype_name = "fp32";
   std::string trace_dir = ".";
   app.add_option("--elements", elements, "elements per micro-batch")->check(CLI::Range(1, 1 << 26));
-  app.add_option("--compute-us", compute_us, "compute per step, microseconds")->check(CLI::Range(1, 100000));
-  app.add_option("--link-gbytes-per-s", link_gbytes_per_s, "host link bandwidth, GB/s (5 us latency per copy)")
+  app.add_option("--compute-us", compute_us, "compute per step, microseconds")
+      ->check(CLI::Range(1, 100000));
+  app.add_option("--link-gbytes-per-s", link_gbytes_per_s,
+                 "host link bandwidth, GB/s (5 us latency per copy)")
       ->check(CLI::Range(0.001, 1000.0));
-  app.add_option("--link-gbps", link_gbytes_per_s, "old name of --link-gbytes-per-s (it was GB/s, not Gb/s)")
+  app.add_option("--link-gbps", link_gbytes_per_s,
+                 "old name of --link-gbytes-per-s (it was GB/s, not Gb/s)")
       ->check(CLI::Range(0.001, 1000.0))
       ->group("");  // hidden from --help; still accepted
   app.add_option("--steps", steps, "steps per run")->check(CLI::Range(2, 1000000));
-  app.add_option("--dtype", dtype_name, "transfer element type")->check(CLI::IsMember({"fp32", "fp16", "uint8"}));
+  app.add_option("--dtype", dtype_name, "transfer element type")
+      ->check(CLI::IsMember({"fp32", "fp16", "uint8"}));
   app.add_option("--trace-dir", trace_dir, "write the four traces here ('' = none)");
   try {
     app.parse(argc, argv);
@@ -88,8 +92,8 @@ int main(int argc, char** argv) {
   const auto io = link.duration(bytes);
   const auto compute = std::chrono::microseconds(compute_us);
   std::printf("micro-batch: %zu %s = %s; host link %s -> modeled I/O %.1f us; compute %d us\n",
-              elements, to_string(dtype), bspflow::format_bytes(bytes).c_str(), link.describe().c_str(),
-              static_cast<double>(io.count()) / 1e3, compute_us);
+              elements, to_string(dtype), bspflow::format_bytes(bytes).c_str(),
+              link.describe().c_str(), static_cast<double>(io.count()) / 1e3, compute_us);
   const double io_us = static_cast<double>(io.count()) / 1e3;
   const double serial_us = io_us + compute_us;
   const double overlap_us = std::max(io_us, static_cast<double>(compute_us));
@@ -112,9 +116,10 @@ int main(int argc, char** argv) {
     InfeedQueue<Tensor> infeed(InfeedConfig{1, steps, s.prefetch});
     Buffer x = make_buffer(device, "x", dtype, elements);
     double device_sum = 0;
-    const Program program = Repeat(steps, Sequence{
-        StreamCopy(infeed, x),
-        Execute("compute", [&](const ComputeContext&) { device_sum += consume(*x, compute, Clock::now()); })});
+    const Program program = Repeat(
+        steps, Sequence{StreamCopy(infeed, x), Execute("compute", [&](const ComputeContext&) {
+                          device_sum += consume(*x, compute, Clock::now());
+                        })});
     // The host feeds micro-batch i filled with the value i % 7 (as this dtype).
     double host_sum = 0;
     {
@@ -123,32 +128,45 @@ int main(int argc, char** argv) {
         Tensor t(dtype, {elements}, Tensor::Init::kNone);
         const int v = static_cast<int>(i % 7);
         switch (dtype) {
-          case DType::kFloat32: for (float& e : t.as<float>()) e = static_cast<float>(v); host_sum += double(v) * elements; break;
-          case DType::kFloat16: for (std::uint16_t& e : t.as<std::uint16_t>()) e = to_half(static_cast<float>(v)); host_sum += double(v) * elements; break;
-          default: for (std::uint8_t& e : t.as<std::uint8_t>()) e = static_cast<std::uint8_t>(v); host_sum += v / 255.0 * elements; break;
+          case DType::kFloat32:
+            for (float& e : t.as<float>()) e = static_cast<float>(v);
+            host_sum += double(v) * elements;
+            break;
+          case DType::kFloat16:
+            for (std::uint16_t& e : t.as<std::uint16_t>()) e = to_half(static_cast<float>(v));
+            host_sum += double(v) * elements;
+            break;
+          default:
+            for (std::uint8_t& e : t.as<std::uint8_t>()) e = static_cast<std::uint8_t>(v);
+            host_sum += v / 255.0 * elements;
+            break;
         }
         producer.push(std::move(t));
       }
     }
     const EngineResult r = engine.run(program);
-    const double step_us = std::chrono::duration<double, std::micro>(r.elapsed).count() / static_cast<double>(steps);
+    const double step_us =
+        std::chrono::duration<double, std::micro>(r.elapsed).count() / static_cast<double>(steps);
     const bool overlapped = s.io_tiles > 0;
     const double model_us = overlapped ? overlap_us : serial_us;
     std::printf("\nio_tiles %2u, prefetch %u: step %.1f us (model: %s = %.1f us, ratio %.2f)\n",
-                s.io_tiles, s.prefetch, step_us, overlapped ? "max(io, compute)" : "io + compute", model_us,
-                step_us / model_us);
-    std::printf("  %s\n", overlapped
-                              ? "the I/O tiles receive the next micro-batch while the compute tiles work: "
-                                "the device waits for the host only when the link is the slower side"
-                              : (s.prefetch > 1 ? "prefetch alone cannot hide the copy: without I/O tiles "
-                                                  "the device itself moves each micro-batch before computing"
-                                                : "every step: StreamCopyBegin/Mid/End on the device, then "
-                                                  "compute; the link and the tiles take turns"));
+                s.io_tiles, s.prefetch, step_us, overlapped ? "max(io, compute)" : "io + compute",
+                model_us, step_us / model_us);
+    std::printf("  %s\n",
+                overlapped
+                    ? "the I/O tiles receive the next micro-batch while the compute tiles work: "
+                      "the device waits for the host only when the link is the slower side"
+                    : (s.prefetch > 1 ? "prefetch alone cannot hide the copy: without I/O tiles "
+                                        "the device itself moves each micro-batch before computing"
+                                      : "every step: StreamCopyBegin/Mid/End on the device, then "
+                                        "compute; the link and the tiles take turns"));
     std::printf("%s", engine.summary().to_string().c_str());
     if (!config.trace_path.empty()) std::printf("  trace: %s\n", config.trace_path.c_str());
-    if (!r.completed() || r.iterations.front() != steps || std::abs(device_sum - host_sum) > 1e-6 * (1 + host_sum)) {
-      std::printf("  WRONG: status %s, %llu steps, device sum %.6g, host sum %.6g\n", to_string(r.status),
-                  static_cast<unsigned long long>(r.iterations.front()), device_sum, host_sum);
+    if (!r.completed() || r.iterations.front() != steps ||
+        std::abs(device_sum - host_sum) > 1e-6 * (1 + host_sum)) {
+      std::printf("  WRONG: status %s, %llu steps, device sum %.6g, host sum %.6g\n",
+                  to_string(r.status), static_cast<unsigned long long>(r.iterations.front()),
+                  device_sum, host_sum);
       ++failures;
     }
   }

@@ -65,9 +65,9 @@ struct Settings {
   std::uint32_t io_tiles = 0;
   std::string trace;
   std::string data_dir = bspflow::idx::kDebianFashionMnistDir;
-  std::uint64_t max_steps = 0;      // per epoch; 0 = the whole epoch
-  std::uint64_t test_samples = 0;   // 0 = all 10000
-  double min_accuracy = 0;          // exit 1 below this (the tests use it)
+  std::uint64_t max_steps = 0;     // per epoch; 0 = the whole epoch
+  std::uint64_t test_samples = 0;  // 0 = all 10000
+  double min_accuracy = 0;         // exit 1 below this (the tests use it)
 };
 
 // Per-device share of time spent computing, accumulated over every host call.
@@ -90,17 +90,17 @@ struct Utilisation {
   }
 };
 
-void progress(bool tty, std::uint32_t epoch, std::uint32_t epochs, std::uint64_t step, std::uint64_t steps,
-              double loss, double acc) {
+void progress(bool tty, std::uint32_t epoch, std::uint32_t epochs, std::uint64_t step,
+              std::uint64_t steps, double loss, double acc) {
   if (!tty && step != steps) return;  // logs get one line per epoch
   constexpr int kWidth = 30;
   const int filled = static_cast<int>(kWidth * step / std::max<std::uint64_t>(steps, 1));
   std::string bar(static_cast<std::size_t>(filled), '=');
   if (filled < kWidth) bar += '>';
   bar.resize(kWidth, ' ');
-  std::printf("%sepoch %u/%u [%s] %llu/%llu  loss %.4f  accuracy %5.1f%%%s", tty ? "\r" : "", epoch, epochs,
-              bar.c_str(), static_cast<unsigned long long>(step), static_cast<unsigned long long>(steps), loss,
-              100 * acc, step == steps ? "\n" : "");
+  std::printf("%sepoch %u/%u [%s] %llu/%llu  loss %.4f  accuracy %5.1f%%%s", tty ? "\r" : "", epoch,
+              epochs, bar.c_str(), static_cast<unsigned long long>(step),
+              static_cast<unsigned long long>(steps), loss, 100 * acc, step == steps ? "\n" : "");
   std::fflush(stdout);
 }
 
@@ -117,18 +117,22 @@ bspflow::Options training_options(const Settings& st) {
       .output_mode(bspflow::OutputMode::final())  // PopTorch's default for training
       .outfeed_capacity(0)
       .io_tiles(st.io_tiles)
-      .precision(st.precision == "fp16" ? bspflow::Precision::half(st.loss_scaling)
-                                        : bspflow::Precision{bspflow::DType::kFloat32, bspflow::DType::kFloat32,
-                                                             st.loss_scaling});
+      .precision(st.precision == "fp16"
+                     ? bspflow::Precision::half(st.loss_scaling)
+                     : bspflow::Precision{bspflow::DType::kFloat32, bspflow::DType::kFloat32,
+                                          st.loss_scaling});
   return opts;
 }
 
 // Sums `values` over every instance (identity in a plain process).
-void sum_over_instances(std::vector<double>& values) { bspflow::Instance::current().allreduce_sum(values); }
+void sum_over_instances(std::vector<double>& values) {
+  bspflow::Instance::current().allreduce_sum(values);
+}
 
 bspflow::PipelineConfig pipeline_config(const Settings& st, const bspflow::Options& opts) {
   bspflow::PipelineConfig cfg = opts.pipeline_config();
-  cfg.strategy = st.strategy == "sharded" ? bspflow::ExecutionStrategy::kSharded : bspflow::ExecutionStrategy::kPipelined;
+  cfg.strategy = st.strategy == "sharded" ? bspflow::ExecutionStrategy::kSharded
+                                          : bspflow::ExecutionStrategy::kPipelined;
   cfg.schedule = st.schedule == "interleaved"  ? bspflow::PipelineSchedule::kInterleaved
                  : st.schedule == "sequential" ? bspflow::PipelineSchedule::kSequential
                                                : bspflow::PipelineSchedule::kGrouped;
@@ -144,7 +148,7 @@ int run(Settings st) {
   constexpr std::uint32_t kStages = 4;
   bspflow::Instance& inst = bspflow::Instance::current();
   const bspflow::InstanceLayout layout = inst.layout(st.replicas);  // throws unless it divides
-  const bool speak = inst.index() == 0;  // instance 0 prints for the run
+  const bool speak = inst.index() == 0;                             // instance 0 prints for the run
   const std::uint32_t total_replicas = st.replicas;
   st.replicas = layout.local_replicas;
   const bspflow::TensorDataset train = bspflow::mnist_dataset(st.data_dir, "train");
@@ -155,10 +159,12 @@ int run(Settings st) {
   const bspflow::Options opts = training_options(st);
   bspflow::PipelineConfig cfg = pipeline_config(st, opts);
   cfg.distributed = inst.distributed();  // reduce across the instances too
-  cfg.validate(kStages);  // a bad --device-mapping says so before any device is made
+  cfg.validate(kStages);                 // a bad --device-mapping says so before any device is made
   bspflow::DeviceGroup devices(cfg.devices_needed(kStages), opts.device_config());
   const kit::Model model = st.model == "mlp" ? kit::Model::kMlp : kit::Model::kConv;
-  bspflow::Pipeline pipe(devices, cfg, [&](std::uint32_t) { return kit::make_model(model, kStages, st.batch, adamw); });
+  bspflow::Pipeline pipe(devices, cfg, [&](std::uint32_t) {
+    return kit::make_model(model, kStages, st.batch, adamw);
+  });
 
   bspflow::LoaderConfig lc;
   lc.batch_size = st.batch;
@@ -170,21 +176,27 @@ int run(Settings st) {
   lc.instances = inst.count();
   if (!st.eight_bit) lc.output_dtype = bspflow::DType::kFloat32;  // widened on the host
   bspflow::DataLoader loader(opts, train, lc);
-  const std::uint64_t steps = st.max_steps ? std::min(st.max_steps, loader.steps()) : loader.steps();
+  const std::uint64_t steps =
+      st.max_steps ? std::min(st.max_steps, loader.steps()) : loader.steps();
   const std::uint64_t per_step = loader.plan().samples_per_step();
 
   if (speak) {
-    std::printf("training: the %s model, %s over %u devices (%s schedule, %s sync), %u replica(s); batch %zu x %llu device "
-                "iterations x %u accumulation x %u replica(s) = %llu samples per step, %llu steps per epoch%s\n",
-                kit::to_string(model), st.strategy.c_str(), cfg.devices_needed(kStages) * inst.count(),
-                bspflow::to_string(cfg.effective_schedule()), bspflow::to_string(cfg.sync), total_replicas, st.batch,
-                static_cast<unsigned long long>(st.device_iterations), st.gradient_accumulation, total_replicas,
-                static_cast<unsigned long long>(per_step * inst.count()), static_cast<unsigned long long>(steps),
-                st.eight_bit ? ", 8-bit I/O" : "");
+    std::printf(
+        "training: the %s model, %s over %u devices (%s schedule, %s sync), %u replica(s); batch "
+        "%zu x %llu device "
+        "iterations x %u accumulation x %u replica(s) = %llu samples per step, %llu steps per "
+        "epoch%s\n",
+        kit::to_string(model), st.strategy.c_str(), cfg.devices_needed(kStages) * inst.count(),
+        bspflow::to_string(cfg.effective_schedule()), bspflow::to_string(cfg.sync), total_replicas,
+        st.batch, static_cast<unsigned long long>(st.device_iterations), st.gradient_accumulation,
+        total_replicas, static_cast<unsigned long long>(per_step * inst.count()),
+        static_cast<unsigned long long>(steps), st.eight_bit ? ", 8-bit I/O" : "");
     if (inst.distributed()) {
-      std::printf("instances: %u processes (%s), %u replica(s) each; gradients reduced in process, then across the "
-                  "instances every step\n",
-                  inst.count(), inst.transport().c_str(), layout.local_replicas);
+      std::printf(
+          "instances: %u processes (%s), %u replica(s) each; gradients reduced in process, then "
+          "across the "
+          "instances every step\n",
+          inst.count(), inst.transport().c_str(), layout.local_replicas);
     }
   }
   if (!speak) {
@@ -225,7 +237,7 @@ int run(Settings st) {
       util.add(pipe.summary());
       link_bytes += r.host_bytes_in + r.host_bytes_out;
       link_wait += r.host_wait;
-      std::vector<double> sums{0, 0, 0};  // loss, correct, valid
+      std::vector<double> sums{0, 0, 0};       // loss, correct, valid
       for (const auto& e : outfeed.drain()) {  // Final: the last micro-batch of each replica
         const auto h = kit::HeadOutput::from(e.value);
         sums[0] += h.loss_sum;
@@ -241,7 +253,8 @@ int run(Settings st) {
     trained += steps * per_step * inst.count();
     feeder.join();
   }
-  if (speak && !st.trace.empty() && pipe.trace() != nullptr) pipe.trace()->write_chrome_json(st.trace);
+  if (speak && !st.trace.empty() && pipe.trace() != nullptr)
+    pipe.trace()->write_chrome_json(st.trace);
 
   // Evaluation: an inference pipeline over the same devices with the trained weights.
   // Its own run shape: 100 device iterations of one micro-batch, every output kept (All,
@@ -264,7 +277,7 @@ int run(Settings st) {
   });
   bspflow::LoaderConfig tl;
   tl.batch_size = st.test_batch;
-  tl.drop_last = false;  // every test image counts; the last step is padded (label -1)
+  tl.drop_last = false;        // every test image counts; the last step is padded (label -1)
   tl.instance = inst.index();  // each instance evaluates its part; the counts are summed
   tl.instances = inst.count();
   if (!st.eight_bit) tl.output_dtype = bspflow::DType::kFloat32;
@@ -275,7 +288,8 @@ int run(Settings st) {
   double correct = 0, valid = 0;
   const std::uint64_t test_steps =
       st.test_samples
-          ? std::max<std::uint64_t>(1, st.test_samples / (test_loader.plan().samples_per_step() * inst.count()))
+          ? std::max<std::uint64_t>(
+                1, st.test_samples / (test_loader.plan().samples_per_step() * inst.count()))
           : test_loader.steps();
   const auto e0 = Clock::now();
   for (std::uint64_t s = 0; s < test_steps && test_loader.feed_next(producer); ++s) {
@@ -301,23 +315,33 @@ int run(Settings st) {
   if (!speak) return accuracy < st.min_accuracy ? 1 : 0;
 
   std::printf("\nsummary\n");
-  std::printf("  training: %llu samples in %.1f s = %.0f samples/s\n", static_cast<unsigned long long>(trained),
-              train_seconds, static_cast<double>(trained) / train_seconds);
-  std::printf("  test accuracy: %.2f%% on %.0f images (inference: batch %zu, %llu device iterations, %.0f images/s)\n",
-              100 * accuracy, valid, st.test_batch, static_cast<unsigned long long>(test_iterations),
-              valid / eval_seconds);
+  std::printf("  training: %llu samples in %.1f s = %.0f samples/s\n",
+              static_cast<unsigned long long>(trained), train_seconds,
+              static_cast<double>(trained) / train_seconds);
+  std::printf(
+      "  test accuracy: %.2f%% on %.0f images (inference: batch %zu, %llu device iterations, %.0f "
+      "images/s)\n",
+      100 * accuracy, valid, st.test_batch, static_cast<unsigned long long>(test_iterations),
+      valid / eval_seconds);
   std::printf("  host link while training: %s moved, devices waited %.2f s for it (%s)\n",
-              bspflow::format_bytes(link_bytes).c_str(), std::chrono::duration<double>(link_wait).count(),
-              st.io_tiles > 0 ? "I/O tiles: copies overlap compute" : "no I/O tiles: every copy waited for");
-  std::printf("  device utilisation while training (share of time computing, from the trace summary%s):\n",
-              inst.distributed() ? "; instance 0's devices" : "");
+              bspflow::format_bytes(link_bytes).c_str(),
+              std::chrono::duration<double>(link_wait).count(),
+              st.io_tiles > 0 ? "I/O tiles: copies overlap compute"
+                              : "no I/O tiles: every copy waited for");
+  std::printf(
+      "  device utilisation while training (share of time computing, from the trace summary%s):\n",
+      inst.distributed() ? "; instance 0's devices" : "");
   for (std::size_t d = 0; d < util.names.size(); ++d) {
     std::printf("    %-10s %5.1f%%\n", util.names[d].c_str(),
-                100.0 * static_cast<double>(util.compute[d]) / static_cast<double>(std::max<std::int64_t>(util.total[d], 1)));
+                100.0 * static_cast<double>(util.compute[d]) /
+                    static_cast<double>(std::max<std::int64_t>(util.total[d], 1)));
   }
-  if (!st.trace.empty()) std::printf("  trace of the last training step: %s (open in https://ui.perfetto.dev)\n", st.trace.c_str());
+  if (!st.trace.empty())
+    std::printf("  trace of the last training step: %s (open in https://ui.perfetto.dev)\n",
+                st.trace.c_str());
   if (accuracy < st.min_accuracy) {
-    std::fprintf(stderr, "test accuracy %.2f%% is below --min-accuracy %.2f%%\n", 100 * accuracy, 100 * st.min_accuracy);
+    std::fprintf(stderr, "test accuracy %.2f%% is below --min-accuracy %.2f%%\n", 100 * accuracy,
+                 100 * st.min_accuracy);
     return 1;
   }
   return 0;
@@ -329,41 +353,72 @@ int main(int argc, char** argv) {
   // First, before any device: under mpirun this joins the other processes (MPI_Init).
   bspflow::Instance& inst = bspflow::Instance::current();
   Settings st;
-  CLI::App app{"t03_fashion_mnist_pipeline: train Fashion-MNIST pipelined over 4 emulated IPUs, then test it"};
+  CLI::App app{
+      "t03_fashion_mnist_pipeline: train Fashion-MNIST pipelined over 4 emulated IPUs, then test "
+      "it"};
   app.option_defaults()->always_capture_default();  // --help shows every option's default
-  app.add_option("--batch-size", st.batch, "micro-batch size for training")->check(CLI::Range(1, 4096));
-  app.add_option("--test-batch-size", st.test_batch, "micro-batch size for evaluation")->check(CLI::Range(1, 4096));
-  app.add_option("--device-iterations", st.device_iterations, "steps per host call")->check(CLI::Range(1, 100000));
-  app.add_option("--gradient-accumulation", st.gradient_accumulation, "micro-batches per weight update")
+  app.add_option("--batch-size", st.batch, "micro-batch size for training")
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--test-batch-size", st.test_batch, "micro-batch size for evaluation")
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--device-iterations", st.device_iterations, "steps per host call")
       ->check(CLI::Range(1, 100000));
-  app.add_option("--replicas", st.replicas, "copies of the 4-stage pipeline (4 devices each, or as --device-mapping says), in all: under mpirun each process runs replicas / processes of them")->check(CLI::Range(1, 16));
-  app.add_option("--epochs", st.epochs, "passes over the 60000 training images")->check(CLI::Range(1, 1000));
+  app.add_option("--gradient-accumulation", st.gradient_accumulation,
+                 "micro-batches per weight update")
+      ->check(CLI::Range(1, 100000));
+  app.add_option("--replicas", st.replicas,
+                 "copies of the 4-stage pipeline (4 devices each, or as --device-mapping says), in "
+                 "all: under mpirun each process runs replicas / processes of them")
+      ->check(CLI::Range(1, 16));
+  app.add_option("--epochs", st.epochs, "passes over the 60000 training images")
+      ->check(CLI::Range(1, 1000));
   app.add_option("--learning-rate", st.lr, "AdamW learning rate")->check(CLI::PositiveNumber);
-  app.add_option("--strategy", st.strategy, "execution strategy")->check(CLI::IsMember({"pipelined", "sharded"}));
-  app.add_option("--schedule", st.schedule, "pipeline schedule")->check(CLI::IsMember({"grouped", "interleaved", "sequential"}));
-  app.add_option("--sync", st.sync, "bsp (IPU-faithful) or dataflow")->check(CLI::IsMember({"bsp", "dataflow"}));
-  app.add_flag("--eight-bit-io", st.eight_bit, "send images as uint8, normalised on the device (default: off, fp32 widened on the host)");
-  app.add_flag("--offload-optimiser", st.offload, "keep AdamW's state in host memory, streamed around each update (default: off)");
-  app.add_option("--precision", st.precision, "storage of weights, activations and gradients (fp16: half the memory; partials stay fp32)")
+  app.add_option("--strategy", st.strategy, "execution strategy")
+      ->check(CLI::IsMember({"pipelined", "sharded"}));
+  app.add_option("--schedule", st.schedule, "pipeline schedule")
+      ->check(CLI::IsMember({"grouped", "interleaved", "sequential"}));
+  app.add_option("--sync", st.sync, "bsp (IPU-faithful) or dataflow")
+      ->check(CLI::IsMember({"bsp", "dataflow"}));
+  app.add_flag(
+      "--eight-bit-io", st.eight_bit,
+      "send images as uint8, normalised on the device (default: off, fp32 widened on the host)");
+  app.add_flag("--offload-optimiser", st.offload,
+               "keep AdamW's state in host memory, streamed around each update (default: off)");
+  app.add_option("--precision", st.precision,
+                 "storage of weights, activations and gradients (fp16: half the memory; partials "
+                 "stay fp32)")
       ->check(CLI::IsMember({"fp32", "fp16"}));
-  app.add_option("--loss-scaling", st.loss_scaling, "static loss scaling (gradients scaled before they are stored)")
+  app.add_option("--loss-scaling", st.loss_scaling,
+                 "static loss scaling (gradients scaled before they are stored)")
       ->check(CLI::Range(1.0f, 65504.0f));
-  app.add_flag("--recompute", st.recompute, "stash only stage inputs; recompute activations for the backward pass (default: off)");
+  app.add_flag(
+      "--recompute", st.recompute,
+      "stash only stage inputs; recompute activations for the backward pass (default: off)");
   app.add_option("--device-mapping", st.device_mapping,
-                 "the device of each of the 4 stages, e.g. 0,0,1,2 (consecutive stages may share one; default: one each)")
+                 "the device of each of the 4 stages, e.g. 0,0,1,2 (consecutive stages may share "
+                 "one; default: one each)")
       ->delimiter(',')
       ->expected(4);
-  app.add_option("--loader", st.loader, "async: a worker thread prepares batches ahead; sync: the feeding thread prepares each")
+  app.add_option(
+         "--loader", st.loader,
+         "async: a worker thread prepares batches ahead; sync: the feeding thread prepares each")
       ->check(CLI::IsMember({"sync", "async"}));
-  app.add_option("--io-tiles", st.io_tiles, "I/O tiles per device: the host link moves micro-batches ahead while the devices compute (0: each copy is waited for)")
+  app.add_option("--io-tiles", st.io_tiles,
+                 "I/O tiles per device: the host link moves micro-batches ahead while the devices "
+                 "compute (0: each copy is waited for)")
       ->check(CLI::Range(0u, 1024u));
-  app.add_flag("--memory", st.memory, "print the memory report of every device (default: the peak only)");
-  app.add_option("--trace", st.trace, "write the last training step's trace (Chrome JSON) here (default: none)");
-  app.add_option("--data-dir", st.data_dir, "Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)");
-  app.add_option("--model", st.model, "the tutorial's conv net, or an MLP")->check(CLI::IsMember({"conv", "mlp"}));
+  app.add_flag("--memory", st.memory,
+               "print the memory report of every device (default: the peak only)");
+  app.add_option("--trace", st.trace,
+                 "write the last training step's trace (Chrome JSON) here (default: none)");
+  app.add_option("--data-dir", st.data_dir,
+                 "Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)");
+  app.add_option("--model", st.model, "the tutorial's conv net, or an MLP")
+      ->check(CLI::IsMember({"conv", "mlp"}));
   app.add_option("--max-steps", st.max_steps, "host steps per epoch (0: the whole epoch)");
   app.add_option("--test-samples", st.test_samples, "test images to evaluate (0: all)");
-  app.add_option("--min-accuracy", st.min_accuracy, "exit 1 if the test accuracy is below this (0..1)")
+  app.add_option("--min-accuracy", st.min_accuracy,
+                 "exit 1 if the test accuracy is below this (0..1)")
       ->check(CLI::Range(0.0, 1.0));
   try {
     app.parse(argc, argv);
@@ -373,8 +428,10 @@ int main(int argc, char** argv) {
   try {
     return run(st);
   } catch (const std::exception& e) {
-    std::fprintf(stderr, "t03_fashion_mnist_pipeline%s: %s\n",
-                 inst.distributed() ? (" (instance " + std::to_string(inst.index()) + ")").c_str() : "", e.what());
+    std::fprintf(
+        stderr, "t03_fashion_mnist_pipeline%s: %s\n",
+        inst.distributed() ? (" (instance " + std::to_string(inst.index()) + ")").c_str() : "",
+        e.what());
     // An error only this instance saw (a missing file, a bad option) would leave the
     // others waiting in their next collective: end them all.
     if (inst.distributed()) inst.abort(1);

@@ -101,8 +101,8 @@ constexpr const char* kName = "t04_inference_service";
 constexpr std::size_t kSide = 28;
 constexpr std::size_t kPixels = kSide * kSide;
 constexpr std::size_t kClasses = 10;
-constexpr std::size_t kTrainBatch = 40;          // images per AdamW update (as the flagship)
-constexpr std::uint64_t kTrainIterations = 10;   // updates per Pipeline::run while training
+constexpr std::size_t kTrainBatch = 40;               // images per AdamW update (as the flagship)
+constexpr std::uint64_t kTrainIterations = 10;        // updates per Pipeline::run while training
 constexpr std::chrono::microseconds kPacerSpin{100};  // the open-loop pacer spins this long
 
 struct Settings {
@@ -125,7 +125,7 @@ struct Settings {
 
 using Image = std::vector<float>;  // a request: 784 pixel values 0..255, row-major
 template <std::size_t N>
-using Activations = std::array<float, N>;  // what one block hands the next, per image
+using Activations = std::array<float, N>;    // what one block hands the next, per image
 using Logits = std::array<float, kClasses>;  // a response
 
 // One block: its layers, their parameters (each layer's in turn) and the buffers between
@@ -159,7 +159,8 @@ struct Block {
 Block make_block(std::string name, kit::Layers layers) {
   Block b{std::move(name), std::move(layers), {}, {}};
   b.params.assign(Block::param_count(b.layers), 0.0f);
-  for (std::size_t l = 0; l + 1 < b.layers.size(); ++l) b.between.emplace_back(b.layers[l]->out_size());
+  for (std::size_t l = 0; l + 1 < b.layers.size(); ++l)
+    b.between.emplace_back(b.layers[l]->out_size());
   return b;
 }
 
@@ -214,14 +215,15 @@ void set_parameters(std::vector<Block>& net, const std::vector<float>& flat) {
 // The first stage's check: what a service must do with input from outside.
 void check_image(const Image& x) {
   if (x.size() != kPixels) {
-    throw std::invalid_argument("an image has " + std::to_string(kPixels) + " pixel values (28x28), this request has " +
+    throw std::invalid_argument("an image has " + std::to_string(kPixels) +
+                                " pixel values (28x28), this request has " +
                                 std::to_string(x.size()));
   }
   for (std::size_t i = 0; i < x.size(); ++i) {
     if (!(x[i] >= 0.0f && x[i] <= 255.0f)) {  // also false for NaN
-      throw std::invalid_argument("pixel " + std::to_string(i) + " (row " + std::to_string(i / kSide) + ", column " +
-                                  std::to_string(i % kSide) + ") is " + std::to_string(x[i]) +
-                                  "; pixel values are 0..255");
+      throw std::invalid_argument(
+          "pixel " + std::to_string(i) + " (row " + std::to_string(i / kSide) + ", column " +
+          std::to_string(i % kSide) + ") is " + std::to_string(x[i]) + "; pixel values are 0..255");
     }
   }
 }
@@ -253,9 +255,11 @@ Data load_data(const std::string& dir, bool need_train) {
     if (need_train) d.train = bspflow::mnist_dataset(dir, "train");
     return d;
   }
-  std::printf("note: Fashion-MNIST is not in %s (Debian: apt install dataset-fashion-mnist); using synthetic "
-              "images with random labels instead, so the accuracy means nothing\n",
-              dir.c_str());
+  std::printf(
+      "note: Fashion-MNIST is not in %s (Debian: apt install dataset-fashion-mnist); using "
+      "synthetic "
+      "images with random labels instead, so the accuracy means nothing\n",
+      dir.c_str());
   d.real = false;
   const auto synthetic = [](std::size_t size, std::uint64_t seed) {
     bspflow::SyntheticDataset::Config c;
@@ -272,7 +276,8 @@ Data load_data(const std::string& dir, bool need_train) {
 Image image_of(const bspflow::TensorDataset& ds, std::size_t i) {
   const auto bytes = ds.bytes().subspan(i * kPixels, kPixels);
   Image x(kPixels);
-  for (std::size_t k = 0; k < kPixels; ++k) x[k] = static_cast<float>(std::to_integer<std::uint8_t>(bytes[k]));
+  for (std::size_t k = 0; k < kPixels; ++k)
+    x[k] = static_cast<float>(std::to_integer<std::uint8_t>(bytes[k]));
   return x;
 }
 
@@ -282,11 +287,13 @@ std::size_t predicted(const Logits& l) {
 
 // ---- training: a one-stage Pipeline on device 0 ----
 
-std::vector<float> train(bspflow::DeviceGroup& devices, const bspflow::TensorDataset& data, const Settings& st) {
+std::vector<float> train(bspflow::DeviceGroup& devices, const bspflow::TensorDataset& data,
+                         const Settings& st) {
   const kit::AdamW adamw;  // lr 0.001, as the flagship
   bspflow::PipelineConfig cfg;
-  bspflow::Pipeline pipe(devices, cfg,
-                         [&](std::uint32_t) { return kit::make_model(kit::Model::kConv, 1, kTrainBatch, adamw); });
+  bspflow::Pipeline pipe(devices, cfg, [&](std::uint32_t) {
+    return kit::make_model(kit::Model::kConv, 1, kTrainBatch, adamw);
+  });
   bspflow::LoaderConfig lc;
   lc.batch_size = kTrainBatch;
   lc.shuffle = true;
@@ -296,7 +303,8 @@ std::vector<float> train(bspflow::DeviceGroup& devices, const bspflow::TensorDat
   lc.output_dtype = bspflow::DType::kFloat32;
   bspflow::DataLoader loader(bspflow::StepShape{kTrainIterations, 1, 1}, data, lc);
   bspflow::InfeedQueue<bspflow::Batch> infeed(bspflow::InfeedConfig{1, 2 * kTrainIterations, 2});
-  bspflow::OutfeedQueue<std::vector<float>> outfeed(bspflow::OutfeedConfig{1, bspflow::OutputMode::all(), 0});
+  bspflow::OutfeedQueue<std::vector<float>> outfeed(
+      bspflow::OutfeedConfig{1, bspflow::OutputMode::all(), 0});
   auto producer = infeed.make_producer();
 
   std::printf("training the conv net on %zu images: %llu AdamW steps of %zu images", data.size(),
@@ -322,16 +330,18 @@ std::vector<float> train(bspflow::DeviceGroup& devices, const bspflow::TensorDat
     }
     done += n;
     if (done >= next_report || done == st.train_steps) {
-      std::printf("  step %5llu  loss %.3f  accuracy %5.1f%% (training images since the last line)  %.1f s\n",
-                  static_cast<unsigned long long>(done), loss / std::max(valid, 1.0),
-                  100 * correct / std::max(valid, 1.0), elapsed());
+      std::printf(
+          "  step %5llu  loss %.3f  accuracy %5.1f%% (training images since the last line)  %.1f "
+          "s\n",
+          static_cast<unsigned long long>(done), loss / std::max(valid, 1.0),
+          100 * correct / std::max(valid, 1.0), elapsed());
       loss = correct = valid = 0;
       next_report = done + 100;
     }
   }
   if (done < st.train_steps) {
-    std::printf("  stopped after %llu steps: --train-seconds %.1f passed\n", static_cast<unsigned long long>(done),
-                st.train_seconds);
+    std::printf("  stopped after %llu steps: --train-seconds %.1f passed\n",
+                static_cast<unsigned long long>(done), st.train_seconds);
   }
   return static_cast<kit::LayerStage&>(pipe.stage(0, 0)).parameters();
 }
@@ -345,14 +355,18 @@ std::int64_t at_percentile(const std::vector<std::int64_t>& s, double p) {
   return s[std::clamp<std::size_t>(rank, 1, s.size()) - 1];
 }
 
-double us(std::int64_t ns) { return static_cast<double>(ns) / 1e3; }
+double us(std::int64_t ns) {
+  return static_cast<double>(ns) / 1e3;
+}
 
 void print_latency(const std::vector<std::int64_t>& s) {
   double sum = 0;
   for (std::int64_t v : s) sum += static_cast<double>(v);
-  std::printf("  latency: p50 %.1f us, p99 %.1f us, p99.9 %.1f us, max %.1f us (mean %.1f us, %zu requests)\n",
-              us(at_percentile(s, 50)), us(at_percentile(s, 99)), us(at_percentile(s, 99.9)), us(s.back()),
-              sum / 1e3 / static_cast<double>(s.size()), s.size());
+  std::printf(
+      "  latency: p50 %.1f us, p99 %.1f us, p99.9 %.1f us, max %.1f us (mean %.1f us, %zu "
+      "requests)\n",
+      us(at_percentile(s, 50)), us(at_percentile(s, 99)), us(at_percentile(s, 99.9)), us(s.back()),
+      sum / 1e3 / static_cast<double>(s.size()), s.size());
 }
 
 // Counts on log-scale buckets: edges at powers of sqrt(2), 2 or 4 microseconds, whichever
@@ -362,7 +376,9 @@ void print_histogram(const std::vector<std::int64_t>& s) {
   const double octaves = std::log2(hi / lo);
   const double ratio = octaves < 4 ? std::sqrt(2.0) : octaves > 14 ? 4.0 : 2.0;
   const double base = std::pow(ratio, std::floor(std::log(lo) / std::log(ratio) + 1e-9));
-  const auto bucket = [&](double v) { return static_cast<std::size_t>(std::floor(std::log(v / base) / std::log(ratio))); };
+  const auto bucket = [&](double v) {
+    return static_cast<std::size_t>(std::floor(std::log(v / base) / std::log(ratio)));
+  };
   const std::size_t rows = bucket(hi) + 1;
   std::vector<std::size_t> count(rows, 0);
   for (std::int64_t v : s) ++count[std::min(bucket(std::max(us(v), lo)), rows - 1)];
@@ -379,12 +395,16 @@ void print_histogram(const std::vector<std::int64_t>& s) {
 // prints it (Java, text form), from the exact samples in nanoseconds.
 void write_hgrm(const std::string& path, const std::vector<std::int64_t>& s) {
   std::FILE* f = std::fopen(path.c_str(), "w");
-  if (f == nullptr) throw std::runtime_error(path + ": cannot write the percentile distribution: " + std::strerror(errno));
-  std::fprintf(f, "%12s %14s %10s %14s\n\n", "Value", "Percentile", "TotalCount", "1/(1-Percentile)");
+  if (f == nullptr)
+    throw std::runtime_error(path +
+                             ": cannot write the percentile distribution: " + std::strerror(errno));
+  std::fprintf(f, "%12s %14s %10s %14s\n\n", "Value", "Percentile", "TotalCount",
+               "1/(1-Percentile)");
   const double n = static_cast<double>(s.size());
   const auto row = [&](std::int64_t v, double level, std::size_t total) {
     if (level != 100.0) {
-      std::fprintf(f, "%12.3f %2.12f %10zu %14.2f\n", us(v), level / 100.0, total, 1 / (1.0 - level / 100.0));
+      std::fprintf(f, "%12.3f %2.12f %10zu %14.2f\n", us(v), level / 100.0, total,
+                   1 / (1.0 - level / 100.0));
     } else {
       std::fprintf(f, "%12.3f %2.12f %10zu\n", us(v), level / 100.0, total);
     }
@@ -395,12 +415,14 @@ void write_hgrm(const std::string& path, const std::vector<std::int64_t>& s) {
   double level = 0;
   for (std::size_t pos = 0; pos < s.size();) {
     const std::int64_t v = s[pos];
-    const auto total = static_cast<std::size_t>(std::upper_bound(s.begin(), s.end(), v) - s.begin());
+    const auto total =
+        static_cast<std::size_t>(std::upper_bound(s.begin(), s.end(), v) - s.begin());
     bool last = false;
     while (!last && 100.0 * static_cast<double>(total) / n >= level) {
       row(v, level, total);
-      const auto ticks = 5 * static_cast<long long>(std::pow(
-                                 2, static_cast<long long>(std::log(100.0 / (100.0 - level)) / std::log(2)) + 1));
+      const auto ticks =
+          5 * static_cast<long long>(std::pow(
+                  2, static_cast<long long>(std::log(100.0 / (100.0 - level)) / std::log(2)) + 1));
       level += 100.0 / static_cast<double>(ticks);
       if (total == s.size()) {
         row(v, 100.0, total);
@@ -418,10 +440,12 @@ void write_hgrm(const std::string& path, const std::vector<std::int64_t>& s) {
   // buckets, and buckets doubling from 2048 ns until one holds the largest sample.
   int buckets = 1;
   for (std::int64_t reach = 2048; reach <= s.back(); reach <<= 1) ++buckets;
-  std::fprintf(f, "#[Mean    = %12.3f, StdDeviation   = %12.3f]\n", mean / 1e3, std::sqrt(dev / n) / 1e3);
+  std::fprintf(f, "#[Mean    = %12.3f, StdDeviation   = %12.3f]\n", mean / 1e3,
+               std::sqrt(dev / n) / 1e3);
   std::fprintf(f, "#[Max     = %12.3f, Total count    = %12zu]\n", us(s.back()), s.size());
   std::fprintf(f, "#[Buckets = %12d, SubBuckets     = %12d]\n", buckets, 2048);
-  if (std::fclose(f) != 0) throw std::runtime_error(path + ": cannot write the percentile distribution");
+  if (std::fclose(f) != 0)
+    throw std::runtime_error(path + ": cannot write the percentile distribution");
 }
 
 struct ClientReport {
@@ -434,20 +458,24 @@ struct ClientReport {
 bool report(const char* title, ClientReport& c, const std::string& hgrm, double min_accuracy) {
   std::printf("\n%s\n", title);
   std::sort(c.latency_ns.begin(), c.latency_ns.end());
-  const double accuracy = c.answered ? static_cast<double>(c.correct) / static_cast<double>(c.answered) : 0;
-  std::printf("  %llu sent, %llu answered in %.2f s (%.0f requests/s)\n", static_cast<unsigned long long>(c.sent),
-              static_cast<unsigned long long>(c.answered), c.seconds, static_cast<double>(c.answered) / c.seconds);
+  const double accuracy =
+      c.answered ? static_cast<double>(c.correct) / static_cast<double>(c.answered) : 0;
+  std::printf("  %llu sent, %llu answered in %.2f s (%.0f requests/s)\n",
+              static_cast<unsigned long long>(c.sent), static_cast<unsigned long long>(c.answered),
+              c.seconds, static_cast<double>(c.answered) / c.seconds);
   if (c.latency_ns.empty()) return false;
   print_latency(c.latency_ns);
   std::printf("  accuracy: %.2f%% (%llu of %llu predictions match the label)\n", 100 * accuracy,
-              static_cast<unsigned long long>(c.correct), static_cast<unsigned long long>(c.answered));
+              static_cast<unsigned long long>(c.correct),
+              static_cast<unsigned long long>(c.answered));
   print_histogram(c.latency_ns);
   if (!hgrm.empty()) {
     write_hgrm(hgrm, c.latency_ns);
     std::printf("  percentile distribution: %s\n", hgrm.c_str());
   }
   if (accuracy < min_accuracy) {
-    std::fprintf(stderr, "%s: accuracy %.2f%% is below --min-accuracy %.2f%%\n", title, 100 * accuracy, 100 * min_accuracy);
+    std::fprintf(stderr, "%s: accuracy %.2f%% is below --min-accuracy %.2f%%\n", title,
+                 100 * accuracy, 100 * min_accuracy);
     return false;
   }
   return true;
@@ -490,48 +518,55 @@ int run(Settings st, bool min_accuracy_given) {
   }
 
   // The service: four stages; with 2 devices each device runs two consecutive ones.
-  const std::array<std::uint32_t, 4> on =
-      st.devices == 4 ? std::array<std::uint32_t, 4>{0, 1, 2, 3} : std::array<std::uint32_t, 4>{0, 0, 1, 1};
+  const std::array<std::uint32_t, 4> on = st.devices == 4
+                                              ? std::array<std::uint32_t, 4>{0, 1, 2, 3}
+                                              : std::array<std::uint32_t, 4>{0, 0, 1, 1};
   bspflow::StreamConfig sc;
   sc.wait = wait_policy(st.wait);
   auto stream = bspflow::StreamBuilder<Image>(devices, sc)
-                    .stage("conv1",
-                           [&b = net[0]](Image x) {
-                             check_image(x);
-                             for (float& v : x) v = v * (2.0f / 255.0f) - 1.0f;  // as in training
-                             Activations<1440> y;
-                             b.forward(x.data(), y.data());
-                             return y;
-                           },
-                           on[0])
-                    .stage("conv2",
-                           [&b = net[1]](Activations<1440> x) {
-                             Activations<320> y;
-                             b.forward(x.data(), y.data());
-                             return y;
-                           },
-                           on[1])
-                    .stage("dense320",
-                           [&b = net[2]](Activations<320> x) {
-                             Activations<256> y;
-                             b.forward(x.data(), y.data());
-                             return y;
-                           },
-                           on[2])
-                    .stage("logits",
-                           [&b = net[3]](Activations<256> x) {
-                             Logits y;
-                             b.forward(x.data(), y.data());
-                             return y;
-                           },
-                           on[3])
+                    .stage(
+                        "conv1",
+                        [&b = net[0]](Image x) {
+                          check_image(x);
+                          for (float& v : x) v = v * (2.0f / 255.0f) - 1.0f;  // as in training
+                          Activations<1440> y;
+                          b.forward(x.data(), y.data());
+                          return y;
+                        },
+                        on[0])
+                    .stage(
+                        "conv2",
+                        [&b = net[1]](Activations<1440> x) {
+                          Activations<320> y;
+                          b.forward(x.data(), y.data());
+                          return y;
+                        },
+                        on[1])
+                    .stage(
+                        "dense320",
+                        [&b = net[2]](Activations<320> x) {
+                          Activations<256> y;
+                          b.forward(x.data(), y.data());
+                          return y;
+                        },
+                        on[2])
+                    .stage(
+                        "logits",
+                        [&b = net[3]](Activations<256> x) {
+                          Logits y;
+                          b.forward(x.data(), y.data());
+                          return y;
+                        },
+                        on[3])
                     .build();
-  if (net[0].out_size() != 1440 || net[1].out_size() != 320 || net[2].out_size() != 256 || net[3].out_size() != kClasses) {
+  if (net[0].out_size() != 1440 || net[1].out_size() != 320 || net[2].out_size() != 256 ||
+      net[3].out_size() != kClasses) {
     throw std::logic_error("the blocks' sizes do not match the stages' types");
   }
 
-  std::printf("\nserving on %u devices (%u cores%s):\n", st.devices, topo.cores(),
-              reserve ? "; core 0 kept for the client threads" : "; clients and devices share the core");
+  std::printf(
+      "\nserving on %u devices (%u cores%s):\n", st.devices, topo.cores(),
+      reserve ? "; core 0 kept for the client threads" : "; clients and devices share the core");
   for (std::uint32_t d = 0; d < st.devices; ++d) {
     const bspflow::Placement& p = devices[d].placement();
     std::string stages;
@@ -539,11 +574,12 @@ int run(Settings st, bool min_accuracy_given) {
       if (stream.device_of(s) == d) stages += (stages.empty() ? "" : ", ") + stream.stage_name(s);
     }
     const bspflow::WaitPolicy w = p.wait_policy(sc.wait);
-    std::printf("  device %u: %s%s  stages %s  waits %s%s\n", d,
-                p.core ? ("core " + std::to_string(*p.core)).c_str() : "unpinned",
-                p.sharing > 1 ? (" (shared by " + std::to_string(p.sharing) + " devices)").c_str() : "",
-                stages.c_str(), bspflow::to_string(w.strategy),
-                p.shares_core() ? " (adjusted: it shares its core)" : "");
+    std::printf(
+        "  device %u: %s%s  stages %s  waits %s%s\n", d,
+        p.core ? ("core " + std::to_string(*p.core)).c_str() : "unpinned",
+        p.sharing > 1 ? (" (shared by " + std::to_string(p.sharing) + " devices)").c_str() : "",
+        stages.c_str(), bspflow::to_string(w.strategy),
+        p.shares_core() ? " (adjusted: it shares its core)" : "");
   }
 
   bspflow::InfeedQueue<Request<Image>> requests;
@@ -568,7 +604,8 @@ int run(Settings st, bool min_accuracy_given) {
         if (!e) break;
         const Response<Logits>& r = e->value;
         if (r.ok() || !(r.id == *id)) {
-          std::printf("\nthe malformed request was %s\n", r.ok() ? "answered with logits, not an error" : "answered out of order");
+          std::printf("\nthe malformed request was %s\n",
+                      r.ok() ? "answered with logits, not an error" : "answered out of order");
         } else {
           bool invalid_argument = false;
           try {
@@ -578,12 +615,13 @@ int run(Settings st, bool min_accuracy_given) {
           } catch (...) {
           }
           malformed_answered = invalid_argument;
-          std::printf("\nmalformed request (%zu values) answered with an error, the service goes on:\n"
-                      "  stage %u '%s', device %u, request %llu of producer %u%s\n  %s\n",
-                      kPixels - 1, r.error->stage, r.error->stage_name.c_str(), r.error->device,
-                      static_cast<unsigned long long>(r.error->id.sequence), r.error->id.producer,
-                      invalid_argument ? ", std::invalid_argument" : " (not std::invalid_argument!)",
-                      r.error->message.c_str());
+          std::printf(
+              "\nmalformed request (%zu values) answered with an error, the service goes on:\n"
+              "  stage %u '%s', device %u, request %llu of producer %u%s\n  %s\n",
+              kPixels - 1, r.error->stage, r.error->stage_name.c_str(), r.error->device,
+              static_cast<unsigned long long>(r.error->id.sequence), r.error->id.producer,
+              invalid_argument ? ", std::invalid_argument" : " (not std::invalid_argument!)",
+              r.error->message.c_str());
         }
       }
       const std::size_t image = i % test.size();
@@ -602,7 +640,8 @@ int run(Settings st, bool min_accuracy_given) {
         continue;
       }
       ++closed.answered;
-      closed.latency_ns.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count());
+      closed.latency_ns.push_back(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count());
       closed.correct += predicted(*r.value) == static_cast<std::size_t>(labels[image]) ? 1 : 0;
       closed.seconds = std::chrono::duration<double>(t1 - first).count();
     }
@@ -626,11 +665,13 @@ int run(Settings st, bool min_accuracy_given) {
     for (auto& e : responses) {  // ends when the stream has drained
       const auto now = Clock::now();
       const Response<Logits>& r = e.value;
-      if (r.id.producer != pacer_id || r.id.sequence >= due || !r.ok() || latency_by_id[r.id.sequence] >= 0) {
+      if (r.id.producer != pacer_id || r.id.sequence >= due || !r.ok() ||
+          latency_by_id[r.id.sequence] >= 0) {
         ++open.unexpected;
         continue;
       }
-      latency_by_id[r.id.sequence] = std::chrono::duration_cast<std::chrono::nanoseconds>(now - due_at(r.id.sequence)).count();
+      latency_by_id[r.id.sequence] =
+          std::chrono::duration_cast<std::chrono::nanoseconds>(now - due_at(r.id.sequence)).count();
       const std::size_t image = (st.requests + r.id.sequence) % test.size();
       open.correct += predicted(*r.value) == static_cast<std::size_t>(labels[image]) ? 1 : 0;
       open.seconds = std::chrono::duration<double>(now - start).count();
@@ -649,7 +690,8 @@ int run(Settings st, bool min_accuracy_given) {
       const auto when = due_at(i);
       std::this_thread::sleep_until(when - kPacerSpin);
       while (Clock::now() < when) std::this_thread::yield();
-      lag_ns.push_back(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - due_at(i)).count());
+      lag_ns.push_back(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - due_at(i)).count());
       if (!pacer_producer.push(std::move(x))) break;  // the infeed was closed
       ++open.sent;
     }
@@ -668,31 +710,42 @@ int run(Settings st, bool min_accuracy_given) {
   // ---- the figures ----
   std::string base = st.hgrm;
   if (base.size() > 5 && base.ends_with(".hgrm")) base.resize(base.size() - 5);
-  ok &= report("closed loop: one request at a time", closed, base.empty() ? "" : base + "_closed.hgrm", st.min_accuracy);
+  ok &= report("closed loop: one request at a time", closed,
+               base.empty() ? "" : base + "_closed.hgrm", st.min_accuracy);
   char title[160];
-  std::snprintf(title, sizeof title, "open loop: %.0f requests/s offered for %.2f s (latency from when each was due)",
+  std::snprintf(title, sizeof title,
+                "open loop: %.0f requests/s offered for %.2f s (latency from when each was due)",
                 st.rate, st.seconds);
   ok &= report(title, open, base.empty() ? "" : base + "_open.hgrm", st.min_accuracy);
   if (!lag_ns.empty()) {
     std::sort(lag_ns.begin(), lag_ns.end());
-    std::printf("  pacer: sent p50 %.1f us, p99 %.1f us, max %.1f us after each request was due (included above)\n",
-                us(at_percentile(lag_ns, 50)), us(at_percentile(lag_ns, 99)), us(lag_ns.back()));
+    std::printf(
+        "  pacer: sent p50 %.1f us, p99 %.1f us, max %.1f us after each request was due (included "
+        "above)\n",
+        us(at_percentile(lag_ns, 50)), us(at_percentile(lag_ns, 99)), us(lag_ns.back()));
   }
   std::printf("  lost: %llu\n", static_cast<unsigned long long>(lost));
 
-  std::printf("\nstream: %s (%.2f s)\n", result.message.c_str(), std::chrono::duration<double>(result.elapsed).count());
-  if (lost != 0 || open.unexpected != 0 || closed.unexpected != 0 || closed.sent != st.requests || open.sent != due) {
-    std::fprintf(stderr, "requests went missing or came back wrong: %llu lost, %llu unexpected responses, %llu of %llu "
-                         "closed-loop and %llu of %llu open-loop requests sent\n",
+  std::printf("\nstream: %s (%.2f s)\n", result.message.c_str(),
+              std::chrono::duration<double>(result.elapsed).count());
+  if (lost != 0 || open.unexpected != 0 || closed.unexpected != 0 || closed.sent != st.requests ||
+      open.sent != due) {
+    std::fprintf(stderr,
+                 "requests went missing or came back wrong: %llu lost, %llu unexpected responses, "
+                 "%llu of %llu "
+                 "closed-loop and %llu of %llu open-loop requests sent\n",
                  static_cast<unsigned long long>(lost),
                  static_cast<unsigned long long>(open.unexpected + closed.unexpected),
-                 static_cast<unsigned long long>(closed.sent), static_cast<unsigned long long>(st.requests),
+                 static_cast<unsigned long long>(closed.sent),
+                 static_cast<unsigned long long>(st.requests),
                  static_cast<unsigned long long>(open.sent), static_cast<unsigned long long>(due));
     ok = false;
   }
   if (!malformed_answered || result.errors != 1) {
-    std::fprintf(stderr, "the malformed request should get the one error response (std::invalid_argument); "
-                         "errors: %llu\n", static_cast<unsigned long long>(result.errors));
+    std::fprintf(stderr,
+                 "the malformed request should get the one error response (std::invalid_argument); "
+                 "errors: %llu\n",
+                 static_cast<unsigned long long>(result.errors));
     ok = false;
   }
   if (!result.drained() || result.unanswered != 0 || result.answered != result.accepted) {
@@ -706,27 +759,39 @@ int run(Settings st, bool min_accuracy_given) {
 
 int main(int argc, char** argv) {
   Settings st;
-  CLI::App app{"t04_inference_service: serve the flagship's conv net with a Stream and measure request latency"};
+  CLI::App app{
+      "t04_inference_service: serve the flagship's conv net with a Stream and measure request "
+      "latency"};
   app.option_defaults()->always_capture_default();  // --help shows every option's default
-  app.add_option("--devices", st.devices, "devices to serve on (the net's 4 stages split over them)")
+  app.add_option("--devices", st.devices,
+                 "devices to serve on (the net's 4 stages split over them)")
       ->check(CLI::IsMember({2, 4}));
-  app.add_option("--train-steps", st.train_steps, "AdamW steps (40 images each) to train before serving")
+  app.add_option("--train-steps", st.train_steps,
+                 "AdamW steps (40 images each) to train before serving")
       ->check(CLI::Range(1, 1000000));
   app.add_option("--train-seconds", st.train_seconds, "stop training after this long (0: no limit)")
       ->check(CLI::Range(0.0, 86400.0));
-  app.add_option("--weights", st.weights, "load the weights from FILE instead of training (default: none)");
-  app.add_option("--save-weights", st.save_weights, "write the weights served to FILE (default: none)");
-  app.add_option("--requests", st.requests, "closed-loop requests (one at a time), timed")->check(CLI::Range(2, 100000000));
-  app.add_option("--warmup", st.warmup, "closed-loop requests sent first, not timed")->check(CLI::Range(0, 100000000));
-  app.add_option("--rate", st.rate, "open-loop offered load, requests/s")->check(CLI::Range(1.0, 1e7));
-  app.add_option("--seconds", st.seconds, "open-loop duration, seconds")->check(CLI::Range(0.001, 3600.0));
+  app.add_option("--weights", st.weights,
+                 "load the weights from FILE instead of training (default: none)");
+  app.add_option("--save-weights", st.save_weights,
+                 "write the weights served to FILE (default: none)");
+  app.add_option("--requests", st.requests, "closed-loop requests (one at a time), timed")
+      ->check(CLI::Range(2, 100000000));
+  app.add_option("--warmup", st.warmup, "closed-loop requests sent first, not timed")
+      ->check(CLI::Range(0, 100000000));
+  app.add_option("--rate", st.rate, "open-loop offered load, requests/s")
+      ->check(CLI::Range(1.0, 1e7));
+  app.add_option("--seconds", st.seconds, "open-loop duration, seconds")
+      ->check(CLI::Range(0.001, 3600.0));
   app.add_option("--wait", st.wait, "how devices wait for the next request")
       ->check(CLI::IsMember({"busy_spin", "spin_then_park", "park"}));
   app.add_option("--hgrm", st.hgrm, "write BASE_closed.hgrm and BASE_open.hgrm ('' = none)");
-  app.add_option("--min-accuracy", st.min_accuracy,
-                 "exit 1 if a client's accuracy is below this, 0..1 (0 with synthetic data unless given)")
+  app.add_option(
+         "--min-accuracy", st.min_accuracy,
+         "exit 1 if a client's accuracy is below this, 0..1 (0 with synthetic data unless given)")
       ->check(CLI::Range(0.0, 1.0));
-  app.add_option("--data-dir", st.data_dir, "Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)");
+  app.add_option("--data-dir", st.data_dir,
+                 "Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

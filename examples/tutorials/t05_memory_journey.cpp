@@ -77,13 +77,14 @@ std::vector<bspflow::Batch> synthetic_batches(std::size_t batch, std::size_t cou
 
 Row try_step(const Settings& st, const Step& step, const std::vector<bspflow::Batch>& data) {
   bspflow::PipelineConfig cfg;
-  cfg.strategy = step.stages == 1 ? bspflow::ExecutionStrategy::kSingle : bspflow::ExecutionStrategy::kPipelined;
+  cfg.strategy = step.stages == 1 ? bspflow::ExecutionStrategy::kSingle
+                                  : bspflow::ExecutionStrategy::kPipelined;
   cfg.precision = step.precision;
   cfg.recompute = step.recompute;
   cfg.offload_optimizer = step.offload;
   // Grouped pipelining needs 2N-1 micro-batches per step to fill; never fewer than asked.
-  cfg.gradient_accumulation =
-      std::max(step.k != 0 ? step.k : st.gradient_accumulation, cfg.min_gradient_accumulation(step.stages));
+  cfg.gradient_accumulation = std::max(step.k != 0 ? step.k : st.gradient_accumulation,
+                                       cfg.min_gradient_accumulation(step.stages));
   Row row{step.what, cfg.devices_needed(step.stages), cfg.gradient_accumulation, false, {}, 0, 0};
 
   bspflow::DeviceConfig dc;
@@ -91,10 +92,12 @@ Row try_step(const Settings& st, const Step& step, const std::vector<bspflow::Ba
   dc.bytes_per_tile = st.bytes_per_tile;
   bspflow::DeviceGroup devices(row.devices, dc);
   row.capacity = dc.memory_bytes();
-  std::printf("\n== %s: %u device(s), micro-batch %zu, gradient accumulation %u ==\n", step.what.c_str(), row.devices,
-              st.batch, row.k);
+  std::printf("\n== %s: %u device(s), micro-batch %zu, gradient accumulation %u ==\n",
+              step.what.c_str(), row.devices, st.batch, row.k);
   kit::AdamW adamw;
-  auto make = [&](std::uint32_t) { return kit::make_model(kit::Model::kConv, step.stages, st.batch, adamw); };
+  auto make = [&](std::uint32_t) {
+    return kit::make_model(kit::Model::kConv, step.stages, st.batch, adamw);
+  };
   std::unique_ptr<bspflow::Pipeline> pipe;
   try {
     pipe = std::make_unique<bspflow::Pipeline>(devices, cfg, make);
@@ -109,10 +112,12 @@ Row try_step(const Settings& st, const Step& step, const std::vector<bspflow::Ba
 
   // Train: one step to warm up, then `steps` timed steps in one host call.
   const std::uint64_t per_step = row.k;
-  bspflow::InfeedQueue<bspflow::Batch> infeed(bspflow::InfeedConfig{1, (st.steps + 1) * per_step, 2});
+  bspflow::InfeedQueue<bspflow::Batch> infeed(
+      bspflow::InfeedConfig{1, (st.steps + 1) * per_step, 2});
   {
     auto producer = infeed.make_producer();
-    for (std::uint64_t m = 0; m < (st.steps + 1) * per_step; ++m) producer.push(data[m % data.size()]);
+    for (std::uint64_t m = 0; m < (st.steps + 1) * per_step; ++m)
+      producer.push(data[m % data.size()]);
   }
   infeed.close();
   const bspflow::PipelineResult warm = pipe->run(infeed, 1);
@@ -125,7 +130,8 @@ Row try_step(const Settings& st, const Step& step, const std::vector<bspflow::Ba
     return row;
   }
   row.samples_per_s = static_cast<double>(st.steps * per_step * st.batch) / seconds;
-  std::printf("trained %llu steps: %.0f samples/s\n", static_cast<unsigned long long>(st.steps), row.samples_per_s);
+  std::printf("trained %llu steps: %.0f samples/s\n", static_cast<unsigned long long>(st.steps),
+              row.samples_per_s);
   return row;
 }
 
@@ -140,28 +146,30 @@ int run(const Settings& st) {
       {"fp16 storage", 1, half, false, false, 0},
       {"fp16 + optimiser state offloaded", 1, half, false, true, 0},
       {"fp16, pipelined over 4 devices", 4, half, false, false, st.pipeline_accumulation},
-      {"fp16 + recomputation, pipelined over 4 devices", 4, half, true, false, st.pipeline_accumulation},
+      {"fp16 + recomputation, pipelined over 4 devices", 4, half, true, false,
+       st.pipeline_accumulation},
   };
   const std::vector<bspflow::Batch> data = synthetic_batches(st.batch, 16);
   std::vector<Row> rows;
   for (const Step& step : journey) rows.push_back(try_step(st, step, data));
 
-  std::printf("\n%-50s %4s %3s %-5s %-36s %10s\n", "configuration", "devs", "K", "fits", "peak per device (of capacity)",
-              "samples/s");
+  std::printf("\n%-50s %4s %3s %-5s %-36s %10s\n", "configuration", "devs", "K", "fits",
+              "peak per device (of capacity)", "samples/s");
   double best = 0;
   for (const Row& r : rows) best = std::max(best, r.samples_per_s);
   for (const Row& r : rows) {
     std::string peaks;
-    for (std::size_t d = 0; d < r.peaks.size(); ++d) peaks += (d ? " " : "") + bspflow::format_bytes(r.peaks[d]);
+    for (std::size_t d = 0; d < r.peaks.size(); ++d)
+      peaks += (d ? " " : "") + bspflow::format_bytes(r.peaks[d]);
     peaks += " (" + bspflow::format_bytes(r.capacity) + ")";
     char rate[32] = "-";
     if (r.fits) std::snprintf(rate, sizeof rate, "%.0f", r.samples_per_s);
-    std::printf("%-50s %4u %3u %-5s %-36s %10s\n", r.what.c_str(), r.devices, r.k, r.fits ? "yes" : "no", peaks.c_str(),
-                rate);
+    std::printf("%-50s %4u %3u %-5s %-36s %10s\n", r.what.c_str(), r.devices, r.k,
+                r.fits ? "yes" : "no", peaks.c_str(), rate);
   }
   const bool last_fastest = rows.back().fits && rows.back().samples_per_s >= best;
-  std::printf("the last configuration %s and is %sthe fastest\n", rows.back().fits ? "fits" : "does NOT fit",
-              last_fastest ? "" : "not ");
+  std::printf("the last configuration %s and is %sthe fastest\n",
+              rows.back().fits ? "fits" : "does NOT fit", last_fastest ? "" : "not ");
   return !rows.front().fits && rows.back().fits ? 0 : 1;
 }
 
@@ -169,18 +177,24 @@ int run(const Settings& st) {
 
 int main(int argc, char** argv) {
   Settings st;
-  CLI::App app{"The hands-on out-of-memory journey: fp32 does not fit; half precision, recomputation, offloading "
-               "and pipelining until it fits and runs fast"};
+  CLI::App app{
+      "The hands-on out-of-memory journey: fp32 does not fit; half precision, recomputation, "
+      "offloading "
+      "and pipelining until it fits and runs fast"};
   app.add_option("--micro-batch", st.batch, "samples per micro-batch")->check(CLI::Range(1, 4096));
-  app.add_option("--gradient-accumulation", st.gradient_accumulation, "micro-batches per weight update (at least)")
+  app.add_option("--gradient-accumulation", st.gradient_accumulation,
+                 "micro-batches per weight update (at least)")
       ->check(CLI::Range(1, 1024));
   app.add_option("--pipeline-accumulation", st.pipeline_accumulation,
                  "micro-batches per weight update once pipelined")
       ->check(CLI::Range(1, 1024));
-  app.add_option("--tiles", st.tiles, "tiles per device")->check(CLI::Range(1u, bspflow::tunables::kMaxTiles));
+  app.add_option("--tiles", st.tiles, "tiles per device")
+      ->check(CLI::Range(1u, bspflow::tunables::kMaxTiles));
   app.add_option("--bytes-per-tile", st.bytes_per_tile, "bytes of memory per tile")
-      ->check(CLI::Range(std::size_t{bspflow::tunables::kArenaAlignment}, bspflow::tunables::kMaxBytesPerTile));
-  app.add_option("--steps", st.steps, "timed training steps per configuration")->check(CLI::Range(1, 100000));
+      ->check(CLI::Range(std::size_t{bspflow::tunables::kArenaAlignment},
+                         bspflow::tunables::kMaxBytesPerTile));
+  app.add_option("--steps", st.steps, "timed training steps per configuration")
+      ->check(CLI::Range(1, 100000));
   app.add_flag("--quiet", st.quiet, "shorter memory reports");
   try {
     app.parse(argc, argv);

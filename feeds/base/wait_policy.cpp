@@ -10,9 +10,12 @@ namespace bspflow {
 
 const char* to_string(WaitStrategy s) noexcept {
   switch (s) {
-    case WaitStrategy::kBusySpin: return "busy_spin";
-    case WaitStrategy::kSpinThenPark: return "spin_then_park";
-    case WaitStrategy::kPark: return "park";
+    case WaitStrategy::kBusySpin:
+      return "busy_spin";
+    case WaitStrategy::kSpinThenPark:
+      return "spin_then_park";
+    case WaitStrategy::kPark:
+      return "park";
   }
   return "?";
 }
@@ -25,9 +28,9 @@ void WaitPolicy::validate() const {
   }
   if (strategy == WaitStrategy::kSpinThenPark &&
       (spin.count() < 0 || spin > tunables::kMaxSpinBudget)) {
-    detail::throw_bad_value("spin_then_park budget (ns)", std::to_string(spin.count()),
-                            "must be in 0.." + std::to_string(tunables::kMaxSpinBudget.count()) +
-                                " ns");
+    detail::throw_bad_value(
+        "spin_then_park budget (ns)", std::to_string(spin.count()),
+        "must be in 0.." + std::to_string(tunables::kMaxSpinBudget.count()) + " ns");
   }
 }
 

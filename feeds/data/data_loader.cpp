@@ -21,19 +21,20 @@ namespace bspflow {
 namespace detail {
 
 struct LoaderCore::Slot {
-  explicit Slot(std::size_t micro_batches, std::uint64_t first) : batches(micro_batches), assigned(first) {}
-  std::vector<Batch> batches;            // replica-major: replica x per_replica + position
-  std::atomic<std::uint64_t> assigned;   // the global step this slot holds (or waits for)
-  std::atomic<std::uint64_t> ready{0};   // assigned + 1 once every micro-batch is loaded
-  std::atomic<std::uint64_t> done{0};    // micro-batches loaded (or failed)
+  explicit Slot(std::size_t micro_batches, std::uint64_t first)
+      : batches(micro_batches), assigned(first) {}
+  std::vector<Batch> batches;           // replica-major: replica x per_replica + position
+  std::atomic<std::uint64_t> assigned;  // the global step this slot holds (or waits for)
+  std::atomic<std::uint64_t> ready{0};  // assigned + 1 once every micro-batch is loaded
+  std::atomic<std::uint64_t> done{0};   // micro-batches loaded (or failed)
   std::mutex error_mutex;
-  std::exception_ptr error;              // the step's first failure
+  std::exception_ptr error;  // the step's first failure
 };
 
 LoaderCore::LoaderCore(StepShape shape, std::uint64_t dataset_size, SampleSpec spec,
                        LoaderConfig config)
-    : plan_(shape, dataset_size, config), config_(std::move(config)),
-      out_spec_{config_.output_dtype.value_or(spec.dtype), spec.shape},
+    : plan_(shape, dataset_size, config),
+      config_(std::move(config)), out_spec_{config_.output_dtype.value_or(spec.dtype), spec.shape},
       buffer_(config_.mode == LoaderMode::kAsync ? config_.buffer_size : 1),
       tasks_per_step_(plan_.micro_batches_per_step()),
       // Spare buffers: what the ring holds plus as much again in flight to the devices.
@@ -48,11 +49,14 @@ LoaderCore::LoaderCore(StepShape shape, std::uint64_t dataset_size, SampleSpec s
   }
 }
 
-LoaderCore::~LoaderCore() { stop(); }
+LoaderCore::~LoaderCore() {
+  stop();
+}
 
 void LoaderCore::ready_to_load() {
   const std::string notice = plan_.reports() ? plan_.remainder_notice() : std::string();
-  if (!notice.empty()) log(plan_.dropped_per_epoch() != 0 ? LogLevel::kWarning : LogLevel::kInfo, notice);
+  if (!notice.empty())
+    log(plan_.dropped_per_epoch() != 0 ? LogLevel::kWarning : LogLevel::kInfo, notice);
   if (config_.mode == LoaderMode::kSync) {
     if (config_.num_workers > 0) spawn_workers();  // helpers: idle until a step is asked for
     return;
@@ -66,20 +70,24 @@ void LoaderCore::ready_to_load() {
 
 void LoaderCore::require_in_order_reading() const {
   if (config_.instances > 1) {
-    throw_bad_value("instances", config_.instances,
-                    "must be 1 with a streaming dataset: a stream read in order cannot be split between "
-                    "instances (use a random-access dataset: size(), spec(), get(i))");
+    throw_bad_value(
+        "instances", config_.instances,
+        "must be 1 with a streaming dataset: a stream read in order cannot be split between "
+        "instances (use a random-access dataset: size(), spec(), get(i))");
   }
   if (config_.shuffle) {
-    throw Error("shuffle = true needs a random-access dataset (size(), spec(), get(i)); a "
-                "streaming dataset is read in order");
+    throw Error(
+        "shuffle = true needs a random-access dataset (size(), spec(), get(i)); a "
+        "streaming dataset is read in order");
   }
   const std::uint32_t allowed = config_.mode == LoaderMode::kAsync ? 1 : 0;
   if (config_.num_workers != allowed) {
     throw_bad_value("num_workers", config_.num_workers,
-                    std::string("must be ") + std::to_string(allowed) + " with a streaming "
-                    "dataset in " + to_string(config_.mode) +
-                    " mode: a stream is read by one thread, in order");
+                    std::string("must be ") + std::to_string(allowed) +
+                        " with a streaming "
+                        "dataset in " +
+                        to_string(config_.mode) +
+                        " mode: a stream is read by one thread, in order");
   }
 }
 
@@ -100,7 +108,9 @@ void LoaderCore::join_workers() noexcept {
   workers_.clear();
 }
 
-void LoaderCore::stop() noexcept { join_workers(); }
+void LoaderCore::stop() noexcept {
+  join_workers();
+}
 
 // Global step `first` is step 0 of `epoch`; tasks below `task_limit` may be claimed.
 void LoaderCore::open_tasks(std::uint64_t first, std::uint64_t epoch, std::uint64_t task_limit) {
@@ -124,8 +134,9 @@ bool LoaderCore::claim(Task& task, bool wait) {
     {
       std::lock_guard lock(claim_mutex_);
       if (stopping_.load(std::memory_order_seq_cst)) return false;
-      const std::uint64_t n = next_task_.load(std::memory_order_relaxed);  // relaxed: under the lock
-      if (n < task_limit_.load(std::memory_order_relaxed)) {             // relaxed: under the lock
+      const std::uint64_t n =
+          next_task_.load(std::memory_order_relaxed);         // relaxed: under the lock
+      if (n < task_limit_.load(std::memory_order_relaxed)) {  // relaxed: under the lock
         next_task_.store(n + 1, std::memory_order_seq_cst);
         task.global = n / tasks_per_step_;
         task.m = n % tasks_per_step_;
@@ -139,7 +150,8 @@ bool LoaderCore::claim(Task& task, bool wait) {
     }
     if (!wait) return false;
     work_.wait([&] {
-      return next_task_.load(std::memory_order_seq_cst) < task_limit_.load(std::memory_order_seq_cst) ||
+      return next_task_.load(std::memory_order_seq_cst) <
+                 task_limit_.load(std::memory_order_seq_cst) ||
              stopping_.load(std::memory_order_seq_cst);
     });
   }
@@ -152,10 +164,12 @@ LoaderCore::Slot& LoaderCore::slot_of(std::uint64_t global) noexcept {
 void LoaderCore::run_task(const Task& task) noexcept {
   Slot& s = slot_of(task.global);
   // Wait (spin, then park) until the consumer has released this slot to our step.
-  slot_free_.wait([&] {
-    return s.assigned.load(std::memory_order_seq_cst) == task.global ||
-           stopping_.load(std::memory_order_seq_cst);
-  }, Spin::kBackoff);
+  slot_free_.wait(
+      [&] {
+        return s.assigned.load(std::memory_order_seq_cst) == task.global ||
+               stopping_.load(std::memory_order_seq_cst);
+      },
+      Spin::kBackoff);
   if (s.assigned.load(std::memory_order_seq_cst) != task.global) return;  // stopping
   Batch& b = s.batches[task.replica * plan_.per_replica() + task.position];
   try {
@@ -184,8 +198,7 @@ void LoaderCore::release_slot(std::size_t slot) noexcept {
     std::lock_guard lock(s.error_mutex);
     s.error = nullptr;
   }
-  s.assigned.store(s.assigned.load(std::memory_order_relaxed) + buffer_,
-                   std::memory_order_seq_cst);
+  s.assigned.store(s.assigned.load(std::memory_order_relaxed) + buffer_, std::memory_order_seq_cst);
   slot_free_.notify();
   --leased_;
 }
@@ -201,7 +214,8 @@ void LoaderCore::discard_in_flight() {
     if (limit < task_limit_.load(std::memory_order_relaxed)) {  // relaxed: stored under this lock
       task_limit_.store(limit, std::memory_order_seq_cst);
     }
-    end_global = task_limit_.load(std::memory_order_relaxed) / tasks_per_step_;  // relaxed: likewise
+    end_global =
+        task_limit_.load(std::memory_order_relaxed) / tasks_per_step_;  // relaxed: likewise
   }
   for (; next_global_ < end_global; ++next_global_) {
     Slot& s = slot_of(next_global_);
@@ -316,14 +330,16 @@ void LoaderStep::release() noexcept {
 
 std::span<Batch> LoaderStep::replica(std::uint32_t r) {
   if (r >= core_->plan_.replicas()) {
-    detail::throw_bad_value("replica", r,
-                            "must be below the loader's replica count " +
-                                std::to_string(core_->plan_.replicas()));
+    detail::throw_bad_value(
+        "replica", r,
+        "must be below the loader's replica count " + std::to_string(core_->plan_.replicas()));
   }
   const std::uint64_t n = core_->plan_.per_replica();
   return std::span<Batch>(core_->slots_[slot_]->batches).subspan(r * n, n);
 }
 
-std::span<Batch> LoaderStep::batches() { return core_->slots_[slot_]->batches; }
+std::span<Batch> LoaderStep::batches() {
+  return core_->slots_[slot_]->batches;
+}
 
 }  // namespace bspflow

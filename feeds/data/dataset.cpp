@@ -101,9 +101,9 @@ std::int32_t SyntheticDataset::read(std::size_t i, std::span<std::byte> out) con
   }
   const std::size_t n = config_.spec.elements();
   if (out.size() != n * dtype_size(config_.spec.dtype)) {
-    detail::throw_bad_value("synthetic dataset read buffer", out.size(),
-                            "must be exactly one sample, " +
-                                std::to_string(config_.spec.bytes()) + " bytes");
+    detail::throw_bad_value(
+        "synthetic dataset read buffer", out.size(),
+        "must be exactly one sample, " + std::to_string(config_.spec.bytes()) + " bytes");
   }
   const std::int32_t lbl = label(i);
   Rng rng(config_.seed, i * 2 + kDataStream);
@@ -152,8 +152,7 @@ TensorDataset::TensorDataset(SampleSpec spec, std::vector<std::byte> data,
   if (data_.size() != labels_.size() * spec_.bytes()) {
     throw Error("tensor dataset: " + std::to_string(data_.size()) + " bytes of data for " +
                 std::to_string(labels_.size()) + " labels of " + spec_.describe() +
-                " samples; expected " + std::to_string(labels_.size() * spec_.bytes()) +
-                " bytes");
+                " samples; expected " + std::to_string(labels_.size() * spec_.bytes()) + " bytes");
   }
 }
 
@@ -163,9 +162,9 @@ std::int32_t TensorDataset::read(std::size_t i, std::span<std::byte> out) const 
                             "must be below its size " + std::to_string(labels_.size()));
   }
   if (out.size() != spec_.bytes()) {
-    detail::throw_bad_value("tensor dataset read buffer", out.size(),
-                            "must be exactly one sample, " + std::to_string(spec_.bytes()) +
-                                " bytes");
+    detail::throw_bad_value(
+        "tensor dataset read buffer", out.size(),
+        "must be exactly one sample, " + std::to_string(spec_.bytes()) + " bytes");
   }
   std::memcpy(out.data(), data_.data() + i * spec_.bytes(), spec_.bytes());
   return labels_[i];

@@ -35,7 +35,8 @@ bool known_type(std::uint8_t code) {
     case Type::kInt16:
     case Type::kInt32:
     case Type::kFloat32:
-    case Type::kFloat64: return true;
+    case Type::kFloat64:
+      return true;
   }
   return false;
 }
@@ -58,7 +59,8 @@ bool read_exact(gzFile f, const std::filesystem::path& file, void* out, std::siz
       std::string detail = msg != nullptr ? msg : "";
       const std::string prefix = file.string() + ": ";
       if (detail.rfind(prefix, 0) == 0) detail.erase(0, prefix.size());
-      fail(file, "its gzip data is corrupt or cut short" + (detail.empty() ? std::string() : " (zlib: " + detail + ")") +
+      fail(file, "its gzip data is corrupt or cut short" +
+                     (detail.empty() ? std::string() : " (zlib: " + detail + ")") +
                      "; fetch the file again");
     }
     if (got == 0) return false;
@@ -87,23 +89,33 @@ void swap_to_host(Array& a) {
 std::size_t element_size(Type t) noexcept {
   switch (t) {
     case Type::kUint8:
-    case Type::kInt8: return 1;
-    case Type::kInt16: return 2;
+    case Type::kInt8:
+      return 1;
+    case Type::kInt16:
+      return 2;
     case Type::kInt32:
-    case Type::kFloat32: return 4;
-    case Type::kFloat64: return 8;
+    case Type::kFloat32:
+      return 4;
+    case Type::kFloat64:
+      return 8;
   }
   return 1;
 }
 
 const char* to_string(Type t) noexcept {
   switch (t) {
-    case Type::kUint8: return "uint8";
-    case Type::kInt8: return "int8";
-    case Type::kInt16: return "int16";
-    case Type::kInt32: return "int32";
-    case Type::kFloat32: return "float32";
-    case Type::kFloat64: return "float64";
+    case Type::kUint8:
+      return "uint8";
+    case Type::kInt8:
+      return "int8";
+    case Type::kInt16:
+      return "int16";
+    case Type::kInt32:
+      return "int32";
+    case Type::kFloat32:
+      return "float32";
+    case Type::kFloat64:
+      return "float64";
   }
   return "?";
 }
@@ -114,7 +126,9 @@ std::size_t Array::item_elements() const noexcept {
   return n;
 }
 
-std::size_t Array::item_bytes() const noexcept { return item_elements() * element_size(type); }
+std::size_t Array::item_bytes() const noexcept {
+  return item_elements() * element_size(type);
+}
 
 Array read(const std::filesystem::path& file) {
   std::error_code ec;
@@ -132,8 +146,8 @@ Array read(const std::filesystem::path& file) {
   if (magic[0] != 0 || magic[1] != 0) {
     char got[16];
     std::snprintf(got, sizeof got, "0x%02x%02x%02x%02x", magic[0], magic[1], magic[2], magic[3]);
-    fail(file, std::string("bad magic number: an IDX file starts with two zero bytes (got ") +
-                   got + ")");
+    fail(file,
+         std::string("bad magic number: an IDX file starts with two zero bytes (got ") + got + ")");
   }
   if (!known_type(magic[2])) {
     char buf[8];
@@ -170,10 +184,11 @@ Array read(const std::filesystem::path& file) {
   // The buffer grows as the data arrives, a chunk at a time: a short file whose header
   // promises gigabytes costs one chunk, not the promised size (found by tests/fuzz).
   for (std::size_t filled = 0; filled < bytes;) {
-    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(bytes - filled, kReadChunk));
+    const std::size_t n =
+        static_cast<std::size_t>(std::min<std::uint64_t>(bytes - filled, kReadChunk));
     if (filled + n > a.data.capacity()) {  // doubling, but never past the promised size
-      a.data.reserve(static_cast<std::size_t>(
-          std::min<std::uint64_t>(bytes, std::max<std::uint64_t>(2 * a.data.capacity(), filled + n))));
+      a.data.reserve(static_cast<std::size_t>(std::min<std::uint64_t>(
+          bytes, std::max<std::uint64_t>(2 * a.data.capacity(), filled + n))));
     }
     a.data.resize(filled + n);
     if (!read_exact(f.get(), file, a.data.data() + filled, n)) {

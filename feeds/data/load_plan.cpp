@@ -21,10 +21,12 @@ const char* to_string(LoaderMode m) noexcept {
 void LoaderConfig::validate() const {
   if (batch_size < 1) detail::throw_bad_value("batch_size", batch_size, "must be at least 1");
   if (instances < 1 || instances > tunables::kMaxReplicas) {
-    detail::throw_bad_value("instances", instances, "must be in 1.." + std::to_string(tunables::kMaxReplicas));
+    detail::throw_bad_value("instances", instances,
+                            "must be in 1.." + std::to_string(tunables::kMaxReplicas));
   }
   if (instance >= instances) {
-    detail::throw_bad_value("instance", instance, "must be below instances (" + std::to_string(instances) + ")");
+    detail::throw_bad_value("instance", instance,
+                            "must be below instances (" + std::to_string(instances) + ")");
   }
   if (num_workers > tunables::kMaxLoaderWorkers) {
     detail::throw_bad_value("num_workers", num_workers,
@@ -41,17 +43,20 @@ void LoaderConfig::validate() const {
                               "must be in 1.." + std::to_string(tunables::kMaxLoaderBuffer));
     }
     if (load_indefinitely && !persistent_workers) {
-      throw Error("load_indefinitely = true needs persistent_workers = true: workers that keep "
-                  "loading into the next epoch cannot stop at the end of this one");
+      throw Error(
+          "load_indefinitely = true needs persistent_workers = true: workers that keep "
+          "loading into the next epoch cannot stop at the end of this one");
     }
   } else {
     if (early_preload) {
-      throw Error("early_preload = true needs mode async (in sync mode nothing loads before "
-                  "the consumer asks for a step)");
+      throw Error(
+          "early_preload = true needs mode async (in sync mode nothing loads before "
+          "the consumer asks for a step)");
     }
     if (load_indefinitely) {
-      throw Error("load_indefinitely = true needs mode async (in sync mode nothing loads "
-                  "before the consumer asks for a step)");
+      throw Error(
+          "load_indefinitely = true needs mode async (in sync mode nothing loads "
+          "before the consumer asks for a step)");
     }
   }
 }
@@ -69,7 +74,8 @@ std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b, const char* what) {
 
 LoadPlan::LoadPlan(StepShape shape, std::uint64_t dataset_size, const LoaderConfig& config)
     : shape_(shape), size_(dataset_size), total_(dataset_size), instance_(config.instance),
-      instances_(config.instances), batch_(config.batch_size), seed_(config.seed), drop_last_(config.drop_last) {
+      instances_(config.instances), batch_(config.batch_size), seed_(config.seed),
+      drop_last_(config.drop_last) {
   config.validate();
   if (shape_.device_iterations < 1) {
     detail::throw_bad_value("device_iterations", shape_.device_iterations, "must be at least 1");
@@ -88,8 +94,9 @@ LoadPlan::LoadPlan(StepShape shape, std::uint64_t dataset_size, const LoaderConf
                           batch_, "samples per step");
   if (total_ == 0) throw Error("DataLoader: the dataset is empty (size() is 0)");
   if (total_ < instances_) {
-    throw Error("DataLoader: the dataset has " + std::to_string(total_) + " samples, fewer than the " +
-                std::to_string(instances_) + " instances it is split between");
+    throw Error("DataLoader: the dataset has " + std::to_string(total_) +
+                " samples, fewer than the " + std::to_string(instances_) +
+                " instances it is split between");
   }
   // This instance's slice of the epoch order (see LoaderConfig::instances).
   const std::uint64_t base = total_ / instances_, rem = total_ % instances_;
@@ -120,15 +127,17 @@ std::string LoadPlan::describe_step() const {
   return "combined batch " + std::to_string(batch_) + " batch x " +
          detail::count_of(shape_.device_iterations, "device iteration") + " x " +
          std::to_string(shape_.gradient_accumulation) + " gradient accumulation x " +
-         detail::count_of(shape_.replicas, "replica") + " = " + detail::count_of(per_step_, "sample");
+         detail::count_of(shape_.replicas, "replica") + " = " +
+         detail::count_of(per_step_, "sample");
 }
 
 std::string LoadPlan::describe() const {
   std::string s = describe_step() + "; " + detail::count_of(size_, "sample") + " -> " +
                   detail::count_of(steps_, "step") + " per epoch";
   if (instances_ > 1) {
-    s += " (instance " + std::to_string(instance_) + " of " + std::to_string(instances_) + ": positions " +
-         std::to_string(offset_) + ".." + std::to_string(offset_ + size_ - 1) + " of " + std::to_string(total_) + ")";
+    s += " (instance " + std::to_string(instance_) + " of " + std::to_string(instances_) +
+         ": positions " + std::to_string(offset_) + ".." + std::to_string(offset_ + size_ - 1) +
+         " of " + std::to_string(total_) + ")";
   }
   if (dropped_ != 0) s += ", drop_last drops " + std::to_string(dropped_);
   if (padded_ != 0) s += ", last step padded with " + std::to_string(padded_);
@@ -149,14 +158,15 @@ std::string LoadPlan::remainder_notice() const {
     const std::uint64_t padding = steps_ * per_step_ * instances_ - total_;
     return "DataLoader: the last step of every epoch is padded with " + std::to_string(padding) +
            " samples over the " + std::to_string(instances_) +
-           " instances (zeros, label -1; Batch::valid counts the real ones; an instance's last step may "
-           "hold padding only), because " + std::to_string(total_) + " is not a multiple of " +
-           std::to_string(instances_) + " instances x the " + describe_step() + ".";
+           " instances (zeros, label -1; Batch::valid counts the real ones; an instance's last "
+           "step may "
+           "hold padding only), because " +
+           std::to_string(total_) + " is not a multiple of " + std::to_string(instances_) +
+           " instances x the " + describe_step() + ".";
   }
   if (padded_ != 0) {
-    return "DataLoader: the last step of every epoch holds " +
-           std::to_string(per_step_ - padded_) + " real samples and " +
-           std::to_string(padded_) +
+    return "DataLoader: the last step of every epoch holds " + std::to_string(per_step_ - padded_) +
+           " real samples and " + std::to_string(padded_) +
            " padding samples (zeros, label -1; Batch::valid counts the real ones), because " +
            std::to_string(size_) + " is not a multiple of the " + describe_step() + ".";
   }

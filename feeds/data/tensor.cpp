@@ -15,10 +15,14 @@ namespace bspflow {
 
 const char* to_string(DType t) noexcept {
   switch (t) {
-    case DType::kUint8: return "uint8";
-    case DType::kFloat16: return "fp16";
-    case DType::kFloat32: return "fp32";
-    case DType::kInt32: return "int32";
+    case DType::kUint8:
+      return "uint8";
+    case DType::kFloat16:
+      return "fp16";
+    case DType::kFloat32:
+      return "fp32";
+    case DType::kInt32:
+      return "int32";
   }
   return "?";
 }
@@ -41,7 +45,8 @@ std::uint16_t to_half(float f) noexcept {
     const std::uint32_t half = mant >> shift;
     const std::uint32_t rest = mant & ((1u << shift) - 1);
     const std::uint32_t halfway = 1u << (shift - 1);
-    const std::uint32_t rounded = half + ((rest > halfway || (rest == halfway && (half & 1u))) ? 1 : 0);
+    const std::uint32_t rounded =
+        half + ((rest > halfway || (rest == halfway && (half & 1u))) ? 1 : 0);
     return static_cast<std::uint16_t>(sign | rounded);
   }
   std::uint32_t h = (static_cast<std::uint32_t>(e) << 10) | (mant >> 13);
@@ -67,7 +72,8 @@ namespace {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define BSPFLOW_F16C 1
 // F16C converts eight values per instruction, rounding to nearest even like to_half().
-__attribute__((target("avx,f16c"))) void to_half_f16c(const float* in, std::uint16_t* out, std::size_t n) {
+__attribute__((target("avx,f16c"))) void to_half_f16c(const float* in, std::uint16_t* out,
+                                                      std::size_t n) {
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(in + i), _MM_FROUND_TO_NEAREST_INT);
@@ -75,17 +81,20 @@ __attribute__((target("avx,f16c"))) void to_half_f16c(const float* in, std::uint
   }
   for (; i < n; ++i) out[i] = to_half(in[i]);
 }
-__attribute__((target("avx,f16c"))) void from_half_f16c(const std::uint16_t* in, float* out, std::size_t n) {
+__attribute__((target("avx,f16c"))) void from_half_f16c(const std::uint16_t* in, float* out,
+                                                        std::size_t n) {
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
+    _mm256_storeu_ps(out + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in + i))));
   }
   for (; i < n; ++i) out[i] = from_half(in[i]);
 }
 __attribute__((target("avx,f16c"))) void round_f16c(float* v, std::size_t n) {
   std::size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    _mm256_storeu_ps(v + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(v + i), _MM_FROUND_TO_NEAREST_INT)));
+    _mm256_storeu_ps(
+        v + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(v + i), _MM_FROUND_TO_NEAREST_INT)));
   }
   for (; i < n; ++i) v[i] = from_half(to_half(v[i]));
 }
@@ -132,7 +141,8 @@ namespace {
 
 float load(DType t, const std::byte* p, std::size_t i) noexcept {
   switch (t) {
-    case DType::kUint8: return static_cast<float>(std::to_integer<std::uint8_t>(p[i]));
+    case DType::kUint8:
+      return static_cast<float>(std::to_integer<std::uint8_t>(p[i]));
     case DType::kFloat16: {
       std::uint16_t h;
       std::memcpy(&h, p + 2 * i, 2);
@@ -163,13 +173,17 @@ I saturate(float v) noexcept {
 
 void store(DType t, std::byte* p, std::size_t i, float v) noexcept {
   switch (t) {
-    case DType::kUint8: p[i] = static_cast<std::byte>(saturate<std::uint8_t>(v)); return;
+    case DType::kUint8:
+      p[i] = static_cast<std::byte>(saturate<std::uint8_t>(v));
+      return;
     case DType::kFloat16: {
       const std::uint16_t h = to_half(v);
       std::memcpy(p + 2 * i, &h, 2);
       return;
     }
-    case DType::kFloat32: std::memcpy(p + 4 * i, &v, 4); return;
+    case DType::kFloat32:
+      std::memcpy(p + 4 * i, &v, 4);
+      return;
     case DType::kInt32: {
       const std::int32_t x = saturate<std::int32_t>(v);
       std::memcpy(p + 4 * i, &x, 4);
@@ -259,15 +273,15 @@ std::size_t checked_bytes(DType dtype, const std::vector<std::size_t>& shape) {
 
 }  // namespace
 
-Tensor::Tensor(DType dtype, std::vector<std::size_t> shape,
-               std::shared_ptr<BufferPool> pool)
+Tensor::Tensor(DType dtype, std::vector<std::size_t> shape, std::shared_ptr<BufferPool> pool)
     : dtype_(dtype), shape_(std::move(shape)), size_(checked_bytes(dtype_, shape_)) {
   if (!pool || pool->block_bytes() != size_) {
     throw Error("tensor of " + std::to_string(size_) + " bytes cannot use a buffer pool of " +
                 std::to_string(pool ? pool->block_bytes() : 0) + "-byte blocks");
   }
   std::byte* block = pool->take();
-  bytes_ = std::unique_ptr<std::byte[], detail::TensorDeleter>(block, detail::TensorDeleter{std::move(pool)});
+  bytes_ = std::unique_ptr<std::byte[], detail::TensorDeleter>(
+      block, detail::TensorDeleter{std::move(pool)});
 }
 
 Tensor::Tensor(DType dtype, std::vector<std::size_t> shape, Init init)

@@ -29,8 +29,8 @@ void InfeedConfig::validate() const {
   }
   if (capacity < prefetch_depth || capacity > tunables::kMaxQueueCapacity) {
     detail::throw_bad_value("infeed capacity", capacity,
-                            "must be in prefetch_depth (" + std::to_string(prefetch_depth) +
-                                ").." + std::to_string(tunables::kMaxQueueCapacity) +
+                            "must be in prefetch_depth (" + std::to_string(prefetch_depth) + ").." +
+                                std::to_string(tunables::kMaxQueueCapacity) +
                                 " elements per replica");
   }
 }

@@ -29,10 +29,14 @@ OutputMode OutputMode::parse(std::string_view text) {
 
 std::string OutputMode::to_string() const {
   switch (kind_) {
-    case Kind::kAll: return "all";
-    case Kind::kFinal: return "final";
-    case Kind::kSum: return "sum";
-    case Kind::kEveryN: return "every_n:" + std::to_string(n_);
+    case Kind::kAll:
+      return "all";
+    case Kind::kFinal:
+      return "final";
+    case Kind::kSum:
+      return "sum";
+    case Kind::kEveryN:
+      return "every_n:" + std::to_string(n_);
   }
   return "?";
 }

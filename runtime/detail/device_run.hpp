@@ -28,20 +28,20 @@ enum SlotState : int { kFree, kFilling, kReady, kEnd, kFailed, kSkipped };
 struct Slot {
   std::byte* mem = nullptr;
   std::atomic<int> state{kFree};
-  Tensor tensor;        // to device: the host tensor (given back if unused); to host: the entry
+  Tensor tensor;  // to device: the host tensor (given back if unused); to host: the entry
   std::uint64_t iteration = 0;
   std::string error;
 };
 
 struct InLink {  // one infeed, seen from one device
   std::optional<InfeedQueue<Tensor>::Reader> reader;
-  std::size_t bytes = 0;   // per micro-batch (every StreamCopy from this infeed moves as many)
+  std::size_t bytes = 0;  // per micro-batch (every StreamCopy from this infeed moves as many)
   DType dtype = DType::kFloat32;
-  std::string name;        // "infeed to 'x'" for messages
+  std::string name;                          // "infeed to 'x'" for messages
   std::vector<std::unique_ptr<Slot>> slots;  // io_tiles > 0
   std::size_t next_use = 0;
-  std::atomic<bool> closing{false};          // the device is done: fetch nothing more
-  Tensor staging;                            // io_tiles = 0: the element being moved
+  std::atomic<bool> closing{false};  // the device is done: fetch nothing more
+  Tensor staging;                    // io_tiles = 0: the element being moved
 };
 
 struct OutLink {  // one outfeed, seen from one device
@@ -64,8 +64,8 @@ class DeviceRun {
  public:
   DeviceRun(EngineState& engine, Device& device, std::uint32_t index, detail::RunControl& control,
             TraceTrack* track, TraceTrack* io_track)
-      : eng_(engine), device_(device), index_(index), control_(control),
-        stop_(control.stop()), track_(track), io_track_(io_track) {
+      : eng_(engine), device_(device), index_(index), control_(control), stop_(control.stop()),
+        track_(track), io_track_(io_track) {
     ctx_.device = device_.id();
     ctx_.replica = index;
     ctx_.compute_tiles = engine.compute_tiles;
@@ -74,7 +74,8 @@ class DeviceRun {
 
   // Host thread, before the run: the links this device's program uses.
   void add_infeed(InfeedQueue<Tensor>& q, const DeviceBuffer& dst);
-  void add_outfeed(OutfeedQueue<Tensor>& q, const DeviceBuffer& src, OutfeedQueue<Tensor>::Writer* w);
+  void add_outfeed(OutfeedQueue<Tensor>& q, const DeviceBuffer& src,
+                   OutfeedQueue<Tensor>::Writer* w);
   void allocate_out_slots();
   // A program node's trace label (an Execute, a RemoteCopy, an AllReduce).
   void label(const void* node, const std::string& name) {
@@ -126,7 +127,8 @@ class DeviceRun {
   // RemoteCopy, AllReduce), seeing a stop and yielding the core when it shares it. false: a
   // stop came first. `finish`: the whole time, stop or not (then true).
   bool take_modeled_time(Clock::time_point deadline, bool finish = false) {
-    return wait_until_deadline(deadline, finish ? nullptr : &stop_, device_.placement().shares_core());
+    return wait_until_deadline(deadline, finish ? nullptr : &stop_,
+                               device_.placement().shares_core());
   }
 
   bool exec_node(const program::Sync& s);

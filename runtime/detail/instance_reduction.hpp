@@ -34,7 +34,8 @@ class InstanceReduction {
   // Host thread. `slot_sizes`: floats per device slot (each slot posts once per step).
   // `check_interval`: a weight checksum every that many steps (counted over every run;
   // 0: never). Allocates.
-  InstanceReduction(Instance& instance, std::vector<std::size_t> slot_sizes, std::uint32_t check_interval);
+  InstanceReduction(Instance& instance, std::vector<std::size_t> slot_sizes,
+                    std::uint32_t check_interval);
 
   // Host thread, before a run of `steps` steps. `cancel` stops this instance's run: called
   // (any thread) as soon as a step is known not to be applied everywhere, before the devices
@@ -57,7 +58,9 @@ class InstanceReduction {
   // replica 0's devices or, if this instance stopped, the host). Returns applied(step).
   bool wait_done(std::uint64_t step, Spin spin);
   // Any thread, after exchange(step) returned in some slot. Never blocks.
-  bool applied(std::uint64_t step) const noexcept { return step < applied_.load(std::memory_order_acquire); }
+  bool applied(std::uint64_t step) const noexcept {
+    return step < applied_.load(std::memory_order_acquire);
+  }
 
   // Host thread, during the run: sleeps until the run's exchanges are over (every step
   // done, or one not applied) or `stop` (this instance's run has stopped; wake() makes
@@ -111,8 +114,8 @@ class InstanceReduction {
 
   std::function<void()> cancel_;
   std::uint32_t mismatch_instance_ = 0, stopped_instance_ = 0;
-  std::uint64_t steps_ = 0;        // this run's
-  std::uint64_t total_steps_ = 0;  // steps exchanged before this run (for check_interval)
+  std::uint64_t steps_ = 0;                // this run's
+  std::uint64_t total_steps_ = 0;          // steps exchanged before this run (for check_interval)
   std::atomic<std::uint64_t> claimed_{0};  // steps whose call has been claimed, this run
   std::atomic<std::uint32_t> posted_{0};
   std::atomic<std::uint64_t> done_{0};     // steps whose exchange has finished, this run

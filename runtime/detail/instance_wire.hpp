@@ -17,7 +17,8 @@ struct InstanceWire {
   // instance writes a slot carries it unchanged.
   static constexpr std::size_t kWords = 3;
   static void put64(float* at, std::uint64_t v) noexcept {
-    for (std::size_t i = 0; i < kWords; ++i) at[i] = static_cast<float>((v >> (22 * i)) & ((std::uint64_t{1} << 22) - 1));
+    for (std::size_t i = 0; i < kWords; ++i)
+      at[i] = static_cast<float>((v >> (22 * i)) & ((std::uint64_t{1} << 22) - 1));
   }
   static std::uint64_t get64(const float* at) noexcept {
     std::uint64_t v = 0;

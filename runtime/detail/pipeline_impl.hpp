@@ -13,10 +13,10 @@
 #include <vector>
 
 #include "bspflow/devices/host_link_timeline.hpp"
-#include "bspflow/runtime/engine.hpp"
-#include "bspflow/runtime/pipeline.hpp"
 #include "bspflow/feeds/spsc_ring.hpp"
+#include "bspflow/runtime/engine.hpp"
 #include "bspflow/runtime/instance.hpp"
+#include "bspflow/runtime/pipeline.hpp"
 #include "detail/instance_reduction.hpp"
 
 namespace bspflow {
@@ -47,10 +47,10 @@ struct MemoryInputs {
   PipelineConfig config;
   PipelinePlan plan;  // training: one step's schedule (the stash depths)
   std::uint32_t stages = 0;
-  std::vector<StageShape> shapes;  // replica-major
+  std::vector<StageShape> shapes;                              // replica-major
   std::vector<std::pair<std::uint32_t, std::size_t>> devices;  // device id, bytes available
   std::vector<std::size_t> io_tile_bytes;  // per device: io_tiles x its bytes per tile
-  std::size_t handoff_capacity = 0;  // dataflow: messages per hand-off
+  std::size_t handoff_capacity = 0;        // dataflow: messages per hand-off
 };
 // Every tensor of every device (largest first), without suggestions. Allocates; throws only
 // std::bad_alloc.
@@ -90,7 +90,8 @@ struct Pipeline::Impl {
     // The host link (stage 0: micro-batches in; the last stage: outputs out).
     HostLinkTimeline link;
     bool synthetic_ready = false;  // synthetic data: the ring holds the run's micro-batch
-    bool polled_empty = false;     // inference, stage 0: the lane was empty at a take since the last one
+    bool polled_empty =
+        false;  // inference, stage 0: the lane was empty at a take since the last one
     std::deque<Stashed> fifo;
     std::vector<Stashed> spare;  // recycled FIFO entries (no allocation in steady state)
     std::vector<float> grads, accum, reduced;
@@ -110,9 +111,9 @@ struct Pipeline::Impl {
       return state.size_bytes();
     }
     std::uint32_t accumulated = 0;
-    bool apply = true;  // this step's update is applied (complete; distributed: everywhere)
+    bool apply = true;          // this step's update is applied (complete; distributed: everywhere)
     std::uint64_t updates = 0;  // updates applied this run
-    std::size_t wire_at = 0;  // distributed: where its gradients sit in its slot's segment
+    std::size_t wire_at = 0;    // distributed: where its gradients sit in its slot's segment
     std::uint64_t cycle = 0, next_cycle = 0, step = 0, micro_batch = 0;
     std::uint32_t max_fifo = 0;
     std::uint64_t forwards = 0;
@@ -145,9 +146,9 @@ struct Pipeline::Impl {
   PipelineConfig config;
   PipelinePlan plan;
   std::uint32_t stages = 0;
-  std::vector<Device*> devices;               // the ones used, in order
-  std::vector<StageList> stage_lists;         // per replica
-  std::vector<std::vector<Batch>> batches;    // per replica: a ring of micro-batches in flight
+  std::vector<Device*> devices;                 // the ones used, in order
+  std::vector<StageList> stage_lists;           // per replica
+  std::vector<std::vector<Batch>> batches;      // per replica: a ring of micro-batches in flight
   std::vector<std::unique_ptr<StageRun>> runs;  // replica-major: r * stages + s
   std::vector<std::unique_ptr<Handoff>> handoffs;
   MemoryReport memory;
@@ -155,7 +156,8 @@ struct Pipeline::Impl {
   struct Held {
     Arena* arena = nullptr;
     void* ptr = nullptr;
-    Held(Arena& a, std::size_t bytes, const std::string& what) : arena(&a), ptr(a.allocate(bytes, what)) {}
+    Held(Arena& a, std::size_t bytes, const std::string& what)
+        : arena(&a), ptr(a.allocate(bytes, what)) {}
     ~Held() { arena->release(ptr); }
     Held(const Held&) = delete;
     Held& operator=(const Held&) = delete;
@@ -166,7 +168,8 @@ struct Pipeline::Impl {
   StageRun& run_of(std::uint32_t r, std::uint32_t s) { return *runs[r * stages + s]; }
   std::uint32_t device_of(std::uint32_t r, std::uint32_t s) const {
     if (config.strategy == ExecutionStrategy::kSingle) return r;
-    return r * config.devices_per_replica(stages) + (config.device_mapping.empty() ? s : config.device_mapping[s]);
+    return r * config.devices_per_replica(stages) +
+           (config.device_mapping.empty() ? s : config.device_mapping[s]);
   }
   // A replica's stages on its device `slot` (0 .. devices_per_replica - 1), in order.
   std::vector<StageRun*> on_device(std::uint32_t r, std::uint32_t slot) {
@@ -179,7 +182,8 @@ struct Pipeline::Impl {
   std::uint64_t k() const noexcept { return config.gradient_accumulation; }
 
   StageContext context(const StageRun& sr, std::uint64_t micro_batch) const {
-    return StageContext{sr.s, sr.device->id(), sr.r, sr.step, micro_batch, config.precision.storage};
+    return StageContext{sr.s,    sr.device->id(), sr.r,
+                        sr.step, micro_batch,     config.precision.storage};
   }
   bool half_storage() const noexcept { return config.precision.storage == DType::kFloat16; }
   // Throws StageError if a forward pass saved more than the stage's memory() declared.
@@ -187,7 +191,8 @@ struct Pipeline::Impl {
 
   // bsp: one cycle's forward (backward) pass of `sr`, reading and writing its exchange
   // buffers by parity; in half precision through fp32 copies.
-  void forward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle, const detail::StopFlag* stop);
+  void forward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle,
+                         const detail::StopFlag* stop);
   void backward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle);
 
   // Runs `f` (a stage's pass); anything it throws becomes a StageError saying where.
@@ -243,7 +248,8 @@ struct Pipeline::Impl {
   // Distributed, replica 0's device of `slot`: the segment (its stages' local sums, from
   // local_sum) summed across the instances in place (see detail/instance_reduction.hpp),
   // with a checksum of their weights when one is due.
-  void exchange_across(const std::vector<StageRun*>& on_device, std::uint32_t slot, std::uint64_t step);
+  void exchange_across(const std::vector<StageRun*>& on_device, std::uint32_t slot,
+                       std::uint64_t step);
   // Then the sum (distributed: from the segment, if the step is applied everywhere, else
   // sr.apply = false) scaled for the reduction type over every replica, into sr.reduced.
   void finish_reduce(StageRun& sr, std::uint64_t step);
@@ -275,7 +281,9 @@ struct Pipeline::Impl {
   // bsp: one stage's exchange after the cycle's sync.
   std::vector<Program> stage_exchange(StageRun& sr);
   // The device slot (0 .. devices_per_replica - 1) of a stage within its replica.
-  std::uint32_t slot_of(const StageRun& sr) const { return device_of(sr.r, sr.s) - device_of(sr.r, 0); }
+  std::uint32_t slot_of(const StageRun& sr) const {
+    return device_of(sr.r, sr.s) - device_of(sr.r, 0);
+  }
   Program compile_single(std::uint32_t replica, std::uint64_t steps);
   // Inference: stage 0 takes micro-batches as they arrive (up to plan.micro_batches) and the
   // run ends when the infeed ends, after everything taken has been answered. bsp runs
@@ -285,12 +293,13 @@ struct Pipeline::Impl {
   // dataflow inference: one stage per device.
   Program compile_dataflow_inference(StageRun& sr);
   Program compile_single_inference(std::uint32_t replica);
-  Program step_end(const std::vector<StageRun*>& on_device, const std::shared_ptr<SyncGroup>& group);
+  Program step_end(const std::vector<StageRun*>& on_device,
+                   const std::shared_ptr<SyncGroup>& group);
   // `limit` trips of `body` per step; the condition keeps the trip in st->*trip (and the
   // step, from the outermost Repeat, at trip 0).
   // With several stages on the device, the first counts and the others follow.
-  static Program counted(std::vector<StageRun*> sts, std::uint64_t StageRun::*trip, std::uint64_t limit,
-                         Program body) {
+  static Program counted(std::vector<StageRun*> sts, std::uint64_t StageRun::*trip,
+                         std::uint64_t limit, Program body) {
     return program::RepeatWhile(
         [sts, trip, limit](const ComputeContext& ctx) {
           StageRun* st = sts.front();
@@ -305,14 +314,16 @@ struct Pipeline::Impl {
         },
         std::move(body));
   }
-  static Program counted(StageRun* st, std::uint64_t StageRun::*trip, std::uint64_t limit, Program body) {
+  static Program counted(StageRun* st, std::uint64_t StageRun::*trip, std::uint64_t limit,
+                         Program body) {
     return counted(std::vector<StageRun*>{st}, trip, limit, std::move(body));
   }
   std::vector<std::shared_ptr<SyncGroup>> replica_groups, reduce_groups;
   // The constructor's work before any other instance is involved.
   void build(const DeviceList& group, PipelineConfig config, const StageFactory& make_stages);
   // The host call in this process (Pipeline::run without the agreement across instances).
-  PipelineResult run_local(InfeedQueue<Batch>& infeed, std::uint64_t steps, OutfeedQueue<std::vector<float>>* outfeed);
+  PipelineResult run_local(InfeedQueue<Batch>& infeed, std::uint64_t steps,
+                           OutfeedQueue<std::vector<float>>* outfeed);
   std::uint32_t ended_replica = 0;  // the last run's kEndOfData: the replica whose lane ended
   // Distributed: at construction, checks every instance built its pipeline, and the same
   // one, and broadcasts instance 0's weights and optimiser state (collectives); then, for
@@ -320,7 +331,8 @@ struct Pipeline::Impl {
   void join_instances(Instance& inst);
   // Distributed, after run_local: every instance's end exchanged, and the run's result
   // (or exception) made the same everywhere. `failure`: what run_local threw.
-  PipelineResult settle_across(PipelineResult local, std::exception_ptr failure, std::uint64_t steps);
+  PipelineResult settle_across(PipelineResult local, std::exception_ptr failure,
+                               std::uint64_t steps);
   // Distributed training over several instances (else null): the exchange across them.
   Instance* instance = nullptr;
   std::unique_ptr<detail::InstanceReduction> across;

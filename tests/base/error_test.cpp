@@ -9,7 +9,7 @@
 using namespace bspflow;
 using test::error_of;
 
-TEST_SUITE("error") {
+TEST_SUITE_BEGIN("error");
 
 TEST_CASE("throw_bad_value names the field, the value given and what is allowed") {
   CHECK(error_of([] { detail::throw_bad_value("prefetch_depth", 0, "must be in 1..255"); }) ==
@@ -34,4 +34,4 @@ TEST_CASE("describe_exception gives the message, or says what it cannot") {
         "unknown exception (not derived from std::exception)");
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -9,7 +9,7 @@
 
 using namespace bspflow;
 
-TEST_SUITE("log") {
+TEST_SUITE_BEGIN("log");
 
 TEST_CASE("messages below the level are dropped; the handler gets the rest") {
   std::vector<std::pair<LogLevel, std::string>> seen;
@@ -35,4 +35,4 @@ TEST_CASE("levels have names") {
   CHECK(to_string(LogLevel::kOff) == "off");
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

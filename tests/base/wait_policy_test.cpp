@@ -14,7 +14,7 @@ using namespace bspflow;
 using namespace std::chrono_literals;
 using test::error_of;
 
-TEST_SUITE("wait_policy") {
+TEST_SUITE_BEGIN("wait_policy");
 
 TEST_CASE("policies validate their budget") {
   CHECK(error_of([] { WaitPolicy::spin_then_park(-1ns).validate(); }) ==
@@ -45,10 +45,12 @@ TEST_CASE("a core shared by devices only: waits yield and spin at least the devi
   CHECK(busy.strategy == WaitStrategy::kSpinThenPark);
   CHECK(busy.spin == tunables::kDeviceSharedSpinBudget);
   CHECK(busy.yields);
-  const WaitPolicy short_spin = WaitPolicy::spin_then_park(1us).capped_for_sharing(CoreSharing::kDevices);
+  const WaitPolicy short_spin =
+      WaitPolicy::spin_then_park(1us).capped_for_sharing(CoreSharing::kDevices);
   CHECK(short_spin.spin == tunables::kDeviceSharedSpinBudget);
   CHECK(short_spin.yields);
-  const WaitPolicy long_spin = WaitPolicy::spin_then_park(1ms).capped_for_sharing(CoreSharing::kDevices);
+  const WaitPolicy long_spin =
+      WaitPolicy::spin_then_park(1ms).capped_for_sharing(CoreSharing::kDevices);
   CHECK(long_spin.spin == 1ms);
   const WaitPolicy park = WaitPolicy::park().capped_for_sharing(CoreSharing::kDevices);
   CHECK(park.strategy == WaitStrategy::kPark);
@@ -56,8 +58,9 @@ TEST_CASE("a core shared by devices only: waits yield and spin at least the devi
 }
 
 TEST_CASE("every strategy wakes its waiter") {
-  for (const WaitPolicy& policy : {WaitPolicy::busy_spin(), WaitPolicy::spin_then_park(1us),
-                                   WaitPolicy::park(), WaitPolicy::busy_spin().capped_for_sharing()}) {
+  for (const WaitPolicy& policy :
+       {WaitPolicy::busy_spin(), WaitPolicy::spin_then_park(1us), WaitPolicy::park(),
+        WaitPolicy::busy_spin().capped_for_sharing()}) {
     detail::WaitPoint point;
     std::atomic<int> state{0};
     std::thread waiter([&] {
@@ -72,4 +75,4 @@ TEST_CASE("every strategy wakes its waiter") {
   }
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -11,7 +11,7 @@
 using namespace bspflow::detail;
 using namespace std::chrono_literals;
 
-TEST_SUITE("wait") {
+TEST_SUITE_BEGIN("wait");
 
 TEST_CASE("spin_until returns true at once when ready, false after its budget") {
   CHECK(spin_until([] { return true; }));
@@ -54,4 +54,4 @@ TEST_CASE("a stop flag is seen once set") {
   CHECK(stop.requested());
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -101,7 +101,9 @@ inline double quantile(std::vector<double>& v, double q) {
   return v[std::min(i, v.size() - 1)];
 }
 
-inline double median(std::vector<double> v) { return quantile(v, 0.5); }
+inline double median(std::vector<double> v) {
+  return quantile(v, 0.5);
+}
 
 class Report {
  public:

@@ -38,7 +38,7 @@ using bench::Clock;
 
 namespace {
 
-const DeviceConfig kDevice{256, 64 * 1024};  // 256 tiles x 64 KiB = 16 MiB
+const DeviceConfig kDevice{256, 64 * 1024};      // 256 tiles x 64 KiB = 16 MiB
 constexpr std::size_t kMicroBatchFloats = 4096;  // 16 KiB per micro-batch
 constexpr std::size_t kMicroBatchBytes = kMicroBatchFloats * 4;
 
@@ -55,9 +55,9 @@ double step_time(Device& dev, std::uint32_t io_tiles, std::uint32_t prefetch,
   auto producer = infeed.make_producer();
   for (std::uint64_t i = 0; i < n; ++i) producer.push(Tensor(DType::kFloat32, {kMicroBatchFloats}));
   Buffer x = make_buffer(dev, "x", DType::kFloat32, kMicroBatchFloats);
-  const Program body = Sequence{StreamCopy(infeed, x), Execute("compute", [compute](const ComputeContext&) {
-                                  bench::spin_for(compute);
-                                })};
+  const Program body =
+      Sequence{StreamCopy(infeed, x),
+               Execute("compute", [compute](const ComputeContext&) { bench::spin_for(compute); })};
   engine.run(Repeat(8, body));  // warm up: pages touched, threads awake
   const EngineResult r = engine.run(Repeat(n - 8, body));
   return std::chrono::duration<double>(r.elapsed).count() / static_cast<double>(n - 8);
@@ -98,11 +98,14 @@ CopyErrors copy_errors(Device& dev, std::chrono::nanoseconds modeled, std::uint6
   engine.run(Repeat(n, StreamCopy(infeed, x)));
   CopyErrors errors;
   const double m = static_cast<double>(modeled.count());
-  auto error = [m](const TraceEvent& e) { return std::abs(static_cast<double>(e.end_ns - e.begin_ns) - m) / m; };
+  auto error = [m](const TraceEvent& e) {
+    return std::abs(static_cast<double>(e.end_ns - e.begin_ns) - m) / m;
+  };
   for (const TraceEvent& e : engine.trace()->tracks()[0].events()) {
     if (e.phase == Phase::kStreamCopyMid) errors.device.push_back(error(e));
   }
-  for (const TraceEvent& e : engine.trace()->tracks()[1].events()) errors.engine.push_back(error(e));
+  for (const TraceEvent& e : engine.trace()->tracks()[1].events())
+    errors.engine.push_back(error(e));
   return errors;
 }
 
@@ -118,7 +121,8 @@ int main(int argc, char** argv) {
   const std::uint64_t steps = args.quick ? 40 : 2000;
   const std::uint64_t rounds = args.quick ? 500 : 50000;
   const std::uint64_t copies = args.quick ? 20 : 400;
-  report.note("machine", Topology::get().describe().substr(0, Topology::get().describe().find('\n')));
+  report.note("machine",
+              Topology::get().describe().substr(0, Topology::get().describe().find('\n')));
 
   {
     Device dev(0, kDevice);
@@ -136,7 +140,8 @@ int main(int argc, char** argv) {
                     step_time(dev, 32, d, 100us, 100us, steps / 2) * 1e6);
     }
 
-    CopyErrors all, small = copy_errors(dev, 50us, copies), large = copy_errors(dev, 500us, copies / 4);
+    CopyErrors all, small = copy_errors(dev, 50us, copies),
+                    large = copy_errors(dev, 500us, copies / 4);
     for (CopyErrors* e : {&small, &large}) {
       all.engine.insert(all.engine.end(), e->engine.begin(), e->engine.end());
       all.device.insert(all.device.end(), e->device.begin(), e->device.end());
@@ -192,7 +197,8 @@ int main(int argc, char** argv) {
     double interp = 1e9, raw = 1e9;
     for (int k = 0; k < 3; ++k) {
       const EngineResult r = engine.run(Repeat(empty_n, Execute("empty", empty)));
-      interp = std::min(interp, std::chrono::duration<double>(r.elapsed).count() / static_cast<double>(empty_n));
+      interp = std::min(
+          interp, std::chrono::duration<double>(r.elapsed).count() / static_cast<double>(empty_n));
       std::function<void(const ComputeContext&)> f = empty;  // called through the same type erasure
       ComputeContext ctx;
       const auto t0 = Clock::now();

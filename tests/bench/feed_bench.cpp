@@ -74,7 +74,8 @@ double moodycamel_rate(std::uint64_t n, const Cores& cores) {
 
 // infeed -> repeat(1000, empty body) -> outfeed; host pushes a step, then drains it.
 double bspflow_rate(std::uint64_t steps, bool bulk, std::uint32_t prefetch, const Cores& cores,
-                    bspflow::Device& device, bspflow::ProducerType producers = bspflow::ProducerType::kSingle) {
+                    bspflow::Device& device,
+                    bspflow::ProducerType producers = bspflow::ProducerType::kSingle) {
   constexpr std::uint64_t kIterations = 1000;
   bspflow::InfeedConfig config{1, 1024, prefetch};
   config.producer_type = producers;
@@ -108,7 +109,6 @@ double bspflow_rate(std::uint64_t steps, bool bulk, std::uint32_t prefetch, cons
   return static_cast<double>(n) / t;
 }
 
-
 // One element host -> device -> host through infeed, a running loop and outfeed (ns each).
 std::vector<double> roundtrip(std::uint64_t n, const Cores& cores, bspflow::Device& device,
                               bspflow::ConsumerType readers) {
@@ -119,8 +119,8 @@ std::vector<double> roundtrip(std::uint64_t n, const Cores& cores, bspflow::Devi
   out_config.consumer_type = readers;
   if (readers == bspflow::ConsumerType::kSingle) out_config.capacity = 1024;
   bspflow::OutfeedQueue<std::uint64_t> outfeed(out_config);
-  auto run = bspflow::loops::repeat_async(device, n, [](int&, std::uint64_t& x) { return x; }, 0,
-                                          infeed, outfeed);
+  auto run = bspflow::loops::repeat_async(
+      device, n, [](int&, std::uint64_t& x) { return x; }, 0, infeed, outfeed);
   auto producer = infeed.make_producer();
   pin(cores.host);
   std::vector<double> rtt;

@@ -15,8 +15,8 @@
 
 #include <bspflow/bspflow.hpp>
 
-#include "model_kit.hpp"
 #include "bench_util.hpp"
+#include "model_kit.hpp"
 #include "plain_training.hpp"
 
 using namespace bspflow;
@@ -43,22 +43,27 @@ std::vector<Batch> make_batches(std::size_t n) {
 // The plain loop (bench::train_plainly): the same stages, micro-batches in the same order.
 double sequential_rate(const std::vector<Batch>& batches, std::uint64_t steps) {
   StageList model = kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{});
-  const double seconds =
-      bench::train_plainly(model, steps, kAccumulation, [&](std::uint64_t m) -> const Batch& { return batches[m % batches.size()]; });
+  const double seconds = bench::train_plainly(
+      model, steps, kAccumulation,
+      [&](std::uint64_t m) -> const Batch& { return batches[m % batches.size()]; });
   return static_cast<double>(steps * kAccumulation * kBatch) / seconds;
 }
 
-double pipelined_rate(DeviceGroup& devices, const std::vector<Batch>& batches, std::uint64_t calls) {
+double pipelined_rate(DeviceGroup& devices, const std::vector<Batch>& batches,
+                      std::uint64_t calls) {
   PipelineConfig cfg;
   cfg.gradient_accumulation = kAccumulation;
-  Pipeline pipe(devices, cfg, [](std::uint32_t) { return kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{}); });
+  Pipeline pipe(devices, cfg, [](std::uint32_t) {
+    return kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{});
+  });
   InfeedQueue<Batch> infeed(InfeedConfig{1, 2 * kIterations * kAccumulation, 2});
   std::uint64_t samples = 0;
   std::size_t m = 0;
   auto producer = infeed.make_producer();
   const auto t0 = bench::Clock::now();
   for (std::uint64_t c = 0; c < calls; ++c) {
-    for (std::uint64_t i = 0; i < kIterations * kAccumulation; ++i, ++m) producer.push(Batch(batches[m % batches.size()]));
+    for (std::uint64_t i = 0; i < kIterations * kAccumulation; ++i, ++m)
+      producer.push(Batch(batches[m % batches.size()]));
     const PipelineResult r = pipe.run(infeed, kIterations);
     if (!r.completed()) std::fprintf(stderr, "pipeline: %s\n", r.message.c_str());
     samples += kIterations * kAccumulation * kBatch;

@@ -41,7 +41,9 @@ using bspflow::detail::cpu_relax;
 constexpr std::size_t kCapacity = 1024;
 
 using bench::pin;
-std::uint32_t peer_core() { return bspflow::Topology::get().cores() > 1 ? 1 : 0; }
+std::uint32_t peer_core() {
+  return bspflow::Topology::get().cores() > 1 ? 1 : 0;
+}
 
 // The three queues behind one interface: push (spins while full), pop (spins while empty).
 struct Ring {
@@ -99,13 +101,13 @@ std::vector<double> round_trips(std::uint64_t n) {
   for (std::uint64_t i = 0; i < n; ++i) {
     const auto t0 = Clock::now();
     there.push(i);
-    if (back.pop() != i) std::fprintf(stderr, "round trip lost element %llu\n", static_cast<unsigned long long>(i));
+    if (back.pop() != i)
+      std::fprintf(stderr, "round trip lost element %llu\n", static_cast<unsigned long long>(i));
     rtt.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
   }
   peer.join();
   return rtt;
 }
-
 
 // Elements/s streamed from the host thread to the peer.
 template <class Q>
@@ -184,7 +186,9 @@ int main(int argc, char** argv) {
   report.ratio("handoff_rtt_p99_spsc_ring_vs_rwq", p99, "(no target)", true);
   report.ratio("handoff_throughput_spsc_ring_vs_rwq", rate, ">= 1 (keep SpscRing)", rate >= 1.0);
 #else
-  report.note("rwq", "skipped: readerwriterqueue/readerwriterqueue.h not found (Debian libreaderwriterqueue-dev)");
+  report.note(
+      "rwq",
+      "skipped: readerwriterqueue/readerwriterqueue.h not found (Debian libreaderwriterqueue-dev)");
 #endif
   if (!report.write(args.json_path)) {
     std::fprintf(stderr, "could not write %s\n", args.json_path.c_str());

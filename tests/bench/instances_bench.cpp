@@ -40,8 +40,8 @@
 #include <bspflow/bspflow.hpp>
 
 #include "bench_util.hpp"
-#include "plain_training.hpp"
 #include "model_kit.hpp"
+#include "plain_training.hpp"
 
 using namespace bspflow;
 
@@ -64,7 +64,8 @@ Batch synthetic_batch() {
 
 std::size_t flagship_gradients() {
   std::size_t n = 0;
-  for (const auto& s : kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{})) n += s->gradient_elements();
+  for (const auto& s : kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{}))
+    n += s->gradient_elements();
   return n;
 }
 
@@ -87,7 +88,8 @@ class ReduceOnly final : public Stage {
 
 // Worker: for `n` gradients, a step of the reduce-only pipeline distributed and not (each
 // instance runs its own, at the same time), and a bare MPI_Allreduce of the same bytes.
-void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps, int rounds, const std::string& suffix) {
+void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps, int rounds,
+                      const std::string& suffix) {
   Instance& me = Instance::current();
   PipelineConfig cfg;
   cfg.strategy = ExecutionStrategy::kSingle;
@@ -126,7 +128,8 @@ void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps,
     me.barrier();
     const auto t0 = bench::Clock::now();
     for (std::uint64_t i = 0; i < steps; ++i) {
-      MPI_Allreduce(MPI_IN_PLACE, bare.data(), static_cast<int>(bare.size()), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      MPI_Allreduce(MPI_IN_PLACE, bare.data(), static_cast<int>(bare.size()), MPI_FLOAT, MPI_SUM,
+                    MPI_COMM_WORLD);
     }
     const double theirs_us = 1e6 * bench::seconds_since(t0) / static_cast<double>(steps);
     if (round >= 0) {
@@ -157,7 +160,9 @@ void train_worker(bench::Report& report, std::uint64_t calls) {
   cfg.distributed = true;
   cfg.synthetic_data = true;
   DeviceGroup devices(1);
-  Pipeline pipe(devices, cfg, [](std::uint32_t) { return kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{}); });
+  Pipeline pipe(devices, cfg, [](std::uint32_t) {
+    return kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{});
+  });
   InfeedQueue<Batch> infeed(InfeedConfig{1, 4, 1});
   auto producer = infeed.make_producer();
   const Batch one = synthetic_batch();
@@ -170,7 +175,8 @@ void train_worker(bench::Report& report, std::uint64_t calls) {
     const PipelineResult r = pipe.run(infeed, kIterations);
     if (!r.completed()) std::fprintf(stderr, "pipeline: %s\n", r.message.c_str());
   }
-  std::vector<double> figures{static_cast<double>(calls * kIterations * kAccumulation * kBatch), bench::seconds_since(t0)};
+  std::vector<double> figures{static_cast<double>(calls * kIterations * kAccumulation * kBatch),
+                              bench::seconds_since(t0)};
   me.allreduce_sum(figures);  // samples of all instances; their times, summed
   report.figure("samples_per_s", figures[0] / (figures[1] / me.count()));
 }
@@ -183,7 +189,8 @@ double plain_rate(std::uint32_t threads, std::uint64_t steps) {
   std::vector<double> seconds(threads);
   bench::on_placed_threads(threads, [&](std::uint32_t t) {
     StageList model = kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{});
-    seconds[t] = bench::train_plainly(model, steps, kAccumulation, [&](std::uint64_t) -> const Batch& { return one; });
+    seconds[t] = bench::train_plainly(model, steps, kAccumulation,
+                                      [&](std::uint64_t) -> const Batch& { return one; });
   });
   const double slowest = *std::max_element(seconds.begin(), seconds.end());
   return static_cast<double>(threads * steps * kAccumulation * kBatch) / slowest;
@@ -194,10 +201,11 @@ std::map<std::string, double> launch(int np, const std::string& args) {
   char self[4096] = {};
   const ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
   if (len <= 0) return {};
-  const std::string command = "mpirun -np " + std::to_string(np) +
-                              " --oversubscribe --bind-to none --allow-run-as-root --mca btl self,tcp "
-                              "--mca btl_tcp_if_include lo " +
-                              std::string(self, static_cast<std::size_t>(len)) + " " + args + " 2>&1";
+  const std::string command =
+      "mpirun -np " + std::to_string(np) +
+      " --oversubscribe --bind-to none --allow-run-as-root --mca btl self,tcp "
+      "--mca btl_tcp_if_include lo " +
+      std::string(self, static_cast<std::size_t>(len)) + " " + args + " 2>&1";
   std::map<std::string, double> out;
   FILE* p = popen(command.c_str(), "r");
   if (p == nullptr) return out;
@@ -233,7 +241,8 @@ int main(int argc, char** argv) {
 
   if (!worker.empty()) {
     Instance& me = Instance::current();
-    if (me.index() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) return 1;  // instance 0 reports
+    if (me.index() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr)
+      return 1;  // instance 0 reports
     bench::Report report("instances-worker");
     if (worker == "allreduce") {
       const std::uint64_t steps = args.quick ? 20 : 200;
@@ -250,7 +259,8 @@ int main(int argc, char** argv) {
   const std::string quick = args.quick ? " --quick" : "";
   auto reduce = launch(2, "--worker allreduce" + quick);
   if (reduce.count("allreduce_vs_mpi_allreduce") == 0) {
-    report.note("allreduce_vs_mpi_allreduce", "skipped: the workers did not report (is mpirun installed?)");
+    report.note("allreduce_vs_mpi_allreduce",
+                "skipped: the workers did not report (is mpirun installed?)");
   } else {
     for (const std::string suffix : {"", "_small"}) {
       report.figure("allreduce_floats" + suffix, reduce["allreduce_floats" + suffix]);

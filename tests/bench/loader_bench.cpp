@@ -76,8 +76,8 @@ int main(int argc, char** argv) {
 
   bench::Report report("loader");
   report.note("workload", std::to_string(samples) + " samples of " + data.spec().describe() +
-                              ", batch 16, 50 device iterations, " +
-                              std::to_string(g_workers) + " workers, shuffled");
+                              ", batch 16, 50 device iterations, " + std::to_string(g_workers) +
+                              " workers, shuffled");
 
   // Reference: memcpy of one step's samples, in the loader's order, into a warm buffer.
   bspflow::DataLoader<const bspflow::TensorDataset> async(shape, data,
@@ -103,8 +103,10 @@ int main(int argc, char** argv) {
   const double loader_bps = bench::median(loader_rates) * step_bytes;
   report.figure("memcpy_bytes_per_s", copy_bps);
   report.figure("loader_async_bytes_per_s", loader_bps);
-  report.figure("loader_async_items_per_s", bench::median(loader_rates) * static_cast<double>(step_samples));
-  report.ratio("loader_vs_memcpy", loader_bps / copy_bps, "(no target; > 1: workers beat one memcpy)", true);
+  report.figure("loader_async_items_per_s",
+                bench::median(loader_rates) * static_cast<double>(step_samples));
+  report.ratio("loader_vs_memcpy", loader_bps / copy_bps,
+               "(no target; > 1: workers beat one memcpy)", true);
 
   // Async vs sync with a consumer as slow as the sync loader.
   bspflow::DataLoader<const bspflow::TensorDataset> sync(shape, data,
@@ -112,8 +114,8 @@ int main(int argc, char** argv) {
   epoch_rate(sync, {});  // warm the buffers
   std::vector<double> sync_alone;
   for (int e = 0; e < epochs; ++e) sync_alone.push_back(epoch_rate(sync, {}));
-  const auto device = std::chrono::nanoseconds(
-      static_cast<std::int64_t>(1e9 / bench::median(sync_alone)));
+  const auto device =
+      std::chrono::nanoseconds(static_cast<std::int64_t>(1e9 / bench::median(sync_alone)));
   report.figure("device_time_per_step_ms", static_cast<double>(device.count()) / 1e6);
   // Steady state: the async loader keeps loading across epoch ends (load_indefinitely), so
   // short epochs do not each pay an empty ring at their start.

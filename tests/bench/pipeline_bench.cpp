@@ -41,9 +41,9 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
-#include <cmath>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <thread>
 #include <vector>
@@ -78,7 +78,9 @@ class BusyStage final : public Stage {
   std::chrono::nanoseconds work_;
 };
 
-LinkModel free_link() { return LinkModel{1e15, std::chrono::nanoseconds{0}}; }
+LinkModel free_link() {
+  return LinkModel{1e15, std::chrono::nanoseconds{0}};
+}
 
 // Two balanced stages of `work` each.
 StageFactory two_busy_stages(std::chrono::nanoseconds work) {
@@ -186,7 +188,7 @@ double dataflow_floor_rate(std::chrono::nanoseconds work, std::uint64_t items) {
 
 struct Timing {
   std::uint64_t micro_batches = 0;  // through the last stage
-  double host_call = 0;  // seconds: the host call
+  double host_call = 0;             // seconds: the host call
   double on_devices = 0;  // seconds: first pass begins to last pass ends (traced runs only)
 };
 
@@ -234,8 +236,8 @@ double pipeline_rate(DeviceGroup& devices, SyncMode sync, std::chrono::nanosecon
 // Seconds for `k` micro-batches of `bytes` (data) through 2 inference stages of `work`
 // each, the host link taking `work` per micro-batch: with `io_tiles` (overlapped), without
 // (serial), or with synthetic data (no copies: the compute-only reference).
-double io_time(DeviceGroup& devices, std::chrono::nanoseconds work, std::uint32_t k, std::uint32_t io_tiles,
-               bool synthetic) {
+double io_time(DeviceGroup& devices, std::chrono::nanoseconds work, std::uint32_t k,
+               std::uint32_t io_tiles, bool synthetic) {
   constexpr std::size_t kValues = 1024;
   const std::size_t bytes = kValues * sizeof(float) + sizeof(std::int32_t);  // data and one label
   PipelineConfig cfg;
@@ -271,23 +273,23 @@ double tbb_rate(std::chrono::nanoseconds work, std::uint64_t micro_batches) {
   float sink = 0;
   const auto t0 = Clock::now();
   tbb::parallel_pipeline(
-      4,
-      tbb::make_filter<void, float>(tbb::filter_mode::serial_in_order,
-                                    [&](tbb::flow_control& fc) -> float {
-                                      if (produced == micro_batches) {
-                                        fc.stop();
-                                        return 0.0f;
-                                      }
-                                      ++produced;
-                                      spin_for(work);
-                                      return 1.0f;
-                                    }) &
-          tbb::make_filter<float, void>(tbb::filter_mode::serial_in_order, [&](float x) {
-            spin_for(work);
-            sink += x + 1.0f;
-          }));
+      4, tbb::make_filter<void, float>(tbb::filter_mode::serial_in_order,
+                                       [&](tbb::flow_control& fc) -> float {
+                                         if (produced == micro_batches) {
+                                           fc.stop();
+                                           return 0.0f;
+                                         }
+                                         ++produced;
+                                         spin_for(work);
+                                         return 1.0f;
+                                       }) &
+             tbb::make_filter<float, void>(tbb::filter_mode::serial_in_order, [&](float x) {
+               spin_for(work);
+               sink += x + 1.0f;
+             }));
   const double s = bench::seconds_since(t0);
-  if (sink != 2.0f * static_cast<float>(micro_batches)) std::fprintf(stderr, "tbb pipeline lost items\n");
+  if (sink != 2.0f * static_cast<float>(micro_batches))
+    std::fprintf(stderr, "tbb pipeline lost items\n");
   return static_cast<double>(micro_batches) / s;
 }
 #endif
@@ -314,8 +316,8 @@ int main(int argc, char** argv) {
     }
     return std::pair{best_p, best_f};
   };
-  auto report_against = [&](const char* name, double per_s, double floor_per_s, double stage_s, const char* target,
-                            double target_value, const char* floor_key) {
+  auto report_against = [&](const char* name, double per_s, double floor_per_s, double stage_s,
+                            const char* target, double target_value, const char* floor_key) {
     const double v = per_s * stage_s, f = floor_per_s * stage_s;
     report.figure(std::string(name) + "_per_s", per_s);
     report.ratio(std::string(name) + "_vs_ideal", v, target, v >= target_value);
@@ -323,24 +325,29 @@ int main(int argc, char** argv) {
     report.figure(std::string(name) + "_vs_floor", v / f);
   };
   {
-    const auto [p1, f1] = paired([&] { return pipeline_rate(devices, SyncMode::kBsp, 1us, 200'000 / scale); },
-                                 [&] { return bsp_floor_rate(1us, 200'000 / scale); });
+    const auto [p1, f1] =
+        paired([&] { return pipeline_rate(devices, SyncMode::kBsp, 1us, 200'000 / scale); },
+               [&] { return bsp_floor_rate(1us, 200'000 / scale); });
     report_against("pipeline_bsp_1us", p1, f1, 1e-6, ">= 0.8", 0.8, "bsp_floor_1us_vs_ideal");
-    const auto [p10, f10] = paired([&] { return pipeline_rate(devices, SyncMode::kBsp, 10us, 40'000 / scale); },
-                                   [&] { return bsp_floor_rate(10us, 40'000 / scale); });
+    const auto [p10, f10] =
+        paired([&] { return pipeline_rate(devices, SyncMode::kBsp, 10us, 40'000 / scale); },
+               [&] { return bsp_floor_rate(10us, 40'000 / scale); });
     report_against("pipeline_bsp_10us", p10, f10, 1e-5, ">= 0.97", 0.97, "bsp_floor_10us_vs_ideal");
   }
   {
-    const auto [pd, fd] = paired([&] { return pipeline_rate(devices, SyncMode::kDataflow, 1us, 200'000 / scale); },
-                                 [&] { return dataflow_floor_rate(1us, 200'000 / scale); });
-    report_against("pipeline_dataflow_1us", pd, fd, 1e-6, ">= 0.9", 0.9, "dataflow_floor_1us_vs_ideal");
+    const auto [pd, fd] =
+        paired([&] { return pipeline_rate(devices, SyncMode::kDataflow, 1us, 200'000 / scale); },
+               [&] { return dataflow_floor_rate(1us, 200'000 / scale); });
+    report_against("pipeline_dataflow_1us", pd, fd, 1e-6, ">= 0.9", 0.9,
+                   "dataflow_floor_1us_vs_ideal");
 #if BSPFLOW_HAVE_TBB
     double rt = 0;
     for (int i = 0; i < reps; ++i) rt = std::max(rt, tbb_rate(1us, 200'000 / scale));
     report.figure("tbb_parallel_pipeline_1us_per_s", rt);
     report.ratio("pipeline_dataflow_1us_vs_tbb", pd / rt, ">= 1.2", pd / rt >= 1.2);
 #else
-    report.note("pipeline_dataflow_1us_vs_tbb", "skipped (built without oneTBB: apt-get install libtbb-dev)");
+    report.note("pipeline_dataflow_1us_vs_tbb",
+                "skipped (built without oneTBB: apt-get install libtbb-dev)");
 #endif
   }
   {

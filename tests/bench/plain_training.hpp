@@ -18,7 +18,8 @@ namespace bench {
 // micro-batch m of the run (m counts from 0). Returns the seconds the steps took (the
 // buffers are set up before the clock starts).
 template <class BatchOf>
-double train_plainly(bspflow::StageList& model, std::uint64_t steps, std::uint32_t accumulation, BatchOf&& batch_of) {
+double train_plainly(bspflow::StageList& model, std::uint64_t steps, std::uint32_t accumulation,
+                     BatchOf&& batch_of) {
   using namespace bspflow;
   const auto n = static_cast<std::uint32_t>(model.size());
   std::vector<std::vector<float>> sum(n), outs(n), saved(n), grad_in(n);
@@ -35,14 +36,21 @@ double train_plainly(bspflow::StageList& model, std::uint64_t steps, std::uint32
     for (std::uint32_t i = 0; i < accumulation; ++i, ++m) {
       const Batch& batch = batch_of(m);
       for (std::uint32_t s = 0; s < n; ++s) {
-        ForwardArgs a{batch, s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]), outs[s], saved[s]};
+        ForwardArgs a{batch,
+                      s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]),
+                      outs[s], saved[s]};
         model[s]->forward(StageContext{s, 0, 0, step, i}, a);
       }
       for (std::uint32_t s = n; s-- > 0;) {
         g.assign(model[s]->gradient_elements(), 0.0f);
         std::fill(grad_in[s].begin(), grad_in[s].end(), 0.0f);
-        BackwardArgs a{batch, s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]), saved[s],
-                       s + 1 == n ? std::span<const float>{} : std::span<const float>(grad_in[s + 1]), grad_in[s], g};
+        BackwardArgs a{
+            batch,
+            s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]),
+            saved[s],
+            s + 1 == n ? std::span<const float>{} : std::span<const float>(grad_in[s + 1]),
+            grad_in[s],
+            g};
         model[s]->backward(StageContext{s, 0, 0, step, i}, a);
         for (std::size_t j = 0; j < g.size(); ++j) sum[s][j] += g[j];
       }

@@ -56,7 +56,8 @@ struct Req {
 };
 
 std::int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
 }
 
 DeviceConfig devices_off_core0() {
@@ -118,8 +119,9 @@ class RefChain {
         Req r;
         for (;;) {
           if (!in.try_pop(r)) {
-            detail::wait_with(in.point, policy_, [&] { return in.try_pop(r) || stop_.load(); },
-                              detail::Fence::kAsymmetric);
+            detail::wait_with(
+                in.point, policy_, [&] { return in.try_pop(r) || stop_.load(); },
+                detail::Fence::kAsymmetric);
             if (stop_.load()) return;
           }
           spin_for(kWork);
@@ -147,8 +149,7 @@ class RefChain {
 
 struct StreamRig {
   explicit StreamRig(std::uint32_t devices)
-      : group(devices, devices_off_core0()),
-        stream(build(group, devices)),
+      : group(devices, devices_off_core0()), stream(build(group, devices)),
         in(InfeedConfig{.capacity = 1024, .producer_type = ProducerType::kSingle}),
         out(OutfeedConfig{.capacity = 4096, .consumer_type = ConsumerType::kSingle}) {
     stream.start(in, out);
@@ -249,14 +250,16 @@ std::pair<std::vector<double>, std::uint64_t> open_loop(double rate, double seco
 // A stream's closed-loop latencies over `devices` devices.
 std::vector<double> stream_closed_loop(std::uint32_t devices, std::uint64_t n) {
   StreamRig rig(devices);
-  return closed_loop(n, [&](const Req& r) { rig.send(r); },
-                     [&](Req& r) { return rig.try_receive(r); });
+  return closed_loop(
+      n, [&](const Req& r) { rig.send(r); }, [&](Req& r) { return rig.try_receive(r); });
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"stream_bench: stream latency and throughput vs a hand-written SPSC chain and oneTBB flow graph"};
+  CLI::App app{
+      "stream_bench: stream latency and throughput vs a hand-written SPSC chain and oneTBB flow "
+      "graph"};
   bench::CommonArgs common;
   common.add_to(app);
   CLI11_PARSE(app, argc, argv);
@@ -272,7 +275,8 @@ int main(int argc, char** argv) {
   const std::uint64_t n = common.quick ? 2'000 : 20'000;
   const double open_seconds = common.quick ? 0.2 : 2.0;
   const WaitPolicy capped = WaitPolicy{}.capped_for_sharing(CoreSharing::kDevices);
-  report.note("placement", "client on core 0 (reserved), devices and chain threads on the other core(s)");
+  report.note("placement",
+              "client on core 0 (reserved), devices and chain threads on the other core(s)");
 
   for (std::uint32_t devices : {2u, 4u}) {
     const std::string tag = std::to_string(devices) + "dev";
@@ -285,8 +289,13 @@ int main(int argc, char** argv) {
       }
       {
         RefChain chain(devices, capped);
-        auto lat = closed_loop(n, [&](const Req& r) { while (!chain.try_send(r)) {} },
-                               [&](Req& r) { return chain.try_receive(r); });
+        auto lat = closed_loop(
+            n,
+            [&](const Req& r) {
+              while (!chain.try_send(r)) {
+              }
+            },
+            [&](Req& r) { return chain.try_receive(r); });
         c50.push_back(bench::quantile(lat, 0.5));
         c99.push_back(bench::quantile(lat, 0.99));
       }
@@ -304,13 +313,15 @@ int main(int argc, char** argv) {
     for (int round = 0; round < 3; ++round) {
       {
         StreamRig rig(2);
-        st.push_back(throughput(n * 5, [&](const Req& r) { return rig.try_send(r); },
-                                [&](Req& r) { return rig.try_receive(r); }));
+        st.push_back(throughput(
+            n * 5, [&](const Req& r) { return rig.try_send(r); },
+            [&](Req& r) { return rig.try_receive(r); }));
       }
       {
         RefChain chain(2, capped);
-        ct.push_back(throughput(n * 5, [&](Req r) { return chain.try_send(r); },
-                                [&](Req& r) { return chain.try_receive(r); }));
+        ct.push_back(throughput(
+            n * 5, [&](Req r) { return chain.try_send(r); },
+            [&](Req& r) { return chain.try_receive(r); }));
       }
     }
     report.figure("stream_2dev_requests_per_s", bench::median(st));
@@ -345,14 +356,15 @@ int main(int argc, char** argv) {
           });
           tbb::flow::make_edge(*a, *b);
         });
-        auto lat = closed_loop(n, [&](const Req& r) { arena.execute([&] { a->try_put(r); }); },
-                               [&](Req& r) {
-                                 const std::int64_t d = done.load(std::memory_order_acquire);
-                                 if (d < 0) return false;
-                                 r.t0 = d;
-                                 done.store(-1, std::memory_order_relaxed);  // relaxed: only this thread resets it
-                                 return true;
-                               });
+        auto lat = closed_loop(
+            n, [&](const Req& r) { arena.execute([&] { a->try_put(r); }); },
+            [&](Req& r) {
+              const std::int64_t d = done.load(std::memory_order_acquire);
+              if (d < 0) return false;
+              r.t0 = d;
+              done.store(-1, std::memory_order_relaxed);  // relaxed: only this thread resets it
+              return true;
+            });
         arena.execute([&] { g->wait_for_all(); });
         t50.push_back(bench::quantile(lat, 0.5));
       }
@@ -371,17 +383,21 @@ int main(int argc, char** argv) {
     double s99 = 0;
     {
       StreamRig rig(devices);
-      auto [lat, l] = open_loop(50'000, open_seconds, [&](const Req& r) { rig.send(r); },
-                                [&](Req& r) { return rig.try_receive(r); });
+      auto [lat, l] = open_loop(
+          50'000, open_seconds, [&](const Req& r) { rig.send(r); },
+          [&](Req& r) { return rig.try_receive(r); });
       lost = l;
       s99 = bench::quantile(lat, 0.99);
     }
     double c99 = 0;
     {
       RefChain chain(devices, capped);
-      auto [lat, l] = open_loop(50'000, open_seconds,
-                                [&](const Req& r) { while (!chain.try_send(r)) std::this_thread::yield(); },
-                                [&](Req& r) { return chain.try_receive(r); });
+      auto [lat, l] = open_loop(
+          50'000, open_seconds,
+          [&](const Req& r) {
+            while (!chain.try_send(r)) std::this_thread::yield();
+          },
+          [&](Req& r) { return chain.try_receive(r); });
       c99 = bench::quantile(lat, 0.99);
     }
     report.ratio("stream_open_loop_lost_" + tag, static_cast<double>(lost), "= 0", lost == 0);

@@ -9,6 +9,12 @@ int main() {
   bspflow::Device device(0, bspflow::DeviceConfig{});
   auto producer = in.make_producer();
   for (int i = 0; i < 4; ++i) producer.push(i);
-  auto run = bspflow::loops::repeat(device, 4, [](int& sum, int& x) { sum += x; return x; }, 0, in, out);
+  auto run = bspflow::loops::repeat(
+      device, 4,
+      [](int& sum, int& x) {
+        sum += x;
+        return x;
+      },
+      0, in, out);
   return run.state(0) == 6 ? 0 : 1;
 }

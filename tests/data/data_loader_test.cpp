@@ -120,7 +120,7 @@ LoaderConfig async_config(std::size_t batch, std::uint32_t workers) {
 
 }  // namespace
 
-TEST_SUITE("data_loader") {
+TEST_SUITE_BEGIN("data_loader");
 
 TEST_CASE("plan: steps per epoch, drop and pad counts, the combined batch") {
   struct Case {
@@ -131,9 +131,9 @@ TEST_CASE("plan: steps per epoch, drop and pad counts, the combined batch") {
     std::uint64_t steps, dropped, padded;
   };
   const Case cases[] = {
-      {60000, 10, 10, 1, 40, true, 15, 0, 0},     // the pipelining tutorial: 4000 per step
+      {60000, 10, 10, 1, 40, true, 15, 0, 0},  // the pipelining tutorial: 4000 per step
       {60000, 1, 1, 1, 16, true, 3750, 0, 0},
-      {10000, 50, 1, 2, 16, true, 6, 400, 0},     // the data-loading tutorial, 2 replicas
+      {10000, 50, 1, 2, 16, true, 6, 400, 0},  // the data-loading tutorial, 2 replicas
       {10000, 50, 1, 2, 16, false, 7, 0, 1200},
       {100, 3, 2, 2, 4, true, 2, 4, 0},
       {100, 3, 2, 2, 4, false, 3, 0, 44},
@@ -155,7 +155,9 @@ TEST_CASE("plan: steps per epoch, drop and pad counts, the combined batch") {
   }
   LoaderConfig cfg;
   cfg.batch_size = 16;
-  CHECK(contains(error_of([&] { detail::LoadPlan(StepShape{50, 1, 2}, 1000, cfg); }),
+  CHECK(contains(error_of([&] {
+                   detail::LoadPlan(StepShape{50, 1, 2}, 1000, cfg);
+                 }),
                  "fewer than one step needs (combined batch 16 batch x 50 device iterations x "
                  "1 gradient accumulation x 2 replicas = 1600 samples)"));
   CHECK(contains(error_of([&] { detail::LoadPlan(StepShape{1, 1, 1}, 0, cfg); }), "empty"));
@@ -250,9 +252,9 @@ TEST_CASE("micro-batch m of a step goes to replica m % replicas, in order") {
     }
   }
   CHECK(contains(error_of([&] {
-          for (auto& step : loader) (void)step.replica(2);
-        }),
-        "replica = 2 is not allowed"));
+                   for (auto& step : loader) (void)step.replica(2);
+                 }),
+                 "replica = 2 is not allowed"));
 }
 
 TEST_CASE("shuffle: same seed same order, reshuffled every epoch, other seed differs") {
@@ -365,8 +367,9 @@ TEST_CASE("a worker's exception reaches the consumer with the sample index; noth
     }
     CHECK(steps_before == 3);
     CHECK(index == 37);
-    CHECK(contains(message, "sample 37 (epoch 0, step 3, replica 0) could not be loaded: "
-                            "corrupt record 37"));
+    CHECK(contains(message,
+                   "sample 37 (epoch 0, step 3, replica 0) could not be loaded: "
+                   "corrupt record 37"));
     // The loader stays failed, and says so again.
     CHECK_THROWS_AS((void)loader.next(), LoaderError);
   }
@@ -397,7 +400,8 @@ TEST_CASE("drop_last says once how many samples it drops and why") {
   }
   set_log_handler(nullptr);
   REQUIRE(messages.size() == 1);
-  CHECK(contains(messages[0], "drop_last drops 4 of 100 samples every epoch: 100 = 6 steps x 16 + 4"));
+  CHECK(contains(messages[0],
+                 "drop_last drops 4 of 100 samples every epoch: 100 = 6 steps x 16 + 4"));
   CHECK(contains(messages[0], "drop_last = false"));
 }
 
@@ -458,8 +462,8 @@ TEST_CASE("streaming dataset: read in order, rewound per epoch, short streams ar
   CountingStream short_stream(50, 23);
   c.shuffle = false;
   DataLoader bad(StepShape{2, 1, 1}, short_stream, c);
-  CHECK_THROWS_WITH_AS(drain_epoch_count(bad), doctest::Contains("the stream ended after 23 samples"),
-                       LoaderError);
+  CHECK_THROWS_WITH_AS(drain_epoch_count(bad),
+                       doctest::Contains("the stream ended after 23 samples"), LoaderError);
 }
 
 TEST_CASE("the loader feeds a replicated loop: each replica its own samples, all once") {
@@ -479,12 +483,14 @@ TEST_CASE("the loader feeds a replicated loop: each replica its own samples, all
   std::set<std::uint64_t> per_replica[2];
   const std::uint64_t iterations = opts.device_iterations() * opts.gradient_accumulation();
   while (loader.feed_next(producer)) {
-    auto r = loops::repeat(devices, iterations,
-                           [](int&, Batch& b, const Iteration& it) {
-                             if (b.replica != it.replica) throw std::runtime_error("wrong lane");
-                             return std::vector<std::uint64_t>(b.indices.begin(), b.indices.begin() + static_cast<std::ptrdiff_t>(b.valid));
-                           },
-                           0, infeed, outfeed);
+    auto r = loops::repeat(
+        devices, iterations,
+        [](int&, Batch& b, const Iteration& it) {
+          if (b.replica != it.replica) throw std::runtime_error("wrong lane");
+          return std::vector<std::uint64_t>(
+              b.indices.begin(), b.indices.begin() + static_cast<std::ptrdiff_t>(b.valid));
+        },
+        0, infeed, outfeed);
     CHECK(r.completed());
     for (auto& e : outfeed) {
       for (std::uint64_t i : e.value) {
@@ -498,14 +504,16 @@ TEST_CASE("the loader feeds a replicated loop: each replica its own samples, all
   CHECK(per_replica[0].size() == (n - 3) / 2);
   for (std::uint64_t i : per_replica[0]) CHECK(per_replica[1].count(i) == 0);
   CHECK(contains(error_of([&] {
-          InfeedQueue<Batch> wrong(InfeedConfig{3, 16, 1});
-          auto p = wrong.make_producer();
-          loader.feed_next(p);
-        }),
-        "the infeed has 3 replica lanes but the loader fills 2 replicas"));
+                   InfeedQueue<Batch> wrong(InfeedConfig{3, 16, 1});
+                   auto p = wrong.make_producer();
+                   loader.feed_next(p);
+                 }),
+                 "the infeed has 3 replica lanes but the loader fills 2 replicas"));
 }
 
-TEST_CASE("the loader's batches cross a loop's modeled host link as data plus labels (8-bit data: 1 byte a value)") {
+TEST_CASE(
+    "the loader's batches cross a loop's modeled host link as data plus labels (8-bit data: 1 byte "
+    "a value)") {
   Options opts;
   opts.device_iterations(4).infeed_capacity(8).io_tiles(2).prefetch_depth(2);
   SyntheticDataset::Config dc;
@@ -520,8 +528,9 @@ TEST_CASE("the loader's batches cross a loop's modeled host link as data plus la
   Device device(0, opts.device_config());
   std::uint64_t bytes = 0, samples = 0, steps = 0;
   while (loader.feed_next(producer)) {
-    const auto r = loops::repeat(device, opts.device_iterations(), [](std::size_t& seen, Batch& b) { seen += b.valid; },
-                                 std::size_t{0}, infeed, opts.host_io());
+    const auto r = loops::repeat(
+        device, opts.device_iterations(), [](std::size_t& seen, Batch& b) { seen += b.valid; },
+        std::size_t{0}, infeed, opts.host_io());
     REQUIRE(r.completed());
     bytes += r.host_bytes_in;
     samples += r.state();
@@ -532,7 +541,9 @@ TEST_CASE("the loader's batches cross a loop's modeled host link as data plus la
   CHECK(bytes == samples * 16 + samples * sizeof(std::int32_t));
 }
 
-TEST_CASE("instances: each loads a disjoint part of every epoch; together every sample once, the same number of steps") {
+TEST_CASE(
+    "instances: each loads a disjoint part of every epoch; together every sample once, the same "
+    "number of steps") {
   const std::uint64_t n = 1003;  // not a multiple of anything below
   CountingDataset data(n);
   for (std::uint32_t instances : {1u, 2u, 3u}) {
@@ -589,7 +600,8 @@ TEST_CASE("instances: bad settings and a stream are refused with what is allowed
   CHECK(contains(error_of([&] { DataLoader loader(StepShape{}, data, c); }), "instances = 0"));
   CountingDataset tiny(3);
   c.instances = 4;
-  CHECK(contains(error_of([&] { DataLoader loader(StepShape{}, tiny, c); }), "fewer than the 4 instances"));
+  CHECK(contains(error_of([&] { DataLoader loader(StepShape{}, tiny, c); }),
+                 "fewer than the 4 instances"));
   c.instances = 2;
   CountingStream stream(50, 50);
   const std::string why = error_of([&] { DataLoader loader(StepShape{}, stream, c); });
@@ -598,8 +610,8 @@ TEST_CASE("instances: bad settings and a stream are refused with what is allowed
   // drop_last too few per instance names the split.
   c.batch_size = 40;
   CountingDataset sixty(60);
-  CHECK(contains(error_of([&] { DataLoader loader(StepShape{}, sixty, c); }), "30 samples per instance"));
+  CHECK(contains(error_of([&] { DataLoader loader(StepShape{}, sixty, c); }),
+                 "30 samples per instance"));
 }
 
-}  // TEST_SUITE
-
+TEST_SUITE_END();

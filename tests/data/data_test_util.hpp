@@ -18,13 +18,15 @@ namespace test {
 // Counts reads; throws on `bad` indices.
 class CountingDataset {
  public:
-  explicit CountingDataset(std::size_t n, std::set<std::size_t> bad = {}) : n_(n), bad_(std::move(bad)) {}
+  explicit CountingDataset(std::size_t n, std::set<std::size_t> bad = {})
+      : n_(n), bad_(std::move(bad)) {}
   std::size_t size() const { return n_; }
   bspflow::SampleSpec spec() const { return {bspflow::DType::kInt32, {2, 3}}; }
   bspflow::Sample get(std::size_t i) const {
     reads_.fetch_add(1, std::memory_order_relaxed);  // relaxed: a statistic
     if (bad_.count(i) != 0) throw std::runtime_error("corrupt record " + std::to_string(i));
-    bspflow::Sample s{bspflow::Tensor(bspflow::DType::kInt32, {2, 3}), static_cast<std::int32_t>(i % 7)};
+    bspflow::Sample s{bspflow::Tensor(bspflow::DType::kInt32, {2, 3}),
+                      static_cast<std::int32_t>(i % 7)};
     for (auto& v : s.data.as<std::int32_t>()) v = static_cast<std::int32_t>(i);
     return s;
   }

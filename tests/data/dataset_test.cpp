@@ -25,7 +25,7 @@ using test::contains;
 using test::CountingDataset;
 using test::error_of;
 
-TEST_SUITE("dataset") {
+TEST_SUITE_BEGIN("dataset");
 
 TEST_CASE("synthetic dataset: seeded, order-independent, normal") {
   SyntheticDataset::Config cfg;
@@ -75,15 +75,16 @@ TEST_CASE("tensor dataset: materialize, read, size checks") {
   CHECK(mem.get(6).data.as<std::int32_t>()[3] == 6);
   CHECK(mem.get(6).label == 6);
   CHECK(contains(error_of([&] { (void)mem.get(10); }), "must be below its size 10"));
-  CHECK(contains(error_of([&] {
-          TensorDataset bad(SampleSpec{DType::kUint8, {4}}, std::vector<std::byte>(7), {1, 2});
-        }),
-        "7 bytes of data for 2 labels"));
+  CHECK(contains(
+      error_of([&] {
+        TensorDataset bad(SampleSpec{DType::kUint8, {4}}, std::vector<std::byte>(7), {1, 2});
+      }),
+      "7 bytes of data for 2 labels"));
 }
 
 TEST_CASE("IDX files load as a uint8 dataset") {
-  const auto dir = std::filesystem::temp_directory_path() /
-                   ("bspflow-loader-" + std::to_string(::getpid()));
+  const auto dir =
+      std::filesystem::temp_directory_path() / ("bspflow-loader-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   idx::Array images{idx::Type::kUint8, {3, 28, 28}, std::vector<std::byte>(3 * 28 * 28)};
   for (std::size_t i = 0; i < images.data.size(); ++i) images.data[i] = std::byte(i % 251);
@@ -98,4 +99,4 @@ TEST_CASE("IDX files load as a uint8 dataset") {
   CHECK(ds.get(1).data.as<std::uint8_t>()[0] == (784 % 251));
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -61,7 +61,8 @@ void write_gz(const fs::path& file, const std::vector<unsigned char>& bytes) {
 
 void write_plain(const fs::path& file, const std::vector<unsigned char>& bytes) {
   std::ofstream(file, std::ios::binary)
-      .write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+      .write(reinterpret_cast<const char*>(bytes.data()),
+             static_cast<std::streamsize>(bytes.size()));
 }
 
 idx::Array images(std::uint32_t n, std::uint32_t rows, std::uint32_t cols) {
@@ -83,7 +84,7 @@ idx::Array labels(std::uint32_t n) {
 
 }  // namespace
 
-TEST_SUITE("idx") {
+TEST_SUITE_BEGIN("idx");
 
 TEST_CASE("idx: write then read gives the same array, gzip or plain") {
   TempDir dir;
@@ -145,7 +146,8 @@ TEST_CASE("idx: bad files are clear errors naming the file and what is wrong") {
   CHECK(contains(magic, "0x1f000801"));
 
   write_gz(dir.path / "type.gz", {0, 0, 0x07, 0x01, 0, 0, 0, 1, 7});
-  CHECK(contains(error_of([&] { idx::read(dir.path / "type.gz"); }), "unknown element type code 0x07"));
+  CHECK(contains(error_of([&] { idx::read(dir.path / "type.gz"); }),
+                 "unknown element type code 0x07"));
 
   write_gz(dir.path / "ndims.gz", {0, 0, 0x08, 0x00});
   CHECK(contains(error_of([&] { idx::read(dir.path / "ndims.gz"); }),
@@ -164,7 +166,8 @@ TEST_CASE("idx: bad files are clear errors naming the file and what is wrong") {
   auto longer = header(0x08, {2});
   longer.insert(longer.end(), {1, 2, 3});
   write_gz(dir.path / "long.gz", longer);
-  CHECK(contains(error_of([&] { idx::read(dir.path / "long.gz"); }), "longer than its header says"));
+  CHECK(
+      contains(error_of([&] { idx::read(dir.path / "long.gz"); }), "longer than its header says"));
 
   auto huge = header(0x0E, {0xFFFFFFFF, 0xFFFFFFFF});
   write_gz(dir.path / "huge.gz", huge);
@@ -173,15 +176,18 @@ TEST_CASE("idx: bad files are clear errors naming the file and what is wrong") {
   // A gzip stream cut in the middle: zlib reports it, we name the file.
   idx::write(dir.path / "whole.gz", images(50, 28, 28));
   std::ifstream in(dir.path / "whole.gz", std::ios::binary);
-  std::vector<unsigned char> gz((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<unsigned char> gz((std::istreambuf_iterator<char>(in)),
+                                std::istreambuf_iterator<char>());
   gz.resize(gz.size() / 2);
   write_plain(dir.path / "cut.gz", gz);
   const std::string cut = error_of([&] { idx::read(dir.path / "cut.gz"); });
   CHECK(contains(cut, file("cut.gz")));
   CHECK((contains(cut, "truncated") || contains(cut, "gzip data is corrupt or cut short")));
   // Corrupt in the middle: zlib's complaint, the path named once.
-  std::vector<unsigned char> bad((std::istreambuf_iterator<char>(std::ifstream(dir.path / "whole.gz", std::ios::binary).rdbuf())),
-                                 std::istreambuf_iterator<char>());
+  std::vector<unsigned char> bad(
+      (std::istreambuf_iterator<char>(
+          std::ifstream(dir.path / "whole.gz", std::ios::binary).rdbuf())),
+      std::istreambuf_iterator<char>());
   for (std::size_t i = bad.size() / 2; i < bad.size() / 2 + 64; ++i) bad[i] ^= 0xA5;
   write_plain(dir.path / "bad.gz", bad);
   const std::string corrupt = error_of([&] { idx::read(dir.path / "bad.gz"); });
@@ -240,4 +246,4 @@ TEST_CASE("idx: load_mnist checks types, shapes and that images and labels agree
                  "expected uint8 labels with 1 dimension"));
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -15,14 +15,15 @@ using namespace bspflow;
 using test::contains;
 using test::error_of;
 
-TEST_SUITE("tensor") {
+TEST_SUITE_BEGIN("tensor");
 
 TEST_CASE("tensors: element types, fp16 storage, conversion") {
   Tensor t(DType::kFloat32, {2, 3});
   CHECK(t.bytes() == 24);
   CHECK(t.elements() == 6);
   CHECK(t.as<float>()[5] == 0.0f);
-  CHECK(contains(error_of([&] { (void)t.as<std::uint8_t>(); }), "holds fp32 elements, read as uint8"));
+  CHECK(contains(error_of([&] { (void)t.as<std::uint8_t>(); }),
+                 "holds fp32 elements, read as uint8"));
   Tensor copy = t;
   copy.as<float>()[0] = 1.5f;
   CHECK(t.as<float>()[0] == 0.0f);  // deep copy
@@ -30,8 +31,8 @@ TEST_CASE("tensors: element types, fp16 storage, conversion") {
   CHECK(to_half(1.0f) == 0x3C00);
   CHECK(to_half(-2.0f) == 0xC000);
   CHECK(to_half(65504.0f) == 0x7BFF);
-  CHECK(to_half(1e6f) == 0x7C00);              // overflow -> infinity
-  CHECK(to_half(5.9604645e-8f) == 0x0001);     // smallest subnormal
+  CHECK(to_half(1e6f) == 0x7C00);           // overflow -> infinity
+  CHECK(to_half(5.9604645e-8f) == 0x0001);  // smallest subnormal
   CHECK(from_half(0x3555) == doctest::Approx(0.333251953f));
   for (float f : {0.0f, 0.5f, -3.25f, 1000.0f, 6.103515625e-05f}) CHECK(from_half(to_half(f)) == f);
   CHECK(std::isnan(from_half(to_half(std::nanf("")))));
@@ -52,7 +53,7 @@ TEST_CASE("tensors: element types, fp16 storage, conversion") {
   CHECK(back[2] == 255);  // saturates
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();
 
 TEST_CASE("fp16: the array conversions (F16C where the CPU has it) give the scalar ones' bits") {
   // Every fp16 value, and floats around each rounding boundary (halfway cases, subnormals,
@@ -66,7 +67,9 @@ TEST_CASE("fp16: the array conversions (F16C where the CPU has it) give the scal
       values.push_back(std::nextafter(f, -1e30f));
     }
   }
-  for (float f : {65504.0f, 65519.0f, 65520.0f, 1e30f, -1e30f, 2.9802322e-8f, 2.98023259e-8f, 1e-8f}) values.push_back(f);
+  for (float f :
+       {65504.0f, 65519.0f, 65520.0f, 1e30f, -1e30f, 2.9802322e-8f, 2.98023259e-8f, 1e-8f})
+    values.push_back(f);
   values.push_back(3.0f);  // 3 leftover values after the last full vector of 8
   std::vector<std::uint16_t> bulk(values.size());
   to_half(values, bulk);
@@ -78,13 +81,19 @@ TEST_CASE("fp16: the array conversions (F16C where the CPU has it) give the scal
   for (std::size_t i = 0; i < values.size(); ++i) {
     const std::uint16_t want = to_half(values[i]);
     if (std::isnan(values[i])) {
-      mismatches += (bulk[i] & 0x7C00u) == 0x7C00u && (bulk[i] & 0x3FFu) != 0 ? 0 : 1;  // a NaN either way
+      mismatches +=
+          (bulk[i] & 0x7C00u) == 0x7C00u && (bulk[i] & 0x3FFu) != 0 ? 0 : 1;  // a NaN either way
       mismatches += std::isnan(rounded[i]) && std::isnan(back[i]) ? 0 : 1;
       continue;
     }
     mismatches += bulk[i] == want ? 0 : 1;
-    mismatches += std::bit_cast<std::uint32_t>(rounded[i]) == std::bit_cast<std::uint32_t>(from_half(want)) ? 0 : 1;
-    mismatches += std::bit_cast<std::uint32_t>(back[i]) == std::bit_cast<std::uint32_t>(from_half(want)) ? 0 : 1;
+    mismatches +=
+        std::bit_cast<std::uint32_t>(rounded[i]) == std::bit_cast<std::uint32_t>(from_half(want))
+            ? 0
+            : 1;
+    mismatches +=
+        std::bit_cast<std::uint32_t>(back[i]) == std::bit_cast<std::uint32_t>(from_half(want)) ? 0
+                                                                                               : 1;
   }
   CHECK(values.size() > 190000);
   CHECK(mismatches == 0);

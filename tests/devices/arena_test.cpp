@@ -16,7 +16,7 @@ using namespace bspflow;
 using test::contains;
 using test::error_of;
 
-TEST_SUITE("arena") {
+TEST_SUITE_BEGIN("arena");
 
 TEST_CASE("arena: named allocations, release, coalescing") {
   Arena arena(64 * 1024, 0, "device 7");
@@ -37,7 +37,7 @@ TEST_CASE("arena: named allocations, release, coalescing") {
   arena.release(c);
   CHECK(arena.used() == 0);
   CHECK(arena.largest_free_block() == 64 * 1024);  // fully coalesced
-  arena.release(nullptr);  // ignored
+  arena.release(nullptr);                          // ignored
   int not_ours = 0;
   arena.release(&not_ours);  // ignored
 }
@@ -72,4 +72,4 @@ TEST_CASE("arena reports fragmentation when the free total would fit") {
   CHECK(contains(msg, "'block' 2.0 KiB (2 allocations)"));
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -20,7 +20,7 @@ using namespace bspflow;
 using test::contains;
 using test::error_of;
 
-TEST_SUITE("device") {
+TEST_SUITE_BEGIN("device");
 
 TEST_CASE("device config is validated with the allowed range") {
   CHECK(contains(error_of([] { DeviceConfig{0}.validate(); }), "tiles = 0"));
@@ -110,4 +110,4 @@ TEST_CASE("more devices than cores: they share cores and every one makes progres
   CHECK(finished.load() == n);
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -46,7 +46,7 @@ HostLinkTimeline::Shape slow_shape(std::uint32_t io_tiles) {
 
 }  // namespace
 
-TEST_SUITE("host_link_timeline") {
+TEST_SUITE_BEGIN("host_link_timeline");
 
 TEST_CASE("without I/O tiles each copy in and out takes the link model's time, waited for") {
   HostLinkTimeline::Shape s;
@@ -267,4 +267,4 @@ TEST_CASE("a stop while waiting for the link: false at once, the copy not counte
   }
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -17,7 +17,7 @@ using namespace std::chrono_literals;
 using test::contains;
 using test::error_of;
 
-TEST_SUITE("io_engine") {
+TEST_SUITE_BEGIN("io_engine");
 
 TEST_CASE("I/O engine: a transfer does its copy and takes at least its modeled time") {
   IoEngine io(2);
@@ -45,8 +45,9 @@ TEST_CASE("I/O engine: transfers still queued at shutdown end as cancelled") {
   {
     IoEngine io(1);
     for (int i = 0; i < 3; ++i) {
-      io.submit(0, IoEngine::Transfer{0, 200ms, [] { return IoEngine::Start::kGo; },
-                                      [&](const IoEngine::Times&, bool c) { (c ? cancelled : finished)++; }});
+      io.submit(0, IoEngine::Transfer{
+                       0, 200ms, [] { return IoEngine::Start::kGo; },
+                       [&](const IoEngine::Times&, bool c) { (c ? cancelled : finished)++; }});
     }
     std::this_thread::sleep_for(5ms);
   }
@@ -54,4 +55,4 @@ TEST_CASE("I/O engine: transfers still queued at shutdown end as cancelled") {
   CHECK(cancelled.load() >= 2);
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -12,19 +12,26 @@ using namespace std::chrono_literals;
 using test::contains;
 using test::error_of;
 
-TEST_SUITE("link_model") {
+TEST_SUITE_BEGIN("link_model");
 
 TEST_CASE("link model: latency + bytes / bandwidth, validated") {
   const LinkModel l{1e9, 2us};
   CHECK(l.duration(1000) == 3us);
   CHECK(LinkModel::taking(100us, 4096).duration(4096) == 100us);
   CHECK(LinkModel::taking(100us, 4096).duration(2048) == 50us);
-  CHECK(contains(error_of([] { LinkModel{0, 0ns}.validate("host link"); }), "host link bytes_per_second = 0 is not allowed"));
-  CHECK(contains(error_of([] { LinkModel{1e9, -1ns}.validate("host link"); }), "host link latency"));
+  CHECK(contains(error_of([] {
+                   LinkModel{0, 0ns}.validate("host link");
+                 }),
+                 "host link bytes_per_second = 0 is not allowed"));
+  CHECK(contains(error_of([] {
+                   LinkModel{1e9, -1ns}.validate("host link");
+                 }),
+                 "host link latency"));
   CHECK(contains(LinkModel::host().describe(), "GB/s"));
 }
 
-TEST_CASE("ring all-reduce: 2(R-1) steps of ceil(bytes/R) each; nothing for one replica or no bytes") {
+TEST_CASE(
+    "ring all-reduce: 2(R-1) steps of ceil(bytes/R) each; nothing for one replica or no bytes") {
   const LinkModel l{1e9, 1us};
   // 2 replicas, 4000 bytes: 2 steps of 2000 bytes = 2 x (1 us + 2 us).
   CHECK(l.ring_allreduce(4000, 2) == 6us);
@@ -38,4 +45,4 @@ TEST_CASE("ring all-reduce: 2(R-1) steps of ceil(bytes/R) each; nothing for one 
   CHECK(l.ring_allreduce(0, 4) == 0ns);
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -16,7 +16,7 @@
 using namespace bspflow;
 using test::contains;
 
-TEST_SUITE("topology") {
+TEST_SUITE_BEGIN("topology");
 
 TEST_CASE("topology is discovered once and describes the machine") {
   const Topology& a = Topology::get();
@@ -95,7 +95,8 @@ TEST_CASE("instances sharing a host take disjoint slices of its cores") {
       for (int o : owners) CHECK(o == 1);  // every core, once
     }
   }
-  CHECK_THROWS_WITH_AS(Topology::slice_for_instance(2, 2, 2), doctest::Contains("local instance index = 2"), Error);
+  CHECK_THROWS_WITH_AS(Topology::slice_for_instance(2, 2, 2),
+                       doctest::Contains("local instance index = 2"), Error);
   // A plain process, unbound and not under mpirun: every core.
   const Topology& t = Topology::get();
   cpu_set_t mask;
@@ -111,5 +112,4 @@ TEST_CASE("instances sharing a host take disjoint slices of its cores") {
   CHECK(t.describe().find("devices of this process") != std::string::npos);
 }
 
-}  // TEST_SUITE
-
+TEST_SUITE_END();

@@ -63,7 +63,8 @@ void check_gradients(Layer& layer, std::size_t batch, std::uint64_t seed) {
   std::vector<float> twice = grads;
   layer.forward(params, x.data(), y.data(), batch);
   layer.backward(params, x.data(), y.data(), r.data(), gx.data(), twice, batch);
-  for (std::size_t i = 0; i < params.size(); ++i) REQUIRE(twice[i] == doctest::Approx(2 * grads[i]));
+  for (std::size_t i = 0; i < params.size(); ++i)
+    REQUIRE(twice[i] == doctest::Approx(2 * grads[i]));
 }
 
 bspflow::Batch image_batch(std::size_t batch, std::uint64_t seed) {
@@ -141,7 +142,8 @@ TEST_CASE("conv matches a direct convolution, channels last") {
               }
             }
           }
-          CHECK(y[n * out.size() + (oy * out.width + ox) * oc + o] == doctest::Approx(acc).epsilon(1e-5));
+          CHECK(y[n * out.size() + (oy * out.width + ox) * oc + o] ==
+                doctest::Approx(acc).epsilon(1e-5));
         }
       }
     }
@@ -177,15 +179,16 @@ TEST_CASE("the models' splits compute the same function") {
       CHECK(four[0]->output_elements() == 6 * 12 * 12 * 10);
       CHECK(four[1]->output_elements() == 6 * 320);
     }
-    const HeadOutput a = run_forward(one, batch), b = run_forward(two, batch), c = run_forward(four, batch);
+    const HeadOutput a = run_forward(one, batch), b = run_forward(two, batch),
+                     c = run_forward(four, batch);
     CHECK(a.valid == 6);
     CHECK(a.loss_sum > 0);
     CHECK(b.loss_sum == doctest::Approx(a.loss_sum).epsilon(1e-5));
     CHECK(c.loss_sum == doctest::Approx(a.loss_sum).epsilon(1e-5));
     CHECK(c.correct == a.correct);
   }
-  CHECK_THROWS_WITH_AS(make_model(Model::kConv, 3, 4, AdamW{}), "the model splits into 1, 2 or 4 stages, not 3",
-                       std::invalid_argument);
+  CHECK_THROWS_WITH_AS(make_model(Model::kConv, 3, 4, AdamW{}),
+                       "the model splits into 1, 2 or 4 stages, not 3", std::invalid_argument);
 }
 
 TEST_CASE("training the conv net on one batch lowers its loss") {
@@ -207,21 +210,25 @@ TEST_CASE("training the conv net on one batch lowers its loss") {
 }
 
 TEST_CASE("model kit errors name the problem") {
-  CHECK_THROWS_WITH_AS(Conv2d(Shape{4, 4, 1}, 2, 5), "Conv2d: a 5x5 kernel does not fit a 4x4x1 input",
-                       std::invalid_argument);
-  CHECK_THROWS_WITH_AS(MaxPool2(Shape{5, 4, 1}), "MaxPool2: the input must have even height and width, not 5x4",
+  CHECK_THROWS_WITH_AS(Conv2d(Shape{4, 4, 1}, 2, 5),
+                       "Conv2d: a 5x5 kernel does not fit a 4x4x1 input", std::invalid_argument);
+  CHECK_THROWS_WITH_AS(MaxPool2(Shape{5, 4, 1}),
+                       "MaxPool2: the input must have even height and width, not 5x4",
                        std::invalid_argument);
   Layers layers;
   layers.push_back(std::make_unique<Dense>(4, 3));
   layers.push_back(std::make_unique<Relu>(5));
   CHECK_THROWS_WITH_AS(LayerStage("s", std::move(layers), 2, true, true, AdamW{}, 1),
-                       "LayerStage 's': layer 1 takes 5 values, the layer before gives 3", std::invalid_argument);
+                       "LayerStage 's': layer 1 takes 5 values, the layer before gives 3",
+                       std::invalid_argument);
   bspflow::StageList model = make_model(Model::kMlp, 4, 2, AdamW{});
   CHECK_THROWS_WITH_AS(static_cast<LayerStage&>(*model[0]).set_parameters({1, 2}),
-                       "LayerStage::set_parameters: 2 values, stage 'dense784' has 200960", std::invalid_argument);
+                       "LayerStage::set_parameters: 2 values, stage 'dense784' has 200960",
+                       std::invalid_argument);
   const bspflow::Batch wrong = image_batch(3, 1);  // the stage expects 2 images
   std::vector<float> out(model[0]->output_elements()), saved;
   bspflow::ForwardArgs f{wrong, {}, out, saved};
   CHECK_THROWS_WITH_AS(model[0]->forward(bspflow::StageContext{}, f),
-                       "batch holds 2352 values, the model expects 1568 (batch x 784)", std::runtime_error);
+                       "batch holds 2352 values, the model expects 1568 (batch x 784)",
+                       std::runtime_error);
 }

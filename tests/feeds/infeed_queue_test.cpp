@@ -1,7 +1,7 @@
 // feeds/: InfeedQueue (bspflow/feeds/infeed_queue.hpp): validation, round-robin and explicit
 // routing, try_push and PushResult, end of data, one reader per lane, prefetch, backpressure,
-// many producers on a shared lane and single-producer lanes, close() racing pushes, parked readers and producers woken,
-// push_bulk.
+// many producers on a shared lane and single-producer lanes, close() racing pushes, parked readers
+// and producers woken, push_bulk.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -23,7 +23,7 @@ using namespace bspflow;
 using test::contains;
 using test::error_of;
 
-TEST_SUITE("infeed_queue") {
+TEST_SUITE_BEGIN("infeed_queue");
 
 TEST_CASE("prefetch depth outside 1..255 is an error naming the option and the range") {
   for (std::uint32_t bad : {0u, 256u, 1000u}) {
@@ -58,7 +58,8 @@ TEST_CASE("round-robin routing gives every replica different elements, in order"
     while (reader.pop(v)) got.push_back(v);
     CHECK(reader.end_of_data());
     REQUIRE(got.size() == 10);
-    for (std::size_t k = 0; k < got.size(); ++k) CHECK(got[k] == static_cast<int>(k * kReplicas + r));
+    for (std::size_t k = 0; k < got.size(); ++k)
+      CHECK(got[k] == static_cast<int>(k * kReplicas + r));
   }
 }
 
@@ -247,7 +248,8 @@ TEST_CASE("close() while a producer pushes is exact: shared and single-producer 
       std::uint64_t v = 0;
       std::uint64_t got = 0;
       bool in_order = true;
-      const std::uint64_t close_after = test::scaled(5000, 100) + static_cast<std::uint64_t>(round) * 37;
+      const std::uint64_t close_after =
+          test::scaled(5000, 100) + static_cast<std::uint64_t>(round) * 37;
       while (reader.pop(v)) {
         in_order = in_order && v == got;
         if (++got == close_after) q.close();
@@ -540,4 +542,4 @@ TEST_CASE("single producer: stop wakes a parked reader; close wakes a blocked pr
   CHECK_FALSE(result);
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

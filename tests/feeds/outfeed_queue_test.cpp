@@ -21,7 +21,7 @@ using namespace bspflow;
 using test::contains;
 using test::error_of;
 
-TEST_SUITE("outfeed_queue") {
+TEST_SUITE_BEGIN("outfeed_queue");
 
 // Writes iterations 0..n-1 (value = iteration + 1) through one writer per replica.
 template <class T, class Make>
@@ -79,8 +79,9 @@ TEST_CASE("sum() needs a summable type") {
   struct Opaque {
     int x = 0;
   };
-  const std::string msg =
-      error_of([] { OutfeedQueue<Opaque> q(OutfeedConfig{1, OutputMode::sum()}); });
+  const std::string msg = error_of([] {
+    OutfeedQueue<Opaque> q(OutfeedConfig{1, OutputMode::sum()});
+  });
   CHECK(contains(msg, "sum()"));
 }
 
@@ -94,49 +95,49 @@ OutfeedConfig config_for(ConsumerType readers, std::uint32_t replicas = 1,
 
 TEST_CASE("outfeed runs: reading before a run ends at once; one run at a time") {
   for (ConsumerType readers : {ConsumerType::kMulti, ConsumerType::kSingle}) {
-  CAPTURE(static_cast<int>(readers));
-  OutfeedQueue<int> q(config_for(readers));
-  int seen = 0;
-  for (auto& e : q) seen += e.value;  // no run attached: must not hang
-  CHECK(seen == 0);
-  auto writers = q.begin_run();
-  CHECK(q.running());
-  CHECK(contains(error_of([&] { q.begin_run(); }), "already attached"));
-  writers[0].write(0, 5);
-  CHECK(q.try_pop()->value == 5);
-  CHECK_FALSE(q.try_pop().has_value());
-  writers.clear();  // a writer destroyed unfinished ends its part of the run
-  CHECK_FALSE(q.running());
-  CHECK_FALSE(q.pop().has_value());
-  auto again = q.begin_run();  // a second run on the same outfeed
-  again[0].write(0, 7);
-  again[0].finish(true);
-  auto all = q.drain();
-  REQUIRE(all.size() == 1);
-  CHECK(all[0].value == 7);
+    CAPTURE(static_cast<int>(readers));
+    OutfeedQueue<int> q(config_for(readers));
+    int seen = 0;
+    for (auto& e : q) seen += e.value;  // no run attached: must not hang
+    CHECK(seen == 0);
+    auto writers = q.begin_run();
+    CHECK(q.running());
+    CHECK(contains(error_of([&] { q.begin_run(); }), "already attached"));
+    writers[0].write(0, 5);
+    CHECK(q.try_pop()->value == 5);
+    CHECK_FALSE(q.try_pop().has_value());
+    writers.clear();  // a writer destroyed unfinished ends its part of the run
+    CHECK_FALSE(q.running());
+    CHECK_FALSE(q.pop().has_value());
+    auto again = q.begin_run();  // a second run on the same outfeed
+    again[0].write(0, 7);
+    again[0].finish(true);
+    auto all = q.drain();
+    REQUIRE(all.size() == 1);
+    CHECK(all[0].value == 7);
   }
 }
 
 TEST_CASE("a reader on another thread sees entries while writers run, then the end") {
   for (ConsumerType readers : {ConsumerType::kMulti, ConsumerType::kSingle}) {
-  CAPTURE(static_cast<int>(readers));
-  OutfeedQueue<int> q(config_for(readers, 1, OutputMode::all(), 4));  // bounded: writer waits
-  auto writers = q.begin_run();
-  const int n = static_cast<int>(test::scaled(10000, 100));
-  std::thread device([&] {
-    for (int i = 0; i < n; ++i) CHECK(writers[0].write(static_cast<std::uint64_t>(i), int(i)));
-    writers[0].finish(true);
-  });
-  int expect = 0;
-  bool ordered = true;
-  for (auto& e : q) {
-    ordered = ordered && e.value == expect;
-    ++expect;
-    CHECK(q.size_approx() <= 4);
-  }
-  device.join();
-  CHECK(ordered);
-  CHECK(expect == n);
+    CAPTURE(static_cast<int>(readers));
+    OutfeedQueue<int> q(config_for(readers, 1, OutputMode::all(), 4));  // bounded: writer waits
+    auto writers = q.begin_run();
+    const int n = static_cast<int>(test::scaled(10000, 100));
+    std::thread device([&] {
+      for (int i = 0; i < n; ++i) CHECK(writers[0].write(static_cast<std::uint64_t>(i), int(i)));
+      writers[0].finish(true);
+    });
+    int expect = 0;
+    bool ordered = true;
+    for (auto& e : q) {
+      ordered = ordered && e.value == expect;
+      ++expect;
+      CHECK(q.size_approx() <= 4);
+    }
+    device.join();
+    CHECK(ordered);
+    CHECK(expect == n);
   }
 }
 
@@ -152,7 +153,8 @@ TEST_CASE("one reader: a ring per replica; every entry once, in order per replic
       std::vector<std::thread> devices;
       for (std::uint32_t r = 0; r < kReplicas; ++r) {
         devices.emplace_back([&, r] {
-          for (int i = 0; i < n; ++i) writers[r].write(static_cast<std::uint64_t>(i), int(r) * n + i);
+          for (int i = 0; i < n; ++i)
+            writers[r].write(static_cast<std::uint64_t>(i), int(r) * n + i);
           writers[r].finish(true);
         });
       }
@@ -170,7 +172,9 @@ TEST_CASE("one reader: a ring per replica; every entry once, in order per replic
       CHECK_FALSE(running_after_end);
       CHECK(ordered);
       CHECK(right);
-      const int expect = mode.kind() == OutputMode::Kind::kAll ? n : mode.kind() == OutputMode::Kind::kFinal ? 1 : n / 3;
+      const int expect = mode.kind() == OutputMode::Kind::kAll     ? n
+                         : mode.kind() == OutputMode::Kind::kFinal ? 1
+                                                                   : n / 3;
       for (std::uint32_t r = 0; r < kReplicas; ++r) {
         CHECK(count[r] == expect);
         CHECK(last[r] == n - 1 - (mode.kind() == OutputMode::Kind::kEveryN ? (n % 3) : 0));
@@ -212,4 +216,4 @@ TEST_CASE("one reader: a ring needs a bound, and two threads reading at once is 
   }
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

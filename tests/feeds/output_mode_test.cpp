@@ -14,7 +14,7 @@ using namespace bspflow;
 using test::contains;
 using test::error_of;
 
-TEST_SUITE("output_mode") {
+TEST_SUITE_BEGIN("output_mode");
 
 TEST_CASE("output modes: which iterations emit, and parsing") {
   const OutputMode every5 = OutputMode::every_n(5);
@@ -37,4 +37,4 @@ TEST_CASE("output modes: which iterations emit, and parsing") {
   CHECK(contains(junk, "all, final, sum or every_n:N"));
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -14,7 +14,7 @@
 
 using namespace bspflow;
 
-TEST_SUITE("spsc_ring") {
+TEST_SUITE_BEGIN("spsc_ring");
 
 TEST_CASE("FIFO within the bound; full, then room again") {
   SpscRing<int> ring(3);
@@ -109,7 +109,8 @@ TEST_CASE("ring capacity is validated") {
 
 TEST_CASE("two threads move every element once, in order, for each wait policy") {
   const std::uint64_t n = test::scaled(200'000, 1000);
-  for (const WaitPolicy& policy : {WaitPolicy{}, WaitPolicy::park(), WaitPolicy::busy_spin().capped_for_sharing()}) {
+  for (const WaitPolicy& policy :
+       {WaitPolicy{}, WaitPolicy::park(), WaitPolicy::busy_spin().capped_for_sharing()}) {
     SpscRing<std::unique_ptr<std::uint64_t>> ring(8);
     detail::StopFlag stop;
     bool all_pushed = true;
@@ -133,4 +134,4 @@ TEST_CASE("two threads move every element once, in order, for each wait policy")
   }
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -19,7 +19,8 @@ namespace {
 std::vector<std::uint8_t> gzip(const std::uint8_t* data, std::size_t size) {
   z_stream z{};
   // windowBits 15 + 16: a gzip wrapper, as the data sets ship.
-  if (deflateInit2(&z, Z_BEST_SPEED, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY) != Z_OK) std::abort();
+  if (deflateInit2(&z, Z_BEST_SPEED, Z_DEFLATED, 15 + 16, 8, Z_DEFAULT_STRATEGY) != Z_OK)
+    std::abort();
   std::vector<std::uint8_t> out(deflateBound(&z, static_cast<uLong>(size)) + 32);
   z.next_in = const_cast<Bytef*>(data);
   z.avail_in = static_cast<uInt>(size);

@@ -23,9 +23,11 @@ inline const std::filesystem::path& input_path(const char* target) {
 }
 
 // Writes `size` bytes to `path`; aborts if it cannot (the harness is broken, not the parser).
-inline void write_file(const std::filesystem::path& path, const std::uint8_t* data, std::size_t size) {
+inline void write_file(const std::filesystem::path& path, const std::uint8_t* data,
+                       std::size_t size) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  if (!f.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size)) || !f.flush()) {
+  if (!f.write(reinterpret_cast<const char*>(data), static_cast<std::streamsize>(size)) ||
+      !f.flush()) {
     std::fprintf(stderr, "fuzz harness: cannot write %s\n", path.c_str());
     std::abort();
   }

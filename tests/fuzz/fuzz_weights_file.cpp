@@ -16,7 +16,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::string_view bytes(reinterpret_cast<const char*>(data), size);
   std::array<float, 3> a{7, 7, 7};
   std::array<float, 2> b{7, 7};
-  const std::array<kit::WeightsSection, 2> sections{kit::WeightsSection{"conv1", a}, kit::WeightsSection{"logits", b}};
+  const std::array<kit::WeightsSection, 2> sections{kit::WeightsSection{"conv1", a},
+                                                    kit::WeightsSection{"logits", b}};
   try {
     kit::decode_weights(bytes, "fuzz input", "tiny", sections);
     if (kit::encode_weights("tiny", sections) != bytes) {
@@ -24,8 +25,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       std::abort();
     }
   } catch (const std::runtime_error&) {
-    for (const float v : a) if (v != 7) std::abort();  // an error leaves the values untouched
-    for (const float v : b) if (v != 7) std::abort();
+    for (const float v : a)
+      if (v != 7) std::abort();  // an error leaves the values untouched
+    for (const float v : b)
+      if (v != 7) std::abort();
   }
   return 0;
 }

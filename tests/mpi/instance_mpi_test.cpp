@@ -20,7 +20,7 @@ std::uint32_t expected_instances() {
 }
 }  // namespace
 
-TEST_SUITE("instance_mpi") {
+TEST_SUITE_BEGIN("instance_mpi");
 
 TEST_CASE("each process is one instance: rank and world size, and the layout PopDist gives") {
   Instance& me = Instance::current();
@@ -40,7 +40,9 @@ TEST_CASE("each process is one instance: rank and world size, and the layout Pop
   for (std::uint32_t r = 0; r < l.local_replicas; ++r) owner[l.global_replica(r)] += 1.0f;
   me.allreduce_sum(owner);
   for (float o : owner) CHECK(o == 1.0f);
-  if (n > 1) CHECK_THROWS_WITH_AS(me.layout(n + 1), doctest::Contains("multiple of the instance count"), Error);
+  if (n > 1)
+    CHECK_THROWS_WITH_AS(me.layout(n + 1), doctest::Contains("multiple of the instance count"),
+                         Error);
 }
 
 TEST_CASE("allreduce_sum, broadcast, all_agree and barrier across instances") {
@@ -77,7 +79,9 @@ TEST_CASE("instances passing different lengths get an error in every instance, n
   me.barrier();  // still usable
 }
 
-TEST_CASE("instances on one host pin their devices onto disjoint cores (or honour the launcher's binding)") {
+TEST_CASE(
+    "instances on one host pin their devices onto disjoint cores (or honour the launcher's "
+    "binding)") {
   Instance& me = Instance::current();
   const Topology& topo = Topology::get();
   CAPTURE(topo.instance_cores_reason());
@@ -85,8 +89,8 @@ TEST_CASE("instances on one host pin their devices onto disjoint cores (or honou
   if (bound != nullptr && std::string(bound) == "1") {
     CHECK(topo.instance_cores_reason().find("bound by the launcher") != std::string::npos);
   } else if (me.count() > 1) {
-    CHECK(topo.instance_cores_reason().find("instance " + std::to_string(me.local_index()) + " of ") !=
-          std::string::npos);
+    CHECK(topo.instance_cores_reason().find("instance " + std::to_string(me.local_index()) +
+                                            " of ") != std::string::npos);
   }
   // Where each instance's devices go, gathered: with no more instances than cores, no core
   // is used by two instances; with more, they share evenly.
@@ -101,7 +105,8 @@ TEST_CASE("instances on one host pin their devices onto disjoint cores (or honou
   }
 }
 
-TEST_CASE("each instance's DataLoader loads a disjoint part of the epoch; together, every sample once") {
+TEST_CASE(
+    "each instance's DataLoader loads a disjoint part of the epoch; together, every sample once") {
   Instance& me = Instance::current();
   SyntheticDataset::Config dc;
   dc.size = 1001;
@@ -138,5 +143,4 @@ TEST_CASE("each instance's DataLoader loads a disjoint part of the epoch; togeth
   }
 }
 
-}  // TEST_SUITE
-
+TEST_SUITE_END();

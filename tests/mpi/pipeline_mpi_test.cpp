@@ -41,15 +41,18 @@ Batch make_batch(std::uint32_t g, std::uint64_t m) {
   Batch b;
   b.data = Tensor(DType::kFloat32, {kBatch, kIn});
   auto x = b.data.as<float>();
-  for (std::size_t j = 0; j < x.size(); ++j) x[j] = std::cos(0.37f * static_cast<float>(m * 31 + j) + 1.3f * static_cast<float>(g));
-  for (std::size_t i = 0; i < kBatch; ++i) b.labels.push_back(static_cast<std::int32_t>((m + i + g) % kClasses));
+  for (std::size_t j = 0; j < x.size(); ++j)
+    x[j] = std::cos(0.37f * static_cast<float>(m * 31 + j) + 1.3f * static_cast<float>(g));
+  for (std::size_t i = 0; i < kBatch; ++i)
+    b.labels.push_back(static_cast<std::int32_t>((m + i + g) % kClasses));
   b.valid = kBatch;
   return b;
 }
 
 // `count` micro-batches for each local replica r (global replica offset + r), then closes
 // the infeed when `close`.
-void feed(InfeedQueue<Batch>& infeed, std::uint32_t local, std::uint32_t offset, std::uint64_t count, bool close = true) {
+void feed(InfeedQueue<Batch>& infeed, std::uint32_t local, std::uint32_t offset,
+          std::uint64_t count, bool close = true) {
   auto p = infeed.make_producer();
   for (std::uint64_t m = 0; m < count; ++m) {
     for (std::uint32_t r = 0; r < local; ++r) REQUIRE(p.push_to(r, make_batch(offset + r, m)));
@@ -97,19 +100,22 @@ PipelineConfig training(std::uint32_t local_replicas, ExecutionStrategy strategy
 
 }  // namespace
 
-TEST_SUITE("pipeline_mpi") {
+TEST_SUITE_BEGIN("pipeline_mpi");
 
-TEST_CASE("n processes x R replicas reach the weights of 1 process x nR replicas on the same data") {
+TEST_CASE(
+    "n processes x R replicas reach the weights of 1 process x nR replicas on the same data") {
   Instance& me = Instance::current();
   const std::uint32_t n = me.count();
   constexpr std::uint64_t kSteps = 4;
-  for (const auto& [local, strategy] : {std::pair{1u, ExecutionStrategy::kPipelined}, std::pair{2u, ExecutionStrategy::kSingle}}) {
+  for (const auto& [local, strategy] :
+       {std::pair{1u, ExecutionStrategy::kPipelined}, std::pair{2u, ExecutionStrategy::kSingle}}) {
     CAPTURE(local);
     const InstanceLayout layout = me.layout(local * n);
     PipelineConfig cfg = training(local, strategy);
     DeviceGroup devices(cfg.devices_needed(2), kSmall);
     // Seeded by instance: the constructor must broadcast instance 0's weights.
-    Pipeline pipe(devices, cfg, [&](std::uint32_t) { return make_model(static_cast<float>(me.index())); });
+    Pipeline pipe(devices, cfg,
+                  [&](std::uint32_t) { return make_model(static_cast<float>(me.index())); });
     CHECK(same_as_instance_zero(pipe));
     InfeedQueue<Batch> infeed(lanes(local));
     feed(infeed, local, layout.replica_offset, kSteps * cfg.gradient_accumulation);
@@ -134,7 +140,8 @@ TEST_CASE("n processes x R replicas reach the weights of 1 process x nR replicas
       for (std::size_t s = 0; s < got.size(); ++s) {
         REQUIRE(got[s].size() == want[s].size());
         double worst = 0;
-        for (std::size_t j = 0; j < got[s].size(); ++j) worst = std::max(worst, std::fabs(double(got[s][j]) - double(want[s][j])));
+        for (std::size_t j = 0; j < got[s].size(); ++j)
+          worst = std::max(worst, std::fabs(double(got[s][j]) - double(want[s][j])));
         // Two summands add the same way in any order: exact. More may round differently.
         if (local * n <= 2) {
           CHECK(got[s] == want[s]);
@@ -179,7 +186,8 @@ TEST_CASE("a stage failure in one instance ends every instance at the same step,
       CHECK(e.instance() == culprit);
       CHECK(e.replica() == culprit);  // one replica per instance: global replica = index
       CHECK(e.step() == 2);
-      CHECK(what.find("instance " + std::to_string(culprit) + " of " + std::to_string(n) + " failed at step 2") == 0);
+      CHECK(what.find("instance " + std::to_string(culprit) + " of " + std::to_string(n) +
+                      " failed at step 2") == 0);
       CHECK(what.find("injected failure") != std::string::npos);
     }
   }
@@ -202,13 +210,15 @@ TEST_CASE("end of data in one instance ends every instance with kEndOfData at th
   Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(0.0f); });
   InfeedQueue<Batch> infeed(lanes(1));
   // Instance 0 has 2 steps and one micro-batch; the others have everything.
-  const std::uint64_t mine = me.index() == 0 ? 2 * cfg.gradient_accumulation + 1 : 6 * cfg.gradient_accumulation;
+  const std::uint64_t mine =
+      me.index() == 0 ? 2 * cfg.gradient_accumulation + 1 : 6 * cfg.gradient_accumulation;
   feed(infeed, 1, me.index(), mine);
   const PipelineResult r = pipe.run(infeed, 6);
   CHECK(r.status == RunStatus::kEndOfData);
   CHECK(r.iterations == 2);
   if (n > 1) {
-    CHECK(r.message.find(me.index() == 0 ? "the infeed of this instance (0 of " : "the infeed of instance 0 of") == 0);
+    CHECK(r.message.find(me.index() == 0 ? "the infeed of this instance (0 of "
+                                         : "the infeed of instance 0 of") == 0);
     CHECK(r.message.find("2 step(s) applied in every instance") != std::string::npos);
   }
   CHECK(same_as_instance_zero(pipe));
@@ -223,13 +233,15 @@ TEST_CASE("a cancel in one instance ends every instance with kCancelled at the s
   InfeedQueue<Batch> infeed(lanes(1));
   // Instance 0 gets one step's data and waits for more (the lane stays open) until it
   // cancels; the others have everything.
-  const std::uint64_t mine = me.index() == 0 ? cfg.gradient_accumulation : 4 * cfg.gradient_accumulation;
+  const std::uint64_t mine =
+      me.index() == 0 ? cfg.gradient_accumulation : 4 * cfg.gradient_accumulation;
   feed(infeed, 1, me.index(), mine, /*close=*/me.index() != 0);
   std::jthread canceller;
   if (me.index() == 0) {
     // After its one step is applied (the run then waits for data that will not come).
     canceller = std::jthread([&] {
-      while (static_cast<Dense&>(pipe.stage(0, 0)).updates.load() < 1) std::this_thread::sleep_for(5ms);
+      while (static_cast<Dense&>(pipe.stage(0, 0)).updates.load() < 1)
+        std::this_thread::sleep_for(5ms);
       std::this_thread::sleep_for(50ms);
       pipe.cancel();
     });
@@ -244,7 +256,9 @@ TEST_CASE("a cancel in one instance ends every instance with kCancelled at the s
   CHECK(same_as_instance_zero(pipe));
 }
 
-TEST_CASE("cancels at random times: every instance stops at the same step, every replica holds the same weights") {
+TEST_CASE(
+    "cancels at random times: every instance stops at the same step, every replica holds the same "
+    "weights") {
   Instance& me = Instance::current();
   const std::uint32_t n = me.count();
   PipelineConfig cfg = training(2, ExecutionStrategy::kSingle);  // two local replicas
@@ -276,7 +290,8 @@ TEST_CASE("cancels at random times: every instance stops at the same step, every
     me.allreduce_sum(all);
     CHECK(all[0] == n * mine[0]);
     CHECK(all[1] == n * mine[1]);
-    CHECK(weights_of(pipe, 0) == weights_of(pipe, 1));  // both local replicas applied the same steps
+    CHECK(weights_of(pipe, 0) ==
+          weights_of(pipe, 1));  // both local replicas applied the same steps
     CHECK(same_as_instance_zero(pipe));
   }
   MESSAGE("cancelled in " << cancelled << " of 20 trials");
@@ -302,7 +317,9 @@ TEST_CASE("what must match across instances: the pipeline, the step count, the w
     } catch (const Error& e) {
       const std::string what = e.what();
       CHECK(what.find("every instance must build the same stages") != std::string::npos);
-      if (me.index() + 1 == n) CHECK(what.find("gradient_elements() of stage 0 is 42 here, 36 in instance 0") != std::string::npos);
+      if (me.index() + 1 == n)
+        CHECK(what.find("gradient_elements() of stage 0 is 42 here, 36 in instance 0") !=
+              std::string::npos);
     }
   }
   {
@@ -316,8 +333,9 @@ TEST_CASE("what must match across instances: the pipeline, the step count, the w
       FAIL("a pipeline was built while another instance failed");
     } catch (const std::exception& e) {
       const std::string what = e.what();
-      CHECK(what.find(me.index() + 1 == n ? "no stages here" : "another instance failed to build its pipeline") !=
-            std::string::npos);
+      CHECK(what.find(me.index() + 1 == n
+                          ? "no stages here"
+                          : "another instance failed to build its pipeline") != std::string::npos);
     }
   }
   DeviceGroup devices(cfg.devices_needed(2), kSmall);
@@ -326,16 +344,16 @@ TEST_CASE("what must match across instances: the pipeline, the step count, the w
     // 0 steps in one instance, 1 in the others: refused everywhere, nothing applied.
     InfeedQueue<Batch> infeed(lanes(1));
     feed(infeed, 1, me.index(), cfg.gradient_accumulation);
-    CHECK_THROWS_WITH_AS((void)pipe.run(infeed, me.index() == 0 ? 0 : 1), doctest::Contains("different step counts"),
-                         InstanceError);
+    CHECK_THROWS_WITH_AS((void)pipe.run(infeed, me.index() == 0 ? 0 : 1),
+                         doctest::Contains("different step counts"), InstanceError);
     CHECK(same_as_instance_zero(pipe));
   }
   {
     // Different step counts: every instance refuses at step 0 (nothing applied).
     InfeedQueue<Batch> infeed(lanes(1));
     feed(infeed, 1, me.index(), 4 * cfg.gradient_accumulation);
-    CHECK_THROWS_WITH_AS((void)pipe.run(infeed, me.index() == 0 ? 3 : 4), doctest::Contains("different step counts"),
-                         InstanceError);
+    CHECK_THROWS_WITH_AS((void)pipe.run(infeed, me.index() == 0 ? 3 : 4),
+                         doctest::Contains("different step counts"), InstanceError);
     CHECK(same_as_instance_zero(pipe));
   }
   {
@@ -354,4 +372,4 @@ TEST_CASE("what must match across instances: the pipeline, the step count, the w
   }
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -20,7 +20,7 @@ using test::contains;
 using test::error_of;
 using test::kSmall;
 
-TEST_SUITE("device_buffer") {
+TEST_SUITE_BEGIN("device_buffer");
 
 TEST_CASE("a buffer: typed memory of its device, zero-filled, elements x element size bytes") {
   Device dev(3, kSmall);
@@ -120,4 +120,4 @@ TEST_CASE("an element count whose byte size overflows is an error naming the buf
   CHECK(dev.arena().used() == before);
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

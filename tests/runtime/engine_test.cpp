@@ -33,7 +33,7 @@ using test::filled;
 using test::kSmall;
 using test::with_link;
 
-TEST_SUITE("engine") {
+TEST_SUITE_BEGIN("engine");
 
 TEST_CASE("Sequence runs in order, Repeat counts trips, the outermost trip is the iteration") {
   Device dev(0, kSmall);
@@ -44,10 +44,12 @@ TEST_CASE("Sequence runs in order, Repeat counts trips, the outermost trip is th
       log.push_back(what + std::to_string(c.iteration));
     });
   };
-  const EngineResult r = engine.run(Repeat(3, Sequence{note("a"), Repeat(2, note("b")), note("c")}));
+  const EngineResult r =
+      engine.run(Repeat(3, Sequence{note("a"), Repeat(2, note("b")), note("c")}));
   CHECK(r.completed());
   CHECK(r.iterations == std::vector<std::uint64_t>{3});
-  const std::vector<std::string> want{"a0", "b0", "b0", "c0", "a1", "b1", "b1", "c1", "a2", "b2", "b2", "c2"};
+  const std::vector<std::string> want{"a0", "b0", "b0", "c0", "a1", "b1",
+                                      "b1", "c1", "a2", "b2", "b2", "c2"};
   CHECK(log == want);
 }
 
@@ -92,15 +94,19 @@ TEST_CASE("Sync is a barrier across devices (also 4 devices on 2 cores)") {
     const std::uint64_t rounds = test::scaled(300, 20);
     std::vector<Program> programs;
     for (std::uint32_t d = 0; d < n; ++d) {
-      programs.push_back(Repeat(rounds, Sequence{
-          Execute("write", [&, d](const ComputeContext& c) { round[d].store(c.iteration + 1); }),
-          Sync(group),
-          Execute("read", [&](const ComputeContext& c) {
-            for (auto& r : round) {
-              if (r.load() != c.iteration + 1) violations.fetch_add(1);
-            }
-          }),
-          Sync(group)}));
+      programs.push_back(Repeat(rounds, Sequence{Execute("write",
+                                                         [&, d](const ComputeContext& c) {
+                                                           round[d].store(c.iteration + 1);
+                                                         }),
+                                                 Sync(group),
+                                                 Execute("read",
+                                                         [&](const ComputeContext& c) {
+                                                           for (auto& r : round) {
+                                                             if (r.load() != c.iteration + 1)
+                                                               violations.fetch_add(1);
+                                                           }
+                                                         }),
+                                                 Sync(group)}));
     }
     const EngineResult r = engine.run(programs);
     CHECK(r.completed());
@@ -118,10 +124,12 @@ TEST_CASE("Copy exchanges buffer contents between devices and takes the device l
   Buffer x0 = make_buffer(devices[0], "x0", DType::kFloat32, 1024);
   Buffer y1 = make_buffer(devices[1], "y1", DType::kFloat32, 1024);
   auto group = std::make_shared<SyncGroup>(2);
-  const Program p0 = Sequence{Execute("fill", [&](const ComputeContext&) {
-                                std::iota(x0->as<float>().begin(), x0->as<float>().end(), 1.0f);
-                              }),
-                              Sync(group), Sync(group)};
+  const Program p0 =
+      Sequence{Execute("fill",
+                       [&](const ComputeContext&) {
+                         std::iota(x0->as<float>().begin(), x0->as<float>().end(), 1.0f);
+                       }),
+               Sync(group), Sync(group)};
   const Program p1 = Sequence{Sync(group), Copy(x0, y1), Sync(group)};
   CHECK(engine.run({p0, p1}).completed());
   for (std::size_t i = 0; i < 1024; ++i) REQUIRE(y1->as<float>()[i] == static_cast<float>(i + 1));
@@ -139,7 +147,9 @@ TEST_CASE("Copy exchanges buffer contents between devices and takes the device l
 }
 
 TEST_CASE("StreamCopy: host -> device -> host in order, with and without I/O tiles, any prefetch") {
-  struct Case { std::uint32_t io_tiles, prefetch; };
+  struct Case {
+    std::uint32_t io_tiles, prefetch;
+  };
   for (const Case k : {Case{0, 1}, Case{4, 1}, Case{4, 3}}) {
     CAPTURE(k.io_tiles);
     CAPTURE(k.prefetch);
@@ -154,9 +164,11 @@ TEST_CASE("StreamCopy: host -> device -> host in order, with and without I/O til
       Buffer x = make_buffer(devices[d], "x", DType::kFloat32, 64);
       xs.push_back(x);
       programs.push_back(Repeat(n, Sequence{StreamCopy(infeed, x),
-                                            Execute("double", 64, [x](const ComputeContext&, const TileWork& w) {
-                                              for (std::size_t i = w.begin; i < w.end; ++i) x->as<float>()[i] *= 2;
-                                            }),
+                                            Execute("double", 64,
+                                                    [x](const ComputeContext&, const TileWork& w) {
+                                                      for (std::size_t i = w.begin; i < w.end; ++i)
+                                                        x->as<float>()[i] *= 2;
+                                                    }),
                                             StreamCopy(x, outfeed)}));
     }
     std::thread host([&] {
@@ -184,7 +196,8 @@ TEST_CASE("StreamCopy: host -> device -> host in order, with and without I/O til
   }
 }
 
-TEST_CASE("4 devices on 2 cores with I/O tiles, sync and both directions: completes, exactly once") {
+TEST_CASE(
+    "4 devices on 2 cores with I/O tiles, sync and both directions: completes, exactly once") {
   DeviceGroup devices(4, kSmall);
   Engine engine(devices, with_link(30us, 256, 4, 2));
   InfeedQueue<Tensor> infeed(InfeedConfig{4, 8, 2});
@@ -194,12 +207,14 @@ TEST_CASE("4 devices on 2 cores with I/O tiles, sync and both directions: comple
   std::vector<Program> programs;
   for (std::uint32_t d = 0; d < 4; ++d) {
     Buffer x = make_buffer(devices[d], "x", DType::kFloat32, 64);
-    programs.push_back(Repeat(n, Sequence{StreamCopy(infeed, x), Sync(group), StreamCopy(x, outfeed)}));
+    programs.push_back(
+        Repeat(n, Sequence{StreamCopy(infeed, x), Sync(group), StreamCopy(x, outfeed)}));
   }
   std::thread host([&] {
     auto p = infeed.make_producer();
     for (int i = 0; i < n; ++i) {
-      for (std::uint32_t d = 0; d < 4; ++d) p.push_to(d, filled(64, static_cast<float>(d * 1000 + i)));
+      for (std::uint32_t d = 0; d < 4; ++d)
+        p.push_to(d, filled(64, static_cast<float>(d * 1000 + i)));
     }
   });
   std::vector<double> sums(4, 0);
@@ -219,7 +234,8 @@ TEST_CASE("4 devices on 2 cores with I/O tiles, sync and both directions: comple
   reader.join();
   CHECK(r.completed());
   CHECK(entries == 4 * n);
-  for (std::uint32_t d = 0; d < 4; ++d) CHECK(sums[d] == doctest::Approx(d * 1000.0 * n + n * (n - 1) / 2.0));
+  for (std::uint32_t d = 0; d < 4; ++d)
+    CHECK(sums[d] == doctest::Approx(d * 1000.0 * n + n * (n - 1) / 2.0));
 }
 
 TEST_CASE("StreamCopy: end of data ends the program with kEndOfData, with and without I/O tiles") {
@@ -232,8 +248,9 @@ TEST_CASE("StreamCopy: end of data ends the program with kEndOfData, with and wi
     for (int i = 0; i < 5; ++i) p.push(filled(64, 1.0f));
     infeed.close();
     int computed = 0;
-    const EngineResult r = engine.run(Repeat(10, Sequence{StreamCopy(infeed, x),
-                                                        Execute("count", [&](const ComputeContext&) { ++computed; })}));
+    const EngineResult r = engine.run(
+        Repeat(10, Sequence{StreamCopy(infeed, x),
+                            Execute("count", [&](const ComputeContext&) { ++computed; })}));
     CHECK(r.status == RunStatus::kEndOfData);
     CHECK(r.iterations == std::vector<std::uint64_t>{5});
     CHECK(computed == 5);
@@ -242,7 +259,8 @@ TEST_CASE("StreamCopy: end of data ends the program with kEndOfData, with and wi
 
 // Found by the soak suite: a device whose infeed ended left the devices it syncs with
 // waiting for it at their next Sync, and the run never returned.
-TEST_CASE("StreamCopy: end of data on one device ends a run whose devices sync (no one waits forever)") {
+TEST_CASE(
+    "StreamCopy: end of data on one device ends a run whose devices sync (no one waits forever)") {
   for (std::uint32_t io : {0u, 4u}) {
     CAPTURE(io);
     DeviceGroup devices(2, kSmall);
@@ -279,8 +297,9 @@ TEST_CASE("nothing prefetched is lost between runs: the next run gets it, in ord
     auto p = infeed.make_producer();
     for (int i = 0; i < 10; ++i) p.push(filled(64, static_cast<float>(i)));
     std::vector<float> seen;
-    const Program prog = Sequence{StreamCopy(infeed, x),
-                                  Execute("see", [&](const ComputeContext&) { seen.push_back(x->as<float>()[0]); })};
+    const Program prog =
+        Sequence{StreamCopy(infeed, x),
+                 Execute("see", [&](const ComputeContext&) { seen.push_back(x->as<float>()[0]); })};
     CHECK(engine.run(Repeat(3, prog)).completed());
     CHECK(engine.run(Repeat(7, prog)).completed());
     CHECK(seen == std::vector<float>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9});
@@ -291,7 +310,10 @@ TEST_CASE("nothing prefetched is lost between runs: the next run gets it, in ord
     auto p = infeed.make_producer();
     for (int i = 0; i < 10; ++i) p.push(i);
     std::vector<int> seen;
-    auto body = [&](int& s, int& x) { seen.push_back(x); ++s; };
+    auto body = [&](int& s, int& x) {
+      seen.push_back(x);
+      ++s;
+    };
     CHECK(loops::repeat(dev, 3, body, 0, infeed).completed());
     CHECK(loops::repeat(dev, 7, body, 0, infeed).completed());
     std::vector<int> want(10);
@@ -304,7 +326,8 @@ TEST_CASE("I/O tiles: even, below the tile count, enough for one micro-batch (wi
   Device dev(0, kSmall);  // 64 tiles x 16 KiB
   EngineConfig c;
   c.io_tiles = 3;
-  CHECK(contains(error_of([&] { Engine e(dev, c); }), "io_tiles = 3 is not allowed: must be 0 or an even number"));
+  CHECK(contains(error_of([&] { Engine e(dev, c); }),
+                 "io_tiles = 3 is not allowed: must be 0 or an even number"));
   c.io_tiles = 64;
   CHECK(contains(error_of([&] { Engine e(dev, c); }), "must be below the device's 64 tiles"));
   c.io_tiles = 2;  // 32 KiB: too little for 100 KiB
@@ -330,17 +353,28 @@ TEST_CASE("programs are checked before they run") {
   InfeedQueue<Tensor> one;
   auto group = std::make_shared<SyncGroup>(2);
   const Program idle = Execute("idle", [](const ComputeContext&) {});
-  CHECK(contains(error_of([&] { engine.run({StreamCopy(two, on1), idle}); }), "uses buffer 'on1' of device 1"));
-  CHECK(contains(error_of([&] { engine.run({Sync(group), idle}); }), "sync group of 2 participants is used by 1"));
-  CHECK(contains(error_of([&] { engine.run({idle, StreamCopy(one, on1)}); }), "1 replica lane(s) but the engine runs 2"));
-  CHECK(contains(error_of([&] { engine.run(std::vector<Program>{idle}); }), "1 programs for 2 devices"));
+  CHECK(contains(error_of([&] {
+                   engine.run({StreamCopy(two, on1), idle});
+                 }),
+                 "uses buffer 'on1' of device 1"));
+  CHECK(contains(error_of([&] {
+                   engine.run({Sync(group), idle});
+                 }),
+                 "sync group of 2 participants is used by 1"));
+  CHECK(contains(error_of([&] {
+                   engine.run({idle, StreamCopy(one, on1)});
+                 }),
+                 "1 replica lane(s) but the engine runs 2"));
+  CHECK(contains(error_of([&] { engine.run(std::vector<Program>{idle}); }),
+                 "1 programs for 2 devices"));
   const auto bytes = [](const ComputeContext&) { return std::size_t{64}; };
   CHECK(contains(error_of([&] { AllReduce("grads", 0, bytes); }), "AllReduce 'grads' replicas"));
   CHECK(contains(error_of([&] { AllReduce("grads", 0, bytes); }), "must be in 1.."));
   CHECK(contains(error_of([&] { AllReduce("grads", 2, nullptr); }), "the bytes function is empty"));
 }
 
-TEST_CASE("AllReduce: each replica's device takes the ring's modeled time, as a labelled exchange") {
+TEST_CASE(
+    "AllReduce: each replica's device takes the ring's modeled time, as a labelled exchange") {
   DeviceGroup devices(2, kSmall);
   EngineConfig config;
   config.device_link = LinkModel{1e8, 10us};
@@ -348,8 +382,9 @@ TEST_CASE("AllReduce: each replica's device takes the ring's modeled time, as a 
   Engine engine(devices, config);
   auto group = std::make_shared<SyncGroup>(2);
   const std::size_t bytes = 8000;  // 2 steps of 4000 bytes: 2 x (10 us + 40 us) = 100 us
-  const Program p = Repeat(3, Sequence{Sync(group), AllReduce("grads", 2, [&](const ComputeContext&) { return bytes; }),
-                                       Sync(group)});
+  const Program p = Repeat(
+      3, Sequence{Sync(group), AllReduce("grads", 2, [&](const ComputeContext&) { return bytes; }),
+                  Sync(group)});
   REQUIRE(engine.run({p, p}).completed());
   const std::chrono::nanoseconds ring = config.device_link.ring_allreduce(bytes, 2);
   CHECK(ring == 100us);
@@ -379,7 +414,9 @@ TEST_CASE("a host tensor of the wrong size is an error naming the buffer") {
       engine.run(StreamCopy(infeed, x));
       FAIL("no error");
     } catch (const DeviceError& e) {
-      CHECK(contains(e.what(), "infeed element for buffer 'x' is 63 fp32 (252 bytes); the buffer takes 64 fp32"));
+      CHECK(contains(
+          e.what(),
+          "infeed element for buffer 'x' is 63 fp32 (252 bytes); the buffer takes 64 fp32"));
     }
   }
 }
@@ -388,11 +425,14 @@ TEST_CASE("a vertex exception reaches the host with device and iteration; device
   DeviceGroup devices(2, kSmall);
   Engine engine(devices);
   auto group = std::make_shared<SyncGroup>(2);
-  const Program bad = Repeat(10, Sequence{Execute("boom", [](const ComputeContext& c) {
-                                            if (c.iteration == 4) throw std::runtime_error("bad sample");
-                                          }),
+  const Program bad = Repeat(10, Sequence{Execute("boom",
+                                                  [](const ComputeContext& c) {
+                                                    if (c.iteration == 4)
+                                                      throw std::runtime_error("bad sample");
+                                                  }),
                                           Sync(group)});
-  const Program good = Repeat(10, Sequence{Sync(group), Sync(group)});  // waits on a sync that never completes
+  const Program good =
+      Repeat(10, Sequence{Sync(group), Sync(group)});  // waits on a sync that never completes
   try {
     engine.run({good, bad});
     FAIL("no error");
@@ -436,7 +476,8 @@ TEST_CASE("cancel() reaches a device inside a long modeled transfer (AllReduce, 
     engine.cancel();
   });
   const auto t0 = std::chrono::steady_clock::now();
-  const EngineResult r = engine.run({AllReduce("grads", 2, twenty_kb), RemoteCopy("state in", false, twenty_kb)});
+  const EngineResult r =
+      engine.run({AllReduce("grads", 2, twenty_kb), RemoteCopy("state in", false, twenty_kb)});
   const auto took = std::chrono::steady_clock::now() - t0;
   canceller.join();
   CHECK(r.status == RunStatus::kCancelled);
@@ -503,4 +544,4 @@ TEST_CASE("FusedRepeat: runs as a whole program on an Engine, refused inside ano
                        doctest::Contains("the loop is empty"), Error);
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

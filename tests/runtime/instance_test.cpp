@@ -14,7 +14,7 @@ using namespace bspflow;
 using test::contains;
 using test::error_of;
 
-TEST_SUITE("instance") {
+TEST_SUITE_BEGIN("instance");
 
 TEST_CASE("layout: each instance runs replicas / instances of them, offset by its index") {
   const InstanceLayout one = InstanceLayout::of(0, 1, 4);
@@ -62,4 +62,4 @@ TEST_CASE("a plain process is the one instance of its run; collectives change no
   CHECK(contains(error_of([&] { me.broadcast(v, 1); }), "broadcast root = 1"));
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

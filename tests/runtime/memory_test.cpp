@@ -56,7 +56,9 @@ struct Probe final : Stage {
     for (float& v : a.grad_input) v = g;
     for (float& v : a.gradients) v = grad * g;
   }
-  void update(const StageContext&, std::span<const float> g) override { seen_gradients.assign(g.begin(), g.end()); }
+  void update(const StageContext&, std::span<const float> g) override {
+    seen_gradients.assign(g.begin(), g.end());
+  }
 };
 
 StageFactory probes(std::uint32_t n, std::function<void(Probe&)> tweak = {}) {
@@ -85,7 +87,8 @@ const TensorMemory* find(const DeviceMemory& d, const std::string& part) {
 }
 
 // `micro_batches` micro-batches of 4 samples (data: a copy of `data`; labels 0), then closed.
-void feed(InfeedQueue<Batch>& infeed, std::uint64_t micro_batches, const Tensor& data = test::filled(4, 1.0f)) {
+void feed(InfeedQueue<Batch>& infeed, std::uint64_t micro_batches,
+          const Tensor& data = test::filled(4, 1.0f)) {
   auto producer = infeed.make_producer();
   for (std::uint64_t i = 0; i < micro_batches; ++i) {
     Batch b;
@@ -102,7 +105,9 @@ void feed(InfeedQueue<Batch>& infeed, std::uint64_t micro_batches, const Tensor&
 
 TEST_SUITE_BEGIN("memory");
 
-TEST_CASE("memory report: categories sum their tensors exactly, and the peak is always live plus the larger phase") {
+TEST_CASE(
+    "memory report: categories sum their tensors exactly, and the peak is always live plus the "
+    "larger phase") {
   DeviceGroup devices(3, kRoomy);
   PipelineConfig cfg;
   cfg.gradient_accumulation = 5;
@@ -132,13 +137,15 @@ TEST_CASE("memory report: categories sum their tensors exactly, and the peak is 
     CHECK(d.phase(Liveness::kUpdate) == update);
     CHECK(d.compute_peak() == compute + pass);  // one stage per device
     CHECK(d.peak() == always + std::max(compute + pass, update));
-    for (std::size_t i = 1; i < d.tensors.size(); ++i) CHECK(d.tensors[i - 1].bytes >= d.tensors[i].bytes);
+    for (std::size_t i = 1; i < d.tensors.size(); ++i)
+      CHECK(d.tensors[i - 1].bytes >= d.tensors[i].bytes);
   }
   // Stage 1 (middle), fp32: exact bytes of each declared tensor.
   const DeviceMemory& mid = rep.devices[1];
   CHECK(mid.category(MemoryCategory::kParameters) == 16 * 4);
   CHECK(mid.category(MemoryCategory::kOptimizerState) == 32 * 4);
-  CHECK(mid.category(MemoryCategory::kGradients) == 3 * 16 * 4);  // accumulator, micro-batch, reduced
+  CHECK(mid.category(MemoryCategory::kGradients) ==
+        3 * 16 * 4);  // accumulator, micro-batch, reduced
   CHECK(mid.category(MemoryCategory::kWorking) == 10 * 4);
   // bsp exchange: activations out x2 (8), in (8); gradients out x2 (8), in (8).
   CHECK(mid.category(MemoryCategory::kExchange) == (2 * 8 + 8 + 2 * 8 + 8) * 4);
@@ -148,7 +155,8 @@ TEST_CASE("memory report: categories sum their tensors exactly, and the peak is 
   CHECK(text.find("activation stash") != std::string::npos);
 }
 
-TEST_CASE("memory report: the activation stash follows the schedule's FIFO depth, and a run reaches it") {
+TEST_CASE(
+    "memory report: the activation stash follows the schedule's FIFO depth, and a run reaches it") {
   for (PipelineSchedule schedule : {PipelineSchedule::kGrouped, PipelineSchedule::kInterleaved}) {
     CAPTURE(to_string(schedule));
     DeviceGroup devices(3, kRoomy);
@@ -166,7 +174,8 @@ TEST_CASE("memory report: the activation stash follows the schedule's FIFO depth
       CAPTURE(s);
       const std::size_t slots = pipe.plan().fifo_depth(s) + 1;
       const std::size_t in = s == 0 ? 0 : 8;
-      CHECK(pipe.memory().devices[s].category(MemoryCategory::kActivationStash) == slots * (in + 24) * 4);
+      CHECK(pipe.memory().devices[s].category(MemoryCategory::kActivationStash) ==
+            slots * (in + 24) * 4);
       CHECK(r.fifo_depth[s] == pipe.plan().fifo_depth(s));
     }
   }
@@ -197,11 +206,14 @@ TEST_CASE("memory report: recomputation and half precision lower the peak by wha
     const DeviceMemory& a = fp32.devices[d];
     const DeviceMemory& b = half.devices[d];
     CHECK(b.category(MemoryCategory::kParameters) * 2 == a.category(MemoryCategory::kParameters));
-    CHECK(b.category(MemoryCategory::kActivationStash) * 2 == a.category(MemoryCategory::kActivationStash));
+    CHECK(b.category(MemoryCategory::kActivationStash) * 2 ==
+          a.category(MemoryCategory::kActivationStash));
     CHECK(b.category(MemoryCategory::kExchange) * 2 == a.category(MemoryCategory::kExchange));
-    CHECK(b.category(MemoryCategory::kOptimizerState) == a.category(MemoryCategory::kOptimizerState));  // fp32
+    CHECK(b.category(MemoryCategory::kOptimizerState) ==
+          a.category(MemoryCategory::kOptimizerState));  // fp32
     // Gradients: the micro-batch gradients halve; accumulator and reduced stay fp32 partials.
-    CHECK(b.category(MemoryCategory::kGradients) == a.category(MemoryCategory::kGradients) - 16 * 2);
+    CHECK(b.category(MemoryCategory::kGradients) ==
+          a.category(MemoryCategory::kGradients) - 16 * 2);
   }
   // Offloaded optimiser state leaves the always-live memory for the update phase.
   PipelineConfig off = base;
@@ -224,7 +236,8 @@ TEST_CASE("memory report: stages sharing a device need their largest pass memory
   CHECK(d.phase(Liveness::kPass) == 3 * (100 + 16) * 4);
   CHECK(d.compute_peak() == d.phase(Liveness::kCompute) + (100 + 16) * 4);
   // The stash is live across passes: every stage's entry counts.
-  CHECK(d.category(MemoryCategory::kActivationStash) == (24 + (8 + 24) + (8 + 24)) * 4);  // one entry each
+  CHECK(d.category(MemoryCategory::kActivationStash) ==
+        (24 + (8 + 24) + (8 + 24)) * 4);  // one entry each
 }
 
 TEST_CASE("memory: the arena holds the plan while the pipeline lives, and gives it back") {
@@ -236,7 +249,8 @@ TEST_CASE("memory: the arena holds the plan while the pipeline lives, and gives 
     Pipeline pipe(devices, cfg, probes(2));
     for (std::uint32_t d = 0; d < 2; ++d) {
       CHECK(devices[d].arena().used() >= pipe.memory().devices[d].peak());
-      CHECK(devices[d].arena().used() <= pipe.memory().devices[d].peak() + 64 * 32);  // alignment only
+      CHECK(devices[d].arena().used() <=
+            pipe.memory().devices[d].peak() + 64 * 32);  // alignment only
     }
   }
   CHECK(devices[0].arena().used() == before);
@@ -292,14 +306,19 @@ TEST_CASE("precision: bad settings are refused with the field and what is allowe
   PipelineConfig cfg;
   cfg.strategy = ExecutionStrategy::kSingle;
   cfg.precision.loss_scaling = 0.0f;
-  CHECK_THROWS_WITH_AS(Pipeline(devices, cfg, probes(1)), doctest::Contains("precision.loss_scaling"), Error);
+  CHECK_THROWS_WITH_AS(Pipeline(devices, cfg, probes(1)),
+                       doctest::Contains("precision.loss_scaling"), Error);
   cfg.precision = Precision{DType::kUint8, DType::kFloat32, 1.0f};
-  CHECK_THROWS_WITH_AS(Pipeline(devices, cfg, probes(1)), doctest::Contains("must be fp32 or fp16"), Error);
+  CHECK_THROWS_WITH_AS(Pipeline(devices, cfg, probes(1)), doctest::Contains("must be fp32 or fp16"),
+                       Error);
   cfg.precision = Precision{DType::kFloat32, DType::kInt32, 1.0f};
-  CHECK_THROWS_WITH_AS(Pipeline(devices, cfg, probes(1)), doctest::Contains("precision.partials"), Error);
+  CHECK_THROWS_WITH_AS(Pipeline(devices, cfg, probes(1)), doctest::Contains("precision.partials"),
+                       Error);
 }
 
-TEST_CASE("precision: fp16 storage rounds what crosses between stages; loss scaling keeps small gradients") {
+TEST_CASE(
+    "precision: fp16 storage rounds what crosses between stages; loss scaling keeps small "
+    "gradients") {
   const float fine = 1.0f + 1.0f / 4096;  // not representable in fp16: rounds to 1
   const float tiny = 1e-8f;               // below fp16's smallest subnormal (6e-8): flushes to 0
   struct Outcome {
@@ -312,9 +331,9 @@ TEST_CASE("precision: fp16 storage rounds what crosses between stages; loss scal
     cfg.gradient_accumulation = 3;
     cfg.precision = precision;
     Pipeline pipe(devices, cfg, probes(2, [&](Probe& p) {
-      p.value = fine;
-      p.grad = tiny;
-    }));
+                    p.value = fine;
+                    p.grad = tiny;
+                  }));
     InfeedQueue<Batch> infeed(InfeedConfig{1, 3, 1});
     feed(infeed, 3);
     REQUIRE(pipe.run(infeed, 1).completed());
@@ -394,11 +413,15 @@ StageFactory busy(std::uint32_t n, std::chrono::microseconds work) {
 }
 
 // `n` micro-batches of 64 values of `dtype` and 4 labels, then closed.
-void feed_typed(InfeedQueue<Batch>& infeed, std::uint64_t n, DType dtype) { feed(infeed, n, Tensor(dtype, {4, 16})); }
+void feed_typed(InfeedQueue<Batch>& infeed, std::uint64_t n, DType dtype) {
+  feed(infeed, n, Tensor(dtype, {4, 16}));
+}
 
 }  // namespace
 
-TEST_CASE("host link: micro-batches in and outputs out cross it, by their bytes; 8-bit I/O moves a quarter of the data") {
+TEST_CASE(
+    "host link: micro-batches in and outputs out cross it, by their bytes; 8-bit I/O moves a "
+    "quarter of the data") {
   for (bool training : {true, false}) {
     CAPTURE(training);
     auto bytes_of = [&](DType dtype) {
@@ -425,7 +448,9 @@ TEST_CASE("host link: micro-batches in and outputs out cross it, by their bytes;
   }
 }
 
-TEST_CASE("host link: without I/O tiles stage 0 waits for every copy; with them the copies overlap compute") {
+TEST_CASE(
+    "host link: without I/O tiles stage 0 waits for every copy; with them the copies overlap "
+    "compute") {
   const auto d = std::chrono::milliseconds(4);  // the copy of one micro-batch, and the compute
   const std::size_t batch_bytes = 64 * 4 + 4 * sizeof(std::int32_t);
   constexpr std::uint64_t kMicroBatches = 10;
@@ -457,7 +482,8 @@ TEST_CASE("host link: without I/O tiles stage 0 waits for every copy; with them 
   cfg.io_tiles = 2;
   cfg.gradient_accumulation = 3;
   Pipeline pipe(devices, cfg, probes(2));
-  for (const DeviceMemory& dm : pipe.memory().devices) CHECK(dm.category(MemoryCategory::kIoTiles) == 2 * 64 * 1024);
+  for (const DeviceMemory& dm : pipe.memory().devices)
+    CHECK(dm.category(MemoryCategory::kIoTiles) == 2 * 64 * 1024);
 }
 
 TEST_CASE("host link: synthetic data makes no host copies and reads one micro-batch per replica") {
@@ -484,7 +510,9 @@ TEST_CASE("host link: synthetic data makes no host copies and reads one micro-ba
   CHECK(left == 9);
 }
 
-TEST_CASE("host link: I/O tiles that cannot hold prefetch_depth micro-batches, and bad settings, are errors") {
+TEST_CASE(
+    "host link: I/O tiles that cannot hold prefetch_depth micro-batches, and bad settings, are "
+    "errors") {
   DeviceGroup devices(2, DeviceConfig{64, 1024});
   PipelineConfig cfg;
   cfg.gradient_accumulation = 3;
@@ -507,10 +535,14 @@ TEST_CASE("host link: I/O tiles that cannot hold prefetch_depth micro-batches, a
   CHECK_THROWS_WITH_AS(Pipeline(devices, odd, probes(1)), doctest::Contains("io_tiles = 3"), Error);
   PipelineConfig all;
   all.io_tiles = 64;
-  CHECK_THROWS_WITH_AS(Pipeline(devices, all, probes(1)), doctest::Contains("io_tiles = 64 is not allowed: must be below the device's 64 tiles"), Error);
+  CHECK_THROWS_WITH_AS(
+      Pipeline(devices, all, probes(1)),
+      doctest::Contains("io_tiles = 64 is not allowed: must be below the device's 64 tiles"),
+      Error);
   PipelineConfig deep;
   deep.prefetch_depth = 0;
-  CHECK_THROWS_WITH_AS(Pipeline(devices, deep, probes(1)), doctest::Contains("prefetch_depth = 0"), Error);
+  CHECK_THROWS_WITH_AS(Pipeline(devices, deep, probes(1)), doctest::Contains("prefetch_depth = 0"),
+                       Error);
 }
 
 TEST_SUITE_END();

@@ -20,10 +20,10 @@ using test::error_of;
 namespace {
 
 struct Row {
-  const char* what;                  // the bad input, in words
-  std::function<void()> make;        // throws the message
-  std::string message;               // exactly (or, with `ends`, the start)
-  std::string ends = {};             // the end, when the middle is this machine's
+  const char* what;            // the bad input, in words
+  std::function<void()> make;  // throws the message
+  std::string message;         // exactly (or, with `ends`, the start)
+  std::string ends = {};       // the end, when the middle is this machine's
 };
 
 void check(const Row& row) {
@@ -50,10 +50,13 @@ std::string loop_failure(std::uint64_t count) {
   for (int i = 0; i < 4; ++i) p.push(i);
   infeed.close();
   try {
-    loops::repeat(device, count, [](int&, int& x, const Iteration& it) {
-      if (it.index == 2) throw std::runtime_error("boom");
-      (void)x;
-    }, 0, infeed);
+    loops::repeat(
+        device, count,
+        [](int&, int& x, const Iteration& it) {
+          if (it.index == 2) throw std::runtime_error("boom");
+          (void)x;
+        },
+        0, infeed);
   } catch (const DeviceError& e) {
     return e.what();
   }
@@ -66,32 +69,50 @@ TEST_SUITE_BEGIN("messages");
 
 TEST_CASE("the table of messages: each names what was wrong, the value given and what is allowed") {
   const std::vector<Row> rows = {
-      {"a host link of 0 bytes per second", [] { LinkModel{0, 0ns}.validate("host link"); },
-       "host link bytes_per_second = 0 is not allowed: must be a positive, finite number of bytes per second "
+      {"a host link of 0 bytes per second",
+       [] {
+         LinkModel{0, 0ns}.validate("host link");
+       },
+       "host link bytes_per_second = 0 is not allowed: must be a positive, finite number of bytes "
+       "per second "
        "(10e9 is 10 GB/s)"},
-      {"a negative link latency", [] { LinkModel{1e9, -5ns}.validate("device link"); },
+      {"a negative link latency",
+       [] {
+         LinkModel{1e9, -5ns}.validate("device link");
+       },
        "device link latency = -5 ns is not allowed: must be in 0 ns..1 s"},
       {"a prefetch depth of 0", [] { Options().prefetch_depth(0); },
        "prefetch_depth = 0 is not allowed: must be in 1..255"},
       {"replicas not dividing by the instances", [] { (void)InstanceLayout::of(0, 2, 3); },
-       "replicas = 3 is not allowed: must be a multiple of the instance count (2): each instance runs replicas / "
+       "replicas = 3 is not allowed: must be a multiple of the instance count (2): each instance "
+       "runs replicas / "
        "instances of them"},
       {"get() on a default-constructed Run", [] { (void)Run<int>().get(); },
-       "Run::get() on an empty Run: it was default-constructed, moved from, or get() was already called"},
-      {"a buffer larger than its device", [] {
+       "Run::get() on an empty Run: it was default-constructed, moved from, or get() was already "
+       "called"},
+      {"a buffer larger than its device",
+       [] {
          Device device(0, DeviceConfig{1, 64 * 1024});
          (void)make_buffer(device, "activations", DType::kFloat32, 64 * 1024);
        },
-       "device 0: out of memory allocating 256.0 KiB for 'activations': 64.0 KiB free of 64.0 KiB. 0 B used of "
-       "64.0 KiB, nothing allocated. Raise tiles or bytes_per_tile, or shrink what holds the memory."},
-      {"a device of 64 TiB", [] { Device device(0, DeviceConfig{1u << 20, std::size_t{64} << 20}); },
-       "device 0 asks for 64.0 TiB (tiles 1048576 x bytes_per_tile 64.0 MiB), more than this machine has (",
+       "device 0: out of memory allocating 256.0 KiB for 'activations': 64.0 KiB free of 64.0 KiB. "
+       "0 B used of "
+       "64.0 KiB, nothing allocated. Raise tiles or bytes_per_tile, or shrink what holds the "
+       "memory."},
+      {"a device of 64 TiB",
+       [] {
+         Device device(0, DeviceConfig{1u << 20, std::size_t{64} << 20});
+       },
+       "device 0 asks for 64.0 TiB (tiles 1048576 x bytes_per_tile 64.0 MiB), more than this "
+       "machine has (",
        "): lower tiles or bytes_per_tile"},
       {"a loop failing at an iteration", [] { throw Error(loop_failure(10)); },
        "device 0 (replica 0) failed at iteration 2 of 10: boom"},
-      {"an open-ended loop (a service: 2^62 iterations) failing", [] { throw Error(loop_failure(std::uint64_t{1} << 62)); },
+      {"an open-ended loop (a service: 2^62 iterations) failing",
+       [] { throw Error(loop_failure(std::uint64_t{1} << 62)); },
        "device 0 (replica 0) failed at iteration 2: boom"},
-      {"an output mode that does not parse", [] { (void)OutputMode::parse("every_n:0"); }, "OutputMode every_n(n): n = 0 is not allowed: must be at least 1"},
+      {"an output mode that does not parse", [] { (void)OutputMode::parse("every_n:0"); },
+       "OutputMode every_n(n): n = 0 is not allowed: must be at least 1"},
   };
   for (const Row& row : rows) check(row);
 }
@@ -105,7 +126,8 @@ TEST_CASE("counts read as words: 1 step, 2 steps") {
   c.batch_size = 10;
   DataLoader loader(StepShape{1, 1, 1}, data, c);
   CHECK(loader.plan().describe() ==
-        "combined batch 10 batch x 1 device iteration x 1 gradient accumulation x 1 replica = 10 samples; 10 samples "
+        "combined batch 10 batch x 1 device iteration x 1 gradient accumulation x 1 replica = 10 "
+        "samples; 10 samples "
         "-> 1 step per epoch");
 }
 

@@ -13,14 +13,16 @@ using namespace bspflow;
 using test::contains;
 using test::error_of;
 
-TEST_SUITE("options") {
+TEST_SUITE_BEGIN("options");
 
 TEST_CASE("options: each bad value is an error naming the option, the value and what is allowed") {
   Options o;
   CHECK(contains(error_of([&] { o.device_iterations(0); }), "device_iterations = 0"));
-  CHECK(contains(error_of([&] { o.replicas(0); }), "replicas = 0 is not allowed: must be in 1..1024"));
+  CHECK(contains(error_of([&] { o.replicas(0); }),
+                 "replicas = 0 is not allowed: must be in 1..1024"));
   CHECK(contains(error_of([&] { o.gradient_accumulation(0); }), "gradient_accumulation = 0"));
-  CHECK(contains(error_of([&] { o.prefetch_depth(0); }), "prefetch_depth = 0 is not allowed: must be in 1..255"));
+  CHECK(contains(error_of([&] { o.prefetch_depth(0); }),
+                 "prefetch_depth = 0 is not allowed: must be in 1..255"));
   CHECK(contains(error_of([&] { o.prefetch_depth(256); }), "1..255"));
   CHECK(contains(error_of([&] { o.io_tiles(3); }), "io_tiles = 3"));
   CHECK(contains(error_of([&] { o.tiles(0); }), "tiles = 0"));
@@ -29,7 +31,8 @@ TEST_CASE("options: each bad value is an error naming the option, the value and 
   CHECK(contains(error_of([&] { o.infeed_capacity(0); }), "infeed_capacity = 0"));
   // Cross-option rules are checked by validate() and by the config getters.
   o.tiles(32).io_tiles(32);
-  CHECK(contains(error_of([&] { o.validate(); }), "io_tiles = 32 is not allowed: must be below tiles (32)"));
+  CHECK(contains(error_of([&] { o.validate(); }),
+                 "io_tiles = 32 is not allowed: must be below tiles (32)"));
   o.io_tiles(16);
   o.prefetch_depth(8).infeed_capacity(4);
   CHECK(contains(error_of([&] { (void)o.infeed_config(); }), "infeed_capacity = 4"));
@@ -54,7 +57,8 @@ TEST_CASE("options: samples per step = micro-batch x iterations x accumulation x
 
 TEST_CASE("options: every config derives from Options, the host side as one HostIO") {
   Options o;
-  o.prefetch_depth(3).io_tiles(8).synthetic_data(true).host_link(LinkModel{2e9, std::chrono::microseconds(3)});
+  o.prefetch_depth(3).io_tiles(8).synthetic_data(true).host_link(
+      LinkModel{2e9, std::chrono::microseconds(3)});
   o.replicas(2).gradient_accumulation(7).tiles(64).bytes_per_tile(4096).pin(false);
   const HostIO io = o.host_io();
   CHECK(io.prefetch_depth == 3);
@@ -83,12 +87,14 @@ TEST_CASE("options: every config derives from Options, the host side as one Host
   CHECK_FALSE(o.pin_devices());
   // Each config checks what it derives: io_tiles must stay below the tiles.
   o.tiles(8);
-  CHECK(contains(error_of([&] { (void)o.host_io(); }), "io_tiles = 8 is not allowed: must be below tiles (8)"));
+  CHECK(contains(error_of([&] { (void)o.host_io(); }),
+                 "io_tiles = 8 is not allowed: must be below tiles (8)"));
   CHECK(contains(error_of([&] { (void)o.pipeline_config(); }), "must be below tiles (8)"));
   // HostIO checks its own fields.
   HostIO bad;
   bad.prefetch_depth = 0;
-  CHECK(contains(error_of([&] { bad.validate(); }), "prefetch_depth = 0 is not allowed: must be in 1..255"));
+  CHECK(contains(error_of([&] { bad.validate(); }),
+                 "prefetch_depth = 0 is not allowed: must be in 1..255"));
   bad.prefetch_depth = 1;
   bad.io_tiles = 3;
   CHECK(contains(error_of([&] { bad.validate(); }), "io_tiles = 3"));
@@ -135,7 +141,9 @@ TEST_CASE("options: precision reaches the pipeline config, and a bad one is refu
   CHECK(p.precision.partials == DType::kFloat32);
   CHECK(p.precision.loss_scaling == 128.0f);
   CHECK(contains(o.describe(), "precision = storage fp16, partials fp32, loss scaling 128"));
-  const std::string why = error_of([&] { o.precision(Precision{DType::kFloat16, DType::kFloat16, -1.0f}); });
+  const std::string why = error_of([&] {
+    o.precision(Precision{DType::kFloat16, DType::kFloat16, -1.0f});
+  });
   CHECK(contains(why, "precision.loss_scaling = -1"));
   CHECK(o.precision().loss_scaling == 128.0f);  // not stored
 }
@@ -157,7 +165,9 @@ TEST_CASE("options: one client thread each side, said once") {
   Options o;
   CHECK(o.infeed_config().producer_type == ProducerType::kMulti);  // defaults: shared
   CHECK(o.outfeed_config().consumer_type == ConsumerType::kMulti);
-  o.infeed_producer(ProducerType::kSingle).outfeed_consumer(ConsumerType::kSingle).outfeed_capacity(64);
+  o.infeed_producer(ProducerType::kSingle)
+      .outfeed_consumer(ConsumerType::kSingle)
+      .outfeed_capacity(64);
   CHECK(o.infeed_config().producer_type == ProducerType::kSingle);
   const OutfeedConfig out = o.outfeed_config();
   CHECK(out.consumer_type == ConsumerType::kSingle);
@@ -177,4 +187,4 @@ TEST_CASE("options: one client thread each side, said once") {
   CHECK(contains(why, "ConsumerType::kMulti"));
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

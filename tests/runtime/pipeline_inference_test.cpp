@@ -36,7 +36,8 @@ class Tag final : public Stage {
   void forward(const StageContext& ctx, ForwardArgs& a) override {
     const double id = ctx.stage == 0 ? static_cast<double>(a.batch.indices.front())
                                      : a.input[0] - 1000.0 * (ctx.stage - 1);
-    if (fail_on && *fail_on == static_cast<std::uint64_t>(id)) throw std::runtime_error("bad request");
+    if (fail_on && *fail_on == static_cast<std::uint64_t>(id))
+      throw std::runtime_error("bad request");
     if (delay.count() > 0) std::this_thread::sleep_for(delay);
     a.output[0] = static_cast<float>(ctx.stage == 0 ? id : a.input[0] + 1000.0);
   }
@@ -94,7 +95,7 @@ PipelineConfig inference(const Shape& s, std::uint32_t k = 1) {
 
 }  // namespace
 
-TEST_SUITE("pipeline_inference") {
+TEST_SUITE_BEGIN("pipeline_inference");
 
 TEST_CASE("the end of data drains: every micro-batch taken is answered, once and in order") {
   for (const Shape& shape : shapes()) {
@@ -148,7 +149,8 @@ TEST_CASE("a run of a fixed length completes, with K micro-batches per device it
   CHECK(id_of(got.front().value, 3) == 8);
 }
 
-TEST_CASE("a closed-loop client is answered at every depth, in both sync modes, with nothing held") {
+TEST_CASE(
+    "a closed-loop client is answered at every depth, in both sync modes, with nothing held") {
   for (const Shape& shape : shapes()) {
     const std::string where = describe(shape);
     CAPTURE(where);
@@ -158,12 +160,14 @@ TEST_CASE("a closed-loop client is answered at every depth, in both sync modes, 
     Pipeline pipe(devices, cfg, [&](std::uint32_t) { return tags(shape.stages); });
     InfeedQueue<Batch> infeed(InfeedConfig{1, 64, 1});
     OutfeedQueue<std::vector<float>> outfeed;
-    auto run = std::async(std::launch::async, [&] { return pipe.run(infeed, 1'000'000, &outfeed); });
+    auto run =
+        std::async(std::launch::async, [&] { return pipe.run(infeed, 1'000'000, &outfeed); });
     auto p = infeed.make_producer();
     auto answer = [&](std::uint64_t i) {
       std::optional<OutfeedEntry<std::vector<float>>> e;
       const auto deadline = std::chrono::steady_clock::now() + 5s;
-      while (!(e = outfeed.try_pop()) && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();
+      while (!(e = outfeed.try_pop()) && std::chrono::steady_clock::now() < deadline)
+        std::this_thread::yield();
       CHECK_MESSAGE(e.has_value(), "request " << i << " was not answered within 5 s");
       if (e) CHECK(id_of(e->value, shape.stages) == i);
       return e.has_value();
@@ -174,7 +178,8 @@ TEST_CASE("a closed-loop client is answered at every depth, in both sync modes, 
     for (std::uint64_t i = 0; i < burst; ++i) REQUIRE(p.push(request(i)));
     bool answered_all = true;
     for (std::uint64_t i = 0; i < burst && answered_all; ++i) answered_all = answer(i);
-    for (std::uint64_t i = burst; i < burst + 20 && answered_all; ++i) {  // one request in flight at a time
+    for (std::uint64_t i = burst; i < burst + 20 && answered_all;
+         ++i) {  // one request in flight at a time
       REQUIRE(p.push(request(i)));
       answered_all = answer(i);
     }
@@ -262,7 +267,8 @@ TEST_CASE("cancel ends the run at once and gives what was in flight back to the 
     std::uint64_t i = 0;
     for (const auto& e : outfeed.drain()) {
       ++seen[id_of(e.value, 3)];
-      if (i++ == 0) CHECK(id_of(e.value, 3) == r.micro_batches);  // in order: the oldest came back first
+      if (i++ == 0)
+        CHECK(id_of(e.value, 3) == r.micro_batches);  // in order: the oldest came back first
     }
     CHECK(seen.size() == m);
     for (const auto& [id, times] : seen) {
@@ -294,4 +300,4 @@ TEST_CASE("replicas: each lane drains on its own, nothing lost") {
   CHECK(by_replica[1] == std::vector<std::uint64_t>{100, 101, 102});
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -47,7 +47,8 @@ Batch make_batch(std::uint64_t m) {
   Batch b;
   b.data = Tensor(DType::kFloat32, {kBatch, 5});
   auto x = b.data.as<float>();
-  for (std::size_t j = 0; j < x.size(); ++j) x[j] = std::cos(0.37f * static_cast<float>(m * 31 + j));
+  for (std::size_t j = 0; j < x.size(); ++j)
+    x[j] = std::cos(0.37f * static_cast<float>(m * 31 + j));
   for (std::size_t i = 0; i < kBatch; ++i) {
     b.labels.push_back(static_cast<std::int32_t>((m + i) % kClasses));
     b.indices.push_back(m * kBatch + i);
@@ -58,8 +59,8 @@ Batch make_batch(std::uint64_t m) {
 
 // Plain training without the runtime: micro-batches in order, gradients summed over the
 // step (and over the replicas' micro-batches of the same position), averaged, one update.
-std::vector<std::vector<float>> reference(std::uint32_t stages, std::uint32_t k, std::uint32_t replicas,
-                                          std::uint64_t steps) {
+std::vector<std::vector<float>> reference(std::uint32_t stages, std::uint32_t k,
+                                          std::uint32_t replicas, std::uint64_t steps) {
   StageList model = make_model(stages);
   std::vector<std::vector<float>> sum(stages);
   for (std::uint32_t s = 0; s < stages; ++s) sum[s].assign(model[s]->gradient_elements(), 0.0f);
@@ -72,7 +73,9 @@ std::vector<std::vector<float>> reference(std::uint32_t stages, std::uint32_t k,
       for (std::uint32_t s = 0; s < stages; ++s) {
         outs[s].assign(model[s]->output_elements(), 0.0f);
         StageContext ctx{s, 0, 0, step, i};
-        ForwardArgs a{batch, s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]), outs[s], saved[s]};
+        ForwardArgs a{batch,
+                      s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]),
+                      outs[s], saved[s]};
         model[s]->forward(ctx, a);
       }
       std::vector<float> grad_out;
@@ -80,8 +83,10 @@ std::vector<std::vector<float>> reference(std::uint32_t stages, std::uint32_t k,
         std::vector<float> g(model[s]->gradient_elements(), 0.0f);
         std::vector<float> grad_in(s == 0 ? 0 : outs[s - 1].size(), 0.0f);
         StageContext ctx{s, 0, 0, step, i};
-        BackwardArgs a{batch, s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]), saved[s],
-                       grad_out, grad_in, g};
+        BackwardArgs a{
+            batch,    s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]),
+            saved[s], grad_out,
+            grad_in,  g};
         model[s]->backward(ctx, a);
         for (std::size_t j = 0; j < g.size(); ++j) sum[s][j] += g[j];
         grad_out = grad_in;
@@ -108,18 +113,23 @@ void feed(InfeedQueue<Batch>& infeed, std::uint64_t micro_batches, std::uint32_t
 void check_close(const std::vector<float>& a, const std::vector<float>& b) {
   REQUIRE(a.size() == b.size());
   double worst = 0;
-  for (std::size_t j = 0; j < a.size(); ++j) worst = std::max(worst, std::fabs(double(a[j]) - double(b[j])));
+  for (std::size_t j = 0; j < a.size(); ++j)
+    worst = std::max(worst, std::fabs(double(a[j]) - double(b[j])));
   CHECK(worst < 1e-5);
 }
 
-Dense& dense(Pipeline& p, std::uint32_t r, std::uint32_t s) { return static_cast<Dense&>(p.stage(r, s)); }
+Dense& dense(Pipeline& p, std::uint32_t r, std::uint32_t s) {
+  return static_cast<Dense&>(p.stage(r, s));
+}
 
 }  // namespace
 
 TEST_SUITE_BEGIN("pipeline");
 
-TEST_CASE("plan: every micro-batch runs forward then backward once per stage, in dependency order") {
-  for (auto schedule : {PipelineSchedule::kGrouped, PipelineSchedule::kInterleaved, PipelineSchedule::kSequential}) {
+TEST_CASE(
+    "plan: every micro-batch runs forward then backward once per stage, in dependency order") {
+  for (auto schedule : {PipelineSchedule::kGrouped, PipelineSchedule::kInterleaved,
+                        PipelineSchedule::kSequential}) {
     for (bool training : {true, false}) {
       const std::uint32_t n = 4, k = 9;
       const PipelinePlan plan{schedule, n, k, training};
@@ -143,7 +153,8 @@ TEST_CASE("plan: every micro-batch runs forward then backward once per stage, in
       CHECK(fwd.size() == n * k);
       CHECK(bwd.size() == (training ? n * k : 0u));
       for (auto [key, c] : fwd) {
-        if (key.first > 0) CHECK(fwd.at({key.first - 1, key.second}) < c);  // after the previous stage's
+        if (key.first > 0)
+          CHECK(fwd.at({key.first - 1, key.second}) < c);  // after the previous stage's
       }
       for (auto [key, c] : bwd) {
         CHECK(fwd.at(key) <= c);
@@ -157,7 +168,9 @@ TEST_CASE("plan: every micro-batch runs forward then backward once per stage, in
   CHECK(PipelinePlan{PipelineSchedule::kSequential, 4, 10, true}.fifo_depth(0) == 0);
 }
 
-TEST_CASE("pipelined training reaches the weights of plain sequential training: every schedule, both sync modes") {
+TEST_CASE(
+    "pipelined training reaches the weights of plain sequential training: every schedule, both "
+    "sync modes") {
   const std::uint32_t n = 3, k = 6;
   const std::uint64_t steps = 3;
   const auto expected = reference(n, k, 1, steps);
@@ -169,15 +182,24 @@ TEST_CASE("pipelined training reaches the weights of plain sequential training: 
     bool recompute;
   };
   const std::vector<Case> cases{
-      {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kPost, false},
-      {ExecutionStrategy::kPipelined, PipelineSchedule::kInterleaved, SyncMode::kBsp, MeanStyle::kPost, false},
-      {ExecutionStrategy::kPipelined, PipelineSchedule::kSequential, SyncMode::kBsp, MeanStyle::kPost, false},
-      {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, SyncMode::kDataflow, MeanStyle::kPost, false},
-      {ExecutionStrategy::kPipelined, PipelineSchedule::kInterleaved, SyncMode::kDataflow, MeanStyle::kRunning, false},
-      {ExecutionStrategy::kPipelined, PipelineSchedule::kSequential, SyncMode::kDataflow, MeanStyle::kPost, true},
-      {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kRunning, true},
-      {ExecutionStrategy::kSharded, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kPost, false},
-      {ExecutionStrategy::kSingle, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kPost, false},
+      {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kPost,
+       false},
+      {ExecutionStrategy::kPipelined, PipelineSchedule::kInterleaved, SyncMode::kBsp,
+       MeanStyle::kPost, false},
+      {ExecutionStrategy::kPipelined, PipelineSchedule::kSequential, SyncMode::kBsp,
+       MeanStyle::kPost, false},
+      {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, SyncMode::kDataflow,
+       MeanStyle::kPost, false},
+      {ExecutionStrategy::kPipelined, PipelineSchedule::kInterleaved, SyncMode::kDataflow,
+       MeanStyle::kRunning, false},
+      {ExecutionStrategy::kPipelined, PipelineSchedule::kSequential, SyncMode::kDataflow,
+       MeanStyle::kPost, true},
+      {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, SyncMode::kBsp,
+       MeanStyle::kRunning, true},
+      {ExecutionStrategy::kSharded, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kPost,
+       false},
+      {ExecutionStrategy::kSingle, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kPost,
+       false},
   };
   for (const Case& c : cases) {
     CAPTURE(to_string(c.strategy));
@@ -228,7 +250,8 @@ TEST_CASE("replication: replicas see different samples, reduce gradients, stay b
     REQUIRE(r.completed());
     CHECK(r.micro_batches == k * steps * replicas);
     for (std::uint32_t s = 0; s < n; ++s) {
-      CHECK(dense(pipe, 0, s).weight_vector() == dense(pipe, 1, s).weight_vector());  // bit-identical
+      CHECK(dense(pipe, 0, s).weight_vector() ==
+            dense(pipe, 1, s).weight_vector());  // bit-identical
       check_close(dense(pipe, 0, s).weight_vector(), expected[s]);
     }
     const auto& a = dense(pipe, 0, 0).seen;
@@ -239,7 +262,8 @@ TEST_CASE("replication: replicas see different samples, reduce gradients, stay b
   }
 }
 
-TEST_CASE("replication: the all-reduce takes the device link's ring time, once per step, labelled") {
+TEST_CASE(
+    "replication: the all-reduce takes the device link's ring time, once per step, labelled") {
   const std::uint32_t n = 2, k = 3, replicas = 2;
   const std::uint64_t steps = 3;
   PipelineConfig cfg;
@@ -292,7 +316,8 @@ TEST_CASE("optimiser state offload: streamed in and out around each update, same
     feed(infeed, k * steps, 1);
     REQUIRE(pipe.run(infeed, steps).completed());
     for (std::uint32_t s = 0; s < n; ++s) {
-      check_close(dense(pipe, 0, s).weight_vector(), expected[s]);  // the momentum made it back each time
+      check_close(dense(pipe, 0, s).weight_vector(),
+                  expected[s]);  // the momentum made it back each time
       for (float v : dense(pipe, 0, s).optimizer_state()) CHECK(v == 0.0f);  // not resident
     }
     std::uint64_t in = 0, out = 0, bytes_in = 0;
@@ -306,7 +331,8 @@ TEST_CASE("optimiser state offload: streamed in and out around each update, same
     CHECK(in == steps * (strategy == ExecutionStrategy::kSingle ? 1 : n));
     CHECK(out == in);
     std::uint64_t state_bytes = 0;
-    for (std::uint32_t s = 0; s < n; ++s) state_bytes += dense(pipe, 0, s).optimizer_state().size_bytes();
+    for (std::uint32_t s = 0; s < n; ++s)
+      state_bytes += dense(pipe, 0, s).optimizer_state().size_bytes();
     CHECK(bytes_in == steps * state_bytes);
     // Labelled as what they are, so the trace tells offload from other stream copies.
     for (const TraceTrack& t : pipe.trace()->tracks()) {
@@ -337,7 +363,8 @@ TEST_CASE("optimiser state offload: streamed in and out around each update, same
 
 TEST_CASE("FIFO depths observed match the schedules' formulas") {
   const std::uint32_t n = 4, k = 10;
-  for (auto schedule : {PipelineSchedule::kGrouped, PipelineSchedule::kInterleaved, PipelineSchedule::kSequential}) {
+  for (auto schedule : {PipelineSchedule::kGrouped, PipelineSchedule::kInterleaved,
+                        PipelineSchedule::kSequential}) {
     CAPTURE(to_string(schedule));
     PipelineConfig cfg;
     cfg.schedule = schedule;
@@ -354,7 +381,8 @@ TEST_CASE("FIFO depths observed match the schedules' formulas") {
 
 TEST_CASE("trace: each device runs its forward and backward passes in the schedule's order") {
   const std::uint32_t n = 3, k = 5;
-  for (auto schedule : {PipelineSchedule::kGrouped, PipelineSchedule::kInterleaved, PipelineSchedule::kSequential}) {
+  for (auto schedule : {PipelineSchedule::kGrouped, PipelineSchedule::kInterleaved,
+                        PipelineSchedule::kSequential}) {
     for (auto sync : {SyncMode::kBsp, SyncMode::kDataflow}) {
       CAPTURE(to_string(schedule));
       CAPTURE(to_string(sync));
@@ -392,7 +420,8 @@ TEST_CASE("trace: each device runs its forward and backward passes in the schedu
   }
 }
 
-TEST_CASE("device mapping: consecutive stages share a device and training reaches the same weights") {
+TEST_CASE(
+    "device mapping: consecutive stages share a device and training reaches the same weights") {
   const std::uint32_t n = 3, k = 6;
   const std::uint64_t steps = 3;
   struct Case {
@@ -454,17 +483,20 @@ TEST_CASE("device mapping: consecutive stages share a device and training reache
     std::uint64_t forwards = 0;
     for (const TraceTrack& track : pipe.trace()->tracks()) {
       if (track.kind() != TraceTrack::Kind::kDevice) continue;
-      for (const TraceEvent& e : track.events()) forwards += track.label(e).find(" forward") != std::string::npos ? 1 : 0;
+      for (const TraceEvent& e : track.events())
+        forwards += track.label(e).find(" forward") != std::string::npos ? 1 : 0;
       break;  // device 0
     }
-    const auto on_first = static_cast<std::uint64_t>(std::count(c.mapping.begin(), c.mapping.end(), 0u));
+    const auto on_first =
+        static_cast<std::uint64_t>(std::count(c.mapping.begin(), c.mapping.end(), 0u));
     CHECK(forwards == on_first * k * steps);
   }
 }
 
 TEST_CASE("device mapping: inference through shared devices answers every micro-batch in order") {
   const std::uint32_t n = 3, k = 5;
-  for (const auto& mapping : {std::vector<std::uint32_t>{0, 0, 1}, std::vector<std::uint32_t>{0, 1, 1}}) {
+  for (const auto& mapping :
+       {std::vector<std::uint32_t>{0, 0, 1}, std::vector<std::uint32_t>{0, 1, 1}}) {
     PipelineConfig cfg;
     cfg.training = false;
     cfg.gradient_accumulation = k;
@@ -499,7 +531,8 @@ TEST_CASE("device mapping: a bad mapping is refused, saying what is allowed") {
   c.device_mapping = {1, 1, 2};
   CHECK(error_of(c).find("device_mapping[0] = 1") != std::string::npos);
   c.device_mapping = {0, 2, 2};
-  CHECK(error_of(c).find("device_mapping[1] = 2 is not allowed: must be 0 or 1") != std::string::npos);
+  CHECK(error_of(c).find("device_mapping[1] = 2 is not allowed: must be 0 or 1") !=
+        std::string::npos);
   c.device_mapping = {0, 1, 0};
   CHECK(error_of(c).find("device_mapping[2] = 0") != std::string::npos);
   c.device_mapping = {0, 0, 1};
@@ -535,25 +568,30 @@ TEST_CASE("errors: the config is checked against the stages and devices, saying 
   CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }),
                        "must be at least 7 (2N-1)"));
   cfg.schedule = PipelineSchedule::kInterleaved;
-  CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }), "must be at least 4 (N)"));
+  CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }),
+                       "must be at least 4 (N)"));
   cfg.gradient_accumulation = 8;
   cfg.strategy = ExecutionStrategy::kSingle;
   CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }),
                        "Interleaved schedule needs each stage on a device of its own"));
   cfg.strategy = ExecutionStrategy::kSharded;
   cfg.sync = SyncMode::kDataflow;
-  CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }), "applies to strategy pipelined"));
+  CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }),
+                       "applies to strategy pipelined"));
   cfg = PipelineConfig{};
   cfg.gradient_accumulation = 8;
   cfg.replicas = 2;
-  CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }), "needs 8 devices; the group has 4"));
+  CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }),
+                       "needs 8 devices; the group has 4"));
   cfg.replicas = 1;
   Pipeline ok(devices, cfg, model);
   InfeedQueue<Batch> two_lanes(InfeedConfig{2, 8, 1});
-  CHECK(test::contains(test::error_of([&] { ok.run(two_lanes, 1); }), "infeed has 2 replica lane(s)"));
+  CHECK(test::contains(test::error_of([&] { ok.run(two_lanes, 1); }),
+                       "infeed has 2 replica lane(s)"));
 }
 
-TEST_CASE("a failing stage reaches the host with stage, device and micro-batch; every thread joins") {
+TEST_CASE(
+    "a failing stage reaches the host with stage, device and micro-batch; every thread joins") {
   const std::uint32_t n = 3, k = 6;
   for (auto sync : {SyncMode::kBsp, SyncMode::kDataflow}) {
     CAPTURE(to_string(sync));
@@ -602,12 +640,15 @@ TEST_CASE("an infeed that ends mid-run ends it with kEndOfData and says what was
   CHECK(dense(pipe, 0, 0).updates.load() == 1);
 }
 
-TEST_CASE("a cancel while stage 0 waits for its input ends a single-device training run as cancelled, not failed") {
+TEST_CASE(
+    "a cancel while stage 0 waits for its input ends a single-device training run as cancelled, "
+    "not failed") {
   // Regression: with all stages on one device, the backward passes follow the forward
   // passes in the same trip; a forward pass stopped while waiting for its input (or its
   // host copy) stashed nothing, and its backward pass used to report a schedule error.
   const std::uint32_t n = 2, k = 4;
-  for (const auto& [slow_link, fed] : {std::pair{false, k + 1}, std::pair{true, k + 1}, std::pair{false, 2 * k - 1}}) {
+  for (const auto& [slow_link, fed] :
+       {std::pair{false, k + 1}, std::pair{true, k + 1}, std::pair{false, 2 * k - 1}}) {
     CAPTURE(slow_link);
     CAPTURE(fed);
     PipelineConfig cfg;
@@ -620,7 +661,8 @@ TEST_CASE("a cancel while stage 0 waits for its input ends a single-device train
     // One step and one micro-batch (or all but one of the second step's): then it waits.
     feed(infeed, fed, 1);
     std::jthread canceller([&] {
-      std::this_thread::sleep_for(slow_link ? 3ms : 30ms);  // slow: mid-copy; else: waiting for input
+      std::this_thread::sleep_for(slow_link ? 3ms
+                                            : 30ms);  // slow: mid-copy; else: waiting for input
       pipe.cancel();
     });
     const PipelineResult r = pipe.run(infeed, 3);
@@ -636,7 +678,8 @@ TEST_SUITE_END();
 
 TEST_SUITE_BEGIN("pipeline");
 
-TEST_CASE("distributed in one process: the exchange is the identity, the weights those of a plain run") {
+TEST_CASE(
+    "distributed in one process: the exchange is the identity, the weights those of a plain run") {
   // The machinery of PipelineConfig::distributed (the mpi suite runs it over several
   // processes) in one instance, where ThreadSanitizer sees its threads.
   const std::uint32_t n = 2, k = 3;
@@ -660,13 +703,16 @@ TEST_CASE("distributed in one process: the exchange is the identity, the weights
         CHECK(r.iterations == 4);
       }
       for (std::uint32_t r = 0; r < replicas; ++r) {
-        for (std::uint32_t s = 0; s < n; ++s) CHECK(dense(dist, r, s).weight_vector() == dense(plain, 0, s).weight_vector());
+        for (std::uint32_t s = 0; s < n; ++s)
+          CHECK(dense(dist, r, s).weight_vector() == dense(plain, 0, s).weight_vector());
       }
     }
   }
 }
 
-TEST_CASE("distributed in one process: cancels at random times and an end of data leave every replica alike") {
+TEST_CASE(
+    "distributed in one process: cancels at random times and an end of data leave every replica "
+    "alike") {
   const std::uint32_t n = 2, k = 2;
   PipelineConfig cfg;
   cfg.strategy = ExecutionStrategy::kSingle;
@@ -690,7 +736,8 @@ TEST_CASE("distributed in one process: cancels at random times and an end of dat
     canceller = {};
     CHECK((r.completed() || r.status == RunStatus::kCancelled));
     CHECK(dense(pipe, 0, 0).updates.load() == dense(pipe, 1, 0).updates.load());
-    for (std::uint32_t s = 0; s < n; ++s) CHECK(dense(pipe, 0, s).weight_vector() == dense(pipe, 1, s).weight_vector());
+    for (std::uint32_t s = 0; s < n; ++s)
+      CHECK(dense(pipe, 0, s).weight_vector() == dense(pipe, 1, s).weight_vector());
   }
   // End of data mid-step: the cut-short step is applied nowhere.
   const int before = dense(pipe, 0, 0).updates.load();

@@ -38,7 +38,7 @@ const auto kSixtyFourBytes = [](const ComputeContext&) { return std::size_t{64};
 
 }  // namespace
 
-TEST_SUITE("program") {
+TEST_SUITE_BEGIN("program");
 
 TEST_CASE("each node checks what it is given; the error names the node") {
   Device dev(0, kSmall);
@@ -313,4 +313,4 @@ TEST_CASE("RemoteCopy finish_on_stop: a cancel lets it take its whole time, its 
   CHECK(took >= copies.load() * 100ms);
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -35,7 +35,7 @@ namespace {
 constexpr std::uint64_t kForever = std::numeric_limits<std::uint64_t>::max();
 }  // namespace
 
-TEST_SUITE("repeat") {
+TEST_SUITE_BEGIN("repeat");
 
 TEST_CASE("repeat runs n iterations on the device and returns the loop state") {
   Device device(0, kSmall);
@@ -46,14 +46,15 @@ TEST_CASE("repeat runs n iterations on the device and returns the loop state") {
     for (int i = 0; i < 10; ++i) p.push(i);
   });
   std::atomic<bool> on_device{true};
-  auto r = loops::repeat(device, 10,
-                         [&](int& counter, int& x, const Iteration& it) {
-                           on_device = on_device && device.on_device_thread();
-                           CHECK(it.index == static_cast<std::uint64_t>(x));
-                           ++counter;
-                           return x * x;
-                         },
-                         0, infeed, outfeed);
+  auto r = loops::repeat(
+      device, 10,
+      [&](int& counter, int& x, const Iteration& it) {
+        on_device = on_device && device.on_device_thread();
+        CHECK(it.index == static_cast<std::uint64_t>(x));
+        ++counter;
+        return x * x;
+      },
+      0, infeed, outfeed);
   producer.join();
   CHECK(r.completed());
   CHECK(r.state() == 10);
@@ -67,7 +68,13 @@ TEST_CASE("repeat runs n iterations on the device and returns the loop state") {
     auto p = infeed.make_producer();
     for (int i = 0; i < 5; ++i) p.push(i);
   });
-  auto r2 = loops::repeat(device, 5, [](int& c, int& x) { c += x; return x; }, 0, infeed, outfeed);
+  auto r2 = loops::repeat(
+      device, 5,
+      [](int& c, int& x) {
+        c += x;
+        return x;
+      },
+      0, infeed, outfeed);
   producer2.join();
   CHECK(r2.state() == 0 + 1 + 2 + 3 + 4);
   CHECK(outfeed.drain().size() == 5);
@@ -75,9 +82,17 @@ TEST_CASE("repeat runs n iterations on the device and returns the loop state") {
 
 TEST_CASE("repeat without feeds, and with only an outfeed") {
   Device device(0, kSmall);
-  CHECK(loops::repeat(device, 1000, [](std::uint64_t& s) { s += 2; }, std::uint64_t{0}).state() == 2000);
+  CHECK(loops::repeat(
+            device, 1000, [](std::uint64_t& s) { s += 2; }, std::uint64_t{0})
+            .state() == 2000);
   OutfeedQueue<int> out(OutfeedConfig{1, OutputMode::final()});
-  auto r = loops::repeat(device, 7, [](int& s, const Iteration& it) { s = int(it.index); return s * 10; }, 0, out);
+  auto r = loops::repeat(
+      device, 7,
+      [](int& s, const Iteration& it) {
+        s = int(it.index);
+        return s * 10;
+      },
+      0, out);
   CHECK(r.state() == 6);
   auto e = out.drain();
   REQUIRE(e.size() == 1);
@@ -92,7 +107,13 @@ TEST_CASE("reading past a closed, drained infeed ends the loop with an end-of-da
   auto p = infeed.make_producer();
   for (int i = 1; i <= 7; ++i) p.push(i);
   infeed.close();
-  auto r = loops::repeat(device, 10, [](int& c, int& x) { ++c; return x; }, 0, infeed, outfeed);
+  auto r = loops::repeat(
+      device, 10,
+      [](int& c, int& x) {
+        ++c;
+        return x;
+      },
+      0, infeed, outfeed);
   CHECK(r.status == RunStatus::kEndOfData);
   CHECK(r.end_of_data());
   CHECK(r.state() == 7);
@@ -118,7 +139,8 @@ TEST_CASE("a body exception reaches the host with device, replica and iteration"
     producer_done = true;
   });
   auto body = [](int& c, int& x, const Iteration& it) {
-    if (it.replica == 1 && it.index == 7) throw std::runtime_error("bad sample " + std::to_string(x));
+    if (it.replica == 1 && it.index == 7)
+      throw std::runtime_error("bad sample " + std::to_string(x));
     ++c;
     return x;
   };
@@ -162,12 +184,13 @@ TEST_CASE("exactly once under load: M producers x R replicas, counted and checks
     OutfeedConfig out_config{replicas, OutputMode::all(), 4096};
     out_config.consumer_type = shape.readers;
     OutfeedQueue<std::uint64_t> outfeed(out_config);
-    auto run = loops::repeat_async(group, kForever,
-                                   [](std::uint64_t& sum, std::uint64_t& x) {
-                                     sum += x;
-                                     return x;
-                                   },
-                                   std::uint64_t{0}, infeed, outfeed);
+    auto run = loops::repeat_async(
+        group, kForever,
+        [](std::uint64_t& sum, std::uint64_t& x) {
+          sum += x;
+          return x;
+        },
+        std::uint64_t{0}, infeed, outfeed);
     std::vector<std::thread> producers;
     for (int id = 0; id < kProducers; ++id) {
       producers.emplace_back([&, id] {
@@ -181,7 +204,8 @@ TEST_CASE("exactly once under load: M producers x R replicas, counted and checks
     });
     // Host reads the outfeed while the devices run.
     std::vector<std::vector<bool>> seen(kProducers, std::vector<bool>(per, false));
-    std::vector<std::vector<std::uint64_t>> next(replicas, std::vector<std::uint64_t>(kProducers, 0));
+    std::vector<std::vector<std::uint64_t>> next(replicas,
+                                                 std::vector<std::uint64_t>(kProducers, 0));
     std::uint64_t count = 0, dupes = 0, misrouted = 0, disordered = 0, checksum = 0;
     for (auto& e : outfeed) {
       const auto id = static_cast<int>(e.value >> 40);
@@ -197,7 +221,8 @@ TEST_CASE("exactly once under load: M producers x R replicas, counted and checks
     closer.join();
     auto r = run.get();
     std::uint64_t expect_sum = 0;
-    for (std::uint64_t id = 0; id < kProducers; ++id) expect_sum += id * per * (std::uint64_t{1} << 40) + per * (per - 1) / 2;
+    for (std::uint64_t id = 0; id < kProducers; ++id)
+      expect_sum += id * per * (std::uint64_t{1} << 40) + per * (per - 1) / 2;
     CHECK(r.status == RunStatus::kEndOfData);
     CHECK(count == total);
     CHECK(dupes == 0);
@@ -217,7 +242,10 @@ TEST_CASE("exactly once under load: M producers x R replicas, counted and checks
 
 TEST_CASE("output modes through repeat on 2 replicas") {
   DeviceGroup group(2, kSmall);
-  auto body = [](int& s, const Iteration& it) { s += 1; return int(it.replica * 100 + it.index); };
+  auto body = [](int& s, const Iteration& it) {
+    s += 1;
+    return int(it.replica * 100 + it.index);
+  };
   SUBCASE("every_n(5), 10 iterations: iterations 4 and 9 of each replica") {
     OutfeedQueue<int> out(OutfeedConfig{2, OutputMode::every_n(5)});
     loops::repeat(group, 10, body, 0, out);
@@ -265,12 +293,13 @@ TEST_CASE("backpressure through a run: fast producer, slow device, bounded lane"
     }
     infeed.close();
   });
-  auto r = loops::repeat(device, kForever,
-                         [](std::uint64_t& bytes, std::vector<char>& v) {
-                           std::this_thread::sleep_for(20us);  // slow device
-                           bytes += v.size();
-                         },
-                         std::uint64_t{0}, infeed);
+  auto r = loops::repeat(
+      device, kForever,
+      [](std::uint64_t& bytes, std::vector<char>& v) {
+        std::this_thread::sleep_for(20us);  // slow device
+        bytes += v.size();
+      },
+      std::uint64_t{0}, infeed);
   producer.join();
   CHECK(r.end_of_data());
   CHECK(r.state() == n * 1024);
@@ -283,9 +312,13 @@ TEST_CASE("4 devices on 2 cores (oversubscribed) complete") {
   const std::uint64_t per_replica = test::scaled(20000, 500);
   InfeedQueue<std::uint64_t> infeed(InfeedConfig{kDevices, 64, 4});
   OutfeedQueue<std::uint64_t> outfeed(OutfeedConfig{kDevices, OutputMode::sum()});
-  auto run = loops::repeat_async(group, per_replica,
-                                 [](std::uint64_t& c, std::uint64_t& x) { ++c; return x; },
-                                 std::uint64_t{0}, infeed, outfeed);
+  auto run = loops::repeat_async(
+      group, per_replica,
+      [](std::uint64_t& c, std::uint64_t& x) {
+        ++c;
+        return x;
+      },
+      std::uint64_t{0}, infeed, outfeed);
   std::thread producer([&] {
     auto p = infeed.make_producer();
     for (std::uint64_t i = 0; i < per_replica * kDevices; ++i) CHECK(p.push(i));
@@ -305,28 +338,46 @@ TEST_CASE("4 devices on 2 cores (oversubscribed) complete") {
 TEST_CASE("bad launches are clear errors, before anything runs") {
   Device device(0, kSmall);
   InfeedQueue<int> two(InfeedConfig{2, 8, 1});
-  CHECK(contains(error_of([&] { loops::repeat(device, 1, [](int&, int&) {}, 0, two); }),
+  CHECK(contains(error_of([&] {
+                   loops::repeat(
+                       device, 1, [](int&, int&) {}, 0, two);
+                 }),
                  "infeed has 2 replica lane(s) but the loop runs on 1 device(s)"));
   OutfeedQueue<int> out2(OutfeedConfig{2});
-  CHECK(contains(error_of([&] { loops::repeat(device, 1, [](int& s) { return s; }, 0, out2); }),
+  CHECK(contains(error_of([&] {
+                   loops::repeat(
+                       device, 1, [](int& s) { return s; }, 0, out2);
+                 }),
                  "outfeed has 2 replica(s)"));
   OutfeedQueue<int> small(OutfeedConfig{1, OutputMode::all(), 5});
-  CHECK(contains(error_of([&] { loops::repeat(device, 10, [](int& s) { return s; }, 0, small); }),
+  CHECK(contains(error_of([&] {
+                   loops::repeat(
+                       device, 10, [](int& s) { return s; }, 0, small);
+                 }),
                  "outfeed capacity 5 < 10 entries"));
   {
     // One reader: each replica has a ring of `capacity` entries, so the bound is per replica.
     DeviceGroup pair(2, kSmall);
     OutfeedQueue<int> rings(OutfeedConfig{2, OutputMode::all(), 10, ConsumerType::kSingle});
-    loops::repeat(pair, 10, [](int& s) { return s++; }, 0, rings);  // 2 x 10 entries: fits
+    loops::repeat(
+        pair, 10, [](int& s) { return s++; }, 0, rings);  // 2 x 10 entries: fits
     CHECK(rings.drain().size() == 20);
-    const std::string e = error_of([&] { loops::repeat(pair, 11, [](int& s) { return s; }, 0, rings); });
-    CHECK(contains(e, "outfeed capacity 10 per replica < 11 entries this run delivers to each replica"));
+    const std::string e = error_of([&] {
+      loops::repeat(
+          pair, 11, [](int& s) { return s; }, 0, rings);
+    });
+    CHECK(contains(
+        e, "outfeed capacity 10 per replica < 11 entries this run delivers to each replica"));
     CHECK(!contains(e, "0 = unbounded"));  // a ring has a bound
   }
   // A lane can feed one loop at a time.
   InfeedQueue<int> in;
-  auto first = loops::repeat_async(device, 1, [](int&, int&) {}, 0, in);
-  CHECK(contains(error_of([&] { loops::repeat_async(device, 1, [](int&, int&) {}, 0, in); }),
+  auto first = loops::repeat_async(
+      device, 1, [](int&, int&) {}, 0, in);
+  CHECK(contains(error_of([&] {
+                   loops::repeat_async(
+                       device, 1, [](int&, int&) {}, 0, in);
+                 }),
                  "already has a reader"));
   first.cancel();
   CHECK(first.get().status == RunStatus::kCancelled);
@@ -335,10 +386,11 @@ TEST_CASE("bad launches are clear errors, before anything runs") {
 }
 
 TEST_CASE("a prefetch buffer that does not fit the device memory is an out-of-memory error") {
-  Device device(0, DeviceConfig{4, 1024});  // 4 KiB
+  Device device(0, DeviceConfig{4, 1024});                             // 4 KiB
   InfeedQueue<std::array<char, 512>> infeed(InfeedConfig{1, 64, 16});  // 8 KiB of prefetch
   try {
-    loops::repeat(device, 1, [](int&, std::array<char, 512>&) {}, 0, infeed);
+    loops::repeat(
+        device, 1, [](int&, std::array<char, 512>&) {}, 0, infeed);
     FAIL("expected OutOfMemoryError");
   } catch (const OutOfMemoryError& e) {
     CHECK(contains(e.what(), "infeed prefetch buffer (replica 0)"));
@@ -348,7 +400,9 @@ TEST_CASE("a prefetch buffer that does not fit the device memory is an out-of-me
   // ...and the lane was released: a loop that fits can use it.
   InfeedQueue<std::array<char, 512>> fits(InfeedConfig{1, 64, 2});
   fits.close();
-  CHECK(loops::repeat(device, 3, [](int&, std::array<char, 512>&) {}, 0, fits).end_of_data());
+  CHECK(loops::repeat(
+            device, 3, [](int&, std::array<char, 512>&) {}, 0, fits)
+            .end_of_data());
 }
 
 // Found by the soak suite: a cancel that found a bounded outfeed full (its reader had
@@ -364,7 +418,13 @@ TEST_CASE("a cancel while a bounded outfeed is full keeps every entry the device
     auto p = infeed.make_producer();
     for (int i = 0; i < 100; ++i) REQUIRE(p.push(i));
     infeed.close();
-    Run<int> run = loops::repeat_async(group, 50, [](int& c, int& x) { ++c; return x; }, 0, infeed, outfeed);
+    Run<int> run = loops::repeat_async(
+        group, 50,
+        [](int& c, int& x) {
+          ++c;
+          return x;
+        },
+        0, infeed, outfeed);
     // Nobody reads: the devices fill the outfeed and wait for room.
     while (outfeed.size_approx() < 3) std::this_thread::yield();
     std::this_thread::sleep_for(5ms);
@@ -388,8 +448,13 @@ TEST_CASE("outfeed write-combining never holds entries back while the device wai
   Device device(0, kSmall);
   InfeedQueue<int> infeed(InfeedConfig{1, 64, 4});
   OutfeedQueue<int> outfeed;
-  auto run = loops::repeat_async(device, 20, [](int& s, int& x) { ++s; return x * 3; }, 0,
-                                 infeed, outfeed);
+  auto run = loops::repeat_async(
+      device, 20,
+      [](int& s, int& x) {
+        ++s;
+        return x * 3;
+      },
+      0, infeed, outfeed);
   auto producer = infeed.make_producer();
   int expect = 0;
   for (int round = 0; round < 4; ++round) {
@@ -422,7 +487,8 @@ TEST_CASE("outfeed write-combining keeps every entry, in order, across batch bou
   for (int i = 0; i < kN; ++i) values[i] = i;
   auto producer = infeed.make_producer();
   producer.push_bulk(0, values);
-  const auto r = loops::repeat(device, kN, [](int&, int& x) { return x; }, 0, infeed, outfeed);
+  const auto r = loops::repeat(
+      device, kN, [](int&, int& x) { return x; }, 0, infeed, outfeed);
   CHECK(r.completed());
   int next = 0;
   for (auto& e : outfeed) {
@@ -442,7 +508,13 @@ TEST_CASE("loops::repeat runs through the interpreter: BSPFLOW_TRACE traces it")
   auto p = infeed.make_producer();
   const int n = 25;
   for (int i = 0; i < 2 * n; ++i) p.push(i);
-  const auto r = loops::repeat(devices, n, [](int& s, int& x) { s += x; return x * 2; }, 0, infeed, outfeed);
+  const auto r = loops::repeat(
+      devices, n,
+      [](int& s, int& x) {
+        s += x;
+        return x * 2;
+      },
+      0, infeed, outfeed);
   ::unsetenv("BSPFLOW_TRACE");
   CHECK(r.completed());
   REQUIRE(r.trace != nullptr);
@@ -471,7 +543,14 @@ TEST_CASE("loops::repeat runs through the interpreter: BSPFLOW_TRACE traces it")
   std::remove(path.c_str());
   // Without the variable nothing is recorded.
   for (int i = 0; i < 2; ++i) p.push(i);
-  CHECK(loops::repeat(devices, 1, [](int& s, int& x) { s += x; return x; }, 0, infeed, outfeed).trace == nullptr);
+  CHECK(loops::repeat(
+            devices, 1,
+            [](int& s, int& x) {
+              s += x;
+              return x;
+            },
+            0, infeed, outfeed)
+            .trace == nullptr);
 }
 
 // ---- the device model on a loop's path: LoopConfig ----
@@ -488,7 +567,8 @@ void feed_tensors(InfeedQueue<Tensor>& infeed, std::uint32_t replicas, std::uint
 }
 }  // namespace
 
-TEST_CASE("LoopConfig: tensors cross the host link by their bytes; 8-bit I/O moves a quarter of fp32's") {
+TEST_CASE(
+    "LoopConfig: tensors cross the host link by their bytes; 8-bit I/O moves a quarter of fp32's") {
   for (std::uint32_t replicas : {1u, 2u}) {
     CAPTURE(replicas);
     auto run_with = [&](DType dtype) {
@@ -496,10 +576,13 @@ TEST_CASE("LoopConfig: tensors cross the host link by their bytes; 8-bit I/O mov
       InfeedQueue<Tensor> infeed(InfeedConfig{replicas, 8, 2});
       feed_tensors(infeed, replicas, 6, dtype);
       OutfeedQueue<std::vector<float>> outfeed(OutfeedConfig{replicas, OutputMode::all(), 0});
-      const auto r = loops::repeat(devices, 6, [](int& s, Tensor& t) {
-        ++s;
-        return std::vector<float>(t.elements() / 64, 1.0f);  // 4 floats out
-      }, 0, infeed, outfeed, loops::LoopConfig{});
+      const auto r = loops::repeat(
+          devices, 6,
+          [](int& s, Tensor& t) {
+            ++s;
+            return std::vector<float>(t.elements() / 64, 1.0f);  // 4 floats out
+          },
+          0, infeed, outfeed, loops::LoopConfig{});
       REQUIRE(r.completed());
       CHECK(outfeed.drain().size() == 6 * replicas);
       CHECK(r.host_bytes_out == 6 * replicas * 4 * sizeof(float));
@@ -517,8 +600,9 @@ TEST_CASE("LoopConfig: the outfeed's mode decides what crosses back; plain loops
   auto out_bytes = [](OutputMode mode) {
     Device device(0, kSmall);
     OutfeedQueue<std::array<float, 8>> outfeed(OutfeedConfig{1, mode, 0});
-    const auto r = loops::repeat(device, 10, [](int& s) { return std::array<float, 8>{float(++s)}; }, 0, outfeed,
-                                 loops::LoopConfig{});
+    const auto r = loops::repeat(
+        device, 10, [](int& s) { return std::array<float, 8>{float(++s)}; }, 0, outfeed,
+        loops::LoopConfig{});
     REQUIRE(r.completed());
     CHECK(r.host_bytes_in == 0);
     return r.host_bytes_out;
@@ -538,8 +622,13 @@ TEST_CASE("LoopConfig: the outfeed's mode decides what crosses back; plain loops
     }
     in.close();
     OutfeedQueue<std::array<float, 8>> outfeed(OutfeedConfig{1, mode, 0});
-    const auto r = loops::repeat(device, 10, [](int& s, int& x) { s += x; return std::array<float, 8>{float(x)}; }, 0,
-                                 in, outfeed, loops::LoopConfig{});
+    const auto r = loops::repeat(
+        device, 10,
+        [](int& s, int& x) {
+          s += x;
+          return std::array<float, 8>{float(x)};
+        },
+        0, in, outfeed, loops::LoopConfig{});
     CHECK(r.end_of_data());
     CHECK(r.host_bytes_in == 3 * sizeof(int));
     CHECK(r.host_bytes_out == 32);
@@ -549,13 +638,15 @@ TEST_CASE("LoopConfig: the outfeed's mode decides what crosses back; plain loops
   Device device(0, kSmall);
   InfeedQueue<Tensor> infeed(InfeedConfig{1, 4, 1});
   feed_tensors(infeed, 1, 3, DType::kFloat32);
-  const auto plain = loops::repeat(device, 3, [](int& s, Tensor&) { ++s; }, 0, infeed);
+  const auto plain = loops::repeat(
+      device, 3, [](int& s, Tensor&) { ++s; }, 0, infeed);
   REQUIRE(plain.completed());
   CHECK(plain.host_bytes_in == 0);
   CHECK(plain.host_wait == 0ns);
 }
 
-TEST_CASE("LoopConfig: without I/O tiles each copy is waited for; with them copies overlap the body") {
+TEST_CASE(
+    "LoopConfig: without I/O tiles each copy is waited for; with them copies overlap the body") {
   const auto d = 10ms;  // one tensor's copy, and the body
   constexpr std::uint64_t kTrips = 10;
   auto run_with = [&](std::uint32_t io_tiles) {
@@ -566,17 +657,21 @@ TEST_CASE("LoopConfig: without I/O tiles each copy is waited for; with them copi
     config.host_link = LinkModel::taking(d, 1024);
     config.io_tiles = io_tiles;
     const auto t0 = std::chrono::steady_clock::now();
-    const auto r = loops::repeat(device, kTrips, [&](int& s, Tensor&) {
-      ++s;
-      std::this_thread::sleep_for(d);
-    }, 0, infeed, config);
+    const auto r = loops::repeat(
+        device, kTrips,
+        [&](int& s, Tensor&) {
+          ++s;
+          std::this_thread::sleep_for(d);
+        },
+        0, infeed, config);
     const auto elapsed = std::chrono::steady_clock::now() - t0;
     REQUIRE(r.completed());
     CHECK(r.host_bytes_in == kTrips * 1024);
     return std::make_pair(r.host_wait, elapsed);
   };
   const auto [serial_wait, serial_elapsed] = run_with(0);
-  CHECK(serial_wait >= kTrips * d);  // each copy waited out in full: a lower bound, not a timing guess
+  CHECK(serial_wait >=
+        kTrips * d);  // each copy waited out in full: a lower bound, not a timing guess
   CHECK(serial_elapsed >= 2 * kTrips * d);
   const auto [overlap_wait, overlap_elapsed] = run_with(2);
   // The first copy is waited for; the others ran while the body slept.
@@ -584,7 +679,8 @@ TEST_CASE("LoopConfig: without I/O tiles each copy is waited for; with them copi
   (void)overlap_elapsed;
 }
 
-TEST_CASE("LoopConfig: synthetic data reads one element per replica, and nothing crosses the link") {
+TEST_CASE(
+    "LoopConfig: synthetic data reads one element per replica, and nothing crosses the link") {
   DeviceGroup devices(2, kSmall);
   InfeedQueue<Tensor> infeed(InfeedConfig{2, 10, 1});
   feed_tensors(infeed, 2, 10, DType::kFloat32);
@@ -592,13 +688,16 @@ TEST_CASE("LoopConfig: synthetic data reads one element per replica, and nothing
   loops::LoopConfig config;
   config.synthetic_data = true;
   config.host_link = LinkModel::taking(50ms, 1);  // would take minutes if copied
-  const auto r = loops::repeat(devices, 30, [](int& s, Tensor& t) {
-    // The same element every iteration, as the body left it.
-    float& first = t.as<float>()[0];
-    first += 1.0f;
-    ++s;
-    return first;
-  }, 0, infeed, outfeed, config);
+  const auto r = loops::repeat(
+      devices, 30,
+      [](int& s, Tensor& t) {
+        // The same element every iteration, as the body left it.
+        float& first = t.as<float>()[0];
+        first += 1.0f;
+        ++s;
+        return first;
+      },
+      0, infeed, outfeed, config);
   REQUIRE(r.completed());
   CHECK(r.iterations == std::vector<std::uint64_t>{30, 30});
   CHECK(r.host_bytes_in == 0);
@@ -627,7 +726,10 @@ TEST_CASE("LoopConfig: from Options, and bad settings named with what is allowed
   CHECK(o.engine_config().host_link.bytes_per_second == 2e9);
   CHECK(o.pipeline_config().host_link.latency == 3us);
   CHECK(contains(o.describe(), "host_link = 2.0 GB/s, 3.0 us latency"));
-  CHECK(contains(error_of([&] { o.host_link(LinkModel{0.0, 1us}); }), "host link bytes_per_second = 0 is not allowed"));
+  CHECK(contains(error_of([&] {
+                   o.host_link(LinkModel{0.0, 1us});
+                 }),
+                 "host link bytes_per_second = 0 is not allowed"));
   CHECK(o.host_link().bytes_per_second == 2e9);  // not stored
 
   Device device(0, DeviceConfig{8, 1024});
@@ -636,7 +738,8 @@ TEST_CASE("LoopConfig: from Options, and bad settings named with what is allowed
   auto body = [](int& s, Tensor&) { ++s; };
   loops::LoopConfig odd;
   odd.io_tiles = 3;
-  CHECK(contains(error_of([&] { loops::repeat(device, 4, body, 0, infeed, odd); }), "io_tiles = 3"));
+  CHECK(
+      contains(error_of([&] { loops::repeat(device, 4, body, 0, infeed, odd); }), "io_tiles = 3"));
   loops::LoopConfig all;
   all.io_tiles = 8;
   const std::string why = error_of([&] { loops::repeat(device, 4, body, 0, infeed, all); });
@@ -652,5 +755,4 @@ TEST_CASE("LoopConfig: from Options, and bad settings named with what is allowed
   CHECK(device.arena().used() == 0);
 }
 
-}  // TEST_SUITE
-
+TEST_SUITE_END();

@@ -14,13 +14,14 @@ using namespace std::chrono_literals;
 using test::contains;
 using test::kSmall;
 
-TEST_SUITE("run") {
+TEST_SUITE_BEGIN("run");
 
 TEST_CASE("cancel, dropping the Run handle, or destroying the device never hangs") {
   InfeedQueue<int> in;  // never fed: the loop waits on it
   SUBCASE("cancel") {
     Device device(0, kSmall);
-    auto run = loops::repeat_async(device, 10, [](int&, int&) {}, 0, in);
+    auto run = loops::repeat_async(
+        device, 10, [](int&, int&) {}, 0, in);
     CHECK_FALSE(run.wait_for(5ms));
     run.cancel();
     auto r = run.get();
@@ -29,17 +30,21 @@ TEST_CASE("cancel, dropping the Run handle, or destroying the device never hangs
   }
   SUBCASE("dropping the handle cancels and waits") {
     Device device(0, kSmall);
-    { auto run = loops::repeat_async(device, 10, [](int&, int&) {}, 0, in); }
+    {
+      auto run = loops::repeat_async(
+          device, 10, [](int&, int&) {}, 0, in);
+    }
     CHECK(device.arena().used() == 0);
   }
   SUBCASE("destroying the device cancels its run") {
     Run<int> run;
     {
       Device device(0, kSmall);
-      run = loops::repeat_async(device, 10, [](int&, int&) {}, 0, in);
+      run = loops::repeat_async(
+          device, 10, [](int&, int&) {}, 0, in);
     }
     CHECK(run.get().status == RunStatus::kCancelled);
   }
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

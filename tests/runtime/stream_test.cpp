@@ -47,20 +47,24 @@ Stream<std::uint64_t, std::uint64_t> add_ones(DeviceList devices, std::uint32_t 
   auto plus = [](std::uint64_t x) { return x + 1; };
   if (stages == 1) return std::move(b).stage("s0", plus, 0).build();
   const std::uint32_t n = devices.size();
-  auto b2 = std::move(b).stage("s0", plus, 0).stage("s1", plus, 1 % n == 0 ? 0 : std::min(1u, n - 1));
+  auto b2 =
+      std::move(b).stage("s0", plus, 0).stage("s1", plus, 1 % n == 0 ? 0 : std::min(1u, n - 1));
   if (stages == 2) return std::move(b2).build();
-  return std::move(b2).stage("s2", plus, std::min(2u, n - 1)).stage("s3", plus, std::min(3u, n - 1)).build();
+  return std::move(b2)
+      .stage("s2", plus, std::min(2u, n - 1))
+      .stage("s3", plus, std::min(3u, n - 1))
+      .build();
 }
 
 }  // namespace
 
-TEST_SUITE("stream") {
+TEST_SUITE_BEGIN("stream");
 
 TEST_CASE("closing the infeed drains: every accepted request is answered (1, 2, 4 devices)") {
   // The last round says one client thread each side: both feeds are rings, the outfeed a
   // small bounded one the last device keeps waiting on.
-  for (const auto& [devices, one_each_side] : {std::pair{1u, false}, std::pair{2u, false},
-                                              std::pair{4u, false}, std::pair{2u, true}}) {
+  for (const auto& [devices, one_each_side] :
+       {std::pair{1u, false}, std::pair{2u, false}, std::pair{4u, false}, std::pair{2u, true}}) {
     CAPTURE(devices);
     CAPTURE(one_each_side);
     DeviceGroup group(devices);  // 4 devices on this machine's 2 cores share them
@@ -85,7 +89,8 @@ TEST_CASE("closing the infeed drains: every accepted request is answered (1, 2, 
     bool in_order = true, right = true;
     for (auto& e : out) {
       in_order = in_order && e.value.id.sequence == next++;
-      right = right && e.value.ok() && *e.value.value == e.value.id.sequence + (devices == 1 ? 2 : 4);
+      right =
+          right && e.value.ok() && *e.value.value == e.value.id.sequence + (devices == 1 ? 2 : 4);
       ++got;
     }
     client.join();
@@ -127,7 +132,8 @@ TEST_CASE("typed stages change the type; consecutive stages share a device") {
   DeviceGroup group(2);
   auto stream = StreamBuilder<int>(group)
                     .stage("to_string", [](int x) { return std::to_string(x); })
-                    .stage("twice", [](std::string s) { return s + s; }, 0)
+                    .stage(
+                        "twice", [](std::string s) { return s + s; }, 0)
                     .stage("length", [](const std::string& s) { return s.size(); })
                     .build();
   CHECK(stream.stages() == 3);
@@ -169,10 +175,11 @@ TEST_CASE("a stage may be a move-only callable with state of its own") {
 TEST_CASE("a failing request gets an error response and the stream goes on") {
   DeviceGroup group(2);
   auto stream = StreamBuilder<int>(group)
-                    .stage("check", [](int x) {
-                      if (x == 4) throw std::invalid_argument("malformed request");
-                      return x;
-                    })
+                    .stage("check",
+                           [](int x) {
+                             if (x == 4) throw std::invalid_argument("malformed request");
+                             return x;
+                           })
                     .stage("square", [](int x) { return x * x; })
                     .build();
   InfeedQueue<Request<int>> in;
@@ -196,8 +203,9 @@ TEST_CASE("a failing request gets an error response and the stream goes on") {
       CHECK(resp.error->stage_name == "check");
       CHECK(resp.error->device == group[0].id());
       CHECK(resp.error->id.sequence == 3);
-      CHECK(resp.error->message == "stage 'check' (0) on device 0 failed on request 3 of producer " +
-                                       std::to_string(p.id()) + ": malformed request");
+      CHECK(resp.error->message ==
+            "stage 'check' (0) on device 0 failed on request 3 of producer " +
+                std::to_string(p.id()) + ": malformed request");
       CHECK_THROWS_AS(std::rethrow_exception(resp.error->cause), std::invalid_argument);
     } else {
       REQUIRE(resp.ok());
@@ -210,10 +218,11 @@ TEST_CASE("fail-fast stops at the first exception and accounts for every request
   DeviceGroup group(2);
   auto stream = StreamBuilder<int>(group, StreamConfig{.on_error = OnError::kFailFast})
                     .stage("a", [](int x) { return x; })
-                    .stage("b", [](int x) {
-                      if (x == 50) throw std::runtime_error("boom");
-                      return x;
-                    })
+                    .stage("b",
+                           [](int x) {
+                             if (x == 50) throw std::runtime_error("boom");
+                             return x;
+                           })
                     .build();
   InfeedQueue<Request<int>> in;
   OutfeedQueue<Response<int>> out;
@@ -245,10 +254,11 @@ TEST_CASE("cancel stops at once, says how many were left unanswered, and the str
   std::atomic<bool> slow{true};
   auto stream = StreamBuilder<int>(group)
                     .stage("a", [](int x) { return x; })
-                    .stage("slow", [&](int x) {
-                      if (slow.load()) std::this_thread::sleep_for(1ms);
-                      return x;
-                    })
+                    .stage("slow",
+                           [&](int x) {
+                             if (slow.load()) std::this_thread::sleep_for(1ms);
+                             return x;
+                           })
                     .build();
   {
     InfeedQueue<Request<int>> in;
@@ -350,14 +360,20 @@ TEST_CASE("stream errors name the problem") {
         "StreamBuilder::build: a stream needs at least one stage");
   CHECK(contains(error_of([&] { (void)StreamBuilder<int>(group).stage("a", id, 2); }),
                  "stage 'a' device = 2 is not allowed: must be below the stream's 2 device(s)"));
-  CHECK(contains(error_of([&] { (void)StreamBuilder<int>(group).stage("a", id, 1).stage("b", id, 0); }),
-                 "stage 'b' on device 0 comes after stage 'a' on device 1"));
-  CHECK(contains(error_of([&] { (void)StreamBuilder<int>(group, StreamConfig{.capacity = 0}).stage("a", id).build(); }),
-                 "StreamConfig::capacity = 0 is not allowed: must be in 1.."));
+  CHECK(contains(
+      error_of([&] { (void)StreamBuilder<int>(group).stage("a", id, 1).stage("b", id, 0); }),
+      "stage 'b' on device 0 comes after stage 'a' on device 1"));
+  CHECK(contains(
+      error_of([&] {
+        (void)StreamBuilder<int>(group, StreamConfig{.capacity = 0}).stage("a", id).build();
+      }),
+      "StreamConfig::capacity = 0 is not allowed: must be in 1.."));
   CHECK(contains(error_of([&] {
-          (void)StreamBuilder<int>(group, StreamConfig{.device_wait = {WaitPolicy{}}}).stage("a", id).build();
-        }),
-        "StreamConfig::device_wait size = 1 is not allowed"));
+                   (void)StreamBuilder<int>(group, StreamConfig{.device_wait = {WaitPolicy{}}})
+                       .stage("a", id)
+                       .build();
+                 }),
+                 "StreamConfig::device_wait size = 1 is not allowed"));
   auto stream = StreamBuilder<int>(group).stage("a", id).build();
   InfeedQueue<Request<int>> two_lanes(InfeedConfig{.replicas = 2});
   OutfeedQueue<Response<int>> out;
@@ -372,4 +388,4 @@ TEST_CASE("stream errors name the problem") {
   CHECK(stream.run(in, out).drained());
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -47,7 +47,7 @@ bool returns(std::future<bool>& f, SyncGroup& group, StopFlag& stop) {
 
 }  // namespace
 
-TEST_SUITE("sync_group") {
+TEST_SUITE_BEGIN("sync_group");
 
 TEST_CASE("participants: 1..kMaxReplicas, else an error with the range") {
   CHECK(SyncGroup(1).participants() == 1);
@@ -161,4 +161,4 @@ TEST_CASE("reset() forgets the arrivals of a run stopped midway") {
   CHECK(b.get());
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

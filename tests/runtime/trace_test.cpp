@@ -18,7 +18,7 @@ using test::filled;
 using test::kSmall;
 using test::with_link;
 
-TEST_SUITE("trace") {
+TEST_SUITE_BEGIN("trace");
 
 TEST_CASE("trace: valid Chrome JSON, per-device phases add up to the run, summary shares to 100%") {
   Device dev(0, kSmall);
@@ -36,9 +36,10 @@ TEST_CASE("trace: valid Chrome JSON, per-device phases add up to the run, summar
     while (std::chrono::steady_clock::now() < end) {
     }
   };
-  const EngineResult r = engine.run(Repeat(n, Sequence{StreamCopy(infeed, x),
-                                                       Execute("work", [&](const ComputeContext&) { spin(300us); }),
-                                                       StreamCopy(x, outfeed)}));
+  const EngineResult r =
+      engine.run(Repeat(n, Sequence{StreamCopy(infeed, x),
+                                    Execute("work", [&](const ComputeContext&) { spin(300us); }),
+                                    StreamCopy(x, outfeed)}));
   CHECK(r.completed());
   const Trace& trace = *engine.trace();
   const auto doc = nlohmann::json::parse(trace.chrome_json());
@@ -83,4 +84,4 @@ TEST_CASE("trace: off by default, records nothing") {
   CHECK(engine.summary().tracks.empty());
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

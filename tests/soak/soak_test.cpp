@@ -124,7 +124,7 @@ void fault_injection() {
 
 }  // namespace
 
-TEST_SUITE("soak") {
+TEST_SUITE_BEGIN("soak");
 
 TEST_CASE("exactly once at volume: loops::repeat, Pipeline inference, Stream") {
   const std::uint64_t elements = env_u64("BSPFLOW_SOAK_ELEMENTS", 10'000'000);
@@ -139,4 +139,4 @@ TEST_CASE("seeded fault injection over loops, Engine programs, Pipelines and Str
   fault_injection();
 }
 
-}  // TEST_SUITE
+TEST_SUITE_END();

@@ -58,8 +58,8 @@ class Arena {
   std::size_t capacity_;
   std::byte* base_;
   mutable std::mutex mutex_;
-  std::map<std::size_t, std::size_t> free_;          // offset -> bytes, coalesced
-  std::map<std::size_t, Allocation> allocations_;   // offset -> allocation
+  std::map<std::size_t, std::size_t> free_;        // offset -> bytes, coalesced
+  std::map<std::size_t, Allocation> allocations_;  // offset -> allocation
   std::size_t used_ = 0;
 };
 

@@ -28,7 +28,7 @@
 namespace bspflow {
 
 struct DeviceConfig {
-  std::uint32_t tiles = tunables::kDefaultTiles;               // 1..kMaxTiles
+  std::uint32_t tiles = tunables::kDefaultTiles;                // 1..kMaxTiles
   std::size_t bytes_per_tile = tunables::kDefaultBytesPerTile;  // kArenaAlignment..kMaxBytesPerTile
   bool pin = true;  // pin the worker thread to its placed core (needs hwloc)
   // Cores the application keeps for its own host threads (clients, the I/O engine's
@@ -121,7 +121,7 @@ class DeviceList {
  public:
   DeviceList(Device& device) : list_{&device} {}  // NOLINT: implicit by design
   explicit DeviceList(std::vector<Device*> devices) : list_(std::move(devices)) {}
-  DeviceList(DeviceGroup& group) {                // NOLINT: implicit by design
+  DeviceList(DeviceGroup& group) {  // NOLINT: implicit by design
     for (auto& d : group) list_.push_back(d.get());
   }
   std::uint32_t size() const noexcept { return static_cast<std::uint32_t>(list_.size()); }

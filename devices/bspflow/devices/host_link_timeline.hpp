@@ -35,9 +35,9 @@ class HostLinkTimeline {
     // per direction) and synthetic_data (not read here: a caller with synthetic data makes
     // no copies).
     HostIO host_io{};
-    std::size_t bytes_per_tile = 0;     // the device's, for the I/O tiles' room
-    std::uint32_t device = 0;           // named in errors
-    bool shares_core = false;           // the device yields its core while it waits
+    std::size_t bytes_per_tile = 0;      // the device's, for the I/O tiles' room
+    std::uint32_t device = 0;            // named in errors
+    bool shares_core = false;            // the device yields its core while it waits
     const char* element = "an element";  // what one copy in moves, for errors
   };
 

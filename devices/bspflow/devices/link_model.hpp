@@ -18,7 +18,7 @@
 namespace bspflow {
 
 struct LinkModel {
-  double bytes_per_second = 10e9;      // > 0 and finite
+  double bytes_per_second = 10e9;           // > 0 and finite
   std::chrono::nanoseconds latency{5'000};  // 0..1 s, paid once per transfer
 
   // Any thread. The host link (10 GB/s, 5 us) and the device link (32 GB/s, 1 us) above.

@@ -41,7 +41,8 @@ struct Placement {
   // else policy.capped_for_sharing() (beside a host thread, or beside devices only).
   WaitPolicy wait_policy(const WaitPolicy& policy) const noexcept {
     if (!shares_core()) return policy;
-    return policy.capped_for_sharing(shares_host ? CoreSharing::kHostThread : CoreSharing::kDevices);
+    return policy.capped_for_sharing(shares_host ? CoreSharing::kHostThread
+                                                 : CoreSharing::kDevices);
   }
 };
 
@@ -91,7 +92,8 @@ class Topology {
   // The slice rule above, pure: the cores of instance `local_index` of `local_count` on a
   // host of `cores` cores. Throws bspflow::Error unless local_index < local_count and
   // cores >= 1.
-  static std::vector<std::uint32_t> slice_for_instance(std::uint32_t cores, std::uint32_t local_index,
+  static std::vector<std::uint32_t> slice_for_instance(std::uint32_t cores,
+                                                       std::uint32_t local_index,
                                                        std::uint32_t local_count);
 
   ~Topology();
@@ -101,7 +103,7 @@ class Topology {
  private:
   Topology();
   void find_instance_cores();  // sets instance_cores_ and instance_reason_
-  void* hwloc_ = nullptr;  // hwloc_topology_t, kept opaque so hwloc stays in topology.cpp
+  void* hwloc_ = nullptr;      // hwloc_topology_t, kept opaque so hwloc stays in topology.cpp
   std::vector<CoreInfo> cores_;
   std::uint32_t pus_ = 1;
   std::uint32_t numa_nodes_ = 1;

@@ -32,8 +32,9 @@ class DeviceBuffer {
   // if E does not match dtype().
   template <class E>
   std::span<E> as() {
-    static_assert(kIsElement<E>, "DeviceBuffer::as<E>: E must be uint8_t, uint16_t (fp16), "
-                                 "float or int32_t");
+    static_assert(kIsElement<E>,
+                  "DeviceBuffer::as<E>: E must be uint8_t, uint16_t (fp16), "
+                  "float or int32_t");
     if (dtype_of<E>() != dtype_) throw_mismatch(dtype_of<E>());
     return {reinterpret_cast<E*>(data_), elements_};
   }

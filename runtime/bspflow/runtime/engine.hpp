@@ -39,9 +39,9 @@ enum class SyntheticFill { kZeros, kRandomNormal };
 struct EngineConfig : HostIO {
   LinkModel device_link = LinkModel::device();
   SyntheticFill synthetic_fill = SyntheticFill::kRandomNormal;  // with synthetic_data
-  std::uint64_t seed = 0;                // for kRandomNormal
-  bool trace = false;                    // record a trace (also on if BSPFLOW_TRACE is set)
-  std::string trace_path;                // write it here after each run (BSPFLOW_TRACE=FILE)
+  std::uint64_t seed = 0;                                       // for kRandomNormal
+  bool trace = false;      // record a trace (also on if BSPFLOW_TRACE is set)
+  std::string trace_path;  // write it here after each run (BSPFLOW_TRACE=FILE)
 
   // The old spelling of options.engine_config(); kept so older code compiles.
   static EngineConfig from(const Options& options);

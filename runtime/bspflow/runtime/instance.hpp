@@ -38,7 +38,9 @@ struct InstanceLayout {
   // index >= count, total_replicas is 0, or total_replicas does not divide by count.
   static InstanceLayout of(std::uint32_t index, std::uint32_t count, std::uint32_t total_replicas);
   // Global replica index of local replica `local` (< local_replicas; not checked).
-  std::uint32_t global_replica(std::uint32_t local) const noexcept { return replica_offset + local; }
+  std::uint32_t global_replica(std::uint32_t local) const noexcept {
+    return replica_offset + local;
+  }
   // "instance 1 of 2: replicas 2..3 of 4". Allocates.
   std::string describe() const;
   bool operator==(const InstanceLayout&) const = default;
@@ -49,7 +51,8 @@ struct InstanceLayout {
 // the others': which instance, its global replica (when known) and the step.
 class InstanceError : public Error {
  public:
-  InstanceError(const std::string& message, std::uint32_t instance, std::uint32_t replica, std::uint64_t step)
+  InstanceError(const std::string& message, std::uint32_t instance, std::uint32_t replica,
+                std::uint64_t step)
       : Error(message), instance_(instance), replica_(replica), step_(step) {}
   std::uint32_t instance() const noexcept { return instance_; }
   std::uint32_t replica() const noexcept { return replica_; }  // global replica index

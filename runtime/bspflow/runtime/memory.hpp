@@ -91,7 +91,7 @@ struct DeviceMemory {
   // What the device's arena had free when the pipeline was built: its whole memory (tiles
   // x bytes per tile) unless something else already held some.
   std::size_t capacity = 0;
-  std::vector<TensorMemory> tensors;    // largest first
+  std::vector<TensorMemory> tensors;  // largest first
 
   std::size_t always_live() const noexcept;
   std::size_t phase(Liveness l) const noexcept;  // the bytes of the tensors with that liveness
@@ -127,8 +127,8 @@ struct MemoryReport {
 // holders and the suggestions.
 class PipelineOutOfMemoryError : public OutOfMemoryError {
  public:
-  PipelineOutOfMemoryError(const std::string& message, std::size_t requested, std::size_t free_bytes,
-                           MemoryReport report)
+  PipelineOutOfMemoryError(const std::string& message, std::size_t requested,
+                           std::size_t free_bytes, MemoryReport report)
       : OutOfMemoryError(message, requested, free_bytes), report_(std::move(report)) {}
   const MemoryReport& report() const noexcept { return report_; }
 

@@ -96,18 +96,18 @@ struct StageContext {
 // A pass's arguments. The spans and references point into runtime buffers: valid for that
 // call only.
 struct ForwardArgs {
-  const Batch& batch;             // the micro-batch: data (stage 0's input), labels, valid
-  std::span<const float> input;   // the previous stage's output (empty for stage 0)
-  std::span<float> output;        // this stage's output: output_elements() values
-  std::vector<float>& saved;      // what backward will need; kept in the activation FIFO
+  const Batch& batch;            // the micro-batch: data (stage 0's input), labels, valid
+  std::span<const float> input;  // the previous stage's output (empty for stage 0)
+  std::span<float> output;       // this stage's output: output_elements() values
+  std::vector<float>& saved;     // what backward will need; kept in the activation FIFO
 };
 struct BackwardArgs {
   const Batch& batch;
-  std::span<const float> input;         // as the forward pass saw it (empty for stage 0)
-  const std::vector<float>& saved;      // as the forward pass left it (recomputed if asked)
-  std::span<const float> grad_output;   // d loss / d output (empty for the last stage)
-  std::span<float> grad_input;          // to fill: d loss / d input (empty for stage 0)
-  std::span<float> gradients;           // to fill: this micro-batch's parameter gradients
+  std::span<const float> input;        // as the forward pass saw it (empty for stage 0)
+  const std::vector<float>& saved;     // as the forward pass left it (recomputed if asked)
+  std::span<const float> grad_output;  // d loss / d output (empty for the last stage)
+  std::span<float> grad_input;         // to fill: d loss / d input (empty for stage 0)
+  std::span<float> gradients;          // to fill: this micro-batch's parameter gradients
 };
 
 // What a stage keeps on its device, in elements, for the Pipeline's memory plan (the
@@ -200,15 +200,15 @@ struct PipelineConfig : HostIO {
   std::uint32_t gradient_accumulation = 1;
   ReductionType reduction = ReductionType::kMean;
   MeanStyle mean = MeanStyle::kPost;
-  std::uint32_t replicas = 1;    // >= 1
-  bool training = true;          // false: inference, forward passes only
+  std::uint32_t replicas = 1;  // >= 1
+  bool training = true;        // false: inference, forward passes only
   // Device mapping (PopTorch's Stage/Block placement on IPUs): stage s of a replica runs on
   // that replica's device device_mapping[s]. Consecutive stages may share a device, which
   // then runs their passes one after another in each cycle (their exchange is a local
   // copy). Empty (the default): stage s on device s. One entry per stage, starting at 0 and
   // rising by 0 or 1 from one stage to the next; strategy pipelined or sharded, bsp sync.
   std::vector<std::uint32_t> device_mapping;
-  bool recompute = false;        // keep only stage inputs; recompute the rest for backward
+  bool recompute = false;  // keep only stage inputs; recompute the rest for backward
   // How tensors are stored (fp32 or fp16) and accumulated, and static loss scaling.
   Precision precision{};
   // Training: keep each stage's optimiser state in host memory, streamed in before each
@@ -216,7 +216,7 @@ struct PipelineConfig : HostIO {
   bool offload_optimizer = false;
   // Activations and gradients between devices; the Engine validates both links.
   LinkModel device_link = LinkModel::device();
-  bool trace = false;            // also on with BSPFLOW_TRACE=FILE
+  bool trace = false;  // also on with BSPFLOW_TRACE=FILE
   // Training over several instances (processes launched by mpirun; see instance.hpp):
   // `replicas` is this instance's local replicas (InstanceLayout::local_replicas), and the
   // gradients are reduced in two levels, over the local replicas in process and then across

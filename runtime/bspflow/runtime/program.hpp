@@ -51,9 +51,9 @@ namespace bspflow {
 // Where an Execute's vertex runs.
 struct ComputeContext {
   std::uint32_t device = 0;
-  std::uint32_t replica = 0;         // the device's index in the engine's device list
-  std::uint64_t iteration = 0;       // trip of the outermost Repeat (0 outside one)
-  std::uint32_t compute_tiles = 0;   // tiles - io_tiles
+  std::uint32_t replica = 0;        // the device's index in the engine's device list
+  std::uint64_t iteration = 0;      // trip of the outermost Repeat (0 outside one)
+  std::uint32_t compute_tiles = 0;  // tiles - io_tiles
   // The run's stop request: a codelet that waits for something must give up when it is set
   // (and be woken by the waker passed to Engine::run).
   const StopFlag* stop = nullptr;
@@ -109,7 +109,8 @@ struct StreamCopy {
 // the device then takes the host link's modeled time for them (StreamCopyMid in the trace,
 // direction `to_host`).
 struct RemoteCopy {
-  RemoteCopy(std::string name, bool to_host, std::function<std::size_t(const ComputeContext&)> copy);
+  RemoteCopy(std::string name, bool to_host,
+             std::function<std::size_t(const ComputeContext&)> copy);
   std::string name;
   bool to_host;
   std::function<std::size_t(const ComputeContext&)> copy;
@@ -123,7 +124,8 @@ struct RemoteCopy {
 // returns, its own contribution (LinkModel::ring_allreduce). The summing itself is an
 // Execute before it. Exchange in the trace, labelled `name`.
 struct AllReduce {
-  AllReduce(std::string name, std::uint32_t replicas, std::function<std::size_t(const ComputeContext&)> bytes);
+  AllReduce(std::string name, std::uint32_t replicas,
+            std::function<std::size_t(const ComputeContext&)> bytes);
   std::string name;
   std::uint32_t replicas;
   std::function<std::size_t(const ComputeContext&)> bytes;
@@ -150,16 +152,16 @@ class Program {
   using Node = std::variant<program::Sequence, program::Execute, program::Sync, program::Copy,
                             program::StreamCopy, program::Repeat, program::RepeatWhile,
                             program::FusedRepeat, program::RemoteCopy, program::AllReduce>;
-  Program(program::Sequence n);    // NOLINT: implicit, like Poplar's program classes
-  Program(program::Execute n);     // NOLINT
-  Program(program::Sync n);        // NOLINT
-  Program(program::Copy n);        // NOLINT
-  Program(program::StreamCopy n);  // NOLINT
-  Program(program::Repeat n);      // NOLINT
-  Program(program::RepeatWhile n); // NOLINT
-  Program(program::FusedRepeat n); // NOLINT (loops::repeat's; see detail/fused_repeat.hpp)
-  Program(program::RemoteCopy n);  // NOLINT
-  Program(program::AllReduce n);   // NOLINT
+  Program(program::Sequence n);     // NOLINT: implicit, like Poplar's program classes
+  Program(program::Execute n);      // NOLINT
+  Program(program::Sync n);         // NOLINT
+  Program(program::Copy n);         // NOLINT
+  Program(program::StreamCopy n);   // NOLINT
+  Program(program::Repeat n);       // NOLINT
+  Program(program::RepeatWhile n);  // NOLINT
+  Program(program::FusedRepeat n);  // NOLINT (loops::repeat's; see detail/fused_repeat.hpp)
+  Program(program::RemoteCopy n);   // NOLINT
+  Program(program::AllReduce n);    // NOLINT
   const Node& node() const noexcept { return *node_; }
 
  private:

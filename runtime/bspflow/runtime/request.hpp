@@ -30,11 +30,11 @@ struct Request {
 
 // Why a request was answered with an error: the stage that threw and what it threw.
 struct RequestError {
-  std::uint32_t stage = 0;   // index of the stage in the stream (0 = first)
+  std::uint32_t stage = 0;  // index of the stage in the stream (0 = first)
   std::string stage_name{};
   std::uint32_t device = 0;  // Device::id() of the device it ran on
   RequestId id{};
-  std::string message{};       // "stage 'conv' (1) on device 0 failed on request 3 of producer 1: ..."
+  std::string message{};  // "stage 'conv' (1) on device 0 failed on request 3 of producer 1: ..."
   std::exception_ptr cause{};  // what the stage threw
 };
 
@@ -42,7 +42,7 @@ struct RequestError {
 template <class T>
 struct Response {
   RequestId id{};
-  std::optional<T> value{};                    // set when ok()
+  std::optional<T> value{};                     // set when ok()
   std::shared_ptr<const RequestError> error{};  // set when a stage threw for this request
   bool ok() const noexcept { return error == nullptr; }
 };

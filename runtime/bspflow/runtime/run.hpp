@@ -32,9 +32,9 @@ struct Iteration {
 // its iterations and final states.
 template <class State>
 struct RepeatResult : RunResult {
-  std::uint64_t requested = 0;             // iterations asked for, per replica
-  std::vector<std::uint64_t> iterations;   // iterations completed, per replica
-  std::vector<State> states;               // final loop state, per replica (as each left it)
+  std::uint64_t requested = 0;            // iterations asked for, per replica
+  std::vector<std::uint64_t> iterations;  // iterations completed, per replica
+  std::vector<State> states;              // final loop state, per replica (as each left it)
   // With BSPFLOW_TRACE=FILE set: the loop's trace (one track per replica), also written to
   // FILE; else null.
   std::shared_ptr<const Trace> trace;
@@ -99,7 +99,10 @@ class Run {
   // I/O; a write failure is logged, not thrown).
   RepeatResult<State> get() {
     auto s = std::move(state_);
-    if (!s) throw Error("Run::get() on an empty Run: it was default-constructed, moved from, or get() was already called");
+    if (!s)
+      throw Error(
+          "Run::get() on an empty Run: it was default-constructed, moved from, or get() was "
+          "already called");
     s->control.wait();
     RepeatResult<State> r;
     r.status = s->control.finish(r.iterations, r.message);
@@ -125,7 +128,10 @@ class Run {
   // What loops::repeat_async returns (through detail::RunAccess).
   explicit Run(std::shared_ptr<detail::RunState<State>> s) noexcept : state_(std::move(s)) {}
   detail::RunState<State>& checked() const {
-    if (!state_) throw Error("Run: an empty handle: it was default-constructed, moved from, or get() was already called");
+    if (!state_)
+      throw Error(
+          "Run: an empty handle: it was default-constructed, moved from, or get() was already "
+          "called");
     return *state_;
   }
   void stop_and_wait() noexcept {

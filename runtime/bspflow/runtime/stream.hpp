@@ -9,23 +9,24 @@
 //                     .stage("conv", [](Image x) { return conv(x); })        // device 0
 //                     .stage("pool", [](Features f) { return pool(f); }, 0)  // also device 0
 //                     .stage("head", [](Features f) { return head(f); })     // device 1
-//                     .build();                                               // Stream<Image, Logits>
+//                     .build();                                               // Stream<Image,
+//                     Logits>
 //   InfeedQueue<Request<Image>> requests;              // any number of host threads
 //   OutfeedQueue<Response<Logits>> responses;
 //   stream.start(requests, responses);                 // returns at once
 //   RequestProducer<Image> client(requests);           // one per client thread
 //   RequestId id = *client.push(image);                // nullopt once the infeed is closed
-//   for (auto& e : responses) { e.value.id; e.value.ok() ? *e.value.value : e.value.error->message; }
-//   requests.close();                                  // the stream drains, then ends
+//   for (auto& e : responses) { e.value.id; e.value.ok() ? *e.value.value : e.value.error->message;
+//   } requests.close();                                  // the stream drains, then ends
 //   StreamResult r = stream.wait();                    // r.status == kDrained, r.answered
 //
 // Stages. A stage is a callable (movable; copyable not needed) from its input type to its
 // output type (any movable types; a stage takes its input by value or rvalue reference). A
-// stage runs on one device thread only, so it may keep state of its own without locking. Consecutive stages may share a
-// device: they run one after the other on its thread with no hand-off between them. Stages
-// on different devices are joined by a bounded single-producer single-consumer ring
-// (SpscRing, `StreamConfig::capacity` requests). Each device of the stream runs one
-// contiguous run of stages as a job on its pinned thread, for as long as the stream runs.
+// stage runs on one device thread only, so it may keep state of its own without locking.
+// Consecutive stages may share a device: they run one after the other on its thread with no
+// hand-off between them. Stages on different devices are joined by a bounded single-producer
+// single-consumer ring (SpscRing, `StreamConfig::capacity` requests). Each device of the stream
+// runs one contiguous run of stages as a job on its pinned thread, for as long as the stream runs.
 //
 // Requests and responses. Requests enter through an InfeedQueue<Request<In>> with one lane
 // (any number of RequestProducers, one per host thread); each carries a RequestId: the
@@ -107,9 +108,11 @@ class Stream {
                               "a stream reads one lane: use InfeedConfig{.replicas = 1}");
     }
     if (outfeed.replicas() != 1 || outfeed.mode().kind() != OutputMode::Kind::kAll) {
-      throw Error("stream outfeed: needs one replica and OutputMode::all() (every request "
-                  "gets its response); this one has " + std::to_string(outfeed.replicas()) +
-                  " replica(s) and mode " + outfeed.mode().to_string());
+      throw Error(
+          "stream outfeed: needs one replica and OutputMode::all() (every request "
+          "gets its response); this one has " +
+          std::to_string(outfeed.replicas()) + " replica(s) and mode " +
+          outfeed.mode().to_string());
     }
     source_->attach(infeed.reader(0));
     try {
@@ -181,8 +184,8 @@ class StreamBuilder {
  public:
   // `devices`: the devices stages may be placed on (a Device, a DeviceGroup or a DeviceList);
   // they must outlive the Stream.
-  explicit StreamBuilder(DeviceList devices, StreamConfig config = {})
-    requires std::is_same_v<Cur, In>
+  explicit StreamBuilder(DeviceList devices,
+                         StreamConfig config = {}) requires std::is_same_v<Cur, In>
       : core_(std::make_unique<detail::StreamCore>(devices, std::move(config))) {
     auto source = std::make_shared<detail::InfeedSource<In>>();
     infeed_source_ = source.get();
@@ -193,8 +196,7 @@ class StreamBuilder {
   // Adds a stage on the next device (the first stage: device 0).
   template <class F>
   auto stage(std::string name, F f) && {
-    const std::uint32_t device =
-        core_->stage_devices.empty() ? 0 : core_->stage_devices.back() + 1;
+    const std::uint32_t device = core_->stage_devices.empty() ? 0 : core_->stage_devices.back() + 1;
     return std::move(*this).stage(std::move(name), std::move(f), device);
   }
 
@@ -210,9 +212,9 @@ class StreamBuilder {
     static_assert(std::is_move_constructible_v<Next> && std::is_move_assignable_v<Next>,
                   "a stream stage's output type must be movable");
     if (device >= core_->devices.size()) {
-      detail::throw_bad_value("stage '" + name + "' device", device,
-                              "must be below the stream's " +
-                                  std::to_string(core_->devices.size()) + " device(s)");
+      detail::throw_bad_value(
+          "stage '" + name + "' device", device,
+          "must be below the stream's " + std::to_string(core_->devices.size()) + " device(s)");
     }
     if (!core_->stage_devices.empty() && device < core_->stage_devices.back()) {
       throw Error("stage '" + name + "' on device " + std::to_string(device) +

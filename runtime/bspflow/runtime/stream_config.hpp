@@ -26,9 +26,10 @@ enum class OnError {
 using StreamStatus = RunStatus;
 
 struct StreamConfig {
-  std::size_t capacity = tunables::kDefaultStreamCapacity;  // ring slots between devices, 1..kMaxQueueCapacity
+  std::size_t capacity =
+      tunables::kDefaultStreamCapacity;  // ring slots between devices, 1..kMaxQueueCapacity
   OnError on_error = OnError::kRespond;
-  WaitPolicy wait = {};                 // how every device waits for its next request
+  WaitPolicy wait = {};                   // how every device waits for its next request
   std::vector<WaitPolicy> device_wait{};  // empty, or one per device of the stream (overrides wait)
   // Throws bspflow::Error naming the field, the value and what is allowed.
   void validate(std::uint32_t devices) const;

@@ -45,7 +45,8 @@ class SyncGroup {
   static std::uint64_t generation(std::uint64_t state) noexcept { return state >> 32; }
 
   const std::uint32_t participants_;
-  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> state_{0};  // generation << 32 | arrivals
+  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> state_{
+      0};                             // generation << 32 | arrivals
   std::atomic<bool> aborted_{false};  // on state_'s line: read at every arrival
   detail::WaitPoint point_;
 };

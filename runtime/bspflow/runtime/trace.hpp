@@ -34,9 +34,9 @@ const char* to_string(Phase p) noexcept;
 
 struct TraceEvent {
   Phase phase;
-  bool to_host = false;        // kTransfer / stream copies: the direction
-  std::uint32_t label = 0;     // index into the track's labels (0 = the phase's own name)
-  std::int64_t begin_ns = 0;   // since the trace's origin
+  bool to_host = false;       // kTransfer / stream copies: the direction
+  std::uint32_t label = 0;    // index into the track's labels (0 = the phase's own name)
+  std::int64_t begin_ns = 0;  // since the trace's origin
   std::int64_t end_ns = 0;
   std::uint64_t bytes = 0;
 };
@@ -51,8 +51,8 @@ class TraceTrack {
   TraceTrack(std::string name, Kind kind, std::uint32_t id, Clock::time_point origin);
 
   // Owner thread. Appends one event (allocates now and then, amortised).
-  void record(Phase phase, Clock::time_point begin, Clock::time_point end,
-              std::uint64_t bytes = 0, std::uint32_t label = 0, bool to_host = false) {
+  void record(Phase phase, Clock::time_point begin, Clock::time_point end, std::uint64_t bytes = 0,
+              std::uint32_t label = 0, bool to_host = false) {
     events_.push_back(TraceEvent{phase, to_host, label, ns(begin), ns(end), bytes});
   }
   // Owner thread, at setup: a label for compute sets ("matmul"), returned for record().
@@ -85,9 +85,9 @@ class TraceTrack {
 struct TrackSummary {
   std::string name;
   TraceTrack::Kind kind = TraceTrack::Kind::kDevice;
-  std::int64_t total_ns = 0;                    // the run's wall time
-  std::array<std::int64_t, kPhaseCount> ns{};   // per phase; kIdle includes unrecorded time
-  std::array<double, kPhaseCount> share{};      // of total_ns, adding up to 1
+  std::int64_t total_ns = 0;                   // the run's wall time
+  std::array<std::int64_t, kPhaseCount> ns{};  // per phase; kIdle includes unrecorded time
+  std::array<double, kPhaseCount> share{};     // of total_ns, adding up to 1
   std::uint64_t bytes_to_device = 0;
   std::uint64_t bytes_to_host = 0;
   std::uint64_t iterations = 0;

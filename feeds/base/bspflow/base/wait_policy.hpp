@@ -38,7 +38,8 @@ struct WaitPolicy {
   std::chrono::nanoseconds spin = tunables::kSpinBudget;  // kSpinThenPark: 0..kMaxSpinBudget
 
   static WaitPolicy busy_spin() noexcept { return {WaitStrategy::kBusySpin, {}}; }
-  static WaitPolicy spin_then_park(std::chrono::nanoseconds budget = tunables::kSpinBudget) noexcept {
+  static WaitPolicy spin_then_park(
+      std::chrono::nanoseconds budget = tunables::kSpinBudget) noexcept {
     return {WaitStrategy::kSpinThenPark, budget};
   }
   static WaitPolicy park() noexcept { return {WaitStrategy::kPark, {}}; }
@@ -59,9 +60,12 @@ struct WaitPolicy {
   Spin spin_mode() const noexcept { return yields ? Spin::kYield : Spin::kTight; }
   std::chrono::nanoseconds spin_budget() const noexcept {
     switch (strategy) {
-      case WaitStrategy::kBusySpin: return std::chrono::hours(24 * 365);
-      case WaitStrategy::kSpinThenPark: return spin;
-      case WaitStrategy::kPark: return std::chrono::nanoseconds{0};
+      case WaitStrategy::kBusySpin:
+        return std::chrono::hours(24 * 365);
+      case WaitStrategy::kSpinThenPark:
+        return spin;
+      case WaitStrategy::kPark:
+        return std::chrono::nanoseconds{0};
     }
     return spin;
   }

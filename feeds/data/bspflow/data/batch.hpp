@@ -18,9 +18,9 @@ struct Batch {
   std::vector<std::uint64_t> indices;  // dataset index per sample; kPadding for padding
   std::size_t valid = 0;               // samples [0, valid) are real, the rest padding
   std::uint64_t epoch = 0;
-  std::uint64_t step = 0;              // step within the epoch
+  std::uint64_t step = 0;  // step within the epoch
   std::uint32_t replica = 0;
-  std::uint64_t position = 0;          // this replica's micro-batch number within the step
+  std::uint64_t position = 0;  // this replica's micro-batch number within the step
 };
 
 // What a micro-batch moves over the host link: its data and its labels (as int32). Found by

@@ -87,8 +87,8 @@ class LoaderStep {
  public:
   // Leaves the source empty. Never blocks, never allocates, never throws.
   LoaderStep(LoaderStep&& o) noexcept
-      : core_(std::exchange(o.core_, nullptr)), slot_(o.slot_), epoch_(o.epoch_),
-        index_(o.index_) {}
+      : core_(std::exchange(o.core_, nullptr)), slot_(o.slot_), epoch_(o.epoch_), index_(o.index_) {
+  }
   // Releases the step this one held, then takes the source's. Never blocks for long,
   // never allocates, never throws.
   LoaderStep& operator=(LoaderStep&& o) noexcept {
@@ -128,7 +128,7 @@ class LoaderStep {
 };
 
 template <class D>
-  requires RandomAccessDataset<D> || StreamingDataset<D>
+requires RandomAccessDataset<D> || StreamingDataset<D>
 class DataLoader : private detail::LoaderCore {
  public:
   using Step = LoaderStep;
@@ -140,8 +140,9 @@ class DataLoader : private detail::LoaderCore {
   // dataset, a sample spec with no elements, or options a streaming dataset cannot
   // honour (shuffle, num_workers other than 1 in kAsync or 0 in kSync).
   template <class Shape>
-    requires RunShape<Shape> || std::same_as<Shape, StepShape>
-  DataLoader(const Shape& shape, D& dataset, LoaderConfig config)
+  requires RunShape<Shape> || std::same_as<Shape, StepShape> DataLoader(const Shape& shape,
+                                                                        D& dataset,
+                                                                        LoaderConfig config)
       : LoaderCore(step_shape(shape), dataset.size(), dataset.spec(), config), dataset_(dataset),
         in_spec_(dataset.spec()) {
     if constexpr (!RandomAccessDataset<D>) require_in_order_reading();
@@ -169,12 +170,12 @@ class DataLoader : private detail::LoaderCore {
   // Any thread. Steps per epoch; samples per epoch dropped (drop_last) or padded; the
   // whole arithmetic (LoadPlan); the config; the spec of the samples delivered (after
   // output_dtype). Never blocks, never allocates, never throws.
-  using LoaderCore::steps;
+  using LoaderCore::config;
   using LoaderCore::dropped;
   using LoaderCore::padded;
   using LoaderCore::plan;
-  using LoaderCore::config;
   using LoaderCore::sample_spec;
+  using LoaderCore::steps;
   // Consumer thread. Epoch the consumer is in (or last finished). Never blocks, never
   // allocates, never throws.
   using LoaderCore::epoch;
@@ -275,12 +276,11 @@ class DataLoader : private detail::LoaderCore {
       try {
         b.labels[k] = load(index, t.epoch, pos, dst);
       } catch (...) {
-        throw LoaderError("DataLoader: sample " + std::to_string(index) + " (epoch " +
-                              std::to_string(t.epoch) + ", step " + std::to_string(t.step) +
-                              ", replica " + std::to_string(t.replica) +
-                              ") could not be loaded: " +
-                              detail::describe_exception(std::current_exception()),
-                          index, std::current_exception());
+        throw LoaderError(
+            "DataLoader: sample " + std::to_string(index) + " (epoch " + std::to_string(t.epoch) +
+                ", step " + std::to_string(t.step) + ", replica " + std::to_string(t.replica) +
+                ") could not be loaded: " + detail::describe_exception(std::current_exception()),
+            index, std::current_exception());
       }
       b.indices[k] = index;
       ++b.valid;
@@ -297,8 +297,7 @@ class DataLoader : private detail::LoaderCore {
       thread_local std::vector<std::byte> scratch;
       scratch.resize(in_spec_.bytes());
       const std::int32_t label = dataset_.read(index, scratch);
-      convert(in_spec_.dtype, scratch.data(), sample_spec().dtype, dst.data(),
-              in_spec_.elements());
+      convert(in_spec_.dtype, scratch.data(), sample_spec().dtype, dst.data(), in_spec_.elements());
       return label;
     } else {
       Sample s;

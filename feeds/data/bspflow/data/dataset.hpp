@@ -48,8 +48,8 @@ concept RandomAccessDataset = requires(const D& d, std::size_t i) {
 template <class D>
 concept ReadIntoDataset = RandomAccessDataset<D> &&
     requires(const D& d, std::size_t i, std::span<std::byte> out) {
-      { d.read(i, out) } -> std::convertible_to<std::int32_t>;
-    };
+  { d.read(i, out) } -> std::convertible_to<std::int32_t>;
+};
 
 template <class D>
 concept StreamingDataset = requires(D& d, Sample& s) {

@@ -58,7 +58,8 @@ class LoadPlan {
   std::vector<std::uint64_t> shuffled_order(std::uint64_t epoch) const;
   // The dataset index at this instance's position `pos` (< dataset_size()): through
   // `order` when shuffling (null: not). Never blocks, never allocates, never throws.
-  std::uint64_t index_at(std::uint64_t pos, const std::vector<std::uint64_t>* order) const noexcept {
+  std::uint64_t index_at(std::uint64_t pos,
+                         const std::vector<std::uint64_t>* order) const noexcept {
     return order != nullptr ? (*order)[offset_ + pos] : offset_ + pos;
   }
   // Whether this loader should log remainder_notice() (instance 0 speaks for all).

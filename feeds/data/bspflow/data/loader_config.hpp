@@ -19,21 +19,21 @@ const char* to_string(LoaderMode m) noexcept;
 
 // A plain value type; the loader copies it. validate() states the rules.
 struct LoaderConfig {
-  std::size_t batch_size = 1;        // micro-batch, samples; >= 1
-  bool shuffle = false;              // random-access datasets only (checked by DataLoader)
-  std::uint64_t seed = 0;            // shuffle seed
-  bool drop_last = true;             // false: pad the last step (label -1)
+  std::size_t batch_size = 1;  // micro-batch, samples; >= 1
+  bool shuffle = false;        // random-access datasets only (checked by DataLoader)
+  std::uint64_t seed = 0;      // shuffle seed
+  bool drop_last = true;       // false: pad the last step (label -1)
   // kAsync: 1..kMaxLoaderWorkers; kSync: helpers, 0..kMaxLoaderWorkers. A streaming
   // dataset needs exactly 1 (kAsync) or 0 (kSync).
   std::uint32_t num_workers = 0;
   LoaderMode mode = LoaderMode::kSync;
   // kAsync: steps loaded ahead, 1..kMaxLoaderBuffer (kSync ignores it: one step at a time).
   std::uint32_t buffer_size = tunables::kDefaultLoaderBuffer;
-  bool early_preload = false;        // kAsync only: start loading at construction
-  bool load_indefinitely = false;    // kAsync only: keep loading across epoch ends
-                                     // (needs persistent_workers)
-  bool persistent_workers = true;    // kAsync: keep workers between epochs
-  std::optional<DType> output_dtype; // convert samples to this type (default: keep)
+  bool early_preload = false;         // kAsync only: start loading at construction
+  bool load_indefinitely = false;     // kAsync only: keep loading across epoch ends
+                                      // (needs persistent_workers)
+  bool persistent_workers = true;     // kAsync: keep workers between epochs
+  std::optional<DType> output_dtype;  // convert samples to this type (default: keep)
   // Several processes (Instance, bspflow/runtime/instance.hpp): this loader is instance
   // `instance` of `instances` and loads its part of every epoch. Every instance shuffles
   // the whole dataset with the same seed, then takes its own contiguous slice of that
@@ -72,6 +72,8 @@ StepShape step_shape(const O& o) {
                    static_cast<std::uint32_t>(o.gradient_accumulation()),
                    static_cast<std::uint32_t>(o.replicas())};
 }
-inline StepShape step_shape(const StepShape& s) { return s; }
+inline StepShape step_shape(const StepShape& s) {
+  return s;
+}
 
 }  // namespace bspflow

@@ -29,10 +29,14 @@ enum class DType : std::uint8_t { kUint8, kFloat16, kFloat32, kInt32 };
 // Bytes per element.
 constexpr std::size_t dtype_size(DType t) noexcept {
   switch (t) {
-    case DType::kUint8: return 1;
-    case DType::kFloat16: return 2;
-    case DType::kFloat32: return 4;
-    case DType::kInt32: return 4;
+    case DType::kUint8:
+      return 1;
+    case DType::kFloat16:
+      return 2;
+    case DType::kFloat32:
+      return 4;
+    case DType::kInt32:
+      return 4;
   }
   return 0;
 }
@@ -44,8 +48,9 @@ const char* to_string(DType t) noexcept;
 std::uint16_t to_half(float f) noexcept;
 float from_half(std::uint16_t h) noexcept;
 // The same conversions over arrays (F16C instructions where the CPU has them, else the
-// functions above: the results are identical, except the payload bits of a NaN). Any thread. Never blocks, never allocates,
-// never throws. to_half/from_half convert min(in.size(), out.size()) values.
+// functions above: the results are identical, except the payload bits of a NaN). Any thread. Never
+// blocks, never allocates, never throws. to_half/from_half convert min(in.size(), out.size())
+// values.
 void to_half(std::span<const float> in, std::span<std::uint16_t> out) noexcept;
 void from_half(std::span<const std::uint16_t> in, std::span<float> out) noexcept;
 // Each value as half precision would store it: from_half(to_half(v)).
@@ -57,10 +62,14 @@ constexpr bool kIsElement = std::is_same_v<E, std::uint8_t> || std::is_same_v<E,
                             std::is_same_v<E, float> || std::is_same_v<E, std::int32_t>;
 template <class E>
 constexpr DType dtype_of() noexcept {
-  if constexpr (std::is_same_v<E, std::uint8_t>) return DType::kUint8;
-  else if constexpr (std::is_same_v<E, std::uint16_t>) return DType::kFloat16;
-  else if constexpr (std::is_same_v<E, float>) return DType::kFloat32;
-  else return DType::kInt32;
+  if constexpr (std::is_same_v<E, std::uint8_t>)
+    return DType::kUint8;
+  else if constexpr (std::is_same_v<E, std::uint16_t>)
+    return DType::kFloat16;
+  else if constexpr (std::is_same_v<E, float>)
+    return DType::kFloat32;
+  else
+    return DType::kInt32;
 }
 
 // What every sample of a dataset looks like: element type and shape (without a batch
@@ -148,8 +157,8 @@ class Tensor {
   Tensor& operator=(const Tensor& other);
   // A moved-from tensor is empty (no elements), so it can be refilled safely.
   Tensor(Tensor&& other) noexcept
-      : dtype_(other.dtype_), shape_(std::move(other.shape_)),
-        size_(std::exchange(other.size_, 0)), bytes_(std::move(other.bytes_)) {
+      : dtype_(other.dtype_), shape_(std::move(other.shape_)), size_(std::exchange(other.size_, 0)),
+        bytes_(std::move(other.bytes_)) {
     other.shape_.clear();
   }
   Tensor& operator=(Tensor&& other) noexcept {
@@ -204,10 +213,13 @@ class Tensor {
 // What a tensor moves over the host link: its bytes (a uint8 tensor a quarter of an fp32
 // one's). Found by argument-dependent lookup (loops::repeat). Any thread. Never blocks,
 // never allocates, never throws.
-inline std::size_t host_bytes(const Tensor& t) noexcept { return t.bytes(); }
+inline std::size_t host_bytes(const Tensor& t) noexcept {
+  return t.bytes();
+}
 
 // Converts `count` elements from `from` to `to` (any pair of DTypes; uint8 -> float maps
 // 0..255 to 0..255, not 0..1: normalise where the data is used). Never allocates.
-void convert(DType from, const std::byte* src, DType to, std::byte* dst, std::size_t count) noexcept;
+void convert(DType from, const std::byte* src, DType to, std::byte* dst,
+             std::size_t count) noexcept;
 
 }  // namespace bspflow

@@ -26,8 +26,8 @@
 
 #include <atomic>
 #include <cstddef>
-#include <deque>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
 #include <span>
@@ -47,8 +47,8 @@ namespace bspflow {
 enum class ProducerType { kMulti, kSingle };
 
 struct InfeedConfig {
-  std::uint32_t replicas = 1;                                   // 1..kMaxReplicas
-  std::size_t capacity = tunables::kDefaultInfeedCapacity;      // per lane, >= prefetch_depth
+  std::uint32_t replicas = 1;                                      // 1..kMaxReplicas
+  std::size_t capacity = tunables::kDefaultInfeedCapacity;         // per lane, >= prefetch_depth
   std::uint32_t prefetch_depth = tunables::kDefaultPrefetchDepth;  // 1..255
   // kSingle: at most one live Producer (faster lanes); kMulti: any number.
   ProducerType producer_type = ProducerType::kMulti;
@@ -97,7 +97,8 @@ class InfeedQueue {
     bool push_to(std::uint32_t replica, T value) {
       check_replica(replica);
       LaneSlot& l = *queue_->lanes_[replica];
-      return l.spsc ? l.spsc->push(std::move(value)) : l.mpmc->push(tokens_[replica], std::move(value));
+      return l.spsc ? l.spsc->push(std::move(value))
+                    : l.mpmc->push(tokens_[replica], std::move(value));
     }
 
     // Moves `values` into one replica's lane in order, in bulk (far cheaper per element
@@ -112,11 +113,13 @@ class InfeedQueue {
     std::uint32_t replicas() const noexcept { return queue_->replicas(); }
 
     Producer(Producer&& o) noexcept
-        : queue_(std::exchange(o.queue_, nullptr)), tokens_(std::move(o.tokens_)), cursor_(o.cursor_) {}
+        : queue_(std::exchange(o.queue_, nullptr)), tokens_(std::move(o.tokens_)),
+          cursor_(o.cursor_) {}
     Producer& operator=(Producer&&) = delete;
     // A single-producer queue accepts a new Producer once this one is gone.
     ~Producer() {
-      if (queue_ != nullptr && queue_->single()) queue_->producer_live_.store(false, std::memory_order_release);
+      if (queue_ != nullptr && queue_->single())
+        queue_->producer_live_.store(false, std::memory_order_release);
     }
 
    private:
@@ -130,21 +133,23 @@ class InfeedQueue {
     explicit Producer(InfeedQueue& q) : queue_(&q) {
       if (q.single()) {
         if (q.producer_live_.exchange(true, std::memory_order_acq_rel)) {
-          throw Error("this infeed takes one producer at a time (InfeedConfig::producer_type = "
-                      "ProducerType::kSingle) and already has one: keep using it, destroy it "
-                      "first, or configure ProducerType::kMulti");
+          throw Error(
+              "this infeed takes one producer at a time (InfeedConfig::producer_type = "
+              "ProducerType::kSingle) and already has one: keep using it, destroy it "
+              "first, or configure ProducerType::kMulti");
         }
         return;
       }
       tokens_.reserve(q.replicas());
-      for (std::uint32_t r = 0; r < q.replicas(); ++r) tokens_.push_back(q.lanes_[r]->mpmc->make_token());
+      for (std::uint32_t r = 0; r < q.replicas(); ++r)
+        tokens_.push_back(q.lanes_[r]->mpmc->make_token());
     }
     void advance() noexcept { cursor_ = cursor_ + 1 == queue_->replicas() ? 0 : cursor_ + 1; }
     void check_replica(std::uint32_t replica) const {
       if (replica >= queue_->replicas()) {
-        detail::throw_bad_value("replica", replica,
-                                "must be below the infeed's replica count " +
-                                    std::to_string(queue_->replicas()));
+        detail::throw_bad_value(
+            "replica", replica,
+            "must be below the infeed's replica count " + std::to_string(queue_->replicas()));
       }
     }
 
@@ -236,8 +241,7 @@ class InfeedQueue {
       }
       return refilled(n);
     }
-    Reader(LaneSlot& lane, std::span<T> buffer,
-           std::unique_ptr<T[]> owned)
+    Reader(LaneSlot& lane, std::span<T> buffer, std::unique_ptr<T[]> owned)
         : lane_(&lane), owned_(std::move(owned)), buffer_(buffer) {}
 
     LaneSlot* lane_;
@@ -255,14 +259,14 @@ class InfeedQueue {
   // lane already has a reader.
   Reader reader(std::uint32_t replica, std::span<T> buffer = {}) {
     if (replica >= replicas()) {
-      detail::throw_bad_value("replica", replica,
-                              "must be below the infeed's replica count " +
-                                  std::to_string(replicas()));
+      detail::throw_bad_value(
+          "replica", replica,
+          "must be below the infeed's replica count " + std::to_string(replicas()));
     }
     if (!buffer.empty() && buffer.size() != config_.prefetch_depth) {
-      detail::throw_bad_value("prefetch buffer size", buffer.size(),
-                              "must equal prefetch_depth " +
-                                  std::to_string(config_.prefetch_depth));
+      detail::throw_bad_value(
+          "prefetch buffer size", buffer.size(),
+          "must equal prefetch_depth " + std::to_string(config_.prefetch_depth));
     }
     LaneSlot& slot = *lanes_[replica];
     if (slot.reader_active.exchange(true, std::memory_order_acq_rel)) {
@@ -318,7 +322,8 @@ class InfeedQueue {
       }
     }
     std::size_t pop_bulk(T* out, std::size_t max, const StopFlag* stop, const WaitPolicy* policy) {
-      return spsc ? spsc->pop_bulk(out, max, stop, policy) : mpmc->pop_bulk(out, max, stop, &*consumer, policy);
+      return spsc ? spsc->pop_bulk(out, max, stop, policy)
+                  : mpmc->pop_bulk(out, max, stop, &*consumer, policy);
     }
     std::size_t try_pop_bulk(T* out, std::size_t max) {
       return spsc ? spsc->try_pop_bulk(out, max) : mpmc->try_pop_bulk(out, max, &*consumer);

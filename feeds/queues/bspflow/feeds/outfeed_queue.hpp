@@ -47,7 +47,7 @@ namespace bspflow {
 enum class ConsumerType { kMulti, kSingle };
 
 struct OutfeedConfig {
-  std::uint32_t replicas = 1;                               // 1..kMaxReplicas
+  std::uint32_t replicas = 1;  // 1..kMaxReplicas
   OutputMode mode = OutputMode::all();
   // Entries (kMulti: in all, 0 = unbounded; kSingle: per replica, 1..kMaxQueueCapacity).
   std::size_t capacity = tunables::kDefaultOutfeedCapacity;
@@ -67,7 +67,9 @@ struct OutfeedEntry {
 namespace detail {
 
 template <class T>
-concept PlusAssignable = requires(T& a, const T& b) { a += b; };
+concept PlusAssignable = requires(T& a, const T& b) {
+  a += b;
+};
 
 template <class T>
 concept ElementwiseSummable =
@@ -85,7 +87,7 @@ void accumulate(T& acc, const T& v) {
     auto a = std::ranges::begin(acc);
     auto b = std::ranges::begin(v);
     const auto n = std::ranges::size(acc) < std::ranges::size(v) ? std::ranges::size(acc)
-                                                                  : std::ranges::size(v);
+                                                                 : std::ranges::size(v);
     for (std::size_t i = 0; i < n; ++i) a[i] += b[i];
   }
 }
@@ -116,14 +118,16 @@ class OutfeedQueue {
   explicit OutfeedQueue(OutfeedConfig config = {}) : config_(config) {
     config_.validate();
     if (config_.mode.kind() == OutputMode::Kind::kSum && !detail::kSummable<T>) {
-      throw Error("OutputMode sum() needs an outfeed type with += or an array/vector of "
-                  "elements with +=; this type has neither (use all(), final() or every_n)");
+      throw Error(
+          "OutputMode sum() needs an outfeed type with += or an array/vector of "
+          "elements with +=; this type has neither (use all(), final() or every_n)");
     }
     // No run attached yet: reading now ends at once instead of hanging.
     if (single()) {
       lanes_.reserve(config_.replicas);
       for (std::uint32_t r = 0; r < config_.replicas; ++r) {
-        lanes_.push_back(std::make_unique<Lane>(config_.capacity, &readable_, spare_slots(config_.capacity)));
+        lanes_.push_back(
+            std::make_unique<Lane>(config_.capacity, &readable_, spare_slots(config_.capacity)));
         lanes_.back()->close();
       }
     } else {
@@ -198,9 +202,7 @@ class OutfeedQueue {
   std::default_sentinel_t end() const noexcept { return {}; }
 
   // A run is attached and at least one of its replicas has not finished.
-  bool running() const noexcept {
-    return active_writers_.load(std::memory_order_acquire) != 0;
-  }
+  bool running() const noexcept { return active_writers_.load(std::memory_order_acquire) != 0; }
   std::size_t size_approx() const noexcept {
     if (queue_) return queue_->size_approx();
     std::size_t n = 0;
@@ -215,8 +217,9 @@ class OutfeedQueue {
    public:
     Writer(Writer&& o) noexcept
         : q_(std::exchange(o.q_, nullptr)), replica_(o.replica_), lane_(o.lane_),
-          token_(std::move(o.token_)), staged_(std::move(o.staged_)), dropped_(o.dropped_), last_check_(o.last_check_),
-          since_check_(o.since_check_), check_every_(o.check_every_), held_(std::move(o.held_)) {}
+          token_(std::move(o.token_)), staged_(std::move(o.staged_)), dropped_(o.dropped_),
+          last_check_(o.last_check_), since_check_(o.since_check_), check_every_(o.check_every_),
+          held_(std::move(o.held_)) {}
     Writer& operator=(Writer&&) = delete;
     ~Writer() {
       if (q_ != nullptr) finish(false);
@@ -267,7 +270,8 @@ class OutfeedQueue {
       const std::size_t pushed = lane_ != nullptr
                                      ? lane_->push_bulk(staged_.begin(), n, stop)
                                      : q_->queue_->push_bulk(*token_, staged_.begin(), n, stop);
-      if (pushed != n) [[unlikely]] return keep_stopped(pushed) == n;
+      if (pushed != n) [[unlikely]]
+        return keep_stopped(pushed) == n;
       staged_.clear();
       return true;
     }
@@ -312,8 +316,9 @@ class OutfeedQueue {
     [[gnu::noinline, gnu::cold]] std::size_t keep_stopped(std::size_t pushed) {
       const std::size_t n = staged_.size();
       const auto rest = staged_.begin() + static_cast<std::ptrdiff_t>(pushed);
-      const std::size_t kept = pushed + (lane_ != nullptr ? lane_->push_bulk_spare(rest, n - pushed)
-                                                           : q_->queue_->push_bulk_past_bound(*token_, rest, n - pushed));
+      const std::size_t kept =
+          pushed + (lane_ != nullptr ? lane_->push_bulk_spare(rest, n - pushed)
+                                     : q_->queue_->push_bulk_past_bound(*token_, rest, n - pushed));
       dropped_ += n - kept;
       staged_.clear();
       return kept;
@@ -321,7 +326,8 @@ class OutfeedQueue {
     // (Not through flush(): a third caller made GCC stop inlining flush() into write(), which
     // cost the feed benchmark 15%.)
     bool deliver(Entry&& e, const StopFlag* stop) {
-      if (lane_ != nullptr ? lane_->push(std::move(e), stop) : q_->queue_->push(*token_, std::move(e), stop)) {
+      if (lane_ != nullptr ? lane_->push(std::move(e), stop)
+                           : q_->queue_->push(*token_, std::move(e), stop)) {
         return true;
       }
       staged_.push_back(std::move(e));  // a refused push leaves the value untouched
@@ -332,8 +338,8 @@ class OutfeedQueue {
     std::uint32_t replica_;
     Lane* lane_ = nullptr;                        // kSingle: this replica's ring
     std::optional<typename Queue::Token> token_;  // kMulti: its sub-queue of the shared queue
-    std::vector<Entry> staged_;  // write-combining: entries not yet handed over
-    std::uint64_t dropped_ = 0;  // staged entries a stop kept from the host
+    std::vector<Entry> staged_;                   // write-combining: entries not yet handed over
+    std::uint64_t dropped_ = 0;                   // staged entries a stop kept from the host
     std::chrono::steady_clock::time_point last_check_{};
     std::uint32_t since_check_ = 0;  // entries staged since the clock was last read
     std::uint32_t check_every_ = 1;
@@ -346,8 +352,9 @@ class OutfeedQueue {
     std::uint32_t idle = 0;
     if (!active_writers_.compare_exchange_strong(idle, config_.replicas,
                                                  std::memory_order_acq_rel)) {
-      throw Error("outfeed is already attached to a running loop; wait for that run to end "
-                  "or use another OutfeedQueue");
+      throw Error(
+          "outfeed is already attached to a running loop; wait for that run to end "
+          "or use another OutfeedQueue");
     }
     if (queue_) {
       queue_->reopen();
@@ -379,24 +386,28 @@ class OutfeedQueue {
   std::size_t read(Entry* out, std::size_t max, bool block,
                    typename Queue::ConsumerToken* ctok = nullptr) {
     if (queue_) {
-      return block ? queue_->pop_bulk(out, max, nullptr, ctok) : queue_->try_pop_bulk(out, max, ctok);
+      return block ? queue_->pop_bulk(out, max, nullptr, ctok)
+                   : queue_->try_pop_bulk(out, max, ctok);
     }
     ReaderGuard guard(reading_);
-    if (lanes_.size() == 1) return block ? lanes_[0]->pop_bulk(out, max) : lanes_[0]->try_pop_bulk(out, max);
+    if (lanes_.size() == 1)
+      return block ? lanes_[0]->pop_bulk(out, max) : lanes_[0]->try_pop_bulk(out, max);
     for (;;) {
       if (const std::size_t n = try_lanes(out, max)) return n;
       if (!block) return 0;
       bool ended = true;
       for (const auto& lane : lanes_) ended = ended && lane->drained();
       if (ended) return try_lanes(out, max);
-      readable_.wait([&] {
-        bool all_sealed = true;
-        for (const auto& lane : lanes_) {
-          if (lane->has_entries()) return true;
-          all_sealed = all_sealed && lane->sealed();
-        }
-        return all_sealed;
-      }, detail::Spin::kTight, detail::Fence::kAsymmetric);
+      readable_.wait(
+          [&] {
+            bool all_sealed = true;
+            for (const auto& lane : lanes_) {
+              if (lane->has_entries()) return true;
+              all_sealed = all_sealed && lane->sealed();
+            }
+            return all_sealed;
+          },
+          detail::Spin::kTight, detail::Fence::kAsymmetric);
     }
   }
   // kSingle, several replicas: the first lane with entries, starting after the last one read.
@@ -413,9 +424,10 @@ class OutfeedQueue {
    public:
     explicit ReaderGuard(std::atomic<bool>& flag) : flag_(flag) {
       if (flag_.exchange(true, std::memory_order_acquire)) {
-        throw Error("this outfeed has one reader at a time (OutfeedConfig::consumer_type = "
-                    "ConsumerType::kSingle) and another thread is reading it now: read it from "
-                    "one thread at a time, or configure ConsumerType::kMulti");
+        throw Error(
+            "this outfeed has one reader at a time (OutfeedConfig::consumer_type = "
+            "ConsumerType::kSingle) and another thread is reading it now: read it from "
+            "one thread at a time, or configure ConsumerType::kMulti");
       }
     }
     ~ReaderGuard() { flag_.store(false, std::memory_order_release); }
@@ -427,7 +439,7 @@ class OutfeedQueue {
   };
 
   OutfeedConfig config_;
-  std::optional<Queue> queue_;               // kMulti: one queue shared by every replica
+  std::optional<Queue> queue_;                // kMulti: one queue shared by every replica
   std::vector<std::unique_ptr<Lane>> lanes_;  // kSingle: a ring per replica
   std::atomic<std::uint32_t> active_writers_{0};
   // kSingle reader state: written by the one reading thread only.

@@ -41,18 +41,24 @@ class OutputMode {
   // never allocates, never throws.
   constexpr bool emits_at(std::uint64_t i) const noexcept {
     switch (kind_) {
-      case Kind::kAll: return true;
-      case Kind::kEveryN: return (i + 1) % n_ == 0;
-      default: return false;
+      case Kind::kAll:
+        return true;
+      case Kind::kEveryN:
+        return (i + 1) % n_ == 0;
+      default:
+        return false;
     }
   }
   // Entries one replica delivers for a loop of `iterations` iterations. Any thread. Never
   // blocks, never allocates, never throws.
   constexpr std::uint64_t entries_for(std::uint64_t iterations) const noexcept {
     switch (kind_) {
-      case Kind::kAll: return iterations;
-      case Kind::kEveryN: return iterations / n_;
-      default: return iterations == 0 ? 0 : 1;
+      case Kind::kAll:
+        return iterations;
+      case Kind::kEveryN:
+        return iterations / n_;
+      default:
+        return iterations == 0 ? 0 : 1;
     }
   }
 

@@ -88,10 +88,13 @@ class SpscRing {
   T* claim(const WaitPolicy& policy, const StopFlag& stop) {
     const std::uint64_t t = producer_.tail;
     if (t - producer_.head_seen >= capacity_) {
-      detail::wait_with(not_full_, policy, [&] {
-        producer_.head_seen = head_.load(std::memory_order_seq_cst);
-        return t - producer_.head_seen < capacity_ || stop.requested();
-      }, detail::Fence::kAsymmetric);
+      detail::wait_with(
+          not_full_, policy,
+          [&] {
+            producer_.head_seen = head_.load(std::memory_order_seq_cst);
+            return t - producer_.head_seen < capacity_ || stop.requested();
+          },
+          detail::Fence::kAsymmetric);
       if (t - producer_.head_seen >= capacity_) return nullptr;
     }
     return &slots_[t & mask_];
@@ -126,11 +129,14 @@ class SpscRing {
   T* front(const WaitPolicy& policy, const StopFlag& stop) {
     if (T* f = try_front()) return f;
     const std::uint64_t h = consumer_.head;
-    detail::wait_with(not_empty_, policy, [&] {
-      consumer_.tail_seen = tail_.load(std::memory_order_seq_cst);
-      return consumer_.tail_seen > h || closed_.load(std::memory_order_seq_cst) ||
-             stop.requested();
-    }, detail::Fence::kAsymmetric);
+    detail::wait_with(
+        not_empty_, policy,
+        [&] {
+          consumer_.tail_seen = tail_.load(std::memory_order_seq_cst);
+          return consumer_.tail_seen > h || closed_.load(std::memory_order_seq_cst) ||
+                 stop.requested();
+        },
+        detail::Fence::kAsymmetric);
     if (consumer_.tail_seen <= h) {
       // Closed (or stopped): the producer published its last index before closing.
       consumer_.tail_seen = tail_.load(std::memory_order_seq_cst);
@@ -155,8 +161,8 @@ class SpscRing {
   void reset() noexcept {
     producer_ = {};
     consumer_ = {};
-    head_.store(0, std::memory_order_relaxed);       // relaxed: nobody is using the ring
-    tail_.store(0, std::memory_order_relaxed);       // relaxed: likewise
+    head_.store(0, std::memory_order_relaxed);        // relaxed: nobody is using the ring
+    tail_.store(0, std::memory_order_relaxed);        // relaxed: likewise
     closed_.store(false, std::memory_order_relaxed);  // relaxed: likewise
   }
 

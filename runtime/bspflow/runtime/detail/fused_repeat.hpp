@@ -22,11 +22,11 @@ namespace program {
 // What the interpreter hands a FusedRepeat's loop: where it runs, when to stop, where to
 // record, and the counters it advances.
 struct LoopFrame {
-  ComputeContext* ctx;              // ctx->iteration: set by the loop to the trip in progress
-  const StopFlag* stop;             // checked by the loop before each trip and in every wait
-  TraceTrack* track;                // null when untraced
-  std::uint32_t label;              // the trace label of the loop's compute (its name)
-  std::uint64_t* trips_done;        // advanced by the loop after each completed trip
+  ComputeContext* ctx;        // ctx->iteration: set by the loop to the trip in progress
+  const StopFlag* stop;       // checked by the loop before each trip and in every wait
+  TraceTrack* track;          // null when untraced
+  std::uint32_t label;        // the trace label of the loop's compute (its name)
+  std::uint64_t* trips_done;  // advanced by the loop after each completed trip
 };
 // Repeat(count, {StreamCopy in, Execute(name), StreamCopy out}) compiled into one function
 // that runs every trip: what loops::repeat compiles its typed feeds and body to, so the

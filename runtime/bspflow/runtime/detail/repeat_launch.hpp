@@ -36,7 +36,8 @@ template <class State, class Body, class InQ, class OutQ>
 Program replica_program(RunState<State>& run, Replica<State, Body, InQ, OutQ>& rep,
                         std::uint32_t device, std::uint32_t replica, std::uint64_t n) {
   auto loop = [&rep, device, replica, n](const program::LoopFrame& frame) {
-    return rep.link ? run_trips<true>(rep, frame, device, replica, n) : run_trips<false>(rep, frame, device, replica, n);
+    return rep.link ? run_trips<true>(rep, frame, device, replica, n)
+                    : run_trips<false>(rep, frame, device, replica, n);
   };
   auto finish = [&run, &rep, replica](bool deliver) {
     auto release = [&] {
@@ -120,7 +121,8 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
       outs.resize(replicas);
     }
     for (std::uint32_t r = 0; r < replicas; ++r) {
-      reps.push_back(std::make_shared<Rep>(body, init, std::move(*ins[r]), std::move(outs[r]), std::move(links[r])));
+      reps.push_back(std::make_shared<Rep>(body, init, std::move(*ins[r]), std::move(outs[r]),
+                                           std::move(links[r])));
     }
   }
   run->control.set_waker([infeed, outfeed] {
@@ -162,7 +164,8 @@ void check_sync_outfeed(const OutQ* outfeed, std::uint64_t n) {
   if constexpr (!std::is_same_v<OutQ, NoFeed>) {
     // kSingle: each replica has a ring of `capacity` entries; kMulti: one queue for all.
     const bool per_replica = outfeed->config().consumer_type == ConsumerType::kSingle;
-    const std::uint64_t entries = outfeed->mode().entries_for(n) * (per_replica ? 1 : outfeed->replicas());
+    const std::uint64_t entries =
+        outfeed->mode().entries_for(n) * (per_replica ? 1 : outfeed->replicas());
     if (outfeed->capacity() != 0 && entries > outfeed->capacity()) {
       throw Error("outfeed capacity " + std::to_string(outfeed->capacity()) +
                   (per_replica ? " per replica" : "") + " < " + std::to_string(entries) +
@@ -173,7 +176,6 @@ void check_sync_outfeed(const OutQ* outfeed, std::uint64_t n) {
     }
   }
 }
-
 
 // ---- the feeds a loops::repeat call names (any of an infeed, an outfeed, a HostIO) ----
 
@@ -210,7 +212,8 @@ struct FirstOf {
 };
 template <template <class> class Pick, class F, class... Fs>
 struct FirstOf<Pick, F, Fs...> {
-  using type = std::conditional_t<Pick<Bare<F>>::value, Bare<F>, typename FirstOf<Pick, Fs...>::type>;
+  using type =
+      std::conditional_t<Pick<Bare<F>>::value, Bare<F>, typename FirstOf<Pick, Fs...>::type>;
 };
 template <class T>
 struct PickInfeed : std::bool_constant<kIsInfeed<T>> {};
@@ -224,14 +227,15 @@ struct Feeds {
   static constexpr int kInfeeds = (0 + ... + int{kIsInfeed<Bare<Fs>>});
   static constexpr int kOutfeeds = (0 + ... + int{kIsOutfeed<Bare<Fs>>});
   static constexpr int kHostIOs = (0 + ... + int{kIsHostIO<Bare<Fs>>});
-  static_assert(((kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>> || kIsHostIO<Bare<Fs>>) && ...),
+  static_assert(((kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>> || kIsHostIO<Bare<Fs>>)&&...),
                 "loops::repeat takes, after the initial state, only feeds: an InfeedQueue<In>&, "
                 "an OutfeedQueue<Out>& and a const HostIO& (LoopConfig), each at most once, in "
                 "any order");
   static_assert(kInfeeds <= 1, "loops::repeat takes at most one InfeedQueue");
   static_assert(kOutfeeds <= 1, "loops::repeat takes at most one OutfeedQueue");
   static_assert(kHostIOs <= 1, "loops::repeat takes at most one HostIO (LoopConfig)");
-  static_assert(((!(kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>>) || std::is_lvalue_reference_v<Fs>) && ...),
+  static_assert(((!(kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>>) ||
+                  std::is_lvalue_reference_v<Fs>)&&...),
                 "loops::repeat takes its queues by reference: pass a named InfeedQueue or "
                 "OutfeedQueue that outlives the run");
   using In = typename FirstOf<PickInfeed, Fs...>::type;

@@ -57,7 +57,8 @@ std::size_t element_bytes(const T& v) {
 // device's arena (released with it).
 class ReplicaLink {
  public:
-  ReplicaLink(const HostIO& config, Device& device, std::uint32_t replica, std::uint32_t prefetch_depth);
+  ReplicaLink(const HostIO& config, Device& device, std::uint32_t replica,
+              std::uint32_t prefetch_depth);
   ReplicaLink(const ReplicaLink&) = delete;
   ReplicaLink& operator=(const ReplicaLink&) = delete;
   ~ReplicaLink();
@@ -192,7 +193,8 @@ struct OutfeedSide {  // no outfeed
 
 template <class T>
 struct OutfeedSide<OutfeedQueue<T>> {
-  OutfeedSide(typename OutfeedQueue<T>::Writer w, OutputMode m) : writer(std::move(w)), out_mode(m) {}
+  OutfeedSide(typename OutfeedQueue<T>::Writer w, OutputMode m)
+      : writer(std::move(w)), out_mode(m) {}
   // kMeasure (a loop with a HostIO): sets `bytes` to the output's host bytes.
   template <bool kMeasure, class V>
   bool write(std::uint64_t i, V&& v, const bspflow::detail::StopFlag* stop, std::size_t& bytes) {
@@ -213,7 +215,8 @@ struct OutfeedSide<OutfeedQueue<T>> {
 
 template <class State, class Body, class InQ, class OutQ>
 struct Replica {
-  Replica(Body b, State s, InfeedSide<InQ> in, OutfeedSide<OutQ> out, std::unique_ptr<ReplicaLink> l)
+  Replica(Body b, State s, InfeedSide<InQ> in, OutfeedSide<OutQ> out,
+          std::unique_ptr<ReplicaLink> l)
       : body(std::move(b)), state(std::move(s)), infeed(std::move(in)), outfeed(std::move(out)),
         link(std::move(l)) {}
   Body body;
@@ -304,7 +307,8 @@ RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFra
         t0 = t1;
       }
       std::size_t out_bytes = sizeof(Ret);
-      if (!rep.outfeed->template write<kLink>(i, std::forward<decltype(out)>(out), stop, out_bytes)) {
+      if (!rep.outfeed->template write<kLink>(i, std::forward<decltype(out)>(out), stop,
+                                              out_bytes)) {
         ++*frame.trips_done;  // the body ran; stopped while waiting for outfeed room
         return RunStatus::kCancelled;
       }

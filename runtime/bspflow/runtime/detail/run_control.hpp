@@ -92,7 +92,9 @@ class RunControl {
   // loop asking for 2^62 iterations). Messages then leave the count out.
   bool open_ended() const noexcept { return requested_ >= (std::uint64_t{1} << 53); }
   // " of 10", or "" for an open-ended run. Allocates.
-  std::string of_requested() const { return open_ended() ? std::string() : " of " + std::to_string(requested_); }
+  std::string of_requested() const {
+    return open_ended() ? std::string() : " of " + std::to_string(requested_);
+  }
 
   StopFlag stop_;
   std::function<void()> waker_;  // touches the run's feeds: only while !done_

@@ -219,8 +219,7 @@ class Segment final : public SegmentBase {
  public:
   // `fn` runs the segment's stages on the input object `Item::value` points to (moving from
   // it) and returns the last stage's output; a stage's exception arrives as StageFailure.
-  Segment(Source& source, Sink<B>& sink, std::function<B(void*)> fn,
-          std::vector<std::string> names)
+  Segment(Source& source, Sink<B>& sink, std::function<B(void*)> fn, std::vector<std::string> names)
       : source_(source), sink_(sink), fn_(std::move(fn)), names_(std::move(names)) {}
 
   void run(Device& device, const WaitPolicy& policy, OnError on_error,
@@ -260,7 +259,8 @@ class Segment final : public SegmentBase {
         } catch (StageFailure& f) {
           out_.error = describe(f, device, in_.id);
         } catch (...) {
-          out_.error = describe(StageFailure{first_stage, std::current_exception()}, device, in_.id);
+          out_.error =
+              describe(StageFailure{first_stage, std::current_exception()}, device, in_.id);
         }
         if (out_.error != nullptr && on_error == OnError::kFailFast) {
           state.fail(out_.error);
@@ -294,8 +294,7 @@ class Segment final : public SegmentBase {
     e->cause = f.cause;
     e->message = "stage '" + e->stage_name + "' (" + std::to_string(f.stage) + ") on device " +
                  std::to_string(e->device) + " failed on request " + std::to_string(id.sequence) +
-                 " of producer " + std::to_string(id.producer) + ": " +
-                 describe_exception(f.cause);
+                 " of producer " + std::to_string(id.producer) + ": " + describe_exception(f.cause);
     return e;
   }
 
@@ -317,7 +316,7 @@ class StreamCore {
   std::vector<std::string> stage_names;
   std::vector<std::uint32_t> stage_devices;
   std::vector<std::unique_ptr<SegmentBase>> segments;
-  std::vector<std::shared_ptr<void>> owned;    // rings, sources, sinks
+  std::vector<std::shared_ptr<void>> owned;  // rings, sources, sinks
   std::vector<std::function<void()>> ring_resets, ring_wakes;
 
   // The wait policy device `index` of the list uses (capped when it shares its core).

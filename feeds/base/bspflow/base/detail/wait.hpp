@@ -2,9 +2,9 @@
 //
 // A waiter spins for tunables::kSpinBudget with a CPU pause hint, then parks on a futex
 // (std::atomic<uint32_t>::wait). A notifier pays one load when nobody is parked (after a
-// seq_cst change, or a light fence for notify_light()), and a futex wake when somebody is. Spinning alone would livelock when threads
-// outnumber cores (4 emulated devices on 2 cores); parking alone would add tens of
-// microseconds to every hand-off.
+// seq_cst change, or a light fence for notify_light()), and a futex wake when somebody is. Spinning
+// alone would livelock when threads outnumber cores (4 emulated devices on 2 cores); parking alone
+// would add tens of microseconds to every hand-off.
 #pragma once
 
 #include <atomic>

@@ -31,10 +31,10 @@ namespace detail {
 class LoaderCore {
  public:
   struct Task {
-    std::uint64_t global = 0;   // step number since the loader started
+    std::uint64_t global = 0;  // step number since the loader started
     std::uint64_t epoch = 0;
-    std::uint64_t step = 0;     // within the epoch
-    std::uint64_t m = 0;        // micro-batch within the step, iteration-major
+    std::uint64_t step = 0;  // within the epoch
+    std::uint64_t m = 0;     // micro-batch within the step, iteration-major
     std::uint32_t replica = 0;
     std::uint64_t position = 0;  // the replica's micro-batch number
   };
@@ -106,7 +106,7 @@ class LoaderCore {
   std::mutex claim_mutex_;
   std::atomic<std::uint64_t> next_task_{0};
   std::atomic<std::uint64_t> task_limit_{0};
-  std::uint64_t base_global_ = 0;   // global step where epoch base_epoch_ starts
+  std::uint64_t base_global_ = 0;  // global step where epoch base_epoch_ starts
   std::uint64_t base_epoch_ = 0;
   std::atomic<bool> stopping_{false};
   WaitPoint work_;       // workers: tasks opened, or stopping
@@ -114,9 +114,9 @@ class LoaderCore {
   WaitPoint ready_;      // consumer: a step finished loading
 
   // Consumer state (consumer thread only).
-  bool started_ = false;      // some epoch's tasks were opened
-  bool in_epoch_ = false;     // consumer is inside an epoch
-  bool loading_ahead_ = false;  // the next epoch's tasks are already open
+  bool started_ = false;           // some epoch's tasks were opened
+  bool in_epoch_ = false;          // consumer is inside an epoch
+  bool loading_ahead_ = false;     // the next epoch's tasks are already open
   std::uint64_t next_global_ = 0;  // next step to hand out
   std::uint64_t epoch_end_ = 0;    // global step where the consumer's epoch ends
   std::uint64_t consumer_epoch_ = 0;

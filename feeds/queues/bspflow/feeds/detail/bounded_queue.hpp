@@ -126,7 +126,8 @@ class BoundedQueue {
     std::uint64_t r = reserved_.load(std::memory_order_relaxed);
     do {
       if ((r & kClosedBit) != 0) return 0;
-    } while (!reserved_.compare_exchange_weak(r, r + n, std::memory_order_seq_cst, std::memory_order_relaxed));
+    } while (!reserved_.compare_exchange_weak(r, r + n, std::memory_order_seq_cst,
+                                              std::memory_order_relaxed));
     if (!enqueue_bulk(token, first, n)) {
       unreserve(n);
       throw std::bad_alloc();
@@ -174,12 +175,14 @@ class BoundedQueue {
     // would pull the producers' hot cache line away from them.
     bool ended = false;
     unsigned tries = 0;
-    spin_until([&] {
-      n = try_pop_bulk(out, max, ctok);
-      if (n != 0) return true;
-      ended = (++tries & 63u) == 0 && (drained() || stopped(stop));
-      return ended;
-    }, mode, budget);
+    spin_until(
+        [&] {
+          n = try_pop_bulk(out, max, ctok);
+          if (n != 0) return true;
+          ended = (++tries & 63u) == 0 && (drained() || stopped(stop));
+          return ended;
+        },
+        mode, budget);
     for (;;) {
       if (n != 0) return n;
       if (ended || drained() || stopped(stop)) return 0;
@@ -205,9 +208,7 @@ class BoundedQueue {
   }
 
   // Any thread, when no producer is active: accept pushes again (outfeeds between runs).
-  void reopen() noexcept {
-    reserved_.fetch_and(~kClosedBit, std::memory_order_seq_cst);
-  }
+  void reopen() noexcept { reserved_.fetch_and(~kClosedBit, std::memory_order_seq_cst); }
 
   // Any thread. Wakes parked producers and consumers so they re-check their stop flag.
   void wake_all() noexcept {
@@ -220,8 +221,7 @@ class BoundedQueue {
   }
   // Closed, and every element pushed (or reserved before the close) popped.
   bool drained() const noexcept {
-    return is_closed() &&
-           total_pushed() == popped_.load(std::memory_order_seq_cst);
+    return is_closed() && total_pushed() == popped_.load(std::memory_order_seq_cst);
   }
   // Elements reserved but not popped (approximate while producers run).
   std::size_t size_approx() const noexcept {
@@ -251,7 +251,9 @@ class BoundedQueue {
   }
 
   // Pushed (or reserved) but not yet popped.
-  bool pending() const noexcept { return total_pushed() != popped_.load(std::memory_order_seq_cst); }
+  bool pending() const noexcept {
+    return total_pushed() != popped_.load(std::memory_order_seq_cst);
+  }
 
   std::size_t free_slots() const noexcept {
     if (capacity_ == 0) return SIZE_MAX;

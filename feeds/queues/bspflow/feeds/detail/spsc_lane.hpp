@@ -102,8 +102,10 @@ class SpscLane {
     if (!enter()) return 0;
     producer_.head_seen = head_.load(std::memory_order_acquire);
     const std::uint64_t used = producer_.tail - producer_.head_seen;
-    const std::size_t fit = static_cast<std::size_t>(std::min<std::uint64_t>(slots_.size() - used, n));
-    for (std::size_t i = 0; i < fit; ++i, ++first) slots_[(producer_.tail + i) & mask_] = std::move(*first);
+    const std::size_t fit =
+        static_cast<std::size_t>(std::min<std::uint64_t>(slots_.size() - used, n));
+    for (std::size_t i = 0; i < fit; ++i, ++first)
+      slots_[(producer_.tail + i) & mask_] = std::move(*first);
     if (fit != 0) publish(producer_.tail + fit);
     leave();
     return fit;
@@ -115,7 +117,8 @@ class SpscLane {
   std::size_t try_pop_bulk(T* out, std::size_t max) {
     const std::uint64_t h = consumer_.head;
     if (consumer_.tail_seen == h) consumer_.tail_seen = tail_.load(std::memory_order_acquire);
-    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(consumer_.tail_seen - h, max));
+    const std::size_t n =
+        static_cast<std::size_t>(std::min<std::uint64_t>(consumer_.tail_seen - h, max));
     for (std::size_t i = 0; i < n; ++i) out[i] = std::move(slots_[(h + i) & mask_]);
     if (n != 0) {
       consumer_.head = h + n;
@@ -138,10 +141,13 @@ class SpscLane {
       }
       if (stopped(stop)) return 0;
       const std::uint64_t h = consumer_.head;
-      wait_with(*readable_, policy ? *policy : WaitPolicy{}, [&] {
-        return tail_.load(std::memory_order_seq_cst) != h || sealed_.load(std::memory_order_seq_cst) ||
-               stopped(stop);
-      }, Fence::kAsymmetric);
+      wait_with(
+          *readable_, policy ? *policy : WaitPolicy{},
+          [&] {
+            return tail_.load(std::memory_order_seq_cst) != h ||
+                   sealed_.load(std::memory_order_seq_cst) || stopped(stop);
+          },
+          Fence::kAsymmetric);
     }
   }
 
@@ -186,7 +192,9 @@ class SpscLane {
   std::uint64_t total_pushed() const noexcept { return tail_.load(std::memory_order_acquire); }
 
  private:
-  static bool stopped(const StopFlag* stop) noexcept { return stop != nullptr && stop->requested(); }
+  static bool stopped(const StopFlag* stop) noexcept {
+    return stop != nullptr && stop->requested();
+  }
 
   // The producer's way in: busy, light fence, then the closed flag (see the file comment).
   bool enter() noexcept {
@@ -203,10 +211,12 @@ class SpscLane {
   // Room for up to `want`, checked against the producer's cached head first.
   // (push_bulk_spare may have filled the lane past the capacity: then there is no room.)
   std::size_t room_for(std::size_t want) noexcept {
-    std::uint64_t free_slots = capacity_ - std::min<std::uint64_t>(producer_.tail - producer_.head_seen, capacity_);
+    std::uint64_t free_slots =
+        capacity_ - std::min<std::uint64_t>(producer_.tail - producer_.head_seen, capacity_);
     if (free_slots < want) {
       producer_.head_seen = head_.load(std::memory_order_acquire);
-      free_slots = capacity_ - std::min<std::uint64_t>(producer_.tail - producer_.head_seen, capacity_);
+      free_slots =
+          capacity_ - std::min<std::uint64_t>(producer_.tail - producer_.head_seen, capacity_);
     }
     return static_cast<std::size_t>(std::min<std::uint64_t>(free_slots, want));
   }
@@ -223,10 +233,13 @@ class SpscLane {
   // false once closed or stopped; true when there may be room now.
   bool wait_for_room(const StopFlag* stop) {
     const std::uint64_t t = producer_.tail;
-    not_full_.wait([&] {
-      producer_.head_seen = head_.load(std::memory_order_seq_cst);
-      return t - producer_.head_seen < capacity_ || closed_.load(std::memory_order_seq_cst) || stopped(stop);
-    }, Spin::kBackoff, Fence::kAsymmetric);
+    not_full_.wait(
+        [&] {
+          producer_.head_seen = head_.load(std::memory_order_seq_cst);
+          return t - producer_.head_seen < capacity_ || closed_.load(std::memory_order_seq_cst) ||
+                 stopped(stop);
+        },
+        Spin::kBackoff, Fence::kAsymmetric);
     return !closed_.load(std::memory_order_acquire) && !stopped(stop);
   }
 
