@@ -12,8 +12,9 @@
 #                          for BSPFLOW_FUZZ_SECONDS (default 30); ARGS go to meson test
 #   ./dev.sh consumers     install the library (staged) and build a program against it
 #                          through pkg-config, CMake and a meson subproject
-#   ./dev.sh format [--check]  lay out every C++ file with clang-format (.clang-format);
-#                          --check changes nothing and fails if a file is not laid out
+#   ./dev.sh format [--check]  lay out every C++ file with clang-format 14 (.clang-format);
+#                          --check changes nothing and fails if a file is not laid out or
+#                          a library file (runtime/, devices/, feeds/) is over 500 lines
 #   ./dev.sh ab REV [BENCH...] [--runs N] [--quick]
 #                          same-run A/B: builds REV's benchmarks in build-ab/<commit>
 #                          (cached), runs each BENCH (default: feed pipeline) alternately
@@ -35,7 +36,7 @@ FUZZ_PACKAGES="clang libfuzzer-14-dev"
 
 # The formatter (Debian 12's clang-format is clang-format 14, the version .clang-format is
 # written for) and the A/B command's interpreter.
-FORMAT_PACKAGES="clang-format"
+FORMAT_PACKAGES="clang-format-14"
 AB_PACKAGES="python3"
 
 # cxx_files: every C++ file git tracks, outside the wrap fallbacks and the fuzz corpus.
@@ -144,14 +145,21 @@ case "$what" in
     install_deps $FORMAT_PACKAGES
     if [ "${1:-}" = "--check" ]; then
       # shellcheck disable=SC2046  # one argument per file
-      if ! clang-format --dry-run --Werror $(cxx_files); then
+      if ! clang-format-14 --dry-run --Werror $(cxx_files); then
         echo "dev.sh format: the files above are not laid out as .clang-format says: run ./dev.sh format" >&2
         exit 1
       fi
       echo "dev.sh format: $(cxx_files | wc -l) files laid out as .clang-format says"
+      # A library file stays readable: at most 500 lines (split machinery into detail/).
+      long=$(cxx_files | grep -e '^runtime/' -e '^devices/' -e '^feeds/' | xargs wc -l |
+        awk '$2 != "total" && $1 > 500 { print $2 " (" $1 " lines)" }')
+      if [ -n "$long" ]; then
+        echo "dev.sh format: library files over 500 lines: $long" >&2
+        exit 1
+      fi
     elif [ $# -eq 0 ]; then
       # shellcheck disable=SC2046
-      clang-format -i $(cxx_files)
+      clang-format-14 -i $(cxx_files)
     else
       echo "dev.sh format: unknown argument '$1' (allowed: --check, or nothing)" >&2
       exit 2

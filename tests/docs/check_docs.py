@@ -19,7 +19,7 @@ import sys
 import tempfile
 
 SKIP_DIRS = {".git", "subprojects", "node_modules"}
-FENCE = re.compile(r"^```(\S*)\s*$")
+FENCE = re.compile(r"^(\s*)```\s*([^\s`]*)")
 INCLUDE = re.compile(r"<(bspflow/[A-Za-z0-9_/.]+\.hpp)>")
 
 
@@ -31,19 +31,32 @@ def markdown_files(root):
                 yield pathlib.Path(dirpath) / name
 
 
-def cpp_blocks(path):
-    """(first line number, text) of every ```cpp block."""
+CPP_LANGS = ("cpp", "c++", "cc", "cxx", "hpp", "h")
+
+
+def cpp_blocks(path, problems, rel):
+    """(first line number, text) of every ```cpp block. Any line starting with ``` (after
+    spaces) opens or closes a fence, so an unusual opener cannot make the parser lose its
+    place; an indented or unclosed cpp fence is reported as a problem (it would not be
+    compiled)."""
     blocks, lines, start, lang = [], [], None, None
     for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         m = FENCE.match(line)
-        if m and start is None:
-            start, lang, lines = number + 1, m.group(1), []
-        elif line.strip() == "```" and start is not None:
-            if lang in ("cpp", "c++"):
+        if m is None:
+            if start is not None:
+                lines.append(line)
+            continue
+        if start is None:
+            start, lang, lines = number + 1, m.group(2).lower(), []
+            if lang in CPP_LANGS and (m.group(1) or lang != "cpp"):
+                problems.append(f"{rel}:{number}: a C++ block must open with ```cpp at the start "
+                                f"of the line, to be compiled (found {line.strip()!r})")
+        else:
+            if lang == "cpp" and not m.group(1):
                 blocks.append((start, "\n".join(lines) + "\n"))
             start = None
-        elif start is not None:
-            lines.append(line)
+    if start is not None:
+        problems.append(f"{rel}:{start - 1}: a fence is never closed")
     return blocks
 
 
@@ -80,7 +93,10 @@ def main():
                     paths_checked += 1
                     if not any((pathlib.Path(d) / inc).is_file() for d in opts.include):
                         failures.append(f"{rel}:{number}: <{inc}> does not exist")
-            for start, source in cpp_blocks(md):
+            found = cpp_blocks(md, failures, rel)
+            if found:
+                print(f"{rel}: {len(found)} cpp block(s)")
+            for start, source in found:
                 jobs.append((rel, start, pool.submit(compile_block, opts.compiler, opts.compiler_arg,
                                                      opts.include, source)))
         for rel, start, future in jobs:

@@ -193,6 +193,11 @@ TEST_CASE("StreamCopy: host -> device -> host in order, with and without I/O til
       ++next[e.replica];
     }
     CHECK(entries == 2 * n);
+    // The result counts what crossed the host link: n elements of 256 bytes each way per
+    // device. Without I/O tiles each device waited for every copy (20 us modeled each).
+    CHECK(r.host_bytes_in == 2u * n * 256u);
+    CHECK(r.host_bytes_out == 2u * n * 256u);
+    if (k.io_tiles == 0) CHECK(r.host_wait >= 2 * 2 * n * 20us);
   }
 }
 
@@ -496,7 +501,10 @@ TEST_CASE("synthetic data: no host copies, seeded differently per device") {
                          make_buffer(devices[1], "x", DType::kFloat32, 256)};
   std::vector<Program> ps;
   for (auto& x : xs) ps.push_back(Repeat(5, StreamCopy(infeed, x)));
-  CHECK(engine.run(ps).completed());  // nothing was pushed: no host data needed
+  const EngineResult r = engine.run(ps);
+  CHECK(r.completed());         // nothing was pushed: no host data needed
+  CHECK(r.host_bytes_in == 0);  // and nothing crossed the link
+  CHECK(r.host_wait == 0ns);
   const auto a = xs[0]->as<float>(), b = xs[1]->as<float>();
   CHECK_FALSE(std::equal(a.begin(), a.end(), b.begin()));
   double mean = 0, var = 0;

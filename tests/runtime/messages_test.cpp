@@ -83,6 +83,24 @@ TEST_CASE("the table of messages: each names what was wrong, the value given and
        "device link latency = -5 ns is not allowed: must be in 0 ns..1 s"},
       {"a prefetch depth of 0", [] { Options().prefetch_depth(0); },
        "prefetch_depth = 0 is not allowed: must be in 1..255"},
+      // Named as the configs name them since issue 26 (were tiles_per_device,
+      // outfeed_consumer(...), LoopConfig::io_tiles).
+      {"0 tiles", [] { Options().tiles(0); },
+       "tiles = 0 is not allowed: must be in 1.." + std::to_string(tunables::kMaxTiles)},
+      {"every tile for I/O", [] { Options().tiles(32).io_tiles(32).validate(); },
+       "io_tiles = 32 is not allowed: must be below tiles (32), leaving tiles for compute"},
+      {"an unbounded outfeed with one reader",
+       [] { Options().consumer_type(ConsumerType::kSingle).outfeed_capacity(0).validate(); },
+       "outfeed_capacity = 0 is not allowed: must be at least 1 with "
+       "consumer_type(ConsumerType::kSingle): each replica writes into a ring, which needs a "
+       "bound (0 = unbounded needs ConsumerType::kMulti)"},
+      {"an odd I/O tile count in a HostIO",
+       [] {
+         HostIO io;
+         io.io_tiles = 3;
+         io.validate();
+       },
+       "io_tiles = 3 is not allowed: must be 0 or an even number"},
       {"replicas not dividing by the instances", [] { (void)InstanceLayout::of(0, 2, 3); },
        "replicas = 3 is not allowed: must be a multiple of the instance count (2): each instance "
        "runs replicas / "

@@ -7,9 +7,9 @@
 // HostLinkTimeline::Shape (one device's copies). Options::host_io() derives it from the
 // run's Options, so a run states these once.
 //
-//   bspflow::HostIO io;
-//   io.io_tiles = 32;          // the link's copies overlap compute
-//   io.prefetch_depth = 3;     // up to three elements ahead per replica
+//   bspflow::Options opts;
+//   opts.io_tiles(32).prefetch_depth(3);    // copies overlap compute, 3 elements ahead
+//   bspflow::HostIO io = opts.host_io();    // the same four fields, validated together
 //
 // A plain value type: any thread may read a const one. validate() checks the ranges of the
 // fields on their own; io_tiles against a device's tiles and the room they need are checked
@@ -28,11 +28,12 @@ struct HostIO {
   LinkModel host_link = LinkModel::host();
   // Tiles per device reserved for I/O: 0 (every copy waited for before compute), or an even
   // number below the device's tiles (copies overlap compute; their memory, io_tiles x bytes
-  // per tile, is taken from the device's arena and must hold prefetch_depth elements).
+  // per tile, is taken from the device's arena; a loop's and a Pipeline's must hold
+  // prefetch_depth elements, an Engine's one micro-batch).
   std::uint32_t io_tiles = 0;
   // Elements per replica moved toward the device ahead of use, kMinPrefetchDepth..
-  // kMaxPrefetchDepth (1..255). A loop moves what its infeed prefetches
-  // (InfeedConfig::prefetch_depth), which Options sets from the same value.
+  // kMaxPrefetchDepth (1..255). A loop with an infeed moves what the infeed prefetches
+  // (InfeedConfig::prefetch_depth; Options sets both from one value), not this field.
   std::uint32_t prefetch_depth = tunables::kDefaultPrefetchDepth;
   // No host copies: the upper bound of device throughput that real data is measured
   // against. What a device sees instead depends on the entry point (a loop and a Pipeline

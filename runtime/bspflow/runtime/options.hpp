@@ -71,7 +71,7 @@ class Options {
   std::size_t infeed_capacity() const noexcept { return infeed_capacity_; }
 
   // Outfeed capacity, entries; 0 = unbounded. 0..kMaxQueueCapacity. (With
-  // outfeed_consumer(kSingle): per replica, and validate() asks for at least 1.)
+  // consumer_type(kSingle): per replica, and validate() asks for at least 1.)
   Options& outfeed_capacity(std::size_t entries);
   std::size_t outfeed_capacity() const noexcept { return outfeed_capacity_; }
 

@@ -3,7 +3,9 @@
 // phase traced).
 //
 //   DeviceGroup devices(2);
-//   Engine engine(devices, EngineConfig{.io_tiles = 32, .prefetch_depth = 2});
+//   EngineConfig config;  // or options.engine_config()
+//   config.io_tiles = 32;
+//   Engine engine(devices, config);
 //   Buffer x0 = make_buffer(devices[0], "x", DType::kFloat32, 1024);
 //   Program p0 = program::Repeat(100, program::Sequence{
 //       program::StreamCopy(infeed, x0),                 // host -> device

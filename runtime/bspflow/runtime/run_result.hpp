@@ -33,7 +33,10 @@ struct RunResult {
   std::chrono::nanoseconds elapsed{0};  // wall time of the run
   // The modeled host link, all devices: bytes of elements in and of outputs out (none with
   // synthetic data, none for a loop without a HostIO or a Stream), and how long devices
-  // waited for it.
+  // waited for its copies. A device waiting for the host to push an element is not link
+  // time, except where the device cannot tell them apart: an Engine with I/O tiles counts
+  // the whole wait for an I/O-tile buffer (its element may be late, or a full outfeed may
+  // hold the buffer), so a starved Engine feed shows there too.
   std::uint64_t host_bytes_in = 0, host_bytes_out = 0;
   std::chrono::nanoseconds host_wait{0};
 

@@ -10,7 +10,7 @@
 #include "bspflow/base/tunables.hpp"
 #include "bspflow/base/wait_policy.hpp"
 #include "bspflow/runtime/request.hpp"
-#include "bspflow/runtime/run.hpp"
+#include "bspflow/runtime/run_result.hpp"
 
 namespace bspflow {
 

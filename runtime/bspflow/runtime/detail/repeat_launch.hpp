@@ -106,7 +106,9 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
     // throws, everything built so far is released again.
     std::vector<std::unique_ptr<ReplicaLink>> links(replicas);
     if (config) {
-      std::uint32_t depth = 1;
+      // The I/O tiles move what the infeed's reader prefetches; without an infeed, the
+      // HostIO's depth sizes the output buffers.
+      std::uint32_t depth = config->prefetch_depth;
       if constexpr (!std::is_same_v<InQ, NoFeed>) depth = infeed->prefetch_depth();
       for (std::uint32_t r = 0; r < replicas; ++r) {
         links[r] = std::make_unique<ReplicaLink>(*config, devices[r], r, depth);
@@ -229,8 +231,8 @@ struct Feeds {
   static constexpr int kHostIOs = (0 + ... + int{kIsHostIO<Bare<Fs>>});
   static_assert(((kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>> || kIsHostIO<Bare<Fs>>)&&...),
                 "loops::repeat takes, after the initial state, only feeds: an InfeedQueue<In>&, "
-                "an OutfeedQueue<Out>& and a const HostIO& (LoopConfig), each at most once, in "
-                "any order");
+                "an OutfeedQueue<Out>& and a const HostIO& (LoopConfig; from Options: "
+                "opts.host_io()), each at most once, in any order");
   static_assert(kInfeeds <= 1, "loops::repeat takes at most one InfeedQueue");
   static_assert(kOutfeeds <= 1, "loops::repeat takes at most one OutfeedQueue");
   static_assert(kHostIOs <= 1, "loops::repeat takes at most one HostIO (LoopConfig)");
@@ -238,6 +240,10 @@ struct Feeds {
                   std::is_lvalue_reference_v<Fs>)&&...),
                 "loops::repeat takes its queues by reference: pass a named InfeedQueue or "
                 "OutfeedQueue that outlives the run");
+  static_assert(((!(kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>>) ||
+                  !std::is_const_v<std::remove_reference_t<Fs>>)&&...),
+                "loops::repeat reads from and writes to its queues: pass a non-const "
+                "InfeedQueue or OutfeedQueue");
   using In = typename FirstOf<PickInfeed, Fs...>::type;
   using Out = typename FirstOf<PickOutfeed, Fs...>::type;
 };
