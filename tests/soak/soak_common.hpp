@@ -191,6 +191,18 @@ void spin_for(std::chrono::microseconds d);
 
 std::chrono::microseconds micros(Rng& rng, std::uint64_t max);
 
+// The trial's producer: a thread that offers make(i) for i < count until a push is refused
+// (the infeed was closed), counts what was taken in `pushed`, then closes the infeed.
+template <class T, class Make>
+std::thread produce(bspflow::InfeedQueue<T>& in, std::uint64_t count,
+                    std::atomic<std::uint64_t>& pushed, Make make) {
+  return std::thread([&in, count, &pushed, make] {
+    auto p = in.make_producer();
+    for (std::uint64_t i = 0; i < count && p.push(make(i)); ++i) ++pushed;
+    in.close();
+  });
+}
+
 // A thread that closes an infeed after a random delay (the "infeed closed mid-run" fault).
 template <class Q>
 std::thread close_later(Q& queue, std::chrono::microseconds after) {

@@ -46,15 +46,10 @@ void engine_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   const bool throws = t.fault == Fault::kThrow;
   std::atomic<std::uint64_t> pushed{0};
   const Closing closing = closing_for(rng, t, total);
-  std::thread producer([&] {
-    auto p = in.make_producer();
-    for (std::uint64_t i = 0; i < closing.push; ++i) {
-      Tensor x(DType::kFloat32, {kElements});
-      x.as<float>()[0] = static_cast<float>(i);
-      if (!p.push(std::move(x))) break;
-      ++pushed;
-    }
-    in.close();
+  std::thread producer = produce(in, closing.push, pushed, [](std::uint64_t i) {
+    Tensor x(DType::kFloat32, {kElements});
+    x.as<float>()[0] = static_cast<float>(i);
+    return x;
   });
   std::thread closer;
   if (closing.from_outside) closer = close_later(in, micros(rng, 3000));

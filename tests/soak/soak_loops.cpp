@@ -129,11 +129,7 @@ void loops_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   const bool throws = t.fault == Fault::kThrow;
   std::atomic<std::uint64_t> pushed{0};
   const Closing closing = closing_for(rng, t, total);
-  std::thread producer([&] {
-    auto p = in.make_producer();
-    for (std::uint64_t i = 0; i < closing.push && p.push(i); ++i) ++pushed;
-    in.close();
-  });
+  std::thread producer = produce(in, closing.push, pushed, [](std::uint64_t i) { return i; });
   std::thread closer;
   if (closing.from_outside) closer = close_later(in, micros(rng, 3000));
   const std::chrono::microseconds work =

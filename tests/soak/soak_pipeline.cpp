@@ -271,11 +271,8 @@ void pipeline_inference_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   OutfeedQueue<std::vector<float>> out(outfeed_config(replicas, out_capacity, rng));
   std::atomic<std::uint64_t> pushed{0};
   const Closing closing = closing_for(rng, t, total);
-  std::thread producer([&] {
-    auto p = in.make_producer();
-    for (std::uint64_t i = 0; i < closing.push && p.push(micro_batch(i)); ++i) ++pushed;
-    in.close();
-  });
+  std::thread producer =
+      produce(in, closing.push, pushed, [](std::uint64_t i) { return micro_batch(i); });
   std::thread closer;
   if (closing.from_outside) closer = close_later(in, micros(rng, 3000));
   auto running =
@@ -369,14 +366,8 @@ void pipeline_training_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   OutfeedQueue<std::vector<float>> out(outfeed_config(replicas, out_capacity, rng));
   std::atomic<std::uint64_t> pushed{0};
   const Closing closing = closing_for(rng, t, total);
-  std::thread producer([&] {
-    auto p = in.make_producer();
-    for (std::uint64_t i = 0;
-         i < closing.push && p.push(micro_batch(i, 1, 0.25f + 0.01f * static_cast<float>(i % 7)));
-         ++i) {
-      ++pushed;
-    }
-    in.close();
+  std::thread producer = produce(in, closing.push, pushed, [](std::uint64_t i) {
+    return micro_batch(i, 1, 0.25f + 0.01f * static_cast<float>(i % 7));
   });
   std::thread closer;
   if (closing.from_outside) closer = close_later(in, micros(rng, 3000));
