@@ -1,12 +1,47 @@
 // Streams: the untyped part (see bspflow/runtime/stream.hpp): config checks, placement
-// checks, starting one device job per segment, cancel, and the result.
+// checks, starting one device job per segment, the stall monitor, cancel, and the result.
 #include "bspflow/runtime/stream.hpp"
 
+#include <algorithm>
 #include <string>
 
 #include "bspflow/base/log.hpp"
 
 namespace bspflow {
+
+const char* to_string(ErrorKind kind) noexcept {
+  switch (kind) {
+    case ErrorKind::kStageFailed:
+      return "stage_failed";
+    case ErrorKind::kDeadlineExceeded:
+      return "deadline_exceeded";
+    case ErrorKind::kRejected:
+      return "rejected";
+    case ErrorKind::kCancelled:
+      return "cancelled";
+  }
+  return "unknown";
+}
+
+const char* to_string(Refusal r) noexcept {
+  switch (r) {
+    case Refusal::kNone:
+      return "accepted";
+    case Refusal::kQueueFull:
+      return "queue_full";
+    case Refusal::kDeadlineUnreachable:
+      return "deadline_unreachable";
+    case Refusal::kDeadlinePassed:
+      return "deadline_passed";
+    case Refusal::kClientFull:
+      return "client_full";
+    case Refusal::kShed:
+      return "shed";
+    case Refusal::kClosed:
+      return "closed";
+  }
+  return "unknown";
+}
 
 void StreamConfig::validate(std::uint32_t devices) const {
   if (capacity < 1 || capacity > tunables::kMaxQueueCapacity) {
@@ -22,6 +57,27 @@ void StreamConfig::validate(std::uint32_t devices) const {
                                 std::to_string(devices) + ")");
   }
   for (const WaitPolicy& w : device_wait) w.validate();
+  if (replicas < 1 || replicas > 64) {
+    detail::throw_bad_value("StreamConfig::replicas", replicas, "must be in 1..64");
+  }
+  if (devices % replicas != 0) {
+    detail::throw_bad_value("StreamConfig::replicas", replicas,
+                            "must divide the stream's " + std::to_string(devices) +
+                                " device(s): each replica gets devices/replicas of them");
+  }
+  constexpr std::size_t kMax = std::size_t{1} << 20;
+  if (admission.max_queued < 1 || admission.max_queued > kMax) {
+    detail::throw_bad_value("StreamConfig::admission.max_queued", admission.max_queued,
+                            "must be in 1..1048576 requests");
+  }
+  if (client_capacity < 1 || client_capacity > kMax) {
+    detail::throw_bad_value("StreamConfig::client_capacity", client_capacity,
+                            "must be in 1..1048576 responses per client");
+  }
+  if (stall_limit < std::chrono::nanoseconds::zero()) {
+    detail::throw_bad_value("StreamConfig::stall_limit (ns)", stall_limit.count(),
+                            "must be >= 0 (0 turns stall detection off)");
+  }
 }
 
 namespace detail {
@@ -29,6 +85,75 @@ namespace detail {
 std::uint32_t next_request_producer_id() noexcept {
   static std::atomic<std::uint32_t> next{0};
   return next.fetch_add(1, std::memory_order_relaxed);  // relaxed: only uniqueness matters
+}
+
+std::shared_ptr<const RequestError> make_request_error(ErrorKind kind, const RequestMeta& meta,
+                                                       std::uint32_t stage,
+                                                       const std::string& stage_name,
+                                                       std::uint32_t device, const std::string& why,
+                                                       std::exception_ptr cause) {
+  auto e = std::make_shared<RequestError>();
+  e->kind = kind;
+  e->stage = stage;
+  e->stage_name = stage_name;
+  e->device = device;
+  e->id = meta.id;
+  e->cause = std::move(cause);
+  e->message = "stage '" + stage_name + "' (" + std::to_string(stage) + ") on device " +
+               std::to_string(device) + ": request " + std::to_string(meta.id.sequence) +
+               " of producer " + std::to_string(meta.id.producer) + " " + why;
+  return e;
+}
+
+std::shared_ptr<const RequestError> SegmentBase::describe(const StageFailure& f,
+                                                          const RequestId& id) const {
+  const std::uint32_t at = f.stage - first_stage;
+  const std::string& name = names.at(at);
+  const std::uint32_t device = devices.at(at);
+  if (f.kind != ErrorKind::kStageFailed) {
+    RequestMeta meta;
+    meta.id = id;
+    return make_request_error(f.kind, meta, f.stage, name, device,
+                              f.kind == ErrorKind::kCancelled
+                                  ? "was not run: its client cancelled it"
+                                  : "was not run: its deadline had passed");
+  }
+  auto e = std::make_shared<RequestError>();
+  e->kind = ErrorKind::kStageFailed;
+  e->stage = f.stage;
+  e->stage_name = name;
+  e->device = device;
+  e->id = id;
+  e->cause = f.cause;
+  e->message = "stage '" + e->stage_name + "' (" + std::to_string(f.stage) + ") on device " +
+               std::to_string(e->device) + " failed on request " + std::to_string(id.sequence) +
+               " of producer " + std::to_string(id.producer) + ": " + describe_exception(f.cause);
+  return e;
+}
+
+std::shared_ptr<const RequestError> SegmentBase::runtime_failure(
+    const std::exception_ptr& e) const {
+  auto err = std::make_shared<RequestError>();
+  err->stage = first_stage;
+  err->stage_name = names.front();
+  err->device = devices.front();
+  err->cause = e;
+  err->message = "stream runtime failed on device " + std::to_string(devices.front()) + ": " +
+                 describe_exception(e);
+  if (replica_meter != nullptr) replica_meter->failed.store(true, std::memory_order_relaxed);
+  return err;
+}
+
+void SegmentBase::answer_held(const RequestMeta& meta, std::shared_ptr<const RequestError> error,
+                              std::uint32_t stage, const StopFlag& stop) {
+  if (answerer == nullptr || meta.client == nullptr) return;  // the infeed path: unanswered
+  if (!error) {
+    const std::uint32_t at =
+        std::min<std::uint32_t>(stage - first_stage, static_cast<std::uint32_t>(names.size() - 1));
+    error = make_request_error(ErrorKind::kCancelled, meta, stage, names[at], devices[at],
+                               "was not run: the stream was cancelled");
+  }
+  answerer->answer_error(meta, std::move(error), &stop);
 }
 
 void StreamRunState::cancel() noexcept {
@@ -69,7 +194,13 @@ void StreamRunState::wait_done() {
   done_.wait([&] { return remaining_.load(std::memory_order_seq_cst) == 0; });
 }
 
-StreamCore::StreamCore(DeviceList d, StreamConfig c) : devices(d), config(std::move(c)) {}
+StreamCore::StreamCore(DeviceList d, StreamConfig c) : devices(d), config(std::move(c)) {
+  if (devices.size() == 0) throw Error("StreamBuilder: a stream needs at least one device");
+  config.validate(devices.size());
+  replicas = config.replicas;
+  per_replica = devices.size() / replicas;
+  ring_depths.resize(replicas);
+}
 
 StreamCore::~StreamCore() {
   if (running_) {
@@ -78,13 +209,67 @@ StreamCore::~StreamCore() {
   }
 }
 
+bool StreamCore::share_core(std::uint32_t replica, std::uint32_t a, std::uint32_t b) const {
+  const auto& pa = devices[device_of(replica, a)].placement();
+  const auto& pb = devices[device_of(replica, b)].placement();
+  return pa.core.has_value() && pb.core.has_value() && *pa.core == *pb.core;
+}
+
+void StreamCore::finish_build() {
+  const auto stages = static_cast<std::uint32_t>(stage_names.size());
+  stage_meters.clear();
+  meter_ptrs.clear();
+  for (std::uint32_t i = 0; i < replicas * stages; ++i) {
+    stage_meters.push_back(std::make_unique<StageMeter>());
+    meter_ptrs.push_back(stage_meters.back().get());
+  }
+  for (std::uint32_t r = 0; r < replicas; ++r) {
+    replica_meters.push_back(std::make_unique<ReplicaMeter>());
+  }
+  for (auto& seg : segments) {
+    seg->meters = meter_ptrs.data() + static_cast<std::size_t>(seg->replica) * stages;
+    seg->replica_meter = replica_meters[seg->replica].get();
+    seg->timing = timing();
+    if (BatchHeadBase* b = seg->batch_head()) {
+      b->meters = seg->meters;
+      b->stages = stages;
+      b->timing = timing();
+    }
+  }
+  // Replicas on shared cores take turns: say so once, at build time.
+  if (replicas > 1) {
+    for (std::uint32_t i = 0; i < devices.size(); ++i) {
+      for (std::uint32_t j = i + 1; j < devices.size(); ++j) {
+        const auto& pi = devices[i].placement();
+        const auto& pj = devices[j].placement();
+        if (i / per_replica == j / per_replica || !pi.core || !pj.core || *pi.core != *pj.core) {
+          continue;
+        }
+        log(LogLevel::kWarning,
+            "stream: replica " + std::to_string(i / per_replica) + " (device " +
+                std::to_string(devices[i].id()) + ") and replica " +
+                std::to_string(j / per_replica) + " (device " + std::to_string(devices[j].id()) +
+                ") share core " + std::to_string(*pi.core) +
+                ": they take turns on it, so the second replica adds no throughput there; "
+                "give each replica cores of its own (fewer replicas or devices)");
+        return;
+      }
+    }
+  }
+}
+
 WaitPolicy StreamCore::policy_for(std::uint32_t index) const {
   const WaitPolicy policy = config.device_wait.empty() ? config.wait : config.device_wait.at(index);
   return devices[index].placement().wait_policy(policy);
 }
 
-void StreamCore::start(std::function<void()> wake_feeds) {
+void StreamCore::start(ServeMode mode, std::function<void()> wake_feeds) {
   for (auto& reset : ring_resets) reset();
+  for (auto& m : replica_meters) {
+    m->stalled.store(false, std::memory_order_relaxed);
+    m->failed.store(false, std::memory_order_relaxed);
+  }
+  mode_ = mode;
   state_ = std::make_shared<StreamRunState>(static_cast<std::uint32_t>(segments.size()));
   state_->set_waker([wakes = ring_wakes, wake_feeds = std::move(wake_feeds)] {
     for (const auto& w : wakes) w();
@@ -94,13 +279,14 @@ void StreamCore::start(std::function<void()> wake_feeds) {
   running_ = true;
   for (std::size_t i = 0; i < segments.size(); ++i) {
     SegmentBase* seg = segments[i].get();
+    seg->answerer = mode == ServeMode::kInfeed ? nullptr : answerer;
     Device& device = devices[seg->device_index];
     const WaitPolicy policy = policy_for(seg->device_index);
     auto state = state_;
     const OnError on_error = config.on_error;
     try {
-      device.submit(DeviceJob{[seg, &device, policy, on_error, state] {
-                                seg->run(device, policy, on_error, *state);
+      device.submit(DeviceJob{[seg, policy, on_error, state] {
+                                seg->run(policy, on_error, *state);
                                 state->segment_done();
                               },
                               [state] { state->cancel(); }});
@@ -113,11 +299,66 @@ void StreamCore::start(std::function<void()> wake_feeds) {
       throw;
     }
   }
+  if (timing() && config.stall_limit > std::chrono::nanoseconds::zero()) {
+    monitor_stop_ = false;
+    monitor_ = std::thread([this, limit = config.stall_limit] { monitor_loop(limit); });
+  }
+}
+
+void StreamCore::monitor_loop(std::chrono::nanoseconds limit) {
+  const auto stages = static_cast<std::uint32_t>(stage_names.size());
+  std::vector<std::int64_t> reported(stage_meters.size(), 0);  // the call reported, by start
+  const auto period = std::clamp<std::chrono::nanoseconds>(limit / 4, std::chrono::milliseconds(1),
+                                                           std::chrono::milliseconds(100));
+  std::unique_lock lock(monitor_mutex_);
+  while (!monitor_cv_.wait_for(lock, period, [&] { return monitor_stop_; })) {
+    const std::int64_t now = stream_ns(StreamClock::now());
+    for (std::uint32_t r = 0; r < replicas; ++r) {
+      bool stalled = false;
+      for (std::uint32_t s = 0; s < stages; ++s) {
+        const std::size_t i = static_cast<std::size_t>(r) * stages + s;
+        StageMeter& m = *stage_meters[i];
+        const std::int64_t since = m.busy_since.load(std::memory_order_relaxed);
+        if (since == 0 || now - since < limit.count()) continue;
+        stalled = true;
+        if (reported[i] == since) continue;
+        reported[i] = since;
+        bump(m.stalls);
+        const std::uint32_t device = devices[device_of(r, stage_devices[s])].id();
+        log(LogLevel::kWarning,
+            "stream stall: stage '" + stage_names[s] + "' (" + std::to_string(s) + ") on device " +
+                std::to_string(device) + " of replica " + std::to_string(r) + " has held request " +
+                std::to_string(m.busy_sequence.load(std::memory_order_relaxed)) + " of producer " +
+                std::to_string(m.busy_producer.load(std::memory_order_relaxed)) + " for " +
+                std::to_string((now - since) / 1'000'000) + " ms (StreamConfig::stall_limit " +
+                std::to_string(limit.count() / 1'000'000) +
+                " ms); its replica takes no new requests until it moves");
+      }
+      replica_meters[r]->stalled.store(stalled, std::memory_order_relaxed);
+    }
+  }
 }
 
 void StreamCore::wait_segments() {
   if (!running_) return;
   state_->wait_done();
+  if (monitor_.joinable()) {
+    {
+      std::lock_guard lock(monitor_mutex_);
+      monitor_stop_ = true;
+    }
+    monitor_cv_.notify_all();
+    monitor_.join();
+  }
+  if (mode_ != ServeMode::kInfeed) {
+    intake->close();
+    if (state_->stop.requested()) {
+      // Every StreamClient request still queued or between devices gets its answer.
+      for (const auto& sweep : ring_cancels) sweep(*answerer, state_->stop);
+      intake->cancel_all(*answerer, state_->stop);
+    }
+    ends->finish(!state_->stop.requested(), state_->stop);
+  }
   state_->disarm();
   running_ = false;
 }
@@ -126,33 +367,34 @@ void StreamCore::cancel() noexcept {
   if (state_) state_->cancel();
 }
 
-StreamResult StreamCore::finish(std::uint64_t accepted, std::uint64_t delivered,
-                                std::uint64_t errors) {
-  StreamResult r;
-  r.elapsed = std::chrono::steady_clock::now() - started_;
-  r.accepted = accepted;
-  r.answered = delivered;
-  r.errors = errors;
-  r.unanswered = accepted >= delivered ? accepted - delivered : 0;
-  r.failure = state_ ? state_->failure() : nullptr;
-  if (r.failure) {
-    r.status = RunStatus::kFailed;
-  } else if (state_ && state_->stop.requested()) {
-    r.status = RunStatus::kCancelled;
-  } else {
-    r.status = RunStatus::kCompleted;
+std::int64_t StreamCore::per_request_ns() const noexcept {
+  const auto stages = stage_names.size();
+  std::int64_t sum = 0;
+  for (std::uint32_t r = 0; r < replicas; ++r) {
+    std::int64_t worst = 0;
+    for (std::size_t s = 0; s < stages; ++s) {
+      worst =
+          std::max(worst, meter_ptrs[r * stages + s]->per_item_ns.load(std::memory_order_relaxed));
+    }
+    sum += worst;
   }
-  // A Stream's normal end reads "drained": the infeed closed and everything answered.
-  r.message = std::string(r.status == RunStatus::kCompleted ? "drained" : to_string(r.status)) +
-              ": " + std::to_string(accepted) + " request(s) accepted, " +
-              std::to_string(delivered) + " answered (" + std::to_string(errors) +
-              " with an error), " + std::to_string(r.unanswered) + " unanswered";
-  if (r.failure) r.message += "; " + r.failure->message;
-  if (r.status == RunStatus::kCompleted && r.unanswered != 0) {
-    // Cannot happen by design: say so loudly rather than hide a lost request.
-    log(LogLevel::kError, "stream drained with unanswered requests: " + r.message);
+  return sum / replicas;
+}
+
+std::int64_t StreamCore::chain_ns() const noexcept {
+  std::int64_t sum = 0;
+  for (const auto& m : replica_meters) sum += m->chain_ns.load(std::memory_order_relaxed);
+  return sum / static_cast<std::int64_t>(replicas);
+}
+
+std::uint32_t StreamCore::live_replicas() const noexcept {
+  std::uint32_t n = 0;
+  for (const auto& m : replica_meters) {
+    if (!m->stalled.load(std::memory_order_relaxed) && !m->failed.load(std::memory_order_relaxed)) {
+      ++n;
+    }
   }
-  return r;
+  return n == 0 ? 1 : n;
 }
 
 }  // namespace detail

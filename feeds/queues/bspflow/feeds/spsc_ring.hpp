@@ -55,6 +55,12 @@ class SpscRing {
   SpscRing& operator=(const SpscRing&) = delete;
 
   std::size_t capacity() const noexcept { return capacity_; }
+  // Any thread: how many elements the ring holds now (a moment's view, for metrics).
+  std::size_t size() const noexcept {
+    const std::uint64_t h = head_.load(std::memory_order_relaxed);  // relaxed: a metric only
+    const std::uint64_t t = tail_.load(std::memory_order_relaxed);
+    return t > h ? static_cast<std::size_t>(t - h) : 0;
+  }
 
   // ---- producer ----
 

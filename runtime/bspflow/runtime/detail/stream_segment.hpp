@@ -1,5 +1,6 @@
 // Internal to streams (installed because stream.hpp's templates use it): a stream's segments
-// (one device's consecutive stages), where they read and write, and one run's shared state.
+// (one device's consecutive stages, or several devices' when they share a core), where they
+// read and write, and how a stage is checked and timed.
 #pragma once
 
 #include <atomic>
@@ -16,19 +17,28 @@
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/wait_policy.hpp"
 #include "bspflow/devices/device.hpp"
-#include "bspflow/feeds/infeed_queue.hpp"
-#include "bspflow/feeds/outfeed_queue.hpp"
 #include "bspflow/feeds/spsc_ring.hpp"
+#include "bspflow/runtime/detail/stream_meter.hpp"
 #include "bspflow/runtime/request.hpp"
 #include "bspflow/runtime/stream_config.hpp"
 
 namespace bspflow::detail {
 
-// A stage threw: which stage and what (turned into a RequestError by its device).
+// A stage did not answer a request with a value: which stage, why, and (kStageFailed) what
+// it threw. Turned into a RequestError by its segment.
 struct StageFailure {
   std::uint32_t stage;
   std::exception_ptr cause;
+  ErrorKind kind = ErrorKind::kStageFailed;
 };
+
+// Any thread: a RequestError of `kind` for the request `meta`, answered by stage `stage`
+// ('stage_name', on device `device`): "stage 'x' (k) on device d <why>".
+std::shared_ptr<const RequestError> make_request_error(ErrorKind kind, const RequestMeta& meta,
+                                                       std::uint32_t stage,
+                                                       const std::string& stage_name,
+                                                       std::uint32_t device, const std::string& why,
+                                                       std::exception_ptr cause = nullptr);
 
 // One run's shared state: held by the host and every device job.
 class StreamRunState {
@@ -43,11 +53,11 @@ class StreamRunState {
   void segment_done() noexcept;
   // Host thread: blocks until every segment has ended.
   void wait_done();
+  bool done() const noexcept { return remaining_.load(std::memory_order_seq_cst) == 0; }
   std::shared_ptr<const RequestError> failure() const;
   // Host thread, before the run: what cancel() calls to wake the feeds and rings.
   void set_waker(std::function<void()> waker);
-  // Host thread, once the run has ended: cancel() no longer touches the feeds (they may be
-  // gone by then).
+  // Host thread, once the run has ended: cancel() no longer touches the feeds.
   void disarm();
 
  private:
@@ -59,15 +69,16 @@ class StreamRunState {
   WaitPoint done_;
 };
 
-// What a segment takes next: the request's id, and its value (moved from by the first stage)
-// or the error an earlier stage answered it with. `value` stays valid until the next call.
+// What a segment takes next: the request's meta data, and its value (moved from by the first
+// stage) or the error an earlier stage answered it with. `value` stays valid until the next
+// call.
 struct Item {
-  RequestId id;
+  RequestMeta meta;
   void* value = nullptr;  // the input type's object, nullptr if none
   std::shared_ptr<const RequestError> error;
 };
 
-// Where a segment reads its requests from: the stream's infeed (first segment) or the ring
+// Where a segment reads its requests from: the stream's feed (first segment) or the ring
 // from the previous device. Erased on the input type, so a segment is typed by its output.
 class Source {
  public:
@@ -76,131 +87,161 @@ class Source {
   virtual bool try_next(Item& out) = 0;
   // Blocks as `policy` says: true with the next request, false at the end or on stop.
   virtual bool next(Item& out, const WaitPolicy& policy, const StopFlag& stop) = 0;
+  // Waits at most until `until` (spinning, yielding if `policy` does): true with the next
+  // request. A batch stage's bounded wait for more.
+  bool next_until(Item& out, StreamClock::time_point until, const WaitPolicy& policy,
+                  const StopFlag& stop) {
+    bool got = false;
+    const auto left = until - StreamClock::now();
+    if (left <= StreamClock::duration::zero()) return try_next(out);
+    spin_until(
+        [&] {
+          got = try_next(out);
+          return got || stop.requested();
+        },
+        policy.spin_mode(), std::chrono::duration_cast<std::chrono::nanoseconds>(left));
+    return got;
+  }
 };
-// Where a segment puts its results: the ring to the next device, or the stream's outfeed.
+
+// Where a segment puts its results: the ring to the next device, or the stream's end.
 template <class B>
 class Sink {
  public:
   virtual ~Sink() = default;
-  // Blocks while full (as `policy` says); false if stopped first.
-  virtual bool put(Response<B>&& r, const WaitPolicy& policy, const StopFlag& stop) = 0;
+  // Blocks while full (as `policy` says); false if stopped first (`r` untouched then).
+  virtual bool put(Envelope<B>&& r, const WaitPolicy& policy, const StopFlag& stop) = 0;
   // Hands over anything held back (the device is about to wait).
   virtual void flush(const StopFlag& stop) = 0;
   // No more results (the end of the run).
   virtual void close(bool completed, const StopFlag& stop) = 0;
 };
 
+// Answers a request straight to its client (or the shared outfeed) with an error: what a
+// StreamClient's request gets when it is shed, or cut short by a cancel of the stream.
+class Answerer {
+ public:
+  virtual ~Answerer() = default;
+  // Any thread. False if it could not be delivered (a stopped, full shared outfeed).
+  virtual bool answer_error(const RequestMeta& meta, std::shared_ptr<const RequestError> error,
+                            const StopFlag* stop) = 0;
+};
+
 template <class A>
 class RingSource final : public Source {
  public:
-  explicit RingSource(SpscRing<Response<A>>& ring) : ring_(ring) {}
+  explicit RingSource(SpscRing<Envelope<A>>& ring) : ring_(ring) {}
   bool try_next(Item& out) override {
-    Response<A>* f = ring_.try_front();
+    Envelope<A>* f = ring_.try_front();
     if (f == nullptr) return false;
     take(*f, out);
     return true;
   }
   bool next(Item& out, const WaitPolicy& policy, const StopFlag& stop) override {
-    Response<A>* f = ring_.front(policy, stop);
+    Envelope<A>* f = ring_.front(policy, stop);
     if (f == nullptr) return false;
     take(*f, out);
     return true;
   }
 
  private:
-  void take(Response<A>& f, Item& out) {
+  void take(Envelope<A>& f, Item& out) {
     current_ = std::move(f);
     ring_.pop();
-    out.id = current_.id;
+    out.meta = current_.meta;
     out.error = std::move(current_.error);
     out.value = current_.value ? &*current_.value : nullptr;
   }
-  SpscRing<Response<A>>& ring_;
-  Response<A> current_;  // the request being served (its value is moved from in place)
+  SpscRing<Envelope<A>>& ring_;
+  Envelope<A> current_;  // the request being served (its value is moved from in place)
 };
 
 template <class B>
 class RingSink final : public Sink<B> {
  public:
-  explicit RingSink(SpscRing<Response<B>>& ring) : ring_(ring) {}
-  bool put(Response<B>&& r, const WaitPolicy& policy, const StopFlag& stop) override {
+  explicit RingSink(SpscRing<Envelope<B>>& ring) : ring_(ring) {}
+  bool put(Envelope<B>&& r, const WaitPolicy& policy, const StopFlag& stop) override {
     return ring_.try_push(std::move(r)) || ring_.push(std::move(r), policy, stop);
   }
   void flush(const StopFlag&) override {}
   void close(bool, const StopFlag&) override { ring_.close(); }
 
  private:
-  SpscRing<Response<B>>& ring_;
+  SpscRing<Envelope<B>>& ring_;
 };
 
-// The first segment's source: the stream's infeed (one lane), counting what it accepts.
-template <class In>
-class InfeedSource final : public Source {
- public:
-  void attach(typename InfeedQueue<Request<In>>::Reader reader) {
-    reader_.emplace(std::move(reader));
-    accepted_ = 0;
-  }
-  void detach() { reader_.reset(); }
-  std::uint64_t accepted() const noexcept { return accepted_; }
-
-  bool try_next(Item& out) override {
-    if (!reader_->try_pop(request_)) return false;
-    take(out);
-    return true;
-  }
-  bool next(Item& out, const WaitPolicy& policy, const StopFlag& stop) override {
-    if (!reader_->pop(request_, &stop, &policy)) return false;
-    take(out);
-    return true;
-  }
-
- private:
-  void take(Item& out) {
-    out.id = request_.id;
-    out.value = request_.value ? &*request_.value : nullptr;
-    out.error.reset();
-    ++accepted_;
-  }
-  std::optional<typename InfeedQueue<Request<In>>::Reader> reader_;
-  Request<In> request_;
-  std::uint64_t accepted_ = 0;  // device thread only; read by the host after the run
+// How a stage runs for one request: the request, the replica's stage meters, and the time
+// the previous stage ended (when timing).
+struct StageCtx {
+  const RequestMeta* meta = nullptr;
+  StageMeter* const* meters = nullptr;  // by stage index
+  bool timing = false;
+  StreamClock::time_point t{};
 };
 
-// The last segment's sink: the stream's outfeed, counting what it delivers.
-template <class Out>
-class OutfeedSink final : public Sink<Out> {
+// Before stage k runs for a request: a cancelled or expired request is not run (thrown as a
+// StageFailure of that kind). Reads the clock only for a request with a deadline.
+inline void check_live(StageCtx& c, std::uint32_t k) {
+  const RequestMeta& m = *c.meta;
+  if (m.client != nullptr && m.client->cancelled(m.id.sequence)) {
+    throw StageFailure{k, nullptr, ErrorKind::kCancelled};
+  }
+  if (m.deadline != kNoDeadline) {
+    const auto now = c.timing ? c.t : StreamClock::now();
+    if (now > m.deadline) throw StageFailure{k, nullptr, ErrorKind::kDeadlineExceeded};
+  }
+}
+
+// Stage k, checked and (when timing) timed: what the builder composes a segment from.
+template <class F, class Cur, class Next>
+Next run_stage(F& f, Cur&& x, StageCtx& c, std::uint32_t k) {
+  check_live(c, k);
+  if (!c.timing) {
+    try {
+      return f(std::move(x));
+    } catch (...) {
+      throw StageFailure{k, std::current_exception()};
+    }
+  }
+  StageMeter& m = *c.meters[k];
+  const auto t0 = c.t;
+  m.begin(t0, c.meta->id);
+  try {
+    Next r = f(std::move(x));
+    c.t = StreamClock::now();
+    m.end((c.t - t0).count(), 1);
+    return r;
+  } catch (...) {
+    c.t = StreamClock::now();
+    m.end((c.t - t0).count(), 1);
+    throw StageFailure{k, std::current_exception()};
+  }
+}
+
+// A batch stage at the head of a segment: collects a batch from the segment's source, runs
+// it, and hands out one result (or error) per request. Erased on its input and output types;
+// entry i's output is an object of the batch stage's output type.
+class BatchHeadBase {
  public:
-  void attach(typename OutfeedQueue<Response<Out>>::Writer writer) {
-    writer_.emplace(std::move(writer));
-    written_ = 0;
-    errors_ = 0;
-    delivered_ = 0;
-  }
-  std::uint64_t delivered() const noexcept { return delivered_; }
-  std::uint64_t errors() const noexcept { return errors_; }
-  // Host thread, when the run never started: detaches from the outfeed.
-  void abandon() {
-    if (writer_) writer_->finish(false);
-    writer_.reset();
-  }
-
-  bool put(Response<Out>&& r, const WaitPolicy&, const StopFlag& stop) override {
-    if (!r.ok()) ++errors_;
-    return writer_->write(written_++, std::move(r), &stop);
-  }
-  void flush(const StopFlag& stop) override { writer_->flush(&stop); }
-  void close(bool completed, const StopFlag& stop) override {
-    writer_->finish(completed, &stop);
-    delivered_ = written_ - writer_->dropped();
-    writer_.reset();
-  }
-
- private:
-  std::optional<typename OutfeedQueue<Response<Out>>::Writer> writer_;
-  std::uint64_t written_ = 0;    // device thread only
-  std::uint64_t errors_ = 0;     // likewise
-  std::uint64_t delivered_ = 0;  // set at close; read by the host after the run
+  virtual ~BatchHeadBase() = default;
+  // Device thread: collects the next batch (blocking for its first request; `before_wait`
+  // runs before a blocking wait). False (nothing collected) at the end or on stop.
+  virtual bool collect(Source& source, const WaitPolicy& policy, const StopFlag& stop,
+                       const std::function<void()>& before_wait) = 0;
+  // Device thread: runs the collected batch, then entries 0..size()-1 are ready.
+  virtual void run(StageCtx& ctx) = 0;
+  virtual std::size_t size() const noexcept = 0;
+  virtual RequestMeta& meta(std::size_t i) = 0;
+  // The entry's error (an earlier stage's, a cancel, an expiry, or this stage's failure).
+  virtual std::shared_ptr<const RequestError>& error(std::size_t i) = 0;
+  virtual void* output(std::size_t i) = 0;  // valid when !error(i)
+  virtual void clear() = 0;
+  std::uint32_t stage = 0;  // the batch stage's index
+  std::string name;
+  std::uint32_t device_id = 0;          // Device::id() it was declared on
+  StageMeter* const* meters = nullptr;  // the replica's, by stage index
+  std::uint32_t stages = 0;             // in the chain
+  bool timing = false;
 };
 
 // One device's contiguous run of stages.
@@ -208,28 +249,48 @@ class SegmentBase {
  public:
   virtual ~SegmentBase() = default;
   // Device thread: serves requests until its source ends or the run stops.
-  virtual void run(Device& device, const WaitPolicy& policy, OnError on_error,
-                   StreamRunState& state) = 0;
-  std::uint32_t device_index = 0;  // in the stream's DeviceList
+  virtual void run(const WaitPolicy& policy, OnError on_error, StreamRunState& state) = 0;
+  virtual BatchHeadBase* batch_head() noexcept { return nullptr; }
+  std::uint32_t replica = 0;
+  std::uint32_t device_index = 0;  // the device (in the stream's DeviceList) it runs on
   std::uint32_t first_stage = 0, last_stage = 0;
+  std::vector<std::string> names;       // stages first..last
+  std::vector<std::uint32_t> devices;   // Device::id() each stage was declared on
+  StageMeter* const* meters = nullptr;  // the replica's, by stage index
+  ReplicaMeter* replica_meter = nullptr;
+  bool timing = false;
+  Answerer* answerer = nullptr;  // a StreamClient run: answers held requests on a stop
+
+ protected:
+  std::shared_ptr<const RequestError> describe(const StageFailure& f, const RequestId& id) const;
+  std::shared_ptr<const RequestError> runtime_failure(const std::exception_ptr& e) const;
+  // On a stop, a StreamClient's request held here is answered: with `error` if it has one
+  // (a fail-fast failure), else kCancelled. Nothing on the infeed path.
+  void answer_held(const RequestMeta& meta, std::shared_ptr<const RequestError> error,
+                   std::uint32_t stage, const StopFlag& stop);
+  void answer_cancelled(const RequestMeta& meta, std::uint32_t stage, const StopFlag& stop) {
+    answer_held(meta, nullptr, stage, stop);
+  }
 };
 
 template <class B>
 class Segment final : public SegmentBase {
  public:
   // `fn` runs the segment's stages on the input object `Item::value` points to (moving from
-  // it) and returns the last stage's output; a stage's exception arrives as StageFailure.
-  Segment(Source& source, Sink<B>& sink, std::function<B(void*)> fn, std::vector<std::string> names)
-      : source_(source), sink_(sink), fn_(std::move(fn)), names_(std::move(names)) {}
+  // it) and returns the last stage's output; a stage's failure arrives as StageFailure.
+  // With `batch`, `fn` runs on each of the batch's outputs instead.
+  Segment(Source& source, Sink<B>& sink, std::function<B(void*, StageCtx&)> fn,
+          std::unique_ptr<BatchHeadBase> batch)
+      : source_(source), sink_(sink), fn_(std::move(fn)), batch_(std::move(batch)) {}
+  BatchHeadBase* batch_head() noexcept override { return batch_.get(); }
 
-  void run(Device& device, const WaitPolicy& policy, OnError on_error,
-           StreamRunState& state) override {
+  void run(const WaitPolicy& policy, OnError on_error, StreamRunState& state) override {
     const StopFlag& stop = state.stop;
     bool ok = true;
     try {
-      ok = serve(device, policy, on_error, state);
+      ok = batch_ ? serve_batches(policy, on_error, state) : serve(policy, on_error, state);
     } catch (...) {  // the runtime itself failed (not a stage): end the run, say why
-      state.fail(runtime_failure(device, std::current_exception()));
+      state.fail(runtime_failure(std::current_exception()));
       ok = false;
     }
     sink_.close(ok && !stop.requested(), stop);
@@ -237,7 +298,7 @@ class Segment final : public SegmentBase {
 
  private:
   // The loop: false when it stopped early (stop, fail-fast), true at the end of its input.
-  bool serve(Device& device, const WaitPolicy& policy, OnError on_error, StreamRunState& state) {
+  bool serve(const WaitPolicy& policy, OnError on_error, StreamRunState& state) {
     const StopFlag& stop = state.stop;
     for (;;) {
       // A stop ends the loop here too: requests ready in the ring would otherwise keep it
@@ -247,93 +308,101 @@ class Segment final : public SegmentBase {
         sink_.flush(stop);  // nothing is held back while this device waits
         if (!source_.next(in_, policy, stop)) return true;
       }
-      out_.id = in_.id;
+      out_.meta = in_.meta;
       out_.error = std::move(in_.error);
       out_.value.reset();
       if (out_.error == nullptr) {
-        try {
-          if (in_.value == nullptr) {
-            throw Error("the request carries no value (send requests with RequestProducer)");
-          }
-          out_.value.emplace(fn_(in_.value));
-        } catch (StageFailure& f) {
-          out_.error = describe(f, device, in_.id);
-        } catch (...) {
-          out_.error =
-              describe(StageFailure{first_stage, std::current_exception()}, device, in_.id);
+        StageCtx ctx{&in_.meta, meters, timing, {}};
+        if (timing) {
+          ctx.t = StreamClock::now();
+          meters[first_stage]->wait.record(queue_wait(ctx.t, in_.meta.enqueued));
         }
-        if (out_.error != nullptr && on_error == OnError::kFailFast) {
-          state.fail(out_.error);
+        if (!apply(in_.value, ctx, in_.meta.id, first_stage, on_error, state)) {
+          answer_held(out_.meta, out_.error, first_stage, stop);
           return false;
         }
+        if (timing) out_.meta.enqueued = ctx.t;
       }
-      if (!sink_.put(std::move(out_), policy, stop)) return false;
+      if (!put(stop, policy)) return false;
     }
   }
 
-  std::shared_ptr<const RequestError> runtime_failure(const Device& device,
-                                                      const std::exception_ptr& e) const {
-    auto err = std::make_shared<RequestError>();
-    err->stage = first_stage;
-    err->stage_name = names_.front();
-    err->device = device.id();
-    err->cause = e;
-    err->message = "stream runtime failed on device " + std::to_string(device.id()) + ": " +
-                   describe_exception(e);
-    return err;
+  bool serve_batches(const WaitPolicy& policy, OnError on_error, StreamRunState& state) {
+    const StopFlag& stop = state.stop;
+    const std::function<void()> before_wait = [&] { sink_.flush(stop); };
+    for (;;) {
+      if (stop.requested()) return false;
+      if (!batch_->collect(source_, policy, stop, before_wait)) return !stop.requested();
+      StageCtx ctx{nullptr, meters, timing, {}};
+      batch_->run(ctx);
+      const std::size_t n = batch_->size();
+      for (std::size_t i = 0; i < n; ++i) {
+        out_.meta = batch_->meta(i);
+        out_.error = std::move(batch_->error(i));
+        out_.value.reset();
+        if (out_.error == nullptr) {
+          ctx.meta = &out_.meta;
+          if (!apply(batch_->output(i), ctx, out_.meta.id, batch_->stage + 1, on_error, state)) {
+            answer_held(out_.meta, out_.error, first_stage, stop);
+            for (std::size_t k = i + 1; k < n; ++k) {
+              answer_held(batch_->meta(k), batch_->error(k), first_stage, stop);
+            }
+            batch_->clear();
+            return false;
+          }
+          if (timing) out_.meta.enqueued = ctx.t;
+        }
+        if (!put(stop, policy)) {
+          for (std::size_t k = i + 1; k < n; ++k) {
+            answer_held(batch_->meta(k), batch_->error(k), first_stage, stop);
+          }
+          batch_->clear();
+          return false;
+        }
+      }
+      batch_->clear();
+    }
   }
 
- private:
-  std::shared_ptr<const RequestError> describe(const StageFailure& f, const Device& device,
-                                               const RequestId& id) const {
-    auto e = std::make_shared<RequestError>();
-    e->stage = f.stage;
-    e->stage_name = names_[f.stage - first_stage];
-    e->device = device.id();
-    e->id = id;
-    e->cause = f.cause;
-    e->message = "stage '" + e->stage_name + "' (" + std::to_string(f.stage) + ") on device " +
-                 std::to_string(e->device) + " failed on request " + std::to_string(id.sequence) +
-                 " of producer " + std::to_string(id.producer) + ": " + describe_exception(f.cause);
-    return e;
+  // Runs fn_ on `value` into out_ (or its error). False when fail-fast stops the run.
+  bool apply(void* value, StageCtx& ctx, const RequestId& id, std::uint32_t stage, OnError on_error,
+             StreamRunState& state) {
+    try {
+      if (value == nullptr) {
+        throw Error("the request carries no value (send requests with RequestProducer)");
+      }
+      out_.value.emplace(fn_(value, ctx));
+    } catch (StageFailure& f) {
+      out_.error = describe(f, id);
+    } catch (...) {
+      out_.error = describe(StageFailure{stage, std::current_exception()}, id);
+    }
+    if (out_.error != nullptr && out_.error->kind == ErrorKind::kStageFailed &&
+        on_error == OnError::kFailFast) {
+      state.fail(out_.error);
+      return false;
+    }
+    return true;
+  }
+
+  bool put(const StopFlag& stop, const WaitPolicy& policy) {
+    const RequestMeta meta = out_.meta;
+    if (sink_.put(std::move(out_), policy, stop)) return true;
+    answer_held(meta, out_.error, last_stage, stop);
+    return false;
+  }
+
+  static std::uint64_t queue_wait(StreamClock::time_point now, StreamClock::time_point since) {
+    const auto ns = (now - since).count();
+    return ns > 0 ? static_cast<std::uint64_t>(ns) : 0;
   }
 
   Source& source_;
   Sink<B>& sink_;
-  std::function<B(void*)> fn_;
-  std::vector<std::string> names_;
+  std::function<B(void*, StageCtx&)> fn_;
+  std::unique_ptr<BatchHeadBase> batch_;
   Item in_;  // reused: the loop allocates nothing of its own
-  Response<B> out_;
-};
-
-// The untyped part of a stream: devices, config, segments, rings, and the run in progress.
-class StreamCore {
- public:
-  StreamCore(DeviceList devices, StreamConfig config);
-  ~StreamCore();
-  DeviceList devices;
-  StreamConfig config;
-  std::vector<std::string> stage_names;
-  std::vector<std::uint32_t> stage_devices;
-  std::vector<std::unique_ptr<SegmentBase>> segments;
-  std::vector<std::shared_ptr<void>> owned;  // rings, sources, sinks
-  std::vector<std::function<void()>> ring_resets, ring_wakes;
-
-  // The wait policy device `index` of the list uses (capped when it shares its core).
-  WaitPolicy policy_for(std::uint32_t index) const;
-  // Host thread: starts one job per segment; `wake` wakes the feeds on cancel.
-  void start(std::function<void()> wake_feeds);
-  // Host thread: blocks until the run ends.
-  void wait_segments();
-  void cancel() noexcept;
-  bool running() const noexcept { return running_; }
-  std::shared_ptr<StreamRunState> state() const { return state_; }
-  StreamResult finish(std::uint64_t accepted, std::uint64_t delivered, std::uint64_t errors);
-
- private:
-  std::shared_ptr<StreamRunState> state_;
-  std::chrono::steady_clock::time_point started_;
-  bool running_ = false;
+  Envelope<B> out_;
 };
 
 }  // namespace bspflow::detail

@@ -1,0 +1,257 @@
+// Internal to streams: a batch stage at the head of its segment (StreamBuilder::batch_stage):
+// forms batches from whatever is waiting, bounded by max_batch and max_delay from the first
+// request's arrival, flushes early when waiting would make the oldest request miss its
+// deadline (from its own service time per batch size, measured online), pads to the allowed
+// sizes, and answers each request on its own.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "bspflow/runtime/detail/stream_segment.hpp"
+#include "bspflow/runtime/stream_serving.hpp"
+
+namespace bspflow::detail {
+
+// A batch stage's element type: Out, or ItemResult<Out> (items may fail on their own).
+template <class E>
+struct BatchElement {
+  using type = E;
+  static constexpr bool fallible = false;
+};
+template <class T>
+struct BatchElement<ItemResult<T>> {
+  using type = T;
+  static constexpr bool fallible = true;
+};
+
+// The stage's service time per (padded) batch size: an EWMA per size seen, and a straight
+// line a + b*n fitted to all of them (exponentially forgotten) for sizes not seen yet.
+class BatchCostModel {
+ public:
+  explicit BatchCostModel(std::size_t max_size) : per_size_(max_size + 1, 0.0) {}
+  void add(std::size_t n, double ns) {
+    double& e = per_size_[n];
+    e = e == 0.0 ? ns : e + (ns - e) / 8.0;
+    constexpr double kKeep = 0.98;
+    w_ = w_ * kKeep + 1.0;
+    sn_ = sn_ * kKeep + static_cast<double>(n);
+    st_ = st_ * kKeep + ns;
+    snn_ = snn_ * kKeep + static_cast<double>(n) * static_cast<double>(n);
+    snt_ = snt_ * kKeep + static_cast<double>(n) * ns;
+  }
+  // Nanoseconds for a batch of n (0 until anything was measured).
+  double estimate(std::size_t n) const {
+    if (n < per_size_.size() && per_size_[n] > 0.0) return per_size_[n];
+    if (w_ == 0.0) return 0.0;
+    const double den = w_ * snn_ - sn_ * sn_;
+    double b = 0.0;
+    if (den > 1e-9 * w_ * snn_) b = std::max(0.0, (w_ * snt_ - sn_ * st_) / den);
+    else if (sn_ > 0.0) return st_ / sn_ * static_cast<double>(n);  // one size only: proportional
+    const double a = std::max(0.0, (st_ - b * sn_) / w_);
+    return a + b * static_cast<double>(n);
+  }
+
+ private:
+  std::vector<double> per_size_;
+  double w_ = 0, sn_ = 0, st_ = 0, snn_ = 0, snt_ = 0;
+};
+
+template <class Cur, class Elem, class F>
+class BatchHead final : public BatchHeadBase {
+  using Mid = typename BatchElement<Elem>::type;
+  static constexpr bool kFallible = BatchElement<Elem>::fallible;
+
+ public:
+  BatchHead(F f, BatchConfig config)
+      : f_(std::move(f)), config_(std::move(config)), cost_(config_.padded(config_.max_batch)) {
+    inputs_.reserve(config_.padded(config_.max_batch));
+    entries_.reserve(2 * config_.max_batch);
+  }
+
+  bool collect(Source& source, const WaitPolicy& policy, const StopFlag& stop,
+               const std::function<void()>& before_wait) override {
+    Item item;
+    if (!source.try_next(item)) {
+      before_wait();
+      if (!source.next(item, policy, stop)) return false;
+    }
+    add(item);
+    const std::size_t max = config_.max_batch;
+    for (;;) {
+      while (live_ < max && entries_.size() < 2 * max && source.try_next(item)) add(item);
+      if (live_ == 0 || live_ >= max || entries_.size() >= 2 * max) break;
+      const auto now = StreamClock::now();
+      const auto flush_by = flush_time(now);
+      if (now >= flush_by) break;
+      // Wait only if the next request is expected before the batch must go.
+      if (config_.deadline_aware && gap_ns_ > 0 &&
+          now + std::chrono::nanoseconds(gap_ns_) > flush_by && !config_.max_delay) {
+        break;
+      }
+      if (!source.next_until(item, flush_by, policy, stop)) break;
+      add(item);
+    }
+    return true;
+  }
+
+  void run(StageCtx& ctx) override {
+    if (live_ == 0) return;
+    const std::size_t n = live_;
+    const std::size_t padded = config_.padded(n);
+    if constexpr (std::is_default_constructible_v<Cur>) {
+      while (inputs_.size() < padded) inputs_.emplace_back();
+    }
+    const auto t0 = StreamClock::now();
+    StageMeter* meter = timing ? meters[stage] : nullptr;
+    if (meter != nullptr) {
+      for (const Entry& e : entries_) {
+        if (e.input >= 0) {
+          const auto w = (t0 - e.meta.enqueued).count();
+          meter->wait.record(static_cast<std::uint64_t>(w > 0 ? w : 0));
+        }
+      }
+      meter->begin(t0, first_live_id());
+    }
+    std::exception_ptr failed;
+    results_.clear();
+    try {
+      results_ = f_(std::span<Cur>(inputs_.data(), inputs_.size()));
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    const auto t1 = StreamClock::now();
+    cost_.add(inputs_.size(), static_cast<double>((t1 - t0).count()));
+    if (meter != nullptr) {
+      meter->end((t1 - t0).count(), n);
+      meter->batch.record(n);
+      bump(meter->padded, inputs_.size() - n);
+    }
+    ctx.t = t1;
+    if (!failed && results_.size() < n) {
+      failed = std::make_exception_ptr(Error(
+          "batch stage '" + name + "' returned " + std::to_string(results_.size()) +
+          " result(s) for a batch of " + std::to_string(n) + " request(s)"));
+    }
+    for (Entry& e : entries_) {
+      if (e.input < 0) continue;
+      if (failed) {
+        e.error = make_request_error(ErrorKind::kStageFailed, e.meta, stage, name, device_id,
+                                     "failed in its batch of " + std::to_string(n) + ": " +
+                                         describe_exception(failed),
+                                     failed);
+      } else if constexpr (kFallible) {
+        auto& r = results_[static_cast<std::size_t>(e.input)];
+        if (!r.ok()) {
+          e.error = make_request_error(ErrorKind::kStageFailed, e.meta, stage, name, device_id,
+                                       "failed: " + r.error());
+        }
+      }
+    }
+  }
+
+  std::size_t size() const noexcept override { return entries_.size(); }
+  RequestMeta& meta(std::size_t i) override { return entries_[i].meta; }
+  std::shared_ptr<const RequestError>& error(std::size_t i) override { return entries_[i].error; }
+  void* output(std::size_t i) override {
+    auto& r = results_[static_cast<std::size_t>(entries_[i].input)];
+    if constexpr (kFallible) {
+      return &r.value();
+    } else {
+      return &r;
+    }
+  }
+  void clear() override {
+    entries_.clear();
+    inputs_.clear();
+    live_ = 0;
+  }
+
+ private:
+  struct Entry {
+    RequestMeta meta;
+    std::shared_ptr<const RequestError> error;
+    std::ptrdiff_t input = -1;  // index in inputs_, -1 if not run
+  };
+
+  void add(Item& item) {
+    Entry e{item.meta, std::move(item.error), -1};
+    if (e.error == nullptr) {
+      const auto now = StreamClock::now();
+      if (e.meta.client != nullptr && e.meta.client->cancelled(e.meta.id.sequence)) {
+        e.error = make_request_error(ErrorKind::kCancelled, e.meta, stage, name, device_id,
+                                     "was not run: its client cancelled it");
+      } else if (e.meta.deadline != kNoDeadline && now > e.meta.deadline) {
+        e.error = make_request_error(ErrorKind::kDeadlineExceeded, e.meta, stage, name,
+                                     device_id, "was not run: its deadline had passed");
+      } else if (item.value == nullptr) {
+        e.error = make_request_error(
+            ErrorKind::kStageFailed, e.meta, stage, name, device_id,
+            "failed: the request carries no value (send requests with RequestProducer)");
+      } else {
+        e.input = static_cast<std::ptrdiff_t>(inputs_.size());
+        inputs_.emplace_back(std::move(*static_cast<Cur*>(item.value)));
+        const auto arrived = e.meta.enqueued == StreamClock::time_point{} ? now : e.meta.enqueued;
+        if (live_ == 0) {
+          first_arrival_ = arrived;
+          oldest_deadline_ = e.meta.deadline;
+        } else {
+          oldest_deadline_ = std::min(oldest_deadline_, e.meta.deadline);
+        }
+        const auto gap = (arrived - last_arrival_).count();
+        if (last_arrival_ != StreamClock::time_point{} && gap >= 0) {
+          gap_ns_ = gap_ns_ == 0 ? gap : gap_ns_ + (gap - gap_ns_) / 8;
+        }
+        last_arrival_ = std::max(last_arrival_, arrived);
+        ++live_;
+      }
+    }
+    entries_.push_back(std::move(e));
+  }
+
+  // When the batch being formed must go.
+  StreamClock::time_point flush_time(StreamClock::time_point now) const {
+    auto t = StreamClock::time_point::max();
+    if (config_.max_delay) t = first_arrival_ + *config_.max_delay;
+    if (config_.deadline_aware && oldest_deadline_ != kNoDeadline) {
+      const double next = cost_.estimate(config_.padded(std::min(live_ + 1, config_.max_batch)));
+      double downstream = 0;
+      if (meters != nullptr) {
+        for (std::uint32_t k = stage + 1; k < stages; ++k) {
+          downstream += static_cast<double>(meters[k]->per_item_ns.load(std::memory_order_relaxed));
+        }
+      }
+      const double guard = 10'000.0 + next / 8.0;  // clock and wake-up slack
+      const auto by =
+          oldest_deadline_ - std::chrono::nanoseconds(static_cast<std::int64_t>(next + downstream + guard));
+      t = std::min(t, by);
+    }
+    return t == StreamClock::time_point::max() ? now : t;
+  }
+
+  RequestId first_live_id() const {
+    for (const Entry& e : entries_) {
+      if (e.input >= 0) return e.meta.id;
+    }
+    return {};
+  }
+
+  F f_;
+  BatchConfig config_;
+  BatchCostModel cost_;
+  std::vector<Cur> inputs_;
+  std::vector<Elem> results_;
+  std::vector<Entry> entries_;
+  std::size_t live_ = 0;
+  StreamClock::time_point first_arrival_{}, last_arrival_{};
+  Deadline oldest_deadline_ = kNoDeadline;
+  std::int64_t gap_ns_ = 0;  // EWMA of the gap between arrivals
+};
+
+}  // namespace bspflow::detail

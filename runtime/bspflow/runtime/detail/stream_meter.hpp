@@ -1,0 +1,133 @@
+// Internal to streams: what travels with a request through a stream (its meta data), the
+// client-side cancel words the stages check, and the per-stage and per-replica meters the
+// device threads write (one writer each) and Stream::stats() reads.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "bspflow/base/detail/wait.hpp"
+#include "bspflow/runtime/histogram.hpp"
+#include "bspflow/runtime/request.hpp"
+
+namespace bspflow::detail {
+
+// Nanoseconds on the stream clock, for the meters' atomics.
+inline std::int64_t stream_ns(StreamClock::time_point t) noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+// The untyped part of a StreamClient: its cancel words and how many of its requests have
+// been answered. Shared by the client and the stream (whichever lives longer frees it).
+class ClientCore {
+ public:
+  static constexpr std::uint64_t kNone = ~std::uint64_t{0};
+  // Setup path. `capacity`: a power of two.
+  explicit ClientCore(std::size_t capacity)
+      : mask_(capacity - 1), cancel_(std::make_unique<std::atomic<std::uint64_t>[]>(capacity)) {
+    for (std::size_t i = 0; i < capacity; ++i) cancel_[i].store(kNone, std::memory_order_relaxed);
+  }
+  virtual ~ClientCore() = default;
+  std::size_t capacity() const noexcept { return mask_ + 1; }
+  // Any thread: whether request `sequence` of this client was cancelled. relaxed: a stage
+  // sees a cancel at its next check; nothing else is published through the word.
+  bool cancelled(std::uint64_t sequence) const noexcept {
+    return cancel_[sequence & mask_].load(std::memory_order_relaxed) == sequence;
+  }
+  // Client thread.
+  void cancel(std::uint64_t sequence) noexcept {
+    cancel_[sequence & mask_].store(sequence, std::memory_order_relaxed);
+  }
+  std::atomic<std::uint64_t> delivered{0};  // responses given to this client (or its route)
+  std::atomic<std::uint64_t> sent{0};       // requests accepted (the client's own count)
+  std::atomic<bool> abandoned{false};       // the StreamClient is gone: drop its responses
+  WaitPoint arrived;                        // a response arrived
+
+ protected:
+  std::size_t mask_;
+
+ private:
+  std::unique_ptr<std::atomic<std::uint64_t>[]> cancel_;
+};
+
+// What travels with a request from stage to stage.
+struct RequestMeta {
+  RequestId id{};
+  Deadline deadline = kNoDeadline;
+  StreamClock::time_point arrival{};   // the latency's origin: push, or take off the infeed
+  StreamClock::time_point enqueued{};  // arrival at the current device (queue wait's origin)
+  StreamClock::time_point taken{};     // taken by a replica (the in-chain time's origin)
+  ClientCore* client = nullptr;        // a StreamClient's request; nullptr on the infeed path
+  std::uint64_t order = 0;             // admission order (the shared outfeed keeps it)
+};
+
+// A request (or its error) between two devices.
+template <class T>
+struct Envelope {
+  RequestMeta meta{};
+  std::optional<T> value{};
+  std::shared_ptr<const RequestError> error{};
+};
+
+// One writer's relaxed counter: store(load + 1), no read-modify-write.
+inline void bump(std::atomic<std::uint64_t>& c, std::uint64_t by = 1) noexcept {
+  c.store(c.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
+}
+
+// Exponentially weighted moving average (1/16 per sample) kept in an atomic for readers.
+inline void ewma(std::atomic<std::int64_t>& avg, std::int64_t sample) noexcept {
+  const std::int64_t a = avg.load(std::memory_order_relaxed);
+  avg.store(a == 0 ? sample : a + (sample - a) / 16, std::memory_order_relaxed);
+}
+
+inline constexpr std::uint64_t kMeterHighestNs = 3'600'000'000'000ull;  // an hour
+inline constexpr std::uint64_t kMeterHighestBatch = 4096;
+
+// One stage of one replica. Written by the stage's device thread (stalls by the monitor).
+struct StageMeter {
+  StageMeter() : service(kMeterHighestNs), wait(kMeterHighestNs), batch(kMeterHighestBatch) {}
+  Histogram service;
+  Histogram wait;
+  Histogram batch;
+  std::atomic<std::uint64_t> calls{0}, padded{0};
+  std::atomic<std::uint64_t> stalls{0};         // the stall monitor's
+  std::atomic<std::int64_t> busy_since{0};      // stream_ns() at the call's start, 0 idle
+  std::atomic<std::uint32_t> busy_producer{0};  // the request (first of a batch) in the call
+  std::atomic<std::uint64_t> busy_sequence{0};
+  std::atomic<std::int64_t> per_item_ns{0};  // EWMA of a call's time per request
+  std::atomic<std::int64_t> call_ns{0};      // EWMA of a call's time
+
+  // Device thread: a call on `id` starts at `t`.
+  void begin(StreamClock::time_point t, const RequestId& id) noexcept {
+    busy_producer.store(id.producer, std::memory_order_relaxed);
+    busy_sequence.store(id.sequence, std::memory_order_relaxed);
+    busy_since.store(stream_ns(t), std::memory_order_relaxed);
+  }
+  // Device thread: the call took `ns` for `items` requests.
+  void end(std::int64_t ns, std::uint64_t items) noexcept {
+    busy_since.store(0, std::memory_order_relaxed);
+    const auto v = static_cast<std::uint64_t>(ns < 0 ? 0 : ns);
+    service.record(v);
+    bump(calls);
+    ewma(call_ns, static_cast<std::int64_t>(v));
+    ewma(per_item_ns, static_cast<std::int64_t>(v / (items == 0 ? 1 : items)));
+  }
+};
+
+// One replica: written by its first segment's device (taken) and its last (the rest).
+struct ReplicaMeter {
+  ReplicaMeter() : latency(kMeterHighestNs) {}
+  Histogram latency;
+  std::atomic<std::uint64_t> taken{0}, answered{0}, ok{0};
+  std::atomic<std::uint64_t> infeed_taken{0};  // of `taken`, off an InfeedQueue
+  std::atomic<std::uint64_t> errors[4] = {};
+  std::atomic<std::int64_t> chain_ns{0};  // EWMA: taken to answered
+  std::atomic<bool> stalled{false};       // the monitor's
+  std::atomic<bool> failed{false};
+};
+
+}  // namespace bspflow::detail
