@@ -1,21 +1,32 @@
 // The soak suite's Stream part (see soak_test.cpp): requests exactly once at volume through
-// a Stream (3 producers, 4 stages on 2 devices), and the fault-injection trial.
+// a Stream (3 producers, 4 stages on 2 devices), and the fault-injection trial; and serving
+// (StreamClients): 10^6 requests exactly once through 2 replicas with batching, deadlines and
+// cancels, and seeded serving trials (replicas, batch stages, admission, deadlines, cancels,
+// close and cancel mid-run), with their own test cases at the end of this file.
 #include "soak_common.hpp"
 
 #include <doctest/doctest.h>
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
+#include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
+#include <set>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <bspflow/runtime/stream.hpp>
+#include <bspflow/runtime/stream_client.hpp>
+#include <bspflow/runtime/stream_serving.hpp>
 
 #include "test_util.hpp"
 
@@ -243,3 +254,437 @@ void stream_trial(Rng& rng, Trial& t, DeviceGroup& group) {
 }
 
 }  // namespace soak
+
+// ---------------------------------------------------------------------------------------
+// Serving (StreamClients): replicas, batch stages, deadlines, cancels, admission control
+// ---------------------------------------------------------------------------------------
+
+namespace soak {
+namespace {
+
+using U64 = std::uint64_t;
+
+// What one client saw of its own requests: every accepted request must be answered once,
+// in push order (Ordering::kPerProducer), with its value or an error of a kind its request
+// allows.
+struct ServeTally {
+  U64 accepted = 0, answered = 0, ok = 0;
+  std::array<U64, 4> errors{};   // by ErrorKind
+  std::array<U64, 7> refused{};  // by Refusal
+  U64 disorder = 0;              // a response out of push order
+  U64 unknown = 0;  // a response to no outstanding request (twice, or another client's)
+  U64 wrong = 0;    // a wrong value, or an error of a kind the request does not allow
+  U64 missing = 0;  // accepted, never answered
+  ServeTally& operator+=(const ServeTally& o) {
+    accepted += o.accepted;
+    answered += o.answered;
+    ok += o.ok;
+    for (std::size_t i = 0; i < errors.size(); ++i) errors[i] += o.errors[i];
+    for (std::size_t i = 0; i < refused.size(); ++i) refused[i] += o.refused[i];
+    disorder += o.disorder;
+    unknown += o.unknown;
+    wrong += o.wrong;
+    missing += o.missing;
+    return *this;
+  }
+  U64 refused_total() const {
+    U64 n = 0;
+    for (U64 r : refused) n += r;
+    return n;
+  }
+  U64 errors_total() const {
+    U64 n = 0;
+    for (U64 e : errors) n += e;
+    return n;
+  }
+  U64 errors_of(ErrorKind k) const { return errors[static_cast<std::size_t>(k)]; }
+  U64 refused_of(Refusal r) const { return refused[static_cast<std::size_t>(r)]; }
+};
+
+// One accepted request, waiting for its answer.
+struct Pending {
+  U64 sequence = 0;
+  U64 expected = 0;          // the value an ok answer carries
+  std::uint8_t allowed = 0;  // bit per ErrorKind this request may be answered with
+};
+
+constexpr std::uint8_t bit(ErrorKind k) {
+  return std::uint8_t(1u << static_cast<unsigned>(k));
+}
+
+// A client's outstanding requests in push order. With Ordering::kPerProducer every answer
+// is the front's; with kNone any outstanding one's.
+class PendingQueue {
+ public:
+  explicit PendingQueue(bool ordered) : ordered_(ordered) {}
+  void add(const Pending& p) { q_.push_back(p); }
+  std::size_t size() const { return q_.size() - answered_in_queue_; }
+  // Checks `r` against the request it answers.
+  void answer(const Response<U64>& r, std::uint32_t client, ServeTally& t) {
+    ++t.answered;
+    if (r.ok()) {
+      ++t.ok;
+    } else {
+      ++t.errors[static_cast<std::size_t>(r.kind())];
+    }
+    if (r.id.producer != client) {
+      ++t.unknown;
+      return;
+    }
+    std::size_t i = 0;
+    if (ordered_) {
+      if (q_.empty() || q_.front().sequence != r.id.sequence) {
+        ++t.disorder;
+        i = find(r.id.sequence);
+      }
+    } else {
+      i = find(r.id.sequence);
+    }
+    if (i == q_.size() || done_.count(r.id.sequence) != 0) {
+      ++t.unknown;
+      return;
+    }
+    const Pending& p = q_[i];
+    const bool right = r.ok() ? *r.value == p.expected : (p.allowed & bit(r.kind())) != 0;
+    if (!right) ++t.wrong;
+    if (i == 0) {
+      q_.pop_front();
+      while (!q_.empty() && done_.erase(q_.front().sequence) != 0) {
+        q_.pop_front();
+        --answered_in_queue_;
+      }
+    } else {
+      done_.insert(r.id.sequence);
+      ++answered_in_queue_;
+    }
+  }
+
+ private:
+  std::size_t find(U64 sequence) const {
+    for (std::size_t i = 0; i < q_.size(); ++i) {
+      if (q_[i].sequence == sequence) return i;
+    }
+    return q_.size();
+  }
+  bool ordered_;
+  std::deque<Pending> q_;
+  std::set<U64> done_;  // answered, not yet at the front (kNone)
+  std::size_t answered_in_queue_ = 0;
+};
+
+// How long a client waits for an answer before it counts the request as lost.
+constexpr auto kPatience = 20s;
+
+// Pops one answer into `q`; false if none came within kPatience (or none is outstanding).
+bool pop_one(StreamClient<U64, U64>& c, PendingQueue& q, ServeTally& t) {
+  auto r = c.pop_until(StreamClock::now() + kPatience);
+  if (!r) return false;
+  q.answer(*r, c.id(), t);
+  return true;
+}
+
+void check_serve_tally(const ServeTally& t) {
+  CHECK(t.answered == t.accepted);
+  CHECK(t.missing == 0);
+  CHECK(t.unknown == 0);
+  CHECK(t.disorder == 0);
+  CHECK(t.wrong == 0);
+}
+
+// Checks the stream's own counts against what the clients saw.
+void check_serve_stats(const StreamStats& st, const StreamResult& r, const ServeTally& all) {
+  CHECK(r.accepted == all.accepted);
+  CHECK(r.answered == all.accepted);
+  CHECK(r.unanswered == 0);
+  CHECK(r.errors == all.errors_total());
+  CHECK(st.answered == all.answered);
+  CHECK(st.ok == all.ok);
+  for (std::size_t k = 0; k < all.errors.size(); ++k) {
+    CAPTURE(to_string(static_cast<ErrorKind>(k)));
+    CHECK(st.errors[k] == all.errors[k]);
+  }
+  CHECK(st.latency_ns.count() == st.answered);
+  for (std::size_t k = 0; k < all.refused.size(); ++k) {
+    if (k == static_cast<std::size_t>(Refusal::kNone)) continue;
+    CAPTURE(to_string(static_cast<Refusal>(k)));
+    CHECK(st.refusals[k] == all.refused[k]);
+  }
+}
+
+}  // namespace
+
+// 10^6 requests (BSPFLOW_SOAK_SERVE_REQUESTS) from 3 client threads, 2 replicas of a batch
+// stage and a plain stage on 4 devices (on 2 cores): every request answered once, in its
+// client's order, with its value; every 64th carries a deadline (answered with its value or
+// kDeadlineExceeded), every 97th is cancelled right after its push (its value or
+// kCancelled); the stream's stats equal what the clients saw.
+void soak_serving(std::uint32_t clients, std::uint64_t requests) {
+  const U64 per_client = (requests + clients - 1) / clients;
+  const auto t0 = Clock::now();
+  DeviceGroup group(4, kSmall);
+  auto model = [](std::span<U64> batch) {
+    std::vector<U64> out(batch.size());
+    for (std::size_t i = 0; i < batch.size(); ++i) out[i] = batch[i] * 2;
+    return out;
+  };
+  auto stream = StreamBuilder<U64>(group, StreamConfig{.capacity = 64, .replicas = 2})
+                    .batch_stage("model", model,
+                                 BatchConfig{.max_batch = 16,
+                                             .max_delay = std::chrono::microseconds(200),
+                                             .allowed_sizes = {1, 2, 4, 8, 16}},
+                                 0)
+                    .stage(
+                        "post", [](U64 x) { return x + 1; }, 1)
+                    .build();
+  stream.start();
+  std::vector<StreamClient<U64, U64>> handles;
+  handles.reserve(clients);
+  for (std::uint32_t k = 0; k < clients; ++k) handles.push_back(stream.client());
+  std::vector<ServeTally> tallies(clients);
+  std::vector<U64> cancels(clients, 0);
+  std::vector<std::thread> threads;
+  for (std::uint32_t k = 0; k < clients; ++k) {
+    threads.emplace_back([&, k] {
+      StreamClient<U64, U64>& c = handles[k];
+      ServeTally& t = tallies[k];
+      PendingQueue q(true);
+      for (U64 i = 0; i < per_client; ++i) {
+        while (q.size() >= 512 && pop_one(c, q, t)) {
+        }
+        const U64 x = mix((U64{k} << 40) | i) >> 8;
+        const bool due = i % 64 == 0;
+        const Submission s = c.push(x, due ? StreamClock::now() + 2s : kNoDeadline);
+        if (!s.accepted()) {
+          ++t.refused[static_cast<std::size_t>(s.refusal)];
+          if (!due || s.refusal != Refusal::kDeadlineUnreachable) ++t.wrong;
+          continue;
+        }
+        ++t.accepted;
+        std::uint8_t allowed = due ? bit(ErrorKind::kDeadlineExceeded) : 0;
+        if (i % 97 == 0) {
+          allowed |= bit(ErrorKind::kCancelled);
+          if (c.cancel(s.id)) ++cancels[k];
+        }
+        q.add(Pending{s.id.sequence, x * 2 + 1, allowed});
+      }
+      while (q.size() > 0 && pop_one(c, q, t)) {
+      }
+      t.missing = q.size();
+    });
+  }
+  for (auto& th : threads) th.join();
+  stream.close();
+  const StreamResult r = stream.wait();
+  ServeTally all;
+  for (const ServeTally& t : tallies) {
+    check_serve_tally(t);
+    all += t;
+  }
+  CHECK(r.drained());
+  CHECK(all.accepted + all.refused_total() == per_client * clients);
+  check_serve_stats(stream.stats(), r, all);
+  U64 cancelled = 0;
+  for (U64 c : cancels) cancelled += c;
+  CHECK(all.errors_of(ErrorKind::kCancelled) <= cancelled);
+  const bool ok = r.drained() && all.answered == all.accepted && all.missing == 0 &&
+                  all.unknown == 0 && all.disorder == 0 && all.wrong == 0;
+  std::printf(
+      "soak: Stream serving, %u clients, 2 replicas (batch stage + stage on 4 devices): %llu "
+      "requests (%llu cancelled, %llu expired, %llu refused): %s (%.1f s)\n",
+      clients, static_cast<unsigned long long>(all.accepted),
+      static_cast<unsigned long long>(all.errors_of(ErrorKind::kCancelled)),
+      static_cast<unsigned long long>(all.errors_of(ErrorKind::kDeadlineExceeded)),
+      static_cast<unsigned long long>(all.refused_total()),
+      ok ? "exactly once, in order, values right" : "FAILED (see above)", seconds_since(t0));
+}
+
+// One seeded serving trial: 1 or 2 replicas of 1 or 2 devices, a batch stage or a plain one
+// first (padding, per-item failures and a batch that throws), random admission (block,
+// reject, shed), ordering, client count, deadlines (some expire), cancels, and an end by
+// close or cancel at a random moment (or after the clients finish). Every accepted request
+// is answered once with its value or an error of a kind it allows; every refusal has a
+// reason the trial allows; the stream's counts equal the clients'.
+void serving_trial(Rng& rng, std::array<std::unique_ptr<DeviceGroup>, 5>& groups) {
+  const auto replicas = static_cast<std::uint32_t>(rng.in(1, 2));
+  const auto per_replica = static_cast<std::uint32_t>(rng.in(1, 2));
+  DeviceGroup& group = *groups[replicas * per_replica];
+  const bool batched = rng.coin();
+  const bool two_stages = per_replica == 2 && rng.coin();
+  const AdmissionPolicy policy = static_cast<AdmissionPolicy>(rng.in(0, 2));
+  const Ordering ordering = rng.in(0, 3) == 0 ? Ordering::kNone : Ordering::kPerProducer;
+  StreamConfig cfg;
+  cfg.capacity = rng.in(1, 16);
+  cfg.replicas = replicas;
+  cfg.ordering = ordering;
+  cfg.admission = Admission{.policy = policy, .max_queued = rng.in(1, 64), .predict = rng.coin()};
+  cfg.wait = rng.coin() ? WaitPolicy{} : WaitPolicy::park();
+  BatchConfig bc;
+  bc.max_batch = rng.in(1, 16);
+  if (rng.coin()) bc.max_delay = std::chrono::microseconds(rng.in(0, 500));
+  if (rng.coin()) {
+    for (std::size_t s = 1; s < bc.max_batch; s *= 2) bc.allowed_sizes.push_back(s);
+    bc.allowed_sizes.push_back(bc.max_batch);
+  }
+  bc.deadline_aware = rng.coin();
+  const bool faults = rng.coin();
+  const U64 poison = rng.below(13);  // x % 13 == poison fails (per item), if faults
+  const U64 spin_us = rng.in(0, 30);
+  // x = k << 32 | i; the model doubles it; "post" adds 1.
+  const auto poisoned = [faults, poison](U64 x) { return faults && x % 13 == poison; };
+  const auto batch_bomb = [faults](U64 x) { return faults && x % 101 == 7; };
+  auto model_one = [poisoned, spin_us](U64 x) -> U64 {
+    spin_for(std::chrono::microseconds(spin_us));
+    if (poisoned(x)) throw std::runtime_error("poisoned request");
+    return x * 2;
+  };
+  auto model_batch = [poisoned, batch_bomb, spin_us](std::span<U64> batch) {
+    spin_for(std::chrono::microseconds(spin_us + batch.size()));
+    std::vector<ItemResult<U64>> out;
+    out.reserve(batch.size());
+    for (U64 x : batch) {
+      if (batch_bomb(x)) throw std::runtime_error("poisoned batch");
+      if (poisoned(x)) {
+        out.push_back(ItemResult<U64>::failure("poisoned request"));
+      } else {
+        out.push_back(x * 2);
+      }
+    }
+    return out;
+  };
+  auto b = StreamBuilder<U64>(group, cfg);
+  auto b1 = batched ? std::move(b).batch_stage("model", model_batch, bc, 0)
+                    : std::move(b).stage("model", model_one, 0);
+  auto stream = two_stages ? std::move(b1)
+                                 .stage(
+                                     "post", [](U64 x) { return x + 1; }, 1)
+                                 .build()
+                           : std::move(b1).build();
+  const U64 post = two_stages ? 1 : 0;
+
+  enum class End { kAfter, kClose, kCancel };
+  const End end = static_cast<End>(rng.in(0, 2));
+  const auto clients = static_cast<std::uint32_t>(rng.in(1, 3));
+  const U64 per_client = rng.in(10, 400);
+  const U64 due_every = rng.in(0, 4);  // 0: no deadlines; else every due_every-th
+  const U64 due_us = rng.in(0, 3000);
+  const U64 cancel_every = rng.in(0, 7);  // 0: no cancels
+  const std::size_t window = rng.in(1, 64);
+  const auto end_after = micros(rng, 4000);
+  std::vector<std::uint64_t> seeds(clients);
+  for (auto& s : seeds) s = rng.in(0, ~U64{0});
+
+  stream.start();
+  std::vector<StreamClient<U64, U64>> handles;
+  handles.reserve(clients);
+  for (std::uint32_t k = 0; k < clients; ++k) handles.push_back(stream.client());
+  std::vector<ServeTally> tallies(clients);
+  std::vector<std::thread> threads;
+  for (std::uint32_t k = 0; k < clients; ++k) {
+    threads.emplace_back([&, k] {
+      Rng crng(seeds[k]);
+      StreamClient<U64, U64>& c = handles[k];
+      ServeTally& t = tallies[k];
+      PendingQueue q(ordering == Ordering::kPerProducer);
+      for (U64 i = 0; i < per_client; ++i) {
+        while (q.size() >= window && pop_one(c, q, t)) {
+        }
+        const U64 x = (U64{k} << 32) | i;
+        const bool due = due_every != 0 && i % due_every == 0;
+        const Deadline d =
+            due ? StreamClock::now() + std::chrono::microseconds(crng.in(0, due_us)) : kNoDeadline;
+        const Submission s = c.push(x, d);
+        if (!s.accepted()) {
+          ++t.refused[static_cast<std::size_t>(s.refusal)];
+          const bool allowed =
+              (s.refusal == Refusal::kClosed && end != End::kAfter) ||
+              (due && (s.refusal == Refusal::kDeadlinePassed ||
+                       s.refusal == Refusal::kDeadlineUnreachable)) ||
+              (policy == AdmissionPolicy::kReject && s.refusal == Refusal::kQueueFull) ||
+              (policy == AdmissionPolicy::kShed && s.refusal == Refusal::kShed);
+          if (!allowed) ++t.wrong;
+          if (s.refusal == Refusal::kClosed) break;  // closed or cancelled: nothing more
+          continue;
+        }
+        ++t.accepted;
+        // Every kind but what cannot happen: kStageFailed only for poisoned values (or the
+        // batch that threw), kDeadlineExceeded only with a deadline, kRejected only under
+        // kShed, kCancelled only for cancelled ones or a cancelled stream.
+        std::uint8_t allowed = 0;
+        if (poisoned(x) || (batched && faults)) allowed |= bit(ErrorKind::kStageFailed);
+        if (due) allowed |= bit(ErrorKind::kDeadlineExceeded);
+        if (policy == AdmissionPolicy::kShed) allowed |= bit(ErrorKind::kRejected);
+        if (end == End::kCancel) allowed |= bit(ErrorKind::kCancelled);
+        if (cancel_every != 0 && i % cancel_every == 0) {
+          allowed |= bit(ErrorKind::kCancelled);
+          c.cancel(s.id);
+        }
+        q.add(Pending{s.id.sequence, x * 2 + post, allowed});
+      }
+      while (q.size() > 0 && pop_one(c, q, t)) {
+      }
+      t.missing = q.size();
+    });
+  }
+  StreamResult r;
+  if (end == End::kAfter) {
+    for (auto& th : threads) th.join();
+    stream.close();
+    r = stream.wait();
+  } else {
+    std::this_thread::sleep_for(end_after);
+    if (end == End::kClose) {
+      stream.close();
+    } else {
+      stream.cancel();
+    }
+    r = stream.wait();  // on cancel, what is still queued is answered here
+    for (auto& th : threads) th.join();
+  }
+  ServeTally all;
+  for (const ServeTally& t : tallies) {
+    check_serve_tally(t);
+    all += t;
+  }
+  CHECK(r.status == (end == End::kCancel ? RunStatus::kCancelled : RunStatus::kCompleted));
+  check_serve_stats(stream.stats(), r, all);
+}
+
+void serving_trials() {
+  const std::uint64_t trials = env_u64("BSPFLOW_SOAK_SERVE_TRIALS", 300);
+  const std::uint64_t base_seed = env_u64("BSPFLOW_SOAK_SEED", 20261124);
+  const std::chrono::seconds limit(env_u64("BSPFLOW_SOAK_TRIAL_SECONDS", 60));
+  std::array<std::unique_ptr<DeviceGroup>, 5> groups;
+  for (std::uint32_t d : {1u, 2u, 4u}) groups[d] = std::make_unique<DeviceGroup>(d, kSmall);
+  Watchdog watchdog;
+  const auto t0 = Clock::now();
+  for (std::uint64_t i = 0; i < trials; ++i) {
+    const std::uint64_t seed = base_seed + 1'000'000 + i;
+    const std::string name =
+        "serving trial " + std::to_string(i) + " (seed " + std::to_string(seed) + ")";
+    INFO(name);
+    watchdog.arm(name, limit);
+    Rng rng(seed);
+    serving_trial(rng, groups);
+    watchdog.disarm();
+  }
+  std::printf("soak: %llu Stream serving trials in %.1f s\n",
+              static_cast<unsigned long long>(trials), seconds_since(t0));
+}
+
+}  // namespace soak
+
+// The serving trials sit here rather than in soak_test.cpp: they need nothing of the other
+// subsystems' files.
+TEST_SUITE_BEGIN("soak");
+
+TEST_CASE("serving at volume: 10^6 requests, 3 clients, 2 replicas, batches, deadlines, cancels") {
+  if (std::getenv("BSPFLOW_SOAK_TRIAL") != nullptr) return;  // reproducing one fault trial
+  soak::soak_serving(3, soak::env_u64("BSPFLOW_SOAK_SERVE_REQUESTS", 1'000'000));
+}
+
+TEST_CASE("seeded serving trials: replicas, batch stages, admission, deadlines, cancels") {
+  if (std::getenv("BSPFLOW_SOAK_TRIAL") != nullptr) return;
+  soak::serving_trials();
+}
+
+TEST_SUITE_END();
