@@ -260,7 +260,26 @@ void StreamCore::finish_build() {
 
 WaitPolicy StreamCore::policy_for(std::uint32_t index) const {
   const WaitPolicy policy = config.device_wait.empty() ? config.wait : config.device_wait.at(index);
-  return devices[index].placement().wait_policy(policy);
+  const Placement& place = devices[index].placement();
+  if (place.shares_core() && !place.shares_host && place.core) {
+    // The core's other devices are all this stream's, and none of them runs a segment (their
+    // stages were fused onto this device's thread): nobody there to yield to. Waits spin
+    // tight, still bounded (busy-spin becomes spin-then-park), since the idle devices may
+    // get other work later.
+    std::uint32_t ours = 0;
+    bool others_busy = false;
+    for (std::uint32_t i = 0; i < devices.size(); ++i) {
+      const Placement& p = devices[i].placement();
+      if (!p.core || *p.core != *place.core) continue;
+      ++ours;
+      if (i == index) continue;
+      for (const auto& seg : segments) others_busy = others_busy || seg->device_index == i;
+    }
+    if (ours == place.sharing && !others_busy) {
+      return policy.strategy == WaitStrategy::kBusySpin ? WaitPolicy::spin_then_park() : policy;
+    }
+  }
+  return place.wait_policy(policy);
 }
 
 void StreamCore::start(ServeMode mode, std::function<void()> wake_feeds) {
@@ -373,17 +392,27 @@ std::int64_t StreamCore::per_request_ns() const noexcept {
   for (std::uint32_t r = 0; r < replicas; ++r) {
     std::int64_t worst = 0;
     for (std::size_t s = 0; s < stages; ++s) {
-      worst =
-          std::max(worst, meter_ptrs[r * stages + s]->per_item_ns.load(std::memory_order_relaxed));
+      const StageMeter& m = *meter_ptrs[r * stages + s];
+      const std::int64_t drain = m.drain_ns.load(std::memory_order_relaxed);
+      worst = std::max(worst, drain > 0 ? drain : m.per_item_ns.load(std::memory_order_relaxed));
     }
     sum += worst;
   }
   return sum / replicas;
 }
 
-std::int64_t StreamCore::chain_ns() const noexcept {
+std::int64_t StreamCore::path_ns() const noexcept {
+  const auto stages = stage_names.size();
   std::int64_t sum = 0;
-  for (const auto& m : replica_meters) sum += m->chain_ns.load(std::memory_order_relaxed);
+  for (std::uint32_t r = 0; r < replicas; ++r) {
+    std::int64_t path = 0, longest = 0;
+    for (std::size_t s = 0; s < stages; ++s) {
+      const std::int64_t call = meter_ptrs[r * stages + s]->call_ns.load(std::memory_order_relaxed);
+      path += call;
+      longest = std::max(longest, call);
+    }
+    sum += path + longest;
+  }
   return sum / static_cast<std::int64_t>(replicas);
 }
 

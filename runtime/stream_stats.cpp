@@ -31,9 +31,9 @@ void BatchConfig::validate() const {
     }
   }
   if (!allowed_sizes.empty() && max_batch > allowed_sizes.back()) {
-    detail::throw_bad_value("BatchConfig::max_batch", max_batch,
-                            "must be at most the largest allowed size, " +
-                                std::to_string(allowed_sizes.back()));
+    detail::throw_bad_value(
+        "BatchConfig::max_batch", max_batch,
+        "must be at most the largest allowed size, " + std::to_string(allowed_sizes.back()));
   }
 }
 
@@ -93,8 +93,7 @@ std::string escape(const std::string& v) {
 // family per call, so stages after the first are written without the family's header).
 void write_stage_histograms(std::ostream& out, const std::string& name, const std::string& help,
                             const MetricLabels& labels, const std::vector<StageStats>& stages,
-                            HistogramSnapshot StageStats::*which, double unit,
-                            bool batched_only) {
+                            HistogramSnapshot StageStats::*which, double unit, bool batched_only) {
   bool first = true;
   for (const StageStats& s : stages) {
     if (batched_only && !s.batched) continue;
@@ -133,14 +132,14 @@ void StreamStats::write_openmetrics(std::ostream& out, std::string_view prefix,
                 true);
   for (std::size_t k = 0; k < errors.size(); ++k) {
     write_counter(out, p + "_responses", "", l,
-                  std::string("outcome=\"") + to_string(static_cast<ErrorKind>(k)) + '"',
-                  errors[k], false);
+                  std::string("outcome=\"") + to_string(static_cast<ErrorKind>(k)) + '"', errors[k],
+                  false);
   }
   bool header = true;
   for (std::size_t r = 1; r < refusals.size(); ++r) {
     write_counter(out, p + "_refusals", "StreamClient pushes refused, by reason", l,
-                  std::string("reason=\"") + to_string(static_cast<Refusal>(r)) + '"',
-                  refusals[r], header);
+                  std::string("reason=\"") + to_string(static_cast<Refusal>(r)) + '"', refusals[r],
+                  header);
     header = false;
   }
   write_gauge(out, p + "_queued", "requests admitted, not yet taken by a replica", l, "", queued,
@@ -154,10 +153,10 @@ void StreamStats::write_openmetrics(std::ostream& out, std::string_view prefix,
   header = true;
   for (const ReplicaStats& r : replicas) {
     for (std::size_t hop = 0; hop < r.ring_depths.size(); ++hop) {
-      write_gauge(out, p + "_ring_depth", "requests waiting between two devices of a replica", l,
-                  "replica=\"" + std::to_string(r.replica) + "\",hop=\"" + std::to_string(hop) +
-                      '"',
-                  r.ring_depths[hop], header);
+      write_gauge(
+          out, p + "_ring_depth", "requests waiting between two devices of a replica", l,
+          "replica=\"" + std::to_string(r.replica) + "\",hop=\"" + std::to_string(hop) + '"',
+          r.ring_depths[hop], header);
       header = false;
     }
   }
@@ -170,8 +169,9 @@ void StreamStats::write_openmetrics(std::ostream& out, std::string_view prefix,
   HistogramSnapshot lat = latency_ns;
   if (lat.highest_trackable() == 0) lat.merge(HistogramSnapshot(detail::kMeterHighestNs));
   lat.write_openmetrics(out, p + "_latency_seconds", "push to answer", labels, 1e9);
-  write_stage_histograms(out, p + "_stage_service_seconds", "time of one call (a request or a batch)",
-                         labels, stages, &StageStats::service_ns, 1e9, false);
+  write_stage_histograms(out, p + "_stage_service_seconds",
+                         "time of one call (a request or a batch)", labels, stages,
+                         &StageStats::service_ns, 1e9, false);
   write_stage_histograms(out, p + "_stage_queue_wait_seconds",
                          "arrival at the stage's device to its call", labels, stages,
                          &StageStats::queue_wait_ns, 1e9, false);
@@ -189,7 +189,8 @@ namespace detail {
 
 std::uint64_t StreamCore::refused_total() const noexcept {
   std::uint64_t n = 0;
-  for (std::size_t i = 1; i < refusals.size(); ++i) n += refusals[i].load(std::memory_order_relaxed);
+  for (std::size_t i = 1; i < refusals.size(); ++i)
+    n += refusals[i].load(std::memory_order_relaxed);
   return n;
 }
 
@@ -267,7 +268,8 @@ StreamStats StreamCore::stats() const {
     s.refusals[i] = refusals[i].load(std::memory_order_relaxed);
   }
   s.accepted = intake != nullptr ? intake->total_accepted() : 0;
-  for (const auto& m : replica_meters) s.accepted += m->infeed_taken.load(std::memory_order_relaxed);
+  for (const auto& m : replica_meters)
+    s.accepted += m->infeed_taken.load(std::memory_order_relaxed);
   s.queued = intake != nullptr ? intake->size() : 0;
   return s;
 }

@@ -898,8 +898,17 @@ TEST_CASE("per-client responses: 4 client threads, each its own, exactly once") 
     const StreamResult r = stream.wait();
     CHECK(r.drained());
     check_clean(tallies);
-    for (const Tally& t : tallies) CHECK(t.ok == per);
-    CHECK(r.answered == per * kClients);
+    U64 accepted = 0;
+    for (const Tally& t : tallies) {
+      // The only refusal allowed: kClientFull, when a request held up on one replica (its
+      // device descheduled on a loaded machine) keeps client_capacity sequence numbers
+      // unanswered while the other replica answers the rest.
+      CHECK(t.refused_total() == t.refused_of(Refusal::kClientFull));
+      CHECK(t.ok == t.accepted);
+      CHECK(t.accepted + t.refused_total() == per);
+      accepted += t.accepted;
+    }
+    CHECK(r.answered == accepted);
   }
 }
 

@@ -238,7 +238,10 @@ class Stream {
                                    (core_->config.capacity + 2 * core_->max_batch + 2);
     responder_->begin(mode, outfeed, window);
     begin_ends(mode);
-    intake_->begin(mode == detail::ServeMode::kSharedOutfeed);
+    const bool reorder = mode == detail::ServeMode::kSharedOutfeed &&
+                         core_->config.ordering == Ordering::kPerProducer;
+    intake_->begin(mode == detail::ServeMode::kSharedOutfeed,
+                   reorder ? responder_->front() : nullptr, responder_->window());
     intake_->open();
     try {
       core_->start(mode, [in = intake_.get(), out = outfeed] {

@@ -81,7 +81,7 @@ class StreamClient {
     if (auto r = take_ready()) return r;
     const auto ready = [&] { return any_ready(); };
     if (until == Deadline::max()) {
-      ring_->arrived.wait(ready, Spin::kYield);
+      ring_->arrived.wait(ready);  // spins (tunables::kSpinBudget), then parks
     } else if (!ring_->arrived.wait_until(ready, until)) {
       return std::nullopt;
     }

@@ -66,9 +66,9 @@ class ItemResult {
 // One stage's figures, over all replicas (Stream::stats()).
 struct StageStats {
   std::string name;
-  std::uint32_t stage = 0;   // index in the chain
-  std::uint32_t device = 0;  // device index within a replica (StreamBuilder's)
-  bool batched = false;      // a batch stage
+  std::uint32_t stage = 0;          // index in the chain
+  std::uint32_t device = 0;         // device index within a replica (StreamBuilder's)
+  bool batched = false;             // a batch stage
   HistogramSnapshot service_ns;     // per call: one request, or one batch
   HistogramSnapshot queue_wait_ns;  // per request: arrival at the stage's device to its call
   HistogramSnapshot batch_size;     // batch stages: requests per call (before padding)
@@ -93,13 +93,13 @@ struct ReplicaStats {
 struct StreamStats {
   std::vector<StageStats> stages;
   std::vector<ReplicaStats> replicas;
-  HistogramSnapshot latency_ns;  // push (or take off the infeed) to answer, every response
-  std::uint64_t accepted = 0;    // requests admitted (or taken off the InfeedQueue)
-  std::uint64_t answered = 0;    // responses delivered, errors included
-  std::uint64_t ok = 0;          // of those, with a value
-  std::array<std::uint64_t, 4> errors{};      // by ErrorKind
-  std::array<std::uint64_t, 7> refusals{};    // StreamClient pushes refused, by Refusal
-  std::size_t queued = 0;                     // admitted, not yet taken by a replica
+  HistogramSnapshot latency_ns;           // push (or take off the infeed) to answer, every response
+  std::uint64_t accepted = 0;             // requests admitted (or taken off the InfeedQueue)
+  std::uint64_t answered = 0;             // responses delivered, errors included
+  std::uint64_t ok = 0;                   // of those, with a value
+  std::array<std::uint64_t, 4> errors{};  // by ErrorKind
+  std::array<std::uint64_t, 7> refusals{};  // StreamClient pushes refused, by Refusal
+  std::size_t queued = 0;                   // admitted, not yet taken by a replica
   std::uint64_t errors_of(ErrorKind k) const noexcept {
     return errors[static_cast<std::size_t>(k)];
   }

@@ -52,8 +52,10 @@ class BatchCostModel {
     if (w_ == 0.0) return 0.0;
     const double den = w_ * snn_ - sn_ * sn_;
     double b = 0.0;
-    if (den > 1e-9 * w_ * snn_) b = std::max(0.0, (w_ * snt_ - sn_ * st_) / den);
-    else if (sn_ > 0.0) return st_ / sn_ * static_cast<double>(n);  // one size only: proportional
+    if (den > 1e-9 * w_ * snn_)
+      b = std::max(0.0, (w_ * snt_ - sn_ * st_) / den);
+    else if (sn_ > 0.0)
+      return st_ / sn_ * static_cast<double>(n);  // one size only: proportional
     const double a = std::max(0.0, (st_ - b * sn_) / w_);
     return a + b * static_cast<double>(n);
   }
@@ -72,7 +74,7 @@ class BatchHead final : public BatchHeadBase {
   BatchHead(F f, BatchConfig config)
       : f_(std::move(f)), config_(std::move(config)), cost_(config_.padded(config_.max_batch)) {
     inputs_.reserve(config_.padded(config_.max_batch));
-    entries_.reserve(2 * config_.max_batch);
+    entries_.reserve(4 * config_.max_batch);
   }
 
   bool collect(Source& source, const WaitPolicy& policy, const StopFlag& stop,
@@ -90,25 +92,30 @@ class BatchHead final : public BatchHeadBase {
       const auto now = StreamClock::now();
       const auto flush_by = flush_time(now);
       if (now >= flush_by) break;
-      // Wait only if the next request is expected before the batch must go.
-      if (config_.deadline_aware && gap_ns_ > 0 &&
-          now + std::chrono::nanoseconds(gap_ns_) > flush_by && !config_.max_delay) {
-        break;
-      }
+      if (config_.deadline_aware && !config_.max_delay && !worth_waiting(now, flush_by)) break;
       if (!source.next_until(item, flush_by, policy, stop)) break;
       add(item);
+    }
+    // Requests that would finish late are answered now; their places go to others waiting.
+    while (config_.deadline_aware && drop_late(StreamClock::now())) {
+      bool added = false;
+      while (live_ < max && entries_.size() < 4 * max && source.try_next(item)) {
+        add(item);
+        added = true;
+      }
+      if (!added) break;
     }
     return true;
   }
 
   void run(StageCtx& ctx) override {
     if (live_ == 0) return;
+    const auto t0 = StreamClock::now();
     const std::size_t n = live_;
     const std::size_t padded = config_.padded(n);
     if constexpr (std::is_default_constructible_v<Cur>) {
       while (inputs_.size() < padded) inputs_.emplace_back();
     }
-    const auto t0 = StreamClock::now();
     StageMeter* meter = timing ? meters[stage] : nullptr;
     if (meter != nullptr) {
       for (const Entry& e : entries_) {
@@ -129,23 +136,27 @@ class BatchHead final : public BatchHeadBase {
     const auto t1 = StreamClock::now();
     cost_.add(inputs_.size(), static_cast<double>((t1 - t0).count()));
     if (meter != nullptr) {
+      const std::size_t full = config_.padded(config_.max_batch);
+      meter->drain_ns.store(
+          static_cast<std::int64_t>(cost_.estimate(full) / static_cast<double>(config_.max_batch)),
+          std::memory_order_relaxed);
       meter->end((t1 - t0).count(), n);
       meter->batch.record(n);
       bump(meter->padded, inputs_.size() - n);
     }
     ctx.t = t1;
     if (!failed && results_.size() < n) {
-      failed = std::make_exception_ptr(Error(
-          "batch stage '" + name + "' returned " + std::to_string(results_.size()) +
-          " result(s) for a batch of " + std::to_string(n) + " request(s)"));
+      failed = std::make_exception_ptr(
+          Error("batch stage '" + name + "' returned " + std::to_string(results_.size()) +
+                " result(s) for a batch of " + std::to_string(n) + " request(s)"));
     }
     for (Entry& e : entries_) {
       if (e.input < 0) continue;
       if (failed) {
-        e.error = make_request_error(ErrorKind::kStageFailed, e.meta, stage, name, device_id,
-                                     "failed in its batch of " + std::to_string(n) + ": " +
-                                         describe_exception(failed),
-                                     failed);
+        e.error = make_request_error(
+            ErrorKind::kStageFailed, e.meta, stage, name, device_id,
+            "failed in its batch of " + std::to_string(n) + ": " + describe_exception(failed),
+            failed);
       } else if constexpr (kFallible) {
         auto& r = results_[static_cast<std::size_t>(e.input)];
         if (!r.ok()) {
@@ -159,6 +170,7 @@ class BatchHead final : public BatchHeadBase {
   std::size_t size() const noexcept override { return entries_.size(); }
   RequestMeta& meta(std::size_t i) override { return entries_[i].meta; }
   std::shared_ptr<const RequestError>& error(std::size_t i) override { return entries_[i].error; }
+  bool live(std::size_t i) const override { return entries_[i].input >= 0; }
   void* output(std::size_t i) override {
     auto& r = results_[static_cast<std::size_t>(entries_[i].input)];
     if constexpr (kFallible) {
@@ -188,8 +200,8 @@ class BatchHead final : public BatchHeadBase {
         e.error = make_request_error(ErrorKind::kCancelled, e.meta, stage, name, device_id,
                                      "was not run: its client cancelled it");
       } else if (e.meta.deadline != kNoDeadline && now > e.meta.deadline) {
-        e.error = make_request_error(ErrorKind::kDeadlineExceeded, e.meta, stage, name,
-                                     device_id, "was not run: its deadline had passed");
+        e.error = make_request_error(ErrorKind::kDeadlineExceeded, e.meta, stage, name, device_id,
+                                     "was not run: its deadline had passed");
       } else if (item.value == nullptr) {
         e.error = make_request_error(
             ErrorKind::kStageFailed, e.meta, stage, name, device_id,
@@ -215,21 +227,74 @@ class BatchHead final : public BatchHeadBase {
     entries_.push_back(std::move(e));
   }
 
+  // Deadline-aware: a request this batch would answer after its deadline (by the measured
+  // service time of the batch and of the later stages) is not run: it is answered
+  // kDeadlineExceeded now, which frees its place for a request that can still make it.
+  // Returns whether any was dropped (then inputs_ holds the others only).
+  bool drop_late(StreamClock::time_point now) {
+    const double service = cost_.estimate(config_.padded(live_));
+    if (service <= 0.0) return false;  // nothing measured yet
+    const auto done = now + std::chrono::nanoseconds(static_cast<std::int64_t>(
+                                service + downstream_ns() + 10'000.0 + service / 8.0));
+    bool dropped = false;
+    for (Entry& e : entries_) {
+      if (e.input < 0 || e.meta.deadline == kNoDeadline || e.meta.deadline >= done) continue;
+      e.error = make_request_error(ErrorKind::kDeadlineExceeded, e.meta, stage, name, device_id,
+                                   "was not run: its batch would have finished after its "
+                                   "deadline");
+      e.input = -2;
+      dropped = true;
+    }
+    if (!dropped) return false;
+    std::vector<Cur> kept;
+    kept.reserve(inputs_.capacity());
+    for (Entry& e : entries_) {
+      if (e.input == -2) {
+        e.input = -1;
+      } else if (e.input >= 0) {
+        kept.push_back(std::move(inputs_[static_cast<std::size_t>(e.input)]));
+        e.input = static_cast<std::ptrdiff_t>(kept.size() - 1);
+      }
+    }
+    inputs_ = std::move(kept);
+    live_ = inputs_.size();
+    return true;
+  }
+
+  double downstream_ns() const {
+    double d = 0;
+    if (meters == nullptr) return d;
+    for (std::uint32_t k = stage + 1; k < stages; ++k) {
+      d += static_cast<double>(meters[k]->per_item_ns.load(std::memory_order_relaxed));
+    }
+    return d;
+  }
+  // Slack kept for the clock, a wake-up and the hand-over to the client.
+  static double guard_ns(double service) { return 20'000.0 + service / 4.0; }
+
+  // Deadline-aware, without a fixed delay: whether waiting for one more request pays. It
+  // does while the batch is too small to keep up with the arrivals with some headroom
+  // (served back to back, batches of this size would keep the device busier than kBusy:
+  // kBusy * live * gap < service(live)), and only if the next request is expected before
+  // the batch must go. Otherwise waiting adds latency and no throughput, so the batch goes now.
+  bool worth_waiting(StreamClock::time_point now, StreamClock::time_point flush_by) const {
+    if (gap_ns_ <= 0) return false;  // no arrival rate measured yet: greedy
+    const double service = cost_.estimate(config_.padded(live_));
+    // Keep up with headroom: at most kBusy of the device's time, or queues grow under the
+    // bursts of random arrivals.
+    constexpr double kBusy = 0.75;
+    if (kBusy * static_cast<double>(live_) * static_cast<double>(gap_ns_) >= service) return false;
+    return now + std::chrono::nanoseconds(gap_ns_) <= flush_by;
+  }
+
   // When the batch being formed must go.
   StreamClock::time_point flush_time(StreamClock::time_point now) const {
     auto t = StreamClock::time_point::max();
     if (config_.max_delay) t = first_arrival_ + *config_.max_delay;
     if (config_.deadline_aware && oldest_deadline_ != kNoDeadline) {
       const double next = cost_.estimate(config_.padded(std::min(live_ + 1, config_.max_batch)));
-      double downstream = 0;
-      if (meters != nullptr) {
-        for (std::uint32_t k = stage + 1; k < stages; ++k) {
-          downstream += static_cast<double>(meters[k]->per_item_ns.load(std::memory_order_relaxed));
-        }
-      }
-      const double guard = 10'000.0 + next / 8.0;  // clock and wake-up slack
-      const auto by =
-          oldest_deadline_ - std::chrono::nanoseconds(static_cast<std::int64_t>(next + downstream + guard));
+      const auto by = oldest_deadline_ - std::chrono::nanoseconds(static_cast<std::int64_t>(
+                                             next + downstream_ns() + guard_ns(next)));
       t = std::min(t, by);
     }
     return t == StreamClock::time_point::max() ? now : t;

@@ -73,8 +73,8 @@ class StreamCore {
   // After a stopped StreamClient run: answers what a ring still holds.
   std::vector<std::function<void(Answerer&, const StopFlag&)>> ring_cancels;
   std::vector<std::vector<std::function<std::size_t()>>> ring_depths;  // per replica
-  std::vector<std::unique_ptr<StageMeter>> stage_meters;  // replica * stages + stage
-  std::vector<StageMeter*> meter_ptrs;                    // the same
+  std::vector<std::unique_ptr<StageMeter>> stage_meters;               // replica * stages + stage
+  std::vector<StageMeter*> meter_ptrs;                                 // the same
   std::vector<std::unique_ptr<ReplicaMeter>> replica_meters;
   IntakeBase* intake = nullptr;
   Answerer* answerer = nullptr;
@@ -108,10 +108,11 @@ class StreamCore {
   std::uint64_t refused_total() const noexcept;
   StreamStats stats() const;
 
-  // Per-request estimates for admission (0 until measured): the bottleneck stage's time per
-  // request, and the time from a replica's take to the answer.
+  // Estimates for admission, from the stages' measured calls (0 until measured): the
+  // bottleneck stage's time per request while requests queue up, and a request's own path
+  // once taken (one call of each stage, plus the rest of a call in progress).
   std::int64_t per_request_ns() const noexcept;
-  std::int64_t chain_ns() const noexcept;
+  std::int64_t path_ns() const noexcept;
   std::uint32_t live_replicas() const noexcept;
 
  private:

@@ -48,14 +48,12 @@ class Intake final : public IntakeBase {
           return refuse(s, r, &lock);
         }
         lock.unlock();
-        not_full_.wait([&] {
-          return count_.load(std::memory_order_seq_cst) < capacity_ ||
-                 !open_flag_.load(std::memory_order_seq_cst);
-        });
+        not_full_.wait([&] { return has_room() || !open_flag_.load(std::memory_order_seq_cst); });
         lock.lock();
       }
       Envelope<In>& e = buf_[(head_ + size_) % capacity_];
-      e.meta = RequestMeta{s.id, deadline, now, now, {}, &client, order_++};
+      e.meta = RequestMeta{s.id, deadline, now, now, &client, order_++};
+      order_flag_.store(order_, std::memory_order_seq_cst);
       e.value.emplace(std::move(value));
       e.error.reset();
       ++size_;
@@ -130,12 +128,11 @@ class Intake final : public IntakeBase {
     for (;;) {
       Envelope<In> e;
       if (!try_take(e)) return;
-      answerer.answer_error(e.meta,
-                            make_request_error(ErrorKind::kCancelled, e.meta, 0,
-                                               core_->stage_names.front(),
-                                               core_->devices[0].id(),
-                                               "was not run: the stream was cancelled"),
-                            &stop);
+      answerer.answer_error(
+          e.meta,
+          make_request_error(ErrorKind::kCancelled, e.meta, 0, core_->stage_names.front(),
+                             core_->devices[0].id(), "was not run: the stream was cancelled"),
+          &stop);
     }
   }
   void wake() noexcept override {
@@ -151,7 +148,13 @@ class Intake final : public IntakeBase {
   }
   bool is_open() const noexcept override { return open_flag_.load(std::memory_order_seq_cst); }
   // Host thread, before a run: the run's count starts at 0; where its responses go.
-  void begin(bool to_outfeed) noexcept {
+  // `front`/`window`: an in-order shared outfeed's reorder window (nullptr otherwise).
+  void begin(bool to_outfeed, const std::atomic<std::uint64_t>* front, std::size_t window) {
+    std::lock_guard lock(mutex_);
+    front_ = front;
+    window_ = window;
+    order_ = 0;  // the Responder's window starts at 0 too
+    order_flag_.store(0, std::memory_order_relaxed);
     accepted_.store(0, std::memory_order_relaxed);
     to_outfeed_.store(to_outfeed, std::memory_order_relaxed);
   }
@@ -165,11 +168,14 @@ class Intake final : public IntakeBase {
                 std::optional<RequestMeta>& victim) {
     const Admission& a = core_->config.admission;
     const std::int64_t per = core_->per_request_ns();
-    if (a.predict && deadline != kNoDeadline && per > 0) {
+    // Only with a queue ahead: an empty queue admits, so the stages keep measuring (a
+    // prediction that refused everything would never learn that the stream got faster).
+    if (a.predict && deadline != kNoDeadline && per > 0 && size_ > 0) {
       const std::int64_t ahead = static_cast<std::int64_t>(size_) / core_->live_replicas();
-      const auto done = now + std::chrono::nanoseconds(ahead * per + core_->chain_ns());
+      const auto done = now + std::chrono::nanoseconds(ahead * per + core_->path_ns());
       if (done > deadline) return Refusal::kDeadlineUnreachable;
     }
+    if (!window_room()) return Refusal::kQueueFull;
     if (size_ < capacity_) return Refusal::kNone;
     if (a.policy != AdmissionPolicy::kShed) return Refusal::kQueueFull;
     // The least slack: the earliest deadline less the work ahead of it.
@@ -197,6 +203,16 @@ class Intake final : public IntakeBase {
     return Refusal::kNone;
   }
 
+  // Whether the reorder window (if any) has room for one more admission order.
+  bool window_room() const noexcept {
+    return front_ == nullptr ||
+           order_flag_.load(std::memory_order_seq_cst) - front_->load(std::memory_order_seq_cst) <
+               window_;
+  }
+  bool has_room() const noexcept {
+    return count_.load(std::memory_order_seq_cst) < capacity_ && window_room();
+  }
+
   Submission refuse(Submission s, Refusal r, std::unique_lock<std::mutex>* lock = nullptr) {
     if (lock != nullptr) lock->unlock();
     s.refusal = r;
@@ -214,6 +230,9 @@ class Intake final : public IntakeBase {
   bool open_ = false;
   std::atomic<bool> open_flag_{false};
   std::atomic<bool> to_outfeed_{false};
+  const std::atomic<std::uint64_t>* front_ = nullptr;  // set by begin(), under mutex_
+  std::size_t window_ = 0;
+  std::atomic<std::uint64_t> order_flag_{0};  // order_, for waiters
   std::atomic<std::size_t> count_{0};
   std::atomic<std::uint64_t> accepted_{0}, total_{0};  // written under mutex_
   WaitPoint not_empty_, not_full_;
@@ -225,7 +244,9 @@ template <class In>
 class FirstSource final : public Source {
  public:
   FirstSource(Intake<In>& intake, std::uint32_t replica) : intake_(intake), replica_(replica) {}
-  void attach(typename InfeedQueue<Request<In>>::Reader reader) { reader_.emplace(std::move(reader)); }
+  void attach(typename InfeedQueue<Request<In>>::Reader reader) {
+    reader_.emplace(std::move(reader));
+  }
   void detach() { reader_.reset(); }
   // Host thread, at start.
   void begin(ServeMode mode, ReplicaMeter* meter, bool timing) {
@@ -267,14 +288,13 @@ class FirstSource final : public Source {
  private:
   void take_request(Item& out) {
     const auto now = timing_ ? StreamClock::now() : StreamClock::time_point{};
-    out.meta = RequestMeta{request_.id, request_.deadline, now, now, now, nullptr, 0};
+    out.meta = RequestMeta{request_.id, request_.deadline, now, now, nullptr, 0};
     out.value = request_.value ? &*request_.value : nullptr;
     out.error.reset();
     counted();
   }
   void take_envelope(Item& out) {
     out.meta = env_.meta;
-    if (timing_) out.meta.taken = StreamClock::now();
     out.value = &*env_.value;
     out.error.reset();
     counted();
@@ -331,7 +351,6 @@ class LastSink final : public Sink<Out> {
       if (timing_) {
         const std::int64_t ns = r.latency.count();
         meter_->latency.record(static_cast<std::uint64_t>(ns > 0 ? ns : 0));
-        ewma(meter_->chain_ns, (now - e.meta.taken).count());
       }
     }
     if (r.error) {

@@ -60,7 +60,6 @@ struct RequestMeta {
   Deadline deadline = kNoDeadline;
   StreamClock::time_point arrival{};   // the latency's origin: push, or take off the infeed
   StreamClock::time_point enqueued{};  // arrival at the current device (queue wait's origin)
-  StreamClock::time_point taken{};     // taken by a replica (the in-chain time's origin)
   ClientCore* client = nullptr;        // a StreamClient's request; nullptr on the infeed path
   std::uint64_t order = 0;             // admission order (the shared outfeed keeps it)
 };
@@ -100,6 +99,9 @@ struct StageMeter {
   std::atomic<std::uint64_t> busy_sequence{0};
   std::atomic<std::int64_t> per_item_ns{0};  // EWMA of a call's time per request
   std::atomic<std::int64_t> call_ns{0};      // EWMA of a call's time
+  // Time per request while requests queue up (a batch stage: a full batch's per request;
+  // 0: as per_item_ns). What admission control predicts a queue's wait from.
+  std::atomic<std::int64_t> drain_ns{0};
 
   // Device thread: a call on `id` starts at `t`.
   void begin(StreamClock::time_point t, const RequestId& id) noexcept {
@@ -125,8 +127,7 @@ struct ReplicaMeter {
   std::atomic<std::uint64_t> taken{0}, answered{0}, ok{0};
   std::atomic<std::uint64_t> infeed_taken{0};  // of `taken`, off an InfeedQueue
   std::atomic<std::uint64_t> errors[4] = {};
-  std::atomic<std::int64_t> chain_ns{0};  // EWMA: taken to answered
-  std::atomic<bool> stalled{false};       // the monitor's
+  std::atomic<bool> stalled{false};  // the monitor's
   std::atomic<bool> failed{false};
 };
 

@@ -83,6 +83,7 @@ class Responder final : public Answerer, public RunEnds {
       std::lock_guard lock(stats_mutex_);
       run_delivered_ = run_errors_ = 0;
     }
+    front_.store(0, std::memory_order_relaxed);
     if (mode == ServeMode::kSharedOutfeed) {
       window_.clear();
       window_.resize(std::bit_ceil(window));
@@ -90,6 +91,12 @@ class Responder final : public Answerer, public RunEnds {
       writer_.emplace(std::move(writers.front()));
     }
   }
+  // The oldest admission order not yet written (shared outfeed, in order), and the room for
+  // orders past it: admission keeps within it, so a replica held up (descheduled) cannot
+  // let the others run past the reorder window.
+  const std::atomic<std::uint64_t>* front() const noexcept { return &front_; }
+  std::size_t window() const noexcept { return window_.size(); }
+
   // Host thread: a run that never started lets go of the outfeed.
   void abandon() {
     if (writer_) writer_->finish(false);
@@ -103,6 +110,7 @@ class Responder final : public Answerer, public RunEnds {
       return true;
     }
     bool ok = true;
+    bool advanced = false;
     {
       std::lock_guard lock(mutex_);
       if (core_.config.ordering == Ordering::kNone) {
@@ -119,8 +127,11 @@ class Responder final : public Answerer, public RunEnds {
           w.reset();
           ++next_;
         }
+        front_.store(next_, std::memory_order_seq_cst);
+        advanced = true;
       }
     }
+    if (advanced) core_.intake->wake();  // a push waiting for the window's room
     m.client->delivered.fetch_add(1, std::memory_order_seq_cst);
     m.client->arrived.notify();
     return ok;
@@ -135,7 +146,8 @@ class Responder final : public Answerer, public RunEnds {
     r.error = std::move(error);
     {
       std::lock_guard lock(stats_mutex_);
-      direct_latency_.record(static_cast<std::uint64_t>(std::max<std::int64_t>(0, r.latency.count())));
+      direct_latency_.record(
+          static_cast<std::uint64_t>(std::max<std::int64_t>(0, r.latency.count())));
       bump(direct_answered_);
       bump(direct_errors_[kind]);
       ++run_delivered_;
@@ -165,7 +177,8 @@ class Responder final : public Answerer, public RunEnds {
     std::lock_guard lock(stats_mutex_);
     s.latency_ns.merge(direct_latency_.snapshot());
     s.answered += direct_answered_.load(std::memory_order_relaxed);
-    for (std::size_t k = 0; k < 4; ++k) s.errors[k] += direct_errors_[k].load(std::memory_order_relaxed);
+    for (std::size_t k = 0; k < 4; ++k)
+      s.errors[k] += direct_errors_[k].load(std::memory_order_relaxed);
   }
 
   // Setup: a new client's ring, kept until the stream and the client are both done with it.
@@ -190,6 +203,7 @@ class Responder final : public Answerer, public RunEnds {
   std::mutex mutex_;
   std::vector<std::optional<Response<Out>>> window_;
   std::uint64_t next_ = 0, written_ = 0;
+  std::atomic<std::uint64_t> front_{0};  // next_, for admission
   std::optional<typename OutfeedQueue<Response<Out>>::Writer> writer_;
   mutable std::mutex stats_mutex_;
   Histogram direct_latency_;

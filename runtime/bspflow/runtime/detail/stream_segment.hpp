@@ -234,7 +234,8 @@ class BatchHeadBase {
   virtual RequestMeta& meta(std::size_t i) = 0;
   // The entry's error (an earlier stage's, a cancel, an expiry, or this stage's failure).
   virtual std::shared_ptr<const RequestError>& error(std::size_t i) = 0;
-  virtual void* output(std::size_t i) = 0;  // valid when !error(i)
+  virtual void* output(std::size_t i) = 0;     // valid when !error(i)
+  virtual bool live(std::size_t i) const = 0;  // entry i is (or was) in the batch run
   virtual void clear() = 0;
   std::uint32_t stage = 0;  // the batch stage's index
   std::string name;
@@ -333,10 +334,20 @@ class Segment final : public SegmentBase {
     for (;;) {
       if (stop.requested()) return false;
       if (!batch_->collect(source_, policy, stop, before_wait)) return !stop.requested();
+      const std::size_t n = batch_->size();
+      if (answerer != nullptr) {
+        // StreamClient requests that will not run (expired, cancelled, would finish late,
+        // failed earlier) are answered now, not after the batch: their clients learn at once.
+        for (std::size_t i = 0; i < n; ++i) {
+          if (batch_->error(i) != nullptr && batch_->meta(i).client != nullptr) {
+            answerer->answer_error(batch_->meta(i), std::move(batch_->error(i)), &stop);
+          }
+        }
+      }
       StageCtx ctx{nullptr, meters, timing, {}};
       batch_->run(ctx);
-      const std::size_t n = batch_->size();
       for (std::size_t i = 0; i < n; ++i) {
+        if (batch_->error(i) == nullptr && !batch_->live(i)) continue;  // answered above
         out_.meta = batch_->meta(i);
         out_.error = std::move(batch_->error(i));
         out_.value.reset();
@@ -345,7 +356,9 @@ class Segment final : public SegmentBase {
           if (!apply(batch_->output(i), ctx, out_.meta.id, batch_->stage + 1, on_error, state)) {
             answer_held(out_.meta, out_.error, first_stage, stop);
             for (std::size_t k = i + 1; k < n; ++k) {
-              answer_held(batch_->meta(k), batch_->error(k), first_stage, stop);
+              if (batch_->error(k) != nullptr || batch_->live(k)) {
+                answer_held(batch_->meta(k), batch_->error(k), first_stage, stop);
+              }
             }
             batch_->clear();
             return false;
@@ -354,7 +367,9 @@ class Segment final : public SegmentBase {
         }
         if (!put(stop, policy)) {
           for (std::size_t k = i + 1; k < n; ++k) {
-            answer_held(batch_->meta(k), batch_->error(k), first_stage, stop);
+            if (batch_->error(k) != nullptr || batch_->live(k)) {
+              answer_held(batch_->meta(k), batch_->error(k), first_stage, stop);
+            }
           }
           batch_->clear();
           return false;
