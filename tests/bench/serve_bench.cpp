@@ -294,9 +294,10 @@ struct OpenLoop {
   std::uint64_t ok = 0;        // answered with a value
   std::uint64_t on_time = 0;   // answered with a value within the deadline
   std::uint64_t lost = 0;      // admitted and never answered, or never sent (client behind)
-  std::array<std::uint64_t, 4> errors{};  // by ErrorKind
-  std::vector<double> ok_ns;              // latency of each answer with a value
-  std::vector<double> admitted_ns;        // latency of each admitted request's answer; lost: inf
+  std::array<std::uint64_t, 4> errors{};      // by ErrorKind
+  std::array<std::uint64_t, 7> refused_by{};  // by Refusal
+  std::vector<double> ok_ns;                  // latency of each answer with a value
+  std::vector<double> admitted_ns;  // latency of each admitted request's answer; lost: inf
 };
 
 // Sends `at` (see poisson_arrivals) through a started `stream` with deadline D each, pops
@@ -349,6 +350,7 @@ OpenLoop open_loop(Server& stream, const std::vector<std::int64_t>& at, ns deadl
         } else {
           fate[i] = Fate::kRefused;
           ++r.refused;
+          ++r.refused_by[static_cast<std::size_t>(s.refusal)];
         }
         ++i;
       }
@@ -622,6 +624,7 @@ int main(int argc, char** argv) {
       std::array<std::array<std::uint64_t, kContenders>, kLoads.size()> on_time{};
       std::array<std::vector<double>, kLoads.size()> ok_lat;             // deadline-aware, by load
       std::array<std::uint64_t, kLoads.size()> da_sent{}, da_refused{};  // deadline-aware
+      std::array<std::array<std::uint64_t, 7>, kLoads.size()> da_refused_by{};
       OpenLoop overload[2];  // 130%, deadline-aware: kReject, kShed (pooled over rounds)
       auto pool = [](OpenLoop& into, OpenLoop&& r) {
         into.sent += r.sent;
@@ -649,6 +652,7 @@ int main(int argc, char** argv) {
             if (c == 0) {
               da_sent[l] += r.sent;
               da_refused[l] += r.refused;
+              for (std::size_t k = 0; k < 7; ++k) da_refused_by[l][k] += r.refused_by[k];
               ok_lat[l].insert(ok_lat[l].end(), r.ok_ns.begin(), r.ok_ns.end());
               if (kLoads[l] == 130) pool(overload[0], std::move(r));
             }
@@ -675,6 +679,12 @@ int main(int argc, char** argv) {
         report.figure("serve_goodput_" + load + "_best_fixed_delay_us",
                       static_cast<double>(delays[best - 1].count()) / 1e3);
         report.figure("serve_p99_" + load + "_us", bench::quantile(ok_lat[l], 0.99) / 1e3);
+        for (std::size_t k = 1; k < 7; ++k) {  // which refusals, by reason (0 left out)
+          if (da_refused_by[l][k] == 0) continue;
+          report.figure(
+              "serve_refused_" + std::string(to_string(static_cast<Refusal>(k))) + "_" + load,
+              static_cast<double>(da_refused_by[l][k]));
+        }
         report.figure("serve_refused_fraction_" + load,
                       da_sent[l]
                           ? static_cast<double>(da_refused[l]) / static_cast<double>(da_sent[l])
