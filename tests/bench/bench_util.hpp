@@ -15,6 +15,7 @@
 
 #include <CLI/CLI.hpp>
 #include <bspflow/base/detail/wait.hpp>  // cpu_relax
+#include <bspflow/devices/device.hpp>    // DeviceConfig
 #include <bspflow/devices/topology.hpp>
 #include <nlohmann/json.hpp>
 
@@ -34,6 +35,18 @@ using Clock = std::chrono::steady_clock;
 
 inline double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Devices that keep off core 0, where the benchmark's client thread runs (pin_host()).
+inline bspflow::DeviceConfig devices_off_core0() {
+  bspflow::DeviceConfig c;
+  if (bspflow::Topology::get().cores() >= 2) c.host_cores = {0};
+  return c;
+}
+
+// Pins the calling (client) thread to core 0 when hwloc can.
+inline void pin_host() {
+  if (bspflow::Topology::get().has_hwloc()) bspflow::Topology::get().pin_current_thread(0);
 }
 
 // Busy work: spins on the clock for `d` (the same work for every contender).

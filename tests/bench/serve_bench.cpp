@@ -113,15 +113,8 @@ ns to_ns(double seconds) {
   return std::chrono::duration_cast<ns>(std::chrono::duration<double>(seconds));
 }
 
-DeviceConfig devices_off_core0() {
-  DeviceConfig c;
-  if (Topology::get().cores() >= 2) c.host_cores = {0};
-  return c;
-}
-
-void pin_host() {
-  if (Topology::get().has_hwloc()) Topology::get().pin_current_thread(0);
-}
+using bench::devices_off_core0;
+using bench::pin_host;
 
 // Ends the process if a phase outlives `limit`: first calls `on_late` (cancel the stream),
 // then, `limit` later, prints what hung and exits 2. A benchmark must never hang.

@@ -60,15 +60,8 @@ std::int64_t now_ns() {
       .count();
 }
 
-DeviceConfig devices_off_core0() {
-  DeviceConfig c;
-  if (Topology::get().cores() >= 2) c.host_cores = {0};
-  return c;
-}
-
-void pin_host() {
-  if (Topology::get().has_hwloc()) Topology::get().pin_current_thread(0);
-}
+using bench::devices_off_core0;
+using bench::pin_host;
 
 // ---- the hand-written reference: N pinned threads joined by minimal SPSC rings ----
 
