@@ -50,7 +50,7 @@ class StreamBuilder {
     intake_ = std::make_shared<detail::Intake<In>>(*core_);
     core_->intake = intake_.get();
     for (std::uint32_t r = 0; r < core_->replicas; ++r) {
-      auto source = std::make_shared<detail::FirstSource<In>>(*intake_, r);
+      auto source = std::make_shared<detail::FirstSource<In>>(*intake_);
       sources_.push_back(source.get());
       lanes_.emplace_back();
       lanes_.back().source = source.get();

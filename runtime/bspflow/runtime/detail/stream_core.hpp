@@ -41,7 +41,6 @@ class IntakeBase {
   virtual std::size_t size() const noexcept = 0;
   virtual std::uint64_t accepted() const noexcept = 0;        // this run
   virtual std::uint64_t total_accepted() const noexcept = 0;  // since the stream was built
-  virtual bool is_open() const noexcept = 0;
 };
 
 // The typed ends of a run, untyped for the core.

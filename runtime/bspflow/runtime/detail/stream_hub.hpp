@@ -146,7 +146,6 @@ class Intake final : public IntakeBase {
   std::uint64_t total_accepted() const noexcept override {
     return total_.load(std::memory_order_relaxed);
   }
-  bool is_open() const noexcept override { return open_flag_.load(std::memory_order_seq_cst); }
   // Host thread, before a run: the run's count starts at 0; where its responses go.
   // `front`/`window`: an in-order shared outfeed's reorder window (nullptr otherwise).
   void begin(bool to_outfeed, const std::atomic<std::uint64_t>* front, std::size_t window) {
@@ -243,7 +242,7 @@ class Intake final : public IntakeBase {
 template <class In>
 class FirstSource final : public Source {
  public:
-  FirstSource(Intake<In>& intake, std::uint32_t replica) : intake_(intake), replica_(replica) {}
+  explicit FirstSource(Intake<In>& intake) : intake_(intake) {}
   void attach(typename InfeedQueue<Request<In>>::Reader reader) {
     reader_.emplace(std::move(reader));
   }
@@ -306,7 +305,6 @@ class FirstSource final : public Source {
   }
 
   Intake<In>& intake_;
-  std::uint32_t replica_;
   ServeMode mode_ = ServeMode::kInfeed;
   ReplicaMeter* meter_ = nullptr;
   bool timing_ = false;

@@ -269,9 +269,6 @@ class SegmentBase {
   // (a fail-fast failure), else kCancelled. Nothing on the infeed path.
   void answer_held(const RequestMeta& meta, std::shared_ptr<const RequestError> error,
                    std::uint32_t stage, const StopFlag& stop);
-  void answer_cancelled(const RequestMeta& meta, std::uint32_t stage, const StopFlag& stop) {
-    answer_held(meta, nullptr, stage, stop);
-  }
 };
 
 template <class B>
