@@ -1,5 +1,6 @@
 // The base room's waiting: spin_until's budget, a WaitPoint that parks and is woken, a
-// timed wait that gives up (bspflow/base/detail/wait.hpp).
+// timed wait that gives up, and one that is woken before its deadline
+// (bspflow/base/detail/wait.hpp).
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -45,6 +46,27 @@ TEST_CASE("wait_until gives up at the deadline and reports readiness") {
   CHECK_FALSE(point.wait_until([] { return false; }, t0 + 3ms));
   CHECK(std::chrono::steady_clock::now() - t0 >= 3ms);
   CHECK(point.wait_until([] { return true; }, t0));
+}
+
+TEST_CASE("a timed wait parks and is woken by notify before its deadline") {
+  for (Spin mode : {Spin::kTight, Spin::kYield}) {
+    WaitPoint point;
+    std::atomic<int> state{0};
+    bool got = false;
+    std::thread waiter([&] {
+      // A deadline far away: it returns because it was woken, not because time ran out.
+      got = point.wait_until([&] { return state.load(std::memory_order_seq_cst) == 1; },
+                             std::chrono::steady_clock::now() + 60s, mode, 1us);
+      state.store(2, std::memory_order_seq_cst);
+    });
+    std::this_thread::sleep_for(5ms);
+    CHECK(state.load() == 0);  // parked (or spinning), not returned
+    state.store(1, std::memory_order_seq_cst);
+    point.notify();
+    waiter.join();
+    CHECK(got);
+    CHECK(state.load() == 2);
+  }
 }
 
 TEST_CASE("a stop flag is seen once set") {

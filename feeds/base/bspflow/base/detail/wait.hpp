@@ -1,16 +1,28 @@
 // Spin-then-park waiting, shared by every queue and by run completion.
 //
 // A waiter spins for tunables::kSpinBudget with a CPU pause hint, then parks on a futex
-// (std::atomic<uint32_t>::wait). A notifier pays one load when nobody is parked (after a
+// (on Linux the futex system call itself, so a park can also time out; elsewhere
+// std::atomic<uint32_t>::wait, and a timed wait polls). A notifier pays one load when nobody
+// is parked (after a
 // seq_cst change, or a light fence for notify_light()), and a futex wake when somebody is. Spinning
 // alone would livelock when threads outnumber cores (4 emulated devices on 2 cores); parking alone
 // would add tens of microseconds to every hand-off.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <thread>
+
+#if defined(__linux__)
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <climits>
+#endif
 
 #include "bspflow/base/detail/fence.hpp"
 #include "bspflow/base/spin.hpp"
@@ -57,6 +69,23 @@ bool spin_until(Ready&& ready, Spin mode = Spin::kTight,
 // Which notifies a wait must pair with: notify() only, or notify_light() too.
 enum class Fence { kSymmetric, kAsymmetric };
 
+#if defined(__linux__)
+// The futex word of a std::atomic<uint32_t> (same size and representation, lock-free).
+static_assert(sizeof(std::atomic<std::uint32_t>) == sizeof(std::uint32_t) &&
+              std::atomic<std::uint32_t>::is_always_lock_free);
+// Parks while `word` holds `seen`, at most `rel` (nullptr: no limit). Returns early on a wake,
+// a signal, or if the word changed first.
+inline void futex_wait(std::atomic<std::uint32_t>& word, std::uint32_t seen,
+                       const timespec* rel) noexcept {
+  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAIT_PRIVATE, seen, rel,
+          nullptr, 0);
+}
+inline void futex_wake_all(std::atomic<std::uint32_t>& word) noexcept {
+  syscall(SYS_futex, reinterpret_cast<std::uint32_t*>(&word), FUTEX_WAKE_PRIVATE, INT_MAX, nullptr,
+          nullptr, 0);
+}
+#endif
+
 // One parking spot. Waiters call wait(ready); whoever changes what ready() reads calls
 // notify() afterwards. Correct for any number of waiters and notifiers.
 class alignas(tunables::kCacheLine) WaitPoint {
@@ -93,18 +122,44 @@ class alignas(tunables::kCacheLine) WaitPoint {
     for (;;) {
       const std::uint32_t seen = epoch_.load(std::memory_order_acquire);
       if (ready()) break;
+#if defined(__linux__)
+      futex_wait(epoch_, seen, nullptr);
+#else
       epoch_.wait(seen, std::memory_order_acquire);
+#endif
     }
     // relaxed: only a hint for notifiers; a stale non-zero costs one spurious wake.
     waiters_.fetch_sub(1, std::memory_order_relaxed);
   }
 
-  // Like wait(), but gives up at `deadline`. Returns ready().
+  // Like wait(), but gives up at `deadline`. Returns ready(). Symmetric fences only.
   template <class Ready, class Clock, class Duration>
-  bool wait_until(Ready&& ready, std::chrono::time_point<Clock, Duration> deadline) {
-    if (spin_until(ready)) return true;
-    // Parking with a timeout: libstdc++'s atomic wait has no timed form, so poll with a
-    // short sleep that doubles up to 1 ms. Only used by host-side timed waits.
+  bool wait_until(Ready&& ready, std::chrono::time_point<Clock, Duration> deadline,
+                  Spin mode = Spin::kTight,
+                  std::chrono::nanoseconds budget = tunables::kSpinBudget) {
+    const auto left = [&] {
+      return std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - Clock::now());
+    };
+    if (spin_until(ready, mode, std::min(budget, std::max(left(), std::chrono::nanoseconds{0}))))
+      return true;
+#if defined(__linux__)
+    waiters_.fetch_add(1, std::memory_order_seq_cst);
+    bool got = false;
+    for (;;) {
+      const std::uint32_t seen = epoch_.load(std::memory_order_acquire);
+      if ((got = ready())) break;
+      const auto ns = left().count();
+      if (ns <= 0) break;
+      timespec rel{};
+      rel.tv_sec = static_cast<time_t>(ns / 1'000'000'000);
+      rel.tv_nsec = static_cast<long>(ns % 1'000'000'000);
+      futex_wait(epoch_, seen, &rel);
+    }
+    waiters_.fetch_sub(1, std::memory_order_relaxed);  // relaxed: as in wait()
+    return got;
+#else
+    // libstdc++'s atomic wait has no timed form: poll with a short sleep that doubles up to
+    // 1 ms.
     auto nap = std::chrono::microseconds(50);
     while (!ready()) {
       if (Clock::now() >= deadline) return ready();
@@ -112,13 +167,18 @@ class alignas(tunables::kCacheLine) WaitPoint {
       if (nap < std::chrono::milliseconds(1)) nap *= 2;
     }
     return true;
+#endif
   }
 
  private:
   // Wakes every parked waiter.
   void wake() noexcept {
     epoch_.fetch_add(1, std::memory_order_release);
+#if defined(__linux__)
+    futex_wake_all(epoch_);
+#else
     epoch_.notify_all();
+#endif
   }
 
   std::atomic<std::uint32_t> epoch_{0};
