@@ -32,13 +32,23 @@ struct BatchElement<ItemResult<T>> {
 };
 
 // The stage's service time per (padded) batch size: an EWMA per size seen, and a straight
-// line a + b*n fitted to all of them (exponentially forgotten) for sizes not seen yet.
+// line a + b*n fitted to all of them (exponentially forgotten) for sizes not seen lately.
+// Robust to outliers: a sample above twice the current estimate for its size counts as twice
+// the estimate (a preempted call on a VM takes milliseconds; taken at face value it would
+// make the stage drop and refuse what it can serve). A size not measured in the last
+// kFresh batches is estimated from the line: its own figure may be from another regime, and
+// while admission keeps batches small a large size would never be measured again.
 class BatchCostModel {
  public:
-  explicit BatchCostModel(std::size_t max_size) : per_size_(max_size + 1, 0.0) {}
+  static constexpr std::uint64_t kFresh = 64;
+  explicit BatchCostModel(std::size_t max_size) : per_size_(max_size + 1) {}
   void add(std::size_t n, double ns) {
-    double& e = per_size_[n];
-    e = e == 0.0 ? ns : e + (ns - e) / 8.0;
+    const double ref = estimate(n);
+    if (ref > 0.0) ns = std::min(ns, 2.0 * ref);
+    ++batches_;
+    Size& e = per_size_[n];
+    e.ns = e.ns == 0.0 || batches_ - e.at > kFresh ? ns : e.ns + (ns - e.ns) / 8.0;
+    e.at = batches_;
     constexpr double kKeep = 0.98;
     w_ = w_ * kKeep + 1.0;
     sn_ = sn_ * kKeep + static_cast<double>(n);
@@ -48,7 +58,10 @@ class BatchCostModel {
   }
   // Nanoseconds for a batch of n (0 until anything was measured).
   double estimate(std::size_t n) const {
-    if (n < per_size_.size() && per_size_[n] > 0.0) return per_size_[n];
+    if (n < per_size_.size()) {
+      const Size& e = per_size_[n];
+      if (e.ns > 0.0 && batches_ - e.at <= kFresh) return e.ns;
+    }
     if (w_ == 0.0) return 0.0;
     const double den = w_ * snn_ - sn_ * sn_;
     double b = 0.0;
@@ -61,7 +74,12 @@ class BatchCostModel {
   }
 
  private:
-  std::vector<double> per_size_;
+  struct Size {
+    double ns = 0.0;       // EWMA of this size's calls (0: none yet)
+    std::uint64_t at = 0;  // batches_ when last measured
+  };
+  std::vector<Size> per_size_;
+  std::uint64_t batches_ = 0;
   double w_ = 0, sn_ = 0, st_ = 0, snn_ = 0, snt_ = 0;
 };
 
@@ -229,13 +247,16 @@ class BatchHead final : public BatchHeadBase {
 
   // Deadline-aware: a request this batch would answer after its deadline (by the measured
   // service time of the batch and of the later stages) is not run: it is answered
-  // kDeadlineExceeded now, which frees its place for a request that can still make it.
-  // Returns whether any was dropped (then inputs_ holds the others only).
+  // kDeadlineExceeded now, which frees its place for a request that can still make it. The
+  // estimate is a typical call's, with no margin: a request dropped on a pessimistic guess
+  // is a sure loss, one run on an optimistic one may still make it, and the answers that do
+  // come late tell admission control to queue less (Intake::learn_from_late). Returns
+  // whether any was dropped (then inputs_ holds the others only).
   bool drop_late(StreamClock::time_point now) {
     const double service = cost_.estimate(config_.padded(live_));
     if (service <= 0.0) return false;  // nothing measured yet
-    const auto done = now + std::chrono::nanoseconds(static_cast<std::int64_t>(
-                                service + downstream_ns() + 10'000.0 + service / 8.0));
+    const auto done =
+        now + std::chrono::nanoseconds(static_cast<std::int64_t>(service + downstream_ns()));
     bool dropped = false;
     for (Entry& e : entries_) {
       if (e.input < 0 || e.meta.deadline == kNoDeadline || e.meta.deadline >= done) continue;

@@ -170,8 +170,11 @@ class Intake final : public IntakeBase {
     // Only with a queue ahead: an empty queue admits, so the stages keep measuring (a
     // prediction that refused everything would never learn that the stream got faster).
     if (a.predict && deadline != kNoDeadline && per > 0 && size_ > 0) {
+      learn_from_late();
       const std::int64_t ahead = static_cast<std::int64_t>(size_) / core_->live_replicas();
-      const auto done = now + std::chrono::nanoseconds(ahead * per + core_->path_ns());
+      const auto wait =
+          static_cast<double>(ahead * per + core_->path_ns()) * (1.0 + late_feedback_.slack());
+      const auto done = now + std::chrono::nanoseconds(static_cast<std::int64_t>(wait));
       if (done > deadline) return Refusal::kDeadlineUnreachable;
     }
     if (!window_room()) return Refusal::kQueueFull;
@@ -200,6 +203,16 @@ class Intake final : public IntakeBase {
     buf_[(head_ + size_ - 1) % capacity_].value.reset();
     --size_;
     return Refusal::kNone;
+  }
+
+  // Under the lock: admission's feedback from the answers so far (LateFeedback).
+  void learn_from_late() noexcept {
+    std::uint64_t timed = 0, late = 0;
+    for (const auto& m : core_->replica_meters) {
+      timed += m->timed.load(std::memory_order_relaxed);
+      late += m->late.load(std::memory_order_relaxed);
+    }
+    late_feedback_.update(timed, late);
   }
 
   // Whether the reorder window (if any) has room for one more admission order.
@@ -234,6 +247,7 @@ class Intake final : public IntakeBase {
   std::atomic<std::uint64_t> order_flag_{0};  // order_, for waiters
   std::atomic<std::size_t> count_{0};
   std::atomic<std::uint64_t> accepted_{0}, total_{0};  // written under mutex_
+  LateFeedback late_feedback_;                         // under mutex_
   WaitPoint not_empty_, not_full_;
 };
 
@@ -318,7 +332,7 @@ class FirstSource final : public Source {
 template <class Out>
 class LastSink final : public Sink<Out> {
  public:
-  explicit LastSink(Responder<Out>& responder) : responder_(responder) {}
+  explicit LastSink(Responder<Out>& responder) : responder_(responder) { to_notify_.reserve(16); }
   void attach(typename OutfeedQueue<Response<Out>>::Writer writer) {
     writer_.emplace(std::move(writer));
   }
@@ -349,6 +363,10 @@ class LastSink final : public Sink<Out> {
       if (timing_) {
         const std::int64_t ns = r.latency.count();
         meter_->latency.record(static_cast<std::uint64_t>(ns > 0 ? ns : 0));
+        if (e.meta.deadline != kNoDeadline) {
+          bump(meter_->timed);
+          if (now > e.meta.deadline) bump(meter_->late);
+        }
       }
     }
     if (r.error) {
@@ -359,9 +377,20 @@ class LastSink final : public Sink<Out> {
     }
     bump(meter_->answered);
     if (mode_ == ServeMode::kInfeed) return writer_->write(written_++, std::move(r), &stop);
-    if (!responder_.deliver(e.meta, std::move(r), &stop)) return true;  // dropped: stopped
+    ClientCore* client = e.meta.client;
+    const bool later = in_batch_ && client != nullptr;
+    if (later && std::find(to_notify_.begin(), to_notify_.end(), client) == to_notify_.end()) {
+      to_notify_.push_back(client);
+    }
+    if (!responder_.deliver(e.meta, std::move(r), &stop, !later)) return true;  // stopped
     ++delivered_;
     return true;
+  }
+  void begin_batch() override { in_batch_ = mode_ != ServeMode::kInfeed; }
+  void end_batch() override {
+    in_batch_ = false;
+    for (ClientCore* c : to_notify_) c->arrived.notify();
+    to_notify_.clear();
   }
   void flush(const StopFlag& stop) override {
     if (mode_ == ServeMode::kInfeed) {
@@ -385,6 +414,8 @@ class LastSink final : public Sink<Out> {
   std::optional<typename OutfeedQueue<Response<Out>>::Writer> writer_;
   std::uint64_t written_ = 0, errors_ = 0;  // device thread only
   std::uint64_t delivered_ = 0;             // read by the host after the run
+  bool in_batch_ = false;                   // device thread: notify at end_batch()
+  std::vector<ClientCore*> to_notify_;      // device thread: clients answered in the batch
 };
 
 }  // namespace bspflow::detail

@@ -3,6 +3,7 @@
 // device threads write (one writer each) and Stream::stats() reads.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -77,11 +78,57 @@ inline void bump(std::atomic<std::uint64_t>& c, std::uint64_t by = 1) noexcept {
   c.store(c.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
 }
 
-// Exponentially weighted moving average (1/16 per sample) kept in an atomic for readers.
+// Exponentially weighted moving average (1/16 per sample) kept in an atomic for readers,
+// robust to outliers: a sample above twice the average counts as twice the average. A call
+// stretched by a preemption (milliseconds on a VM) would otherwise lift the average for
+// dozens of calls and admission would refuse what it could serve; a real slowdown still
+// moves it (doubling within about a dozen calls).
 inline void ewma(std::atomic<std::int64_t>& avg, std::int64_t sample) noexcept {
   const std::int64_t a = avg.load(std::memory_order_relaxed);
-  avg.store(a == 0 ? sample : a + (sample - a) / 16, std::memory_order_relaxed);
+  if (a == 0) {
+    avg.store(sample, std::memory_order_relaxed);
+    return;
+  }
+  const std::int64_t s = std::min(sample, 2 * a);
+  avg.store(a + (s - a) / 16, std::memory_order_relaxed);
 }
+
+// Admission's feedback (see Intake::admit): the widening of its predicted wait, learnt from
+// how many answers came after their deadline. The prediction is the measured service times;
+// what they leave out (a descheduled device, a slower stretch, a burst) shows as late answers.
+// Over each kWindow answers with a deadline, more than kTarget of them late widens the wait by
+// an eighth (up to kMaxSlack more); under a quarter of kTarget narrows it by a thirty-second
+// (down to the measured figure). Not thread-safe (the admission queue's lock guards it).
+class LateFeedback {
+ public:
+  static constexpr std::uint64_t kWindow = 512;
+  static constexpr double kTarget = 0.0025;
+  static constexpr double kMaxSlack = 4.0;
+  // `timed`, `late`: answers with a deadline, and of those the late ones, so far (counts
+  // that only grow; a smaller `timed` than last time starts over).
+  void update(std::uint64_t timed, std::uint64_t late) noexcept {
+    if (timed < timed_seen_) {
+      timed_seen_ = timed;
+      late_seen_ = late;
+    }
+    if (timed - timed_seen_ < kWindow) return;
+    const double fraction =
+        static_cast<double>(late - late_seen_) / static_cast<double>(timed - timed_seen_);
+    if (fraction > kTarget) {
+      slack_ = std::min(kMaxSlack, slack_ + 0.125);
+    } else if (fraction < kTarget / 4) {
+      slack_ = std::max(0.0, slack_ - 0.03125);
+    }
+    timed_seen_ = timed;
+    late_seen_ = late;
+  }
+  // The predicted wait is multiplied by 1 + slack().
+  double slack() const noexcept { return slack_; }
+
+ private:
+  double slack_ = 0.0;
+  std::uint64_t timed_seen_ = 0, late_seen_ = 0;
+};
 
 inline constexpr std::uint64_t kMeterHighestNs = 3'600'000'000'000ull;  // an hour
 inline constexpr std::uint64_t kMeterHighestBatch = 4096;
@@ -127,6 +174,9 @@ struct ReplicaMeter {
   std::atomic<std::uint64_t> taken{0}, answered{0}, ok{0};
   std::atomic<std::uint64_t> infeed_taken{0};  // of `taken`, off an InfeedQueue
   std::atomic<std::uint64_t> errors[4] = {};
+  // Answers of requests with a deadline, and of those the ones made after it (admission's
+  // feedback: how often its predictions were wrong).
+  std::atomic<std::uint64_t> timed{0}, late{0};
   std::atomic<bool> stalled{false};  // the monitor's
   std::atomic<bool> failed{false};
 };
