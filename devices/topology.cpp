@@ -213,6 +213,16 @@ bool Topology::pin_current_thread(std::uint32_t core) const {
 #endif
 }
 
+std::optional<std::uint32_t> Topology::current_thread_core() const noexcept {
+  cpu_set_t mask;
+  CPU_ZERO(&mask);
+  if (sched_getaffinity(0, sizeof mask, &mask) != 0 || CPU_COUNT(&mask) != 1) return std::nullopt;
+  for (const CoreInfo& c : cores_) {
+    if (c.first_pu < CPU_SETSIZE && CPU_ISSET(c.first_pu, &mask)) return c.index;
+  }
+  return std::nullopt;
+}
+
 void* Topology::allocate(std::size_t bytes, int numa_node) const {
   if (bytes == 0) bytes = 1;
 #if BSPFLOW_HAVE_HWLOC

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include <bspflow/devices/device.hpp>
+#include <bspflow/devices/topology.hpp>
 #include <bspflow/feeds/outfeed_queue.hpp>
 #include <bspflow/runtime/request.hpp>
 #include <bspflow/runtime/stream.hpp>
@@ -1243,6 +1244,115 @@ TEST_CASE("serving errors name the problem") {
   two.close();
   CHECK(c.push(3).refusal == Refusal::kClosed);
   CHECK(two.wait().drained());
+}
+
+TEST_CASE("estimates: a preempted call moves the service estimates by a bounded step") {
+  // A batch stage's cost model (per size, and the line through all sizes).
+  detail::BatchCostModel model(16);
+  CHECK(model.estimate(16) == 0.0);  // nothing measured yet
+  for (int i = 0; i < 20; ++i) model.add(16, 52'000.0);
+  CHECK(model.estimate(16) == doctest::Approx(52'000.0));
+  model.add(16, 5'000'000.0);  // a call stretched by a preemption: counted as 2x the estimate
+  CHECK(model.estimate(16) <= 52'000.0 * (1.0 + 1.0 / 8.0) + 1.0);
+  for (int i = 0; i < 40; ++i) model.add(16, 52'000.0);
+  CHECK(model.estimate(16) == doctest::Approx(52'000.0).epsilon(0.01));
+  // A real slowdown still moves it: 16 calls at twice the time more than double... within 20.
+  for (int i = 0; i < 20; ++i) model.add(16, 104'000.0);
+  CHECK(model.estimate(16) > 90'000.0);
+  // Sizes not measured come from the line a + b*n through those that were.
+  detail::BatchCostModel line(16);
+  for (int i = 0; i < 30; ++i) {
+    line.add(4, 28'000.0);
+    line.add(8, 36'000.0);
+  }
+  CHECK(line.estimate(16) == doctest::Approx(52'000.0).epsilon(0.01));
+  CHECK(line.estimate(1) == doctest::Approx(22'000.0).epsilon(0.01));
+
+  // The stage meters' moving averages: an outlier counts as twice the average.
+  std::atomic<std::int64_t> avg{0};
+  detail::ewma(avg, 1'000);
+  CHECK(avg.load() == 1'000);
+  detail::ewma(avg, 1'000'000);
+  CHECK(avg.load() == 1'000 + (2'000 - 1'000) / 16);
+}
+
+TEST_CASE("estimates: admission widens its predicted wait while answers come late") {
+  using detail::LateFeedback;
+  LateFeedback f;
+  CHECK(f.slack() == 0.0);
+  std::uint64_t timed = 0, late = 0;
+  // On time: nothing changes.
+  for (int w = 0; w < 4; ++w) {
+    timed += LateFeedback::kWindow;
+    f.update(timed, late);
+  }
+  CHECK(f.slack() == 0.0);
+  // 5% late over a window: an eighth wider each window, up to kMaxSlack.
+  for (int w = 0; w < 3; ++w) {
+    timed += LateFeedback::kWindow;
+    late += LateFeedback::kWindow / 20;
+    f.update(timed, late);
+  }
+  CHECK(f.slack() == doctest::Approx(0.375));
+  for (int w = 0; w < 100; ++w) {
+    timed += LateFeedback::kWindow;
+    late += LateFeedback::kWindow / 20;
+    f.update(timed, late);
+  }
+  CHECK(f.slack() == doctest::Approx(LateFeedback::kMaxSlack));
+  // Updates within a window wait for the window to fill.
+  f.update(timed + LateFeedback::kWindow / 2, late);
+  CHECK(f.slack() == doctest::Approx(LateFeedback::kMaxSlack));
+  // On time again: it narrows by a thirty-second per window, back to the measured wait.
+  for (int w = 0; w < 200; ++w) {
+    timed += LateFeedback::kWindow;
+    f.update(timed, late);
+  }
+  CHECK(f.slack() == 0.0);
+  // Counts that start over (meters reset) start the window over.
+  f.update(10, 10);
+  CHECK(f.slack() == 0.0);
+}
+
+TEST_CASE("a client's waits: set_wait(), and no spinning on a device's core") {
+  DeviceGroup devices(1);
+  Stream<U64, U64> s = StreamBuilder<U64>(devices).stage("id", [](U64 v) { return v; }).build();
+  s.start();
+  {
+    auto c = s.client();
+    CHECK_THROWS_AS(c.set_wait(WaitPolicy{WaitStrategy::kSpinThenPark, -1ns}), Error);
+    c.set_wait(WaitPolicy::park());
+    CHECK(c.wait_policy().strategy == WaitStrategy::kPark);
+    REQUIRE(c.push(7));
+    auto r = c.pop_until(StreamClock::now() + patience());
+    REQUIRE(r.has_value());
+    CHECK(*r->value == 7);
+  }
+  const auto& core = devices[0].placement().core;
+  if (core && Topology::get().has_hwloc()) {
+    // A client thread pinned to the device's core yields and parks soon; one on another core
+    // (or unpinned) keeps the default.
+    std::thread([&] {
+      REQUIRE(Topology::get().pin_current_thread(*core));
+      CHECK(Topology::get().current_thread_core() == *core);
+      auto c = s.client();
+      const WaitPolicy w = c.wait_policy();
+      CHECK(w.yields);
+      CHECK(w.spin_budget() <= tunables::kSharedCoreSpinBudget);
+      REQUIRE(c.push(8));
+      auto r = c.pop();
+      REQUIRE(r.has_value());
+      CHECK(*r->value == 8);
+    }).join();
+  }
+  {
+    auto c = s.client();
+    if (!Topology::get().current_thread_core() || Topology::get().current_thread_core() != core) {
+      CHECK_FALSE(c.wait_policy().yields);
+    }
+  }
+  s.close();
+  CHECK(s.wait().drained());
 }
 
 TEST_CASE("error kinds and refusals have names") {

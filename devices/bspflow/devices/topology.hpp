@@ -65,6 +65,10 @@ class Topology {
   // Any thread: binds the calling thread to `core`'s first hardware thread. Returns false
   // (and leaves the thread unpinned) without hwloc or if the OS refuses.
   bool pin_current_thread(std::uint32_t core) const;
+  // Any thread: the core the calling thread is bound to, when its affinity is one hardware
+  // thread of one core (as pin_current_thread() leaves it); nullopt otherwise. One system
+  // call; never throws.
+  std::optional<std::uint32_t> current_thread_core() const noexcept;
 
   // Setup path: `bytes` of memory bound to `numa_node` (plain anonymous memory without
   // hwloc). Pages are committed on first touch. Throws std::bad_alloc on failure.

@@ -141,8 +141,13 @@ class Stream {
   // Any thread. A new client (one per client thread); pushes are refused (kClosed) unless a
   // StreamClient run is in progress and open. Allocates its response slots.
   StreamClient<In, Out> client() {
+    std::vector<std::uint32_t> cores;
+    for (std::uint32_t d = 0; d < core_->devices.size(); ++d) {
+      if (const auto& c = core_->devices[d].placement().core) cores.push_back(*c);
+    }
     return StreamClient<In, Out>(intake_, responder_->make_client(),
-                                 detail::next_request_producer_id(), core_->config.ordering);
+                                 detail::next_request_producer_id(), core_->config.ordering,
+                                 std::move(cores));
   }
 
   // Any thread. No new StreamClient requests (pushes say kClosed); the stream answers what

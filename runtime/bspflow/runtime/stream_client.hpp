@@ -4,11 +4,16 @@
 // thread between the stream and the client.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <utility>
+#include <vector>
+
+#include "bspflow/base/wait_policy.hpp"
+#include "bspflow/devices/topology.hpp"
 
 #include "bspflow/runtime/detail/stream_hub.hpp"
 #include "bspflow/runtime/request.hpp"
@@ -80,12 +85,41 @@ class StreamClient {
     if (head_ == next_) return std::nullopt;
     if (auto r = take_ready()) return r;
     const auto ready = [&] { return any_ready(); };
+    const WaitPolicy& policy = wait_policy();
     if (until == Deadline::max()) {
-      ring_->arrived.wait(ready);  // spins (tunables::kSpinBudget), then parks
-    } else if (!ring_->arrived.wait_until(ready, until)) {
+      ring_->arrived.wait(ready, policy.spin_mode(), detail::Fence::kSymmetric,
+                          policy.spin_budget());
+    } else if (!ring_->arrived.wait_until(ready, until, policy.spin_mode(), policy.spin_budget())) {
       return std::nullopt;
     }
     return take_ready();
+  }
+
+  // Client thread. How pop() and pop_until() wait for a response (see wait_policy.hpp).
+  // Default: spin-then-park; on a thread pinned to a core one of the stream's devices is
+  // pinned to as well, capped as for sharing (it yields, spins at most
+  // tunables::kSharedCoreSpinBudget, then parks), so a waiting client never takes the core
+  // from the device it waits for. Setting a policy turns the automatic choice off. Throws
+  // bspflow::Error on an invalid policy.
+  void set_wait(WaitPolicy policy) {
+    policy.validate();
+    wait_ = policy;
+    wait_chosen_ = true;
+  }
+
+  // Client thread. The policy pop() and pop_until() wait with: set_wait()'s, or the
+  // automatic choice, made on the first call from where the calling thread is pinned.
+  // Never blocks.
+  const WaitPolicy& wait_policy() {
+    if (!wait_chosen_) {
+      wait_chosen_ = true;
+      const auto core = Topology::get().current_thread_core();
+      if (core &&
+          std::find(device_cores_.begin(), device_cores_.end(), *core) != device_cores_.end()) {
+        wait_ = wait_.capped_for_sharing(CoreSharing::kHostThread);
+      }
+    }
+    return wait_;
   }
 
   // Requests sent and not yet popped (in a start(outfeed) run: not yet answered).
@@ -99,8 +133,10 @@ class StreamClient {
   template <class, class>
   friend class Stream;
   StreamClient(std::shared_ptr<detail::Intake<In>> intake,
-               std::shared_ptr<detail::ClientRing<Out>> ring, std::uint32_t id, Ordering ordering)
-      : intake_(std::move(intake)), ring_(std::move(ring)), id_(id), ordering_(ordering) {}
+               std::shared_ptr<detail::ClientRing<Out>> ring, std::uint32_t id, Ordering ordering,
+               std::vector<std::uint32_t> device_cores)
+      : intake_(std::move(intake)), ring_(std::move(ring)), id_(id), ordering_(ordering),
+        device_cores_(std::move(device_cores)) {}
 
   Submission submit(In& value, Deadline deadline, bool blocking) {
     routed_ = intake_->routes_to_outfeed();
@@ -143,10 +179,13 @@ class StreamClient {
   std::shared_ptr<detail::ClientRing<Out>> ring_;
   std::uint32_t id_;
   Ordering ordering_;
-  std::uint64_t next_ = 0;    // the next request's sequence number
-  std::uint64_t head_ = 0;    // the oldest sequence not popped
-  std::uint64_t popped_ = 0;  // responses popped
-  bool routed_ = false;       // the last push went to a shared-outfeed run
+  std::uint64_t next_ = 0;                   // the next request's sequence number
+  std::uint64_t head_ = 0;                   // the oldest sequence not popped
+  std::uint64_t popped_ = 0;                 // responses popped
+  bool routed_ = false;                      // the last push went to a shared-outfeed run
+  std::vector<std::uint32_t> device_cores_;  // cores the stream's devices are pinned to
+  WaitPolicy wait_{};
+  bool wait_chosen_ = false;  // set_wait() was called, or the first wait chose
 };
 
 }  // namespace bspflow

@@ -24,15 +24,16 @@ class ClientRing final : public ClientCore {
  public:
   explicit ClientRing(std::size_t capacity)
       : ClientCore(capacity), slots_(std::make_unique<Slot[]>(capacity)) {}
-  // Any thread, once per request.
-  void deliver(std::uint64_t sequence, Response<Out>&& r) {
+  // Any thread, once per request. `notify` false: the caller calls arrived.notify() soon
+  // (after a batch's other responses).
+  void deliver(std::uint64_t sequence, Response<Out>&& r, bool notify = true) {
     if (!abandoned.load(std::memory_order_relaxed)) {
       Slot& s = slots_[sequence & mask_];
       s.response.emplace(std::move(r));
       s.ready.store(sequence, std::memory_order_release);
     }
     delivered.fetch_add(1, std::memory_order_seq_cst);  // pairs with the client's wait
-    arrived.notify();
+    if (notify) arrived.notify();
   }
   // Client thread: the response to `sequence` if it is there.
   bool ready(std::uint64_t sequence) const noexcept {
@@ -103,10 +104,11 @@ class Responder final : public Answerer, public RunEnds {
     writer_.reset();
   }
 
-  // Any thread (a replica's last device, or whoever answers directly).
-  bool deliver(const RequestMeta& m, Response<Out>&& r, const StopFlag* stop) {
+  // Any thread (a replica's last device, or whoever answers directly). `notify` false: the
+  // caller notifies m.client->arrived soon (after a batch's other responses).
+  bool deliver(const RequestMeta& m, Response<Out>&& r, const StopFlag* stop, bool notify = true) {
     if (mode_ == ServeMode::kClients) {
-      static_cast<ClientRing<Out>*>(m.client)->deliver(m.id.sequence, std::move(r));
+      static_cast<ClientRing<Out>*>(m.client)->deliver(m.id.sequence, std::move(r), notify);
       return true;
     }
     bool ok = true;
@@ -133,7 +135,7 @@ class Responder final : public Answerer, public RunEnds {
     }
     if (advanced) core_.intake->wake();  // a push waiting for the window's room
     m.client->delivered.fetch_add(1, std::memory_order_seq_cst);
-    m.client->arrived.notify();
+    if (notify) m.client->arrived.notify();
     return ok;
   }
 

@@ -113,6 +113,10 @@ class Sink {
   virtual bool put(Envelope<B>&& r, const WaitPolicy& policy, const StopFlag& stop) = 0;
   // Hands over anything held back (the device is about to wait).
   virtual void flush(const StopFlag& stop) = 0;
+  // A batch's results follow, put() one by one, until end_batch(): a sink may hand them
+  // over together (one wake-up per client per batch instead of one per response).
+  virtual void begin_batch() {}
+  virtual void end_batch() {}
   // No more results (the end of the run).
   virtual void close(bool completed, const StopFlag& stop) = 0;
 };
@@ -343,6 +347,12 @@ class Segment final : public SegmentBase {
       }
       StageCtx ctx{nullptr, meters, timing, {}};
       batch_->run(ctx);
+      // The results go out together, whichever way this loop ends.
+      struct BatchOut {
+        Sink<B>& sink;
+        explicit BatchOut(Sink<B>& s) : sink(s) { sink.begin_batch(); }
+        ~BatchOut() { sink.end_batch(); }
+      } batch_out(sink_);
       for (std::size_t i = 0; i < n; ++i) {
         if (batch_->error(i) == nullptr && !batch_->live(i)) continue;  // answered above
         out_.meta = batch_->meta(i);
