@@ -155,6 +155,7 @@ class Watchdog {
 };
 
 int g_not_drained = 0;  // runs whose wait() did not say drained (printed at the end)
+bool g_detail = false;  // --detail: time each open-loop push too
 
 // Closes `stream` and waits for it to drain (cancelled after 10 s).
 StreamResult finish(Server& stream, const std::string& what) {
@@ -291,6 +292,10 @@ struct OpenLoop {
   std::array<std::uint64_t, 7> refused_by{};  // by Refusal
   std::vector<double> ok_ns;                  // latency of each answer with a value
   std::vector<double> admitted_ns;  // latency of each admitted request's answer; lost: inf
+  std::uint64_t slow_pushes = 0;    // try_push calls over 20 us (--detail)
+  double slowest_push_us = 0;
+  std::uint64_t late_sends = 0;   // sends over 50 us after their scheduled time (--detail)
+  std::uint64_t late_errors = 0;  // answered with an error after the deadline (--detail)
 };
 
 // Sends `at` (see poisson_arrivals) through a started `stream` with deadline D each, pops
@@ -334,6 +339,13 @@ OpenLoop open_loop(Server& stream, const std::vector<std::int64_t>& at, ns deadl
       if (now >= due) {
         if (now > stop_sending) break;  // hopelessly behind: the rest are never sent (lost)
         const Submission s = client.try_push(Req{static_cast<std::uint32_t>(i)}, due + deadline);
+        if (g_detail) {
+          const auto after = Clock::now();
+          const double took = std::chrono::duration<double, std::micro>(after - now).count();
+          if (took > 20) ++r.slow_pushes;
+          r.slowest_push_us = std::max(r.slowest_push_us, took);
+          if (now - due > 50us) ++r.late_sends;
+        }
         ++r.sent;
         if (s.accepted() && !base) base = s.id.sequence;
         if (s.accepted() && s.id.sequence - *base < n) {
@@ -380,11 +392,55 @@ OpenLoop open_loop(Server& stream, const std::vector<std::int64_t>& at, ns deadl
         r.admitted_ns.push_back(l);
         break;
       case Fate::kError:
+        if (lat[k] > deadline.count()) ++r.late_errors;
         r.admitted_ns.push_back(l);
         break;
     }
   }
   return r;
+}
+
+// Adds one open-loop run's counts and latencies to `into`.
+void add_to(OpenLoop& into, OpenLoop&& r) {
+  into.sent += r.sent;
+  into.accepted += r.accepted;
+  into.refused += r.refused;
+  into.answered += r.answered;
+  into.ok += r.ok;
+  into.on_time += r.on_time;
+  into.lost += r.lost;
+  for (std::size_t k = 0; k < r.errors.size(); ++k) into.errors[k] += r.errors[k];
+  for (std::size_t k = 0; k < r.refused_by.size(); ++k) into.refused_by[k] += r.refused_by[k];
+  into.ok_ns.insert(into.ok_ns.end(), r.ok_ns.begin(), r.ok_ns.end());
+  into.admitted_ns.insert(into.admitted_ns.end(), r.admitted_ns.begin(), r.admitted_ns.end());
+  into.slow_pushes += r.slow_pushes;
+  into.slowest_push_us = std::max(into.slowest_push_us, r.slowest_push_us);
+  into.late_sends += r.late_sends;
+  into.late_errors += r.late_errors;
+}
+
+// One open-loop run's counts on stderr (--detail).
+void print_detail(const std::string& what, const OpenLoop& r) {
+  std::fprintf(stderr, "%s: sent %llu accepted %llu on_time %llu ok %llu lost %llu", what.c_str(),
+               static_cast<unsigned long long>(r.sent), static_cast<unsigned long long>(r.accepted),
+               static_cast<unsigned long long>(r.on_time), static_cast<unsigned long long>(r.ok),
+               static_cast<unsigned long long>(r.lost));
+  for (std::size_t k = 1; k < r.refused_by.size(); ++k) {
+    if (r.refused_by[k] == 0) continue;
+    std::fprintf(stderr, " refused_%s %llu", to_string(static_cast<Refusal>(k)),
+                 static_cast<unsigned long long>(r.refused_by[k]));
+  }
+  for (std::size_t k = 0; k < r.errors.size(); ++k) {
+    if (r.errors[k] == 0) continue;
+    std::fprintf(stderr, " error_%s %llu", to_string(static_cast<ErrorKind>(k)),
+                 static_cast<unsigned long long>(r.errors[k]));
+  }
+  std::fprintf(stderr, " late_ok %llu late_errors %llu",
+               static_cast<unsigned long long>(r.ok - r.on_time),
+               static_cast<unsigned long long>(r.late_errors));
+  std::fprintf(stderr, " slow_pushes %llu slowest_push_us %.0f late_sends %llu\n",
+               static_cast<unsigned long long>(r.slow_pushes), r.slowest_push_us,
+               static_cast<unsigned long long>(r.late_sends));
 }
 
 // ---- cancellation ----
@@ -558,6 +614,21 @@ int main(int argc, char** argv) {
   double deadline_us = 0.0;
   double seconds = 0.0;
   std::uint64_t seed = 27;
+  bool detail = false;
+  std::vector<int> only_loads;
+  std::vector<std::string> sections;
+  int rounds_opt = 0;
+  app.add_option("--load", only_loads,
+                 "run only these open-loop loads (% of capacity; diagnosis: the keys of the "
+                 "others are not printed)")
+      ->check(CLI::IsMember({30, 70, 100, 130}));
+  app.add_option("--section", sections,
+                 "run only these parts (diagnosis; the keys of the others are not printed)")
+      ->check(CLI::IsMember({"open-loop", "replicas", "closed-loop"}));
+  app.add_option("--rounds", rounds_opt, "open-loop rounds (0: 2, 1 with --quick)")
+      ->check(CLI::Range(0, 100));
+  app.add_flag("--detail", detail,
+               "print each open-loop run's counts (refusals and errors by kind) to stderr");
   app.add_option("--a-us", a_us, "the model's cost per batch, microseconds")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--b-us", b_us, "the model's cost per request of a batch, microseconds")
@@ -573,6 +644,7 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   app.add_option("--seed", seed, "seed of the Poisson arrivals");
   CLI11_PARSE(app, argc, argv);
+  g_detail = detail;
 
   pin_host();
   bench::Report report("serve");
@@ -584,7 +656,11 @@ int main(int argc, char** argv) {
           ? std::chrono::duration_cast<ns>(std::chrono::duration<double, std::micro>(deadline_us))
           : 5 * m.batch_cost(m.max_batch);
   const double run_s = seconds > 0 ? seconds : (common.quick ? 0.1 : 1.5);
-  const int rounds = common.quick ? 1 : 2;
+  const int rounds = rounds_opt > 0 ? rounds_opt : (common.quick ? 1 : 2);
+  const auto load_wanted = [&](int load) {
+    return only_loads.empty() ||
+           std::find(only_loads.begin(), only_loads.end(), load) != only_loads.end();
+  };
   const double deadline_f = static_cast<double>(deadline.count());
   report.note("placement",
               "client on core 0 (reserved), devices on core 1; 2 replicas: core 1 and core 0 "
@@ -593,8 +669,12 @@ int main(int argc, char** argv) {
                 static_cast<double>(m.batch_cost(m.max_batch).count()) / 1e3);
   report.figure("serve_deadline_us", deadline_f / 1e3);
 
+  const auto section_wanted = [&](const char* name) {
+    return sections.empty() || std::find(sections.begin(), sections.end(), name) != sections.end();
+  };
+
   // ---- capacity, goodput by batcher and load, overload: one device on core 1 ----
-  {
+  if (section_wanted("open-loop")) {
     DeviceGroup device(1, devices_off_core0());
     std::vector<double> caps;
     for (int round = 0; round < (common.quick ? 1 : 3); ++round) {
@@ -619,47 +699,65 @@ int main(int argc, char** argv) {
       std::array<std::uint64_t, kLoads.size()> da_sent{}, da_refused{};  // deadline-aware
       std::array<std::array<std::uint64_t, 7>, kLoads.size()> da_refused_by{};
       OpenLoop overload[2];  // 130%, deadline-aware: kReject, kShed (pooled over rounds)
-      auto pool = [](OpenLoop& into, OpenLoop&& r) {
-        into.sent += r.sent;
-        into.accepted += r.accepted;
-        into.refused += r.refused;
-        into.answered += r.answered;
-        into.lost += r.lost;
-        into.admitted_ns.insert(into.admitted_ns.end(), r.admitted_ns.begin(), r.admitted_ns.end());
-      };
+      // Each load's contenders run in short segments, round-robin (the order reversed every
+      // other segment), each segment with its own arrivals, the same for every contender:
+      // this VM's noise comes in spells of seconds, and a contender run in one piece could
+      // catch a spell its rivals miss. Each contender's stream is built once per load and
+      // runs again for every segment (what it measured carries over, as in a server).
+      const int segments = common.quick ? 1 : 6;
+      const double segment_s = run_s / segments;
       for (int round = 0; round < rounds; ++round) {
         for (std::size_t l = 0; l < kLoads.size(); ++l) {
+          if (!load_wanted(kLoads[l])) continue;
           const double rate = capacity * kLoads[l] / 100.0;
-          const auto arrivals =
-              poisson_arrivals(rate, run_s, seed + 1000 * static_cast<std::uint64_t>(round) + l);
-          for (std::size_t k = 0; k < kContenders; ++k) {
-            const std::size_t c = round % 2 == 0 ? k : kContenders - 1 - k;
+          std::vector<Server> servers;
+          for (std::size_t c = 0; c < kContenders; ++c) {
             const BatchConfig batching =
                 c == 0 ? deadline_aware_batching(m) : fixed_delay_batching(m, delays[c - 1]);
-            const std::string what =
-                "open loop " + std::to_string(kLoads[l]) + "% batcher " + std::to_string(c);
-            Server s = build_server(device, m, batching, serving_config(AdmissionPolicy::kReject));
-            s.start();
-            OpenLoop r = open_loop(s, arrivals, deadline, run_s, what);
+            servers.push_back(
+                build_server(device, m, batching, serving_config(AdmissionPolicy::kReject)));
+          }
+          if (kLoads[l] == 130) {
+            servers.push_back(build_server(device, m, deadline_aware_batching(m),
+                                           serving_config(AdmissionPolicy::kShed)));
+          }
+          std::vector<OpenLoop> totals(servers.size());
+          for (int seg = 0; seg < segments; ++seg) {
+            const auto arrivals = poisson_arrivals(
+                rate, segment_s, seed + 1000 * static_cast<std::uint64_t>(round) + 10 * seg + l);
+            for (std::size_t k = 0; k < servers.size(); ++k) {
+              const std::size_t c = (round * segments + seg) % 2 == 0 ? k : servers.size() - 1 - k;
+              const std::string what = "open loop " + std::to_string(kLoads[l]) + "% " +
+                                       (c < kContenders ? "batcher " + std::to_string(c) : "shed");
+              servers[c].start();
+              add_to(totals[c], open_loop(servers[c], arrivals, deadline, segment_s, what));
+            }
+          }
+          for (std::size_t c = 0; c < servers.size(); ++c) {
+            OpenLoop& r = totals[c];
+            if (detail) {
+              print_detail("open loop " + std::to_string(kLoads[l]) + "% " +
+                               (c < kContenders ? "batcher " + std::to_string(c) : "shed"),
+                           r);
+            }
+            if (c == kContenders) {
+              add_to(overload[1], std::move(r));
+              continue;
+            }
             on_time[l][c] += r.on_time;
             if (c == 0) {
               da_sent[l] += r.sent;
               da_refused[l] += r.refused;
               for (std::size_t k = 0; k < 7; ++k) da_refused_by[l][k] += r.refused_by[k];
               ok_lat[l].insert(ok_lat[l].end(), r.ok_ns.begin(), r.ok_ns.end());
-              if (kLoads[l] == 130) pool(overload[0], std::move(r));
+              if (kLoads[l] == 130) add_to(overload[0], std::move(r));
             }
-          }
-          if (kLoads[l] == 130) {
-            Server s = build_server(device, m, deadline_aware_batching(m),
-                                    serving_config(AdmissionPolicy::kShed));
-            s.start();
-            pool(overload[1], open_loop(s, arrivals, deadline, run_s, "open loop 130% shed"));
           }
         }
       }
       const double span = run_s * rounds;
       for (std::size_t l = 0; l < kLoads.size(); ++l) {
+        if (!load_wanted(kLoads[l])) continue;
         const std::string load = std::to_string(kLoads[l]);
         std::size_t best = 1;
         for (std::size_t c = 2; c < kContenders; ++c) {
@@ -671,6 +769,15 @@ int main(int argc, char** argv) {
         report.figure("serve_goodput_" + load + "_best_fixed_requests_per_s", fixed);
         report.figure("serve_goodput_" + load + "_best_fixed_delay_us",
                       static_cast<double>(delays[best - 1].count()) / 1e3);
+        // Every fixed batcher's goodput over the deadline-aware one's: how far apart the
+        // contenders are, next to how far apart equal ones land on this machine.
+        for (std::size_t c = 1; c < kContenders; ++c) {
+          report.figure("serve_goodput_" + load + "_fixed_" +
+                            std::to_string(delays[c - 1].count() / 1000) + "us_vs_deadline_aware",
+                        on_time[l][0] ? static_cast<double>(on_time[l][c]) /
+                                            static_cast<double>(on_time[l][0])
+                                      : 0.0);
+        }
         report.figure("serve_p99_" + load + "_us", bench::quantile(ok_lat[l], 0.99) / 1e3);
         for (std::size_t k = 1; k < 7; ++k) {  // which refusals, by reason (0 left out)
           if (da_refused_by[l][k] == 0) continue;
@@ -687,7 +794,7 @@ int main(int argc, char** argv) {
                                        : 1.0;  // neither answered anything on time
         report.ratio("serve_goodput_vs_best_fixed_timeout_" + load, ratio, ">= 1.0", ratio >= 1.0);
       }
-      {
+      if (load_wanted(100)) {
         constexpr std::size_t kFull = 2;  // kLoads[kFull] == 100
         static_assert(kLoads[kFull] == 100);
         const double p99 = ok_lat[kFull].empty()
@@ -695,7 +802,7 @@ int main(int argc, char** argv) {
                                : bench::quantile(ok_lat[kFull], 0.99) / deadline_f;
         report.ratio("serve_p99_vs_deadline_100", p99, "<= 1.0", p99 <= 1.0);
       }
-      {
+      if (load_wanted(130)) {
         const char* names[2] = {"reject", "shed"};
         double worst_p99 = 0;
         std::uint64_t lost = 0;
@@ -719,7 +826,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- replicas: 2 devices on cores 1 and 0 against 1 on core 1, and the floor ----
-  {
+  if (section_wanted("replicas")) {
     std::vector<Placement> places = Topology::get().place(2, true);
     for (Placement& p : places) {
       if (Topology::get().cores() >= 2 && p.core && *p.core == 0) p.shares_host = true;
@@ -767,7 +874,7 @@ int main(int argc, char** argv) {
   }
 
   // ---- cancellation, stats and the response path: 2 devices on core 1 ----
-  {
+  if (section_wanted("closed-loop")) {
     DeviceGroup devices(2, devices_off_core0());
     {
       const CancelFigures f = cancel_run(devices, m.a, common.quick ? 400 : 4000, seed);
