@@ -17,6 +17,7 @@ void DeviceConfig::validate() const {
                             "must be in " + std::to_string(tunables::kArenaAlignment) + ".." +
                                 std::to_string(tunables::kMaxBytesPerTile));
   }
+  model.validate();
 }
 
 namespace {

@@ -18,6 +18,18 @@ void HostLinkTimeline::start(Clock::time_point now) noexcept {
   std::fill(out_buffer_free_.begin(), out_buffer_free_.end(), now);
   copies_in_ = copies_out_ = bytes_in_ = bytes_out_ = 0;
   waited_ = std::chrono::nanoseconds{0};
+  modeled_pending_ = clock_ != nullptr;  // started at the first copy (see modeled_link())
+}
+
+ModeledLink& HostLinkTimeline::modeled_link() noexcept {
+  // The device thread's clock is reset when its program starts, which may be after start()
+  // (a Pipeline starts its links on the host thread): the modeled link starts then, when the
+  // program did.
+  if (modeled_pending_) {
+    modeled_.start(clock_->launched(), shape_.host_io.io_tiles, shape_.host_io.prefetch_depth);
+    modeled_pending_ = false;
+  }
+  return modeled_;
 }
 
 bool HostLinkTimeline::wait(Clock::time_point now, Clock::time_point until, const StopFlag* stop,
@@ -42,6 +54,9 @@ bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const StopFlag* s
     }
   }
   const std::chrono::nanoseconds duration = shape_.host_io.host_link.duration(bytes);
+  if (clock_ != nullptr) {
+    modeled_link().copy_in(*clock_, static_cast<double>(duration.count()), handover_ns(bytes));
+  }
   if (duration.count() == 0) {  // a link that costs nothing: no clock to read
     bytes_in_ += bytes;
     ++copies_in_;
@@ -68,6 +83,9 @@ bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const StopFlag* s
 
 bool HostLinkTimeline::copy_out(std::size_t bytes, const StopFlag* stop) noexcept {
   const std::chrono::nanoseconds duration = shape_.host_io.host_link.duration(bytes);
+  if (clock_ != nullptr) {
+    modeled_link().copy_out(*clock_, static_cast<double>(duration.count()), handover_ns(bytes));
+  }
   if (duration.count() == 0) {
     bytes_out_ += bytes;
     ++copies_out_;
@@ -90,6 +108,7 @@ bool HostLinkTimeline::copy_out(std::size_t bytes, const StopFlag* stop) noexcep
 }
 
 bool HostLinkTimeline::finish_out(const StopFlag* stop) noexcept {
+  if (clock_ != nullptr) modeled_link().finish_out(*clock_);
   if (copies_out_ == 0 || shape_.host_io.io_tiles == 0) return true;  // nothing left in flight
   const Clock::time_point now = Clock::now();
   Clock::time_point after = now;

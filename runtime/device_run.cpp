@@ -109,10 +109,15 @@ void DeviceRun::run(const Program& program) {
   // Once per device thread (a system call: not once per run).
   static thread_local const bool slack_lowered = lower_timer_slack();
   (void)slack_lowered;
+  clock_.reset(static_cast<double>(model_.host_call.count()), track_);
   bool failed = false;
   try {
     for (auto& [q, link] : ins_) {
+      link.modeled.start(clock_.now(), eng_.config.io_tiles, eng_.config.prefetch_depth);
       for (auto& slot : link.slots) submit_fill(link, *slot);
+    }
+    for (auto& [q, link] : outs_) {
+      link.modeled.start(clock_.now(), eng_.config.io_tiles, eng_.config.prefetch_depth);
     }
     if (!exec(program)) {
       if (status_ == RunStatus::kEndOfData) {
@@ -137,8 +142,8 @@ void DeviceRun::run(const Program& program) {
                                                 std::current_exception()});
     failed = true;
   }
-  control_.replica_done(index_,
-                        detail::RunControl::ReplicaEnd{device_.id(), iterations_, status_, failed});
+  control_.replica_done(index_, detail::RunControl::ReplicaEnd{device_.id(), iterations_, status_,
+                                                               failed, clock_.time()});
 }
 
 void DeviceRun::abandon() noexcept {
@@ -171,12 +176,20 @@ bool DeviceRun::exec_node(const program::Execute& e) {
       e.vertex(ctx_, TileWork{tile, b, std::min(e.work_items, b + per)});
     }
   }
+  if (!e.cost) {
+    clock_.undeclared();
+  } else if (e.cost->declared()) {
+    clock_.compute(model_.ns(e.work_items > 0
+                                 ? model_.item_cycles(*e.cost, e.work_items, ctx_.compute_tiles)
+                                 : model_.compute_cycles(*e.cost, ctx_.compute_tiles)),
+                   track_ ? labels_[&e] : 0);
+  }
   if (track_) track_->record(Phase::kCompute, t0, Clock::now(), 0, labels_[&e]);
   return true;
 }
 
 bool DeviceRun::exec_node(const program::FusedRepeat& f) {
-  const program::LoopFrame frame{&ctx_, &stop_, track_, fused_label_, &iterations_};
+  const program::LoopFrame frame{&ctx_, &stop_, track_, fused_label_, &iterations_, &clock_};
   const RunStatus end = f.loop(frame);
   if (end == RunStatus::kCompleted) return true;
   status_ = end;
@@ -186,6 +199,7 @@ bool DeviceRun::exec_node(const program::FusedRepeat& f) {
 bool DeviceRun::exec_node(const program::RemoteCopy& r) {
   const Clock::time_point t0 = Clock::now();
   const std::size_t bytes = r.copy(ctx_);
+  clock_.link_until(clock_.now() + host_link_ns(bytes));
   const bool ok = take_modeled_time(t0 + eng_.config.host_link.duration(bytes), r.finish_on_stop);
   if (track_)
     track_->record(Phase::kStreamCopyMid, t0, Clock::now(), bytes, labels_[&r], r.to_host);
@@ -195,16 +209,24 @@ bool DeviceRun::exec_node(const program::RemoteCopy& r) {
 bool DeviceRun::exec_node(const program::AllReduce& a) {
   const Clock::time_point t0 = Clock::now();
   const std::size_t bytes = a.bytes(ctx_);
-  const bool ok = take_modeled_time(t0 + eng_.config.device_link.ring_allreduce(bytes, a.replicas),
-                                    a.finish_on_stop);
+  const auto ring = eng_.config.device_link.ring_allreduce(bytes, a.replicas);
+  clock_.exchange(static_cast<double>(ring.count()));
+  const bool ok = take_modeled_time(t0 + ring, a.finish_on_stop);
   if (track_) track_->record(Phase::kExchange, t0, Clock::now(), bytes, labels_[&a]);
   return ok;
 }
 
 bool DeviceRun::exec_node(const program::Sync& s) {
   const Clock::time_point t0 = track_ ? Clock::now() : Clock::time_point{};
+  double latest = clock_.now();
   const bool ok = s.group->arrive_and_wait(
-      stop_, device_.placement().shares_core() ? detail::Spin::kYield : detail::Spin::kTight);
+      stop_, device_.placement().shares_core() ? detail::Spin::kYield : detail::Spin::kTight,
+      &latest);
+  if (ok) {
+    clock_.sync_to(latest, s.group->participants() > 1
+                               ? static_cast<double>(model_.sync_between_chips.count())
+                               : model_.ns(model_.sync_cycles_on_chip));
+  }
   if (track_) track_->record(Phase::kSync, t0, Clock::now());
   // A device this one syncs with ran out of data: the run ends here, as an end of data.
   if (!ok && !stop_.requested() && s.group->aborted()) status_ = RunStatus::kEndOfData;
@@ -218,6 +240,9 @@ bool DeviceRun::exec_node(const program::Copy& c) {
                                             : std::chrono::nanoseconds{0};
   const Clock::time_point t0 = track_ || link.count() > 0 ? Clock::now() : Clock::time_point{};
   std::memcpy(c.dst->raw().data(), c.src->raw().data(), c.dst->bytes());
+  clock_.exchange(link.count() > 0 ? static_cast<double>(link.count())
+                                   : model_.ns(model_.exchange_cycles(
+                                         static_cast<double>(c.dst->bytes()), ctx_.compute_tiles)));
   const bool ok = link.count() == 0 || take_modeled_time(t0 + link);
   if (track_) track_->record(Phase::kExchange, t0, Clock::now(), c.dst->bytes());
   return ok;
@@ -291,6 +316,7 @@ bool DeviceRun::copy_in(InLink& link, DeviceBuffer& buf) {
   if (std::string wrong = tensor_mismatch(link, link.staging); !wrong.empty()) throw Error(wrong);
   transfer_and_wait(t1, link.bytes, false,
                     [&] { std::memcpy(buf.raw().data(), link.staging.raw().data(), link.bytes); });
+  link.modeled.copy_in(clock_, host_link_ns(link.bytes), 0);
   const Clock::time_point t2 = Clock::now();
   host_bytes_in_ += link.bytes;
   host_wait_ += t2 - t1;
@@ -323,6 +349,7 @@ bool DeviceRun::copy_in_from_io_tiles(InLink& link, DeviceBuffer& buf) {
   host_bytes_in_ += link.bytes;
   host_wait_ += t1 - t0;
   std::memcpy(buf.raw().data(), slot.mem, link.bytes);  // I/O tiles -> compute tiles
+  link.modeled.copy_in(clock_, host_link_ns(link.bytes), handover_ns(link.bytes));
   slot.tensor = Tensor();
   slot.state.store(kFree, std::memory_order_relaxed);  // relaxed: only this thread reads it now
   ++link.next_use;
@@ -375,6 +402,7 @@ bool DeviceRun::copy_out(OutLink& link, DeviceBuffer& buf) {
   transfer_and_wait(t0, buf.bytes(), true,
                     [&] { std::memcpy(out.raw().data(), buf.raw().data(), buf.bytes()); });
   const Clock::time_point t1 = Clock::now();
+  link.modeled.copy_out(clock_, host_link_ns(buf.bytes()), 0);
   host_bytes_out_ += buf.bytes();
   host_wait_ += t1 - t0;
   const bool ok = link.writer->write(ctx_.iteration, std::move(out), &stop_);
@@ -400,6 +428,7 @@ bool DeviceRun::copy_out_to_io_tiles(OutLink& link, DeviceBuffer& buf) {
   host_bytes_out_ += bytes;
   host_wait_ += t1 - t0;
   std::memcpy(slot.mem, buf.raw().data(), bytes);  // compute tiles -> I/O tiles
+  link.modeled.copy_out(clock_, host_link_ns(bytes), handover_ns(bytes));
   slot.iteration = ctx_.iteration;
   slot.state.store(kFilling, std::memory_order_relaxed);  // relaxed: published by the post
   ++link.next_use;
@@ -440,6 +469,7 @@ bool DeviceRun::copy_out_to_io_tiles(OutLink& link, DeviceBuffer& buf) {
 
 void DeviceRun::finish(bool deliver) {
   for (const program::FusedRepeat* f : fused_) f->finish(deliver);
+  for (auto& [q, link] : outs_) link.modeled.finish_out(clock_);
   const Clock::time_point t0 = Clock::now();
   for (auto& [q, link] : ins_) link.closing.store(true, std::memory_order_release);
   point_.wait([&] { return in_flight_.load(std::memory_order_seq_cst) == 0; });

@@ -308,6 +308,10 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
   }
   EngineResult result;
   result.elapsed = end - origin;
+  result.modeled = control.modeled();
+  for (std::uint32_t r = 0; r < control.replicas(); ++r) {
+    result.modeled_by_device.push_back(control.modeled(r));
+  }
   for (const auto& r : rs.runs) {
     result.host_bytes_in += r->host_bytes_in();
     result.host_bytes_out += r->host_bytes_out();
@@ -339,7 +343,7 @@ struct LoneRun {
     if (uses.fused == nullptr) {  // (gather() allows a FusedRepeat only as the whole program)
       throw Error("run_on_device: only a FusedRepeat program runs outside an Engine");
     }
-    state.compute_tiles = device.config().tiles;
+    state.compute_tiles = device.config().tiles;  // a loop's own io_tiles: see LoopCost
     run.emplace(state, device, replica, control, track, nullptr);
     run->add_fused(*uses.fused);
   }

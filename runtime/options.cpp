@@ -172,7 +172,9 @@ OutfeedConfig Options::outfeed_config() const {
 
 DeviceConfig Options::device_config() const {
   validate();
-  return DeviceConfig{tiles_, bytes_per_tile_, pin_};
+  DeviceConfig c{tiles_, bytes_per_tile_, pin_};
+  c.model = device_model_;
+  return c;
 }
 
 HostIO Options::host_io() const {
@@ -184,6 +186,7 @@ EngineConfig Options::engine_config() const {
   EngineConfig c;
   static_cast<HostIO&>(c) = host_io();
   c.synthetic_fill = SyntheticFill::kRandomNormal;
+  c.device_link = device_link_;
   return c;
 }
 
@@ -193,7 +196,20 @@ PipelineConfig Options::pipeline_config() const {
   c.replicas = replicas_;
   c.gradient_accumulation = gradient_accumulation_;
   c.precision = precision_;
+  c.device_link = device_link_;
   return c;
+}
+
+Options& Options::device_model(const DeviceModel& model) {
+  model.validate();
+  device_model_ = model;
+  return *this;
+}
+
+Options& Options::device_link(const LinkModel& link) {
+  link.validate("device link");
+  device_link_ = link;
+  return *this;
 }
 
 std::string Options::describe() const {
@@ -214,6 +230,8 @@ std::string Options::describe() const {
      << "tiles = " << tiles_ << '\n'
      << "bytes_per_tile = " << bytes_per_tile_ << '\n'
      << "pin = " << (pin_ ? "true" : "false") << '\n'
+     << "device_model = " << device_model_.describe() << '\n'
+     << "device_link = " << device_link_.describe() << '\n'
      << "precision = storage " << to_string(precision_.storage) << ", partials "
      << to_string(precision_.partials) << ", loss scaling " << precision_.loss_scaling << '\n';
   return os.str();

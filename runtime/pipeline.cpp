@@ -93,6 +93,7 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config,
       sr->link = HostLinkTimeline(HostLinkTimeline::Shape{
           config, sr->device->config().bytes_per_tile, sr->device->id(),
           sr->device->placement().shares_core(), "a micro-batch (data and labels)"});
+      sr->link.attach(&sr->device->clock(), sr->device->config().model);
       sr->local_out.assign(sr->out_elements, 0.0f);
       sr->local_grad.assign(sr->in_elements, 0.0f);
       if (config.recompute) sr->scratch.assign(sr->out_elements, 0.0f);

@@ -2,12 +2,21 @@
 // detail/pipeline_impl.hpp): the schedule's cycles, syncs and exchanges (bsp) or hand-offs
 // (dataflow), and the weight update at the end of each step.
 #include <functional>
+#include <string>
+#include <utility>
 
 #include "detail/pipeline_impl.hpp"
 
 namespace bspflow {
 
 namespace {
+// A compute set the compiler makes. Its codelet charges the device's modeled clock with what
+// it does (the stage's declared costs, stage_execution.cpp), so the Execute declares nothing
+// of its own.
+program::Execute codelet(std::string name, std::function<void(const ComputeContext&)> f) {
+  return program::Execute(std::move(name), std::move(f)).declare(Work{});
+}
+
 // Poplar's If: runs `then` when `condition` holds (a RepeatWhile of at most one trip).
 Program when(std::function<bool(const ComputeContext&)> condition, Program then) {
   return program::RepeatWhile(std::move(condition), std::move(then), 1);
@@ -29,8 +38,8 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
     // not cut the step short: once posted, a step is applied in every instance or in none,
     // and every local replica must do the same (a stop before posting makes it none).
     const std::uint32_t slot = slot_of(*on_device.front());
-    steps.emplace_back(program::Execute(
-        "all-reduce across instances", [this, on_device, slot](const ComputeContext& ctx) {
+    steps.emplace_back(
+        codelet("all-reduce across instances", [this, on_device, slot](const ComputeContext& ctx) {
           if (on_device.front()->r != 0) {
             (void)across->wait_done(ctx.iteration, detail::Spin::kYield);
             return;
@@ -40,7 +49,7 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
           exchange_across(on_device, slot, ctx.iteration);
         }));
   } else {
-    steps.emplace_back(program::Execute("reduce", [this, on_device](const ComputeContext&) {
+    steps.emplace_back(codelet("reduce", [this, on_device](const ComputeContext&) {
       for (StageRun* sr : on_device) local_sum(*sr);
     }));
   }
@@ -59,7 +68,7 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
     // sums them. Distributed, the others waited for replica 0's exchange, after its sum.
     if (!across) steps.emplace_back(program::Sync(group));
   }
-  steps.emplace_back(program::Execute("scale", [this, on_device](const ComputeContext& ctx) {
+  steps.emplace_back(codelet("scale", [this, on_device](const ComputeContext& ctx) {
     for (StageRun* sr : on_device) finish_reduce(*sr, ctx.iteration);
   }));
   // Offload: the optimiser state streams in before the update and out after it.
@@ -76,7 +85,7 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
     return copy;
   };
   if (config.offload_optimizer) steps.emplace_back(stream_state(false));
-  steps.emplace_back(program::Execute("update", [this, on_device](const ComputeContext&) {
+  steps.emplace_back(codelet("update", [this, on_device](const ComputeContext&) {
     for (StageRun* sr : on_device) update(*sr);
   }));
   if (config.offload_optimizer) steps.emplace_back(stream_state(true));
@@ -109,7 +118,7 @@ std::vector<Program> Pipeline::Impl::stage_passes(StageRun& sr) {
   // Forward pass of this cycle's micro-batch.
   body.push_back(
       when([st, p](const ComputeContext&) { return p->at(st->s, st->cycle).forward >= 0; },
-           program::Execute(name + " forward", [this, st, first, bsp](const ComputeContext& ctx) {
+           codelet(name + " forward", [this, st, first, bsp](const ComputeContext& ctx) {
              const std::uint64_t i = static_cast<std::uint64_t>(plan.at(st->s, st->cycle).forward);
              if (bsp) {
                forward_exchanged(*st, i, st->cycle, ctx.stop);
@@ -127,8 +136,7 @@ std::vector<Program> Pipeline::Impl::stage_passes(StageRun& sr) {
   if (config.training) {
     body.push_back(when(
         [st, p](const ComputeContext&) { return p->at(st->s, st->cycle).backward >= 0; },
-        program::Execute(name + " backward", [this, st, first, last,
-                                              bsp](const ComputeContext& ctx) {
+        codelet(name + " backward", [this, st, first, last, bsp](const ComputeContext& ctx) {
           const std::uint64_t i = static_cast<std::uint64_t>(plan.at(st->s, st->cycle).backward);
           if (bsp) {
             backward_exchanged(*st, i, st->cycle);
@@ -222,36 +230,35 @@ Program Pipeline::Impl::compile_dataflow_inference(StageRun& sr) {
   const std::uint32_t n = stages;
   const bool first = sr.s == 0, last = sr.s + 1 == n;
   const std::string name = sr.stage->name();
-  Program pass =
-      program::Execute(name + " forward", [this, st, first, last](const ComputeContext& ctx) {
-        std::uint64_t i = 0;
-        std::span<const float> in;
-        if (first) {
-          const Take t = take(*st, ctx.stop, /*block=*/true);
-          if (t == Take::kStopped) return;
-          if (t == Take::kEnd) {
-            st->ended = st->done = true;
-            if (!last) st->fwd_out->close();
-            return;
-          }
-          i = st->taken - 1;
-        } else {
-          // About to wait for input: hand over the responses held here first.
-          if (last && st->writer != nullptr && st->fwd_in->try_front() == nullptr)
-            st->writer->flush(ctx.stop);
-          const std::vector<float>* m = st->fwd_in->front(st->wait, *ctx.stop);
-          if (m == nullptr) {
-            if (st->fwd_in->closed_and_drained()) {
-              st->done = true;
-              if (!last) st->fwd_out->close();
-            }
-            return;
-          }
-          in = *m;
-          i = st->micro_batch++;  // messages arrive in the order stage 0 took them
+  Program pass = codelet(name + " forward", [this, st, first, last](const ComputeContext& ctx) {
+    std::uint64_t i = 0;
+    std::span<const float> in;
+    if (first) {
+      const Take t = take(*st, ctx.stop, /*block=*/true);
+      if (t == Take::kStopped) return;
+      if (t == Take::kEnd) {
+        st->ended = st->done = true;
+        if (!last) st->fwd_out->close();
+        return;
+      }
+      i = st->taken - 1;
+    } else {
+      // About to wait for input: hand over the responses held here first.
+      if (last && st->writer != nullptr && st->fwd_in->try_front() == nullptr)
+        st->writer->flush(ctx.stop);
+      const std::vector<float>* m = st->fwd_in->front(st->wait, *ctx.stop);
+      if (m == nullptr) {
+        if (st->fwd_in->closed_and_drained()) {
+          st->done = true;
+          if (!last) st->fwd_out->close();
         }
-        forward_handed_off(*st, i, in, ctx.stop);
-      });
+        return;
+      }
+      in = *m;
+      i = st->micro_batch++;  // messages arrive in the order stage 0 took them
+    }
+    forward_handed_off(*st, i, in, ctx.stop);
+  });
   return program::RepeatWhile([st](const ComputeContext&) { return !st->done; }, std::move(pass));
 }
 
@@ -262,7 +269,7 @@ Program Pipeline::Impl::compile_inference(const std::vector<StageRun*>& on_devic
   std::vector<Program> body;
   for (StageRun* st : on_device) {
     const bool first = st->s == 0, last = st->s + 1 == n;
-    body.push_back(program::Execute(
+    body.push_back(codelet(
         st->stage->name() + " forward", [this, st, first, last, n](const ComputeContext& ctx) {
           const std::uint64_t c = st->cycle;
           std::int64_t id = -1;
@@ -313,7 +320,7 @@ Program Pipeline::Impl::compile_inference(const std::vector<StageRun*>& on_devic
         // Nothing arrives for the next cycle: this device would idle at the sync, so the
         // responses it holds go to the host now.
         body.push_back(when([st](const ComputeContext&) { return st->in_id < 0; },
-                            program::Execute(name + " hand over", [st](const ComputeContext& ctx) {
+                            codelet(name + " hand over", [st](const ComputeContext& ctx) {
                               st->writer->flush(ctx.stop);
                             })));
       }
@@ -335,7 +342,7 @@ Program Pipeline::Impl::compile_inference(const std::vector<StageRun*>& on_devic
 Program Pipeline::Impl::compile_single_inference(std::uint32_t replica) {
   StageRun* head = &run_of(replica, 0);
   std::vector<Program> body;
-  body.push_back(program::Execute("take", [this, head](const ComputeContext& ctx) {
+  body.push_back(codelet("take", [this, head](const ComputeContext& ctx) {
     head->got = false;
     const Take t = take(*head, ctx.stop, /*block=*/true);
     if (t == Take::kEnd) head->ended = head->done = true;
@@ -346,14 +353,13 @@ Program Pipeline::Impl::compile_single_inference(std::uint32_t replica) {
   for (std::uint32_t s = 0; s < stages; ++s) {
     StageRun* st = &run_of(replica, s);
     StageRun* prev = s > 0 ? &run_of(replica, s - 1) : nullptr;
-    body.push_back(when([head](const ComputeContext&) { return head->got; },
-                        program::Execute(st->stage->name() + " forward",
-                                         [this, st, prev, head](const ComputeContext& ctx) {
-                                           forward(*st, head->micro_batch,
-                                                   prev ? std::span<const float>(prev->local_out)
-                                                        : std::span<const float>{},
-                                                   st->local_out, ctx.stop);
-                                         })));
+    body.push_back(when(
+        [head](const ComputeContext&) { return head->got; },
+        codelet(st->stage->name() + " forward", [this, st, prev, head](const ComputeContext& ctx) {
+          forward(*st, head->micro_batch,
+                  prev ? std::span<const float>(prev->local_out) : std::span<const float>{},
+                  st->local_out, ctx.stop);
+        })));
   }
   return program::RepeatWhile([head](const ComputeContext&) { return !head->done; },
                               program::Sequence(std::move(body)));
@@ -373,7 +379,7 @@ Program Pipeline::Impl::compile_single(std::uint32_t replica, std::uint64_t step
   for (std::uint32_t s = 0; s < stages; ++s) {
     StageRun* st = on_device[s];
     StageRun* prev = s > 0 ? on_device[s - 1] : nullptr;
-    Program pass = program::Execute(
+    Program pass = codelet(
         st->stage->name() + " forward", [this, st, prev, head, s](const ComputeContext& ctx) {
           st->step = head->step;
           if (s == 0) head->got = true;
@@ -393,13 +399,12 @@ Program Pipeline::Impl::compile_single(std::uint32_t replica, std::uint64_t step
       StageRun* next = s + 1 < stages ? on_device[s + 1] : nullptr;
       body.emplace_back(when(
           [head](const ComputeContext&) { return head->got; },
-          program::Execute(
-              st->stage->name() + " backward", [this, st, next, head](const ComputeContext&) {
-                st->step = head->step;
-                backward(*st, head->micro_batch,
-                         next ? std::span<const float>(next->local_grad) : std::span<const float>{},
-                         st->local_grad);
-              })));
+          codelet(st->stage->name() + " backward", [this, st, next, head](const ComputeContext&) {
+            st->step = head->step;
+            backward(*st, head->micro_batch,
+                     next ? std::span<const float>(next->local_grad) : std::span<const float>{},
+                     st->local_grad);
+          })));
     }
   }
   Program loop =

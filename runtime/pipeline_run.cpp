@@ -48,6 +48,7 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
       std::fill(sr.accum.begin(), sr.accum.end(), 0.0f);
     }
   }
+  im.cost_passes();
   const Clock::time_point start = Clock::now();
   for (auto& srp : im.runs) {  // the host link: free, and every I/O-tile buffer empty
     Impl::StageRun& sr = *srp;
@@ -160,6 +161,7 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
       if (r < writers.size()) dropped += writers[r].dropped();
     }
     result.elapsed = er.elapsed;
+    result.modeled = er.modeled;
     host_link_figures();
     result.fifo_depth.assign(im.stages, 0);
     result.iterations = fewest / im.k();
@@ -190,6 +192,7 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
   for (std::uint32_t r = 0; r < replicas; ++r)
     result.micro_batches += im.run_of(r, im.stages - 1).forwards;
   result.elapsed = er.elapsed;
+  result.modeled = er.modeled;
   host_link_figures();
   if (ended) {
     result.status = RunStatus::kEndOfData;

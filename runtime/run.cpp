@@ -57,6 +57,17 @@ void RunControl::replica_done(std::uint32_t replica, ReplicaEnd end) noexcept {
   }
 }
 
+ModeledTime RunControl::modeled() const noexcept {
+  ModeledTime slowest{};
+  std::uint64_t undeclared = 0;
+  for (const ReplicaEnd& e : ends_) {
+    if (e.modeled.total > slowest.total) slowest = e.modeled;
+    undeclared += e.modeled.undeclared;
+  }
+  slowest.undeclared = undeclared;
+  return slowest;
+}
+
 RunStatus RunControl::finish(std::vector<std::uint64_t>& iterations, std::string& message) {
   iterations.clear();
   for (const ReplicaEnd& e : ends_) iterations.push_back(e.iterations);

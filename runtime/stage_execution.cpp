@@ -94,6 +94,28 @@ void Pipeline::Impl::backward_exchanged(StageRun& sr, std::uint64_t i, std::uint
   if (!first) narrow(out_buf, grad_in);
 }
 
+void Pipeline::Impl::cost_passes() {
+  const WorkPrecision precision =
+      config.precision.storage != DType::kFloat16    ? WorkPrecision::kFloat32
+      : config.precision.partials == DType::kFloat16 ? WorkPrecision::kFloat16
+                                                     : WorkPrecision::kFloat16Float32;
+  for (auto& srp : runs) {
+    StageRun& sr = *srp;
+    const DeviceModel& m = sr.device->config().model;
+    const std::uint32_t io = config.io_tiles;
+    const std::uint32_t tiles = sr.device->config().tiles;
+    sr.compute_tiles = tiles > io ? tiles - io : 1;
+    const StageCost c = sr.stage->cost(precision);
+    auto ns = [&](const std::optional<Work>& w) {
+      if (!w) return -1.0;
+      return w->declared() ? m.ns(m.compute_cycles(*w, sr.compute_tiles)) : 0.0;
+    };
+    sr.forward_ns = ns(c.forward);
+    sr.backward_ns = ns(c.backward);
+    sr.update_ns = ns(c.update);
+  }
+}
+
 void Pipeline::Impl::local_sum(StageRun& sr) {
   // Distributed, replica 0: straight into its slot's segment of the exchange across
   // instances (no copy on the way there).
@@ -101,6 +123,9 @@ void Pipeline::Impl::local_sum(StageRun& sr) {
       across && sr.r == 0 ? across->segment(slot_of(sr)).subspan(sr.wire_at, sr.reduced.size())
                           : std::span<float>(sr.reduced);
   const std::uint32_t replicas = config.replicas;
+  // Modeled: read each replica's accumulators, write the sum (fp32 partials: 4 bytes).
+  const double values = static_cast<double>(sr.accum.size());
+  charge_bytes(sr, values * 4.0 * (replicas + 1), values * (replicas - 1));
   if (replicas == 1) {
     std::copy(sr.accum.begin(), sr.accum.end(), out.begin());
     return;
@@ -153,6 +178,8 @@ void Pipeline::Impl::finish_reduce(StageRun& sr, std::uint64_t step) {
     if (!sr.apply) return;
   }
   const std::uint32_t replicas = total_replicas();
+  charge_bytes(sr, static_cast<double>(sr.reduced.size()) * 8.0,
+               static_cast<double>(sr.reduced.size()));
   // The update sees unscaled gradients: loss scaling is undone here, with the mean.
   float scale = 1.0f / config.precision.loss_scaling;
   if (config.reduction == ReductionType::kMean) {
@@ -194,6 +221,7 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
   ForwardArgs args{batches_of[i % batches_of.size()], input, output, entry.saved};
   const StageContext ctx = context(sr, i);
   guarded(sr, i, "forward", [&] { sr.stage->forward(ctx, args); });
+  charge(sr, sr.forward_ns);
   check_saved(sr, i, entry.saved);
   if (half_storage()) {
     round_to_half(output);
@@ -256,6 +284,7 @@ void Pipeline::Impl::backward(StageRun& sr, std::uint64_t i, std::span<const flo
   if (config.recompute) {  // the forward pass again, from the stashed input
     ForwardArgs again{batch, e.input, sr.scratch, e.saved};
     guarded(sr, i, "recomputed forward", [&] { sr.stage->forward(ctx, again); });
+    charge(sr, sr.forward_ns);
     check_saved(sr, i, e.saved);
     if (half_storage()) {
       round_to_half(sr.scratch);
@@ -266,6 +295,7 @@ void Pipeline::Impl::backward(StageRun& sr, std::uint64_t i, std::span<const flo
   std::fill(grad_input.begin(), grad_input.end(), 0.0f);
   BackwardArgs args{batch, e.input, e.saved, grad_output, grad_input, sr.grads};
   guarded(sr, i, "backward", [&] { sr.stage->backward(ctx, args); });
+  charge(sr, sr.backward_ns);
   // Static loss scaling: the last stage's gradients are scaled (the earlier stages' follow
   // from its grad_input); reduce() divides the scale out before the update.
   const float loss_scaling = config.precision.loss_scaling;

@@ -1,6 +1,8 @@
 // SyncGroup (see bspflow/runtime/sync_group.hpp).
 #include "bspflow/runtime/sync_group.hpp"
 
+#include <algorithm>
+#include <bit>
 #include <string>
 #include <thread>
 
@@ -20,11 +22,28 @@ void SyncGroup::abort() noexcept {
   point_.notify();
 }
 
-bool SyncGroup::arrive_and_wait(const StopFlag& stop, Spin spin) {
+bool SyncGroup::arrive_and_wait(const StopFlag& stop, Spin spin, double* modeled) {
   if (aborted_.load(std::memory_order_acquire)) return false;
+  if (modeled != nullptr) {
+    // Before arriving: nobody can open this generation without this arrival, so the one
+    // read now is the one joined. relaxed loads and CAS: the arrival's acq_rel RMW publishes
+    // the slot to the last arrival, whose seq_cst store publishes it to the waiters.
+    const std::uint64_t g = generation(state_.load(std::memory_order_relaxed));
+    std::atomic<std::int64_t>& slot = modeled_[g & 1];
+    const std::int64_t mine = std::bit_cast<std::int64_t>(std::max(*modeled, 0.0));
+    std::int64_t seen = slot.load(std::memory_order_relaxed);
+    while (seen < mine && !slot.compare_exchange_weak(seen, mine, std::memory_order_relaxed)) {
+    }
+  }
   const std::uint64_t before = state_.fetch_add(1, std::memory_order_acq_rel);
   const std::uint64_t gen = generation(before);
   if ((before & kCountMask) + 1 == participants_) {
+    if (modeled != nullptr) {
+      *modeled = std::bit_cast<double>(modeled_[gen & 1].load(std::memory_order_relaxed));
+    }
+    // The other parity's slot served the round before this one, which everybody has left
+    // (they all arrived here): it starts the next round empty. relaxed: published below.
+    modeled_[(gen + 1) & 1].store(0, std::memory_order_relaxed);
     // Last to arrive: the next generation with no arrivals, in one store. Nobody arrives for
     // the next round before seeing it, so no arrival can be lost. seq_cst: see
     // WaitPoint::notify(). The generation wraps after 2^32 rounds; waiters compare for
@@ -43,7 +62,11 @@ bool SyncGroup::arrive_and_wait(const StopFlag& stop, Spin spin) {
       },
       spin, detail::Fence::kSymmetric,
       spin == detail::Spin::kYield ? tunables::kSpinBudget : tunables::kSyncSpinBudget);
-  return generation(state_.load(std::memory_order_acquire)) != gen;
+  const bool opened = generation(state_.load(std::memory_order_acquire)) != gen;
+  if (opened && modeled != nullptr) {
+    *modeled = std::bit_cast<double>(modeled_[gen & 1].load(std::memory_order_relaxed));
+  }
+  return opened;
 }
 
 }  // namespace bspflow

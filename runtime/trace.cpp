@@ -38,6 +38,33 @@ TraceTrack::TraceTrack(std::string name, Kind kind, std::uint32_t id, Clock::tim
   events_.reserve(1024);
 }
 
+void TraceTrack::modeled_span(ModeledPhase phase, double begin_ns, double end_ns,
+                              std::uint32_t label) noexcept {
+  Phase p = Phase::kCompute;
+  switch (phase) {
+    case ModeledPhase::kHostCall:
+      p = Phase::kIdle;
+      break;
+    case ModeledPhase::kCompute:
+      p = Phase::kCompute;
+      break;
+    case ModeledPhase::kHostLink:
+      p = Phase::kStreamCopyMid;
+      break;
+    case ModeledPhase::kExchange:
+      p = Phase::kExchange;
+      break;
+    case ModeledPhase::kSync:
+      p = Phase::kSync;
+      break;
+  }
+  try {
+    modeled_.push_back(TraceEvent{p, false, label, static_cast<std::int64_t>(begin_ns),
+                                  static_cast<std::int64_t>(end_ns), 0});
+  } catch (...) {  // out of memory: the modeled timeline misses a span
+  }
+}
+
 std::uint32_t TraceTrack::add_label(std::string label) {
   const auto it = std::find(labels_.begin(), labels_.end(), label);
   if (it != labels_.end()) return static_cast<std::uint32_t>(it - labels_.begin());
@@ -102,6 +129,38 @@ std::string Trace::chrome_json() const {
                         {"args", std::move(args)}});
     }
   }
+  // The modeled IPU timeline: a process of its own (its own time axis), its threads numbered
+  // from kModeledTid so that no thread id repeats one of the first process's.
+  constexpr std::uint32_t kModeledTid = 1000;
+  bool modeled = false;
+  tid = kModeledTid;
+  for (const TraceTrack& track : tracks_) {
+    ++tid;
+    if (track.modeled_events().empty()) continue;
+    if (!modeled) {
+      events.push_back({{"ph", "M"},
+                        {"pid", 2},
+                        {"name", "process_name"},
+                        {"args", {{"name", "modeled IPU time"}}}});
+      modeled = true;
+    }
+    events.push_back({{"ph", "M"},
+                      {"pid", 2},
+                      {"tid", tid},
+                      {"name", "thread_name"},
+                      {"args", {{"name", track.name() + " (modeled)"}}}});
+    for (const TraceEvent& e : track.modeled_events()) {
+      const std::string& label = track.label(e);
+      const char* name = e.phase == Phase::kIdle ? "host call" : to_string(e.phase);
+      events.push_back({{"ph", "X"},
+                        {"pid", 2},
+                        {"tid", tid},
+                        {"name", label.empty() ? std::string(name) : label},
+                        {"cat", std::string("modeled ") + to_string(e.phase)},
+                        {"ts", static_cast<double>(e.begin_ns) / 1e3},
+                        {"dur", static_cast<double>(e.end_ns - e.begin_ns) / 1e3}});
+    }
+  }
   json doc = {{"traceEvents", std::move(events)},
               {"displayTimeUnit", "ns"},
               {"otherData", {{"run_us", static_cast<double>(run_ns()) / 1e3}}}};
@@ -159,7 +218,20 @@ TraceSummary Trace::summary() const {
     for (std::size_t p = 0; p < kPhaseCount; ++p) {
       t.share[p] = sum > 0 ? static_cast<double>(t.ns[p]) / static_cast<double>(sum) : 0.0;
     }
+    for (const TraceEvent& e : track.modeled_events()) {
+      t.modeled_phase_ns[static_cast<std::size_t>(e.phase)] += e.end_ns - e.begin_ns;
+      t.modeled_ns = std::max(t.modeled_ns, e.end_ns);
+    }
+    s.modeled_run_ns = std::max(s.modeled_run_ns, t.modeled_ns);
     s.tracks.push_back(std::move(t));
+  }
+  for (TrackSummary& t : s.tracks) {  // shares of the slowest device's modeled time
+    if (t.modeled_ns == 0 || s.modeled_run_ns == 0) continue;
+    t.modeled_phase_ns[static_cast<std::size_t>(Phase::kIdle)] += s.modeled_run_ns - t.modeled_ns;
+    for (std::size_t p = 0; p < kPhaseCount; ++p) {
+      t.modeled_share[p] =
+          static_cast<double>(t.modeled_phase_ns[p]) / static_cast<double>(s.modeled_run_ns);
+    }
   }
   return s;
 }
@@ -201,6 +273,27 @@ std::string TraceSummary::to_string() const {
                       100.0 * static_cast<double>(ns) / static_cast<double>(run_ns));
         os << buf;
         sep = ", ";
+      }
+      os << '\n';
+    }
+  }
+  if (modeled_run_ns > 0) {
+    std::snprintf(buf, sizeof buf, "modeled IPU time: %.3f ms (CPU: %.3f ms, %.1fx)\n",
+                  static_cast<double>(modeled_run_ns) / 1e6, static_cast<double>(run_ns) / 1e6,
+                  static_cast<double>(run_ns) / static_cast<double>(modeled_run_ns));
+    os << buf;
+    std::snprintf(buf, sizeof buf, "%-22s %7s %7s %7s %7s %7s\n", "track (modeled)", "Compute",
+                  "Link", "Exchg", "Sync", "Idle");
+    os << buf;
+    for (const TrackSummary& t : tracks) {
+      if (t.modeled_ns == 0) continue;
+      std::snprintf(buf, sizeof buf, "%-22s", t.name.c_str());
+      os << buf;
+      for (Phase p :
+           {Phase::kCompute, Phase::kStreamCopyMid, Phase::kExchange, Phase::kSync, Phase::kIdle}) {
+        std::snprintf(buf, sizeof buf, " %6.1f%%",
+                      100.0 * t.modeled_share[static_cast<std::size_t>(p)]);
+        os << buf;
       }
       os << '\n';
     }

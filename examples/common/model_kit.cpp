@@ -280,6 +280,72 @@ void LayerStage::set_parameters(const std::vector<float>& p) {
   half_weights_ = false;
 }
 
+// ---- the modeled clock: each layer's work ----
+
+bspflow::Work Dense::forward_work(std::size_t batch, bspflow::WorkPrecision p) const {
+  const double b = static_cast<double>(batch), in = static_cast<double>(in_),
+               out = static_cast<double>(out_);
+  return {2 * in * out * b, (in * b + in * out + out * b) * value_bytes(p), p};
+}
+bspflow::Work Dense::backward_work(std::size_t batch, bspflow::WorkPrecision p) const {
+  // d x = d y W and d W = d y^T x: twice the forward's multiply-adds, and the weights'
+  // gradient written too.
+  const double b = static_cast<double>(batch), in = static_cast<double>(in_),
+               out = static_cast<double>(out_);
+  return {4 * in * out * b, (2 * in * b + 2 * in * out + out * b) * value_bytes(p), p};
+}
+bspflow::Work Relu::forward_work(std::size_t batch, bspflow::WorkPrecision p) const {
+  const double n = static_cast<double>(size_ * batch);
+  return {n, 2 * n * value_bytes(p), p};
+}
+bspflow::Work Relu::backward_work(std::size_t batch, bspflow::WorkPrecision p) const {
+  const double n = static_cast<double>(size_ * batch);
+  return {n, 3 * n * value_bytes(p), p};
+}
+bspflow::Work Conv2d::forward_work(std::size_t batch, bspflow::WorkPrecision p) const {
+  const double b = static_cast<double>(batch);
+  const double positions = static_cast<double>(out_.height * out_.width);
+  const double macs = positions * static_cast<double>(patch() * out_.channels) * b;
+  const double values = static_cast<double>(in_.size()) * b + static_cast<double>(param_count()) +
+                        static_cast<double>(out_.size()) * b;
+  return {2 * macs, values * value_bytes(p), p};
+}
+bspflow::Work Conv2d::backward_work(std::size_t batch, bspflow::WorkPrecision p) const {
+  bspflow::Work w = forward_work(batch, p);
+  return w.times(2);  // the input's and the weights' gradients: a convolution each
+}
+bspflow::Work MaxPool2::forward_work(std::size_t batch, bspflow::WorkPrecision p) const {
+  const double in = static_cast<double>(in_.size() * batch);
+  const double out = static_cast<double>(out_.size() * batch);
+  return {in, (in + out) * value_bytes(p), p};
+}
+bspflow::Work MaxPool2::backward_work(std::size_t batch, bspflow::WorkPrecision p) const {
+  const double in = static_cast<double>(in_.size() * batch);
+  const double out = static_cast<double>(out_.size() * batch);
+  return {in, (2 * in + out) * value_bytes(p), p};
+}
+
+bspflow::StageCost LayerStage::cost(bspflow::WorkPrecision precision) const {
+  bspflow::Work forward{0, 0, precision, 0}, backward{0, 0, precision, 0};
+  for (const auto& layer : layers_) {
+    forward += layer->forward_work(batch_, precision);
+    backward += layer->backward_work(batch_, precision);
+  }
+  const double b = static_cast<double>(batch_);
+  if (first_) {  // normalising the images: a multiply-add per pixel
+    const double pixels = static_cast<double>(layers_.front()->in_size()) * b;
+    forward += bspflow::Work{2 * pixels, pixels * (1 + value_bytes(precision)), precision};
+  }
+  if (last_) {  // softmax cross-entropy: a few operations per logit
+    const double logits = static_cast<double>(layers_.back()->out_size()) * b;
+    forward += bspflow::Work{8 * logits, 2 * logits * 4, precision};
+    backward += bspflow::Work{2 * logits, 2 * logits * 4, precision};
+  }
+  const double weights = static_cast<double>(params_.size());
+  const bspflow::Work update{12 * weights, 28 * weights, bspflow::WorkPrecision::kFloat32};
+  return {forward, backward, update};
+}
+
 bspflow::StageMemory LayerStage::memory() const {
   bspflow::StageMemory m;
   m.parameters = params_.size();

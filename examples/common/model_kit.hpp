@@ -57,7 +57,17 @@ class Layer {
   // (null: not needed, the layer reads the images).
   virtual void backward(std::span<const float> params, const float* x, const float* y,
                         const float* gy, float* gx, std::span<float> grads, std::size_t batch) = 0;
+  // What a real IPU does for the forward and the backward pass of `batch` samples at `p`
+  // (FLOPs from the shapes; bytes: what the pass reads and writes, 2 bytes per value in half
+  // precision), for the modeled clock.
+  virtual bspflow::Work forward_work(std::size_t batch, bspflow::WorkPrecision p) const = 0;
+  virtual bspflow::Work backward_work(std::size_t batch, bspflow::WorkPrecision p) const = 0;
 };
+
+// Bytes per value of activations and weights at `p`.
+inline double value_bytes(bspflow::WorkPrecision p) noexcept {
+  return p == bspflow::WorkPrecision::kFloat32 ? 4.0 : 2.0;
+}
 
 // y = x W^T + b; W is out x in.
 class Dense final : public Layer {
@@ -70,6 +80,8 @@ class Dense final : public Layer {
   void forward(std::span<const float> params, const float* x, float* y, std::size_t batch) override;
   void backward(std::span<const float> params, const float* x, const float* y, const float* gy,
                 float* gx, std::span<float> grads, std::size_t batch) override;
+  bspflow::Work forward_work(std::size_t batch, bspflow::WorkPrecision p) const override;
+  bspflow::Work backward_work(std::size_t batch, bspflow::WorkPrecision p) const override;
 
  private:
   std::size_t in_, out_;
@@ -83,6 +95,8 @@ class Relu final : public Layer {
   void forward(std::span<const float> params, const float* x, float* y, std::size_t batch) override;
   void backward(std::span<const float> params, const float* x, const float* y, const float* gy,
                 float* gx, std::span<float> grads, std::size_t batch) override;
+  bspflow::Work forward_work(std::size_t batch, bspflow::WorkPrecision p) const override;
+  bspflow::Work backward_work(std::size_t batch, bspflow::WorkPrecision p) const override;
 
  private:
   std::size_t size_;
@@ -108,6 +122,8 @@ class Conv2d final : public Layer {
   void backward(std::span<const float> params, const float* x, const float* y, const float* gy,
                 float* gx, std::span<float> grads, std::size_t batch) override;
   Shape output_shape() const noexcept { return out_; }
+  bspflow::Work forward_work(std::size_t batch, bspflow::WorkPrecision p) const override;
+  bspflow::Work backward_work(std::size_t batch, bspflow::WorkPrecision p) const override;
 
  private:
   std::size_t patch() const noexcept { return k_ * k_ * in_.channels; }
@@ -129,6 +145,8 @@ class MaxPool2 final : public Layer {
   void backward(std::span<const float> params, const float* x, const float* y, const float* gy,
                 float* gx, std::span<float> grads, std::size_t batch) override;
   Shape output_shape() const noexcept { return out_; }
+  bspflow::Work forward_work(std::size_t batch, bspflow::WorkPrecision p) const override;
+  bspflow::Work backward_work(std::size_t batch, bspflow::WorkPrecision p) const override;
 
  private:
   Shape in_, out_;
@@ -159,6 +177,9 @@ class LayerStage final : public bspflow::Stage {
   // memory. With fp16 storage (StageContext::storage) the weights are rounded to half
   // precision before the first pass and after every update.
   bspflow::StageMemory memory() const override;
+  // The layers' work (and, first, normalising the images; last, the loss), per micro-batch;
+  // the update: AdamW over the weights in fp32 (about 12 FLOPs and 28 bytes per weight).
+  bspflow::StageCost cost(bspflow::WorkPrecision precision) const override;
 
   const std::vector<float>& parameters() const noexcept { return params_; }
   void set_parameters(const std::vector<float>& p);  // same size, else throws

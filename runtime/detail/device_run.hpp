@@ -42,6 +42,7 @@ struct InLink {  // one infeed, seen from one device
   std::size_t next_use = 0;
   std::atomic<bool> closing{false};  // the device is done: fetch nothing more
   Tensor staging;                    // io_tiles = 0: the element being moved
+  ModeledLink modeled;               // its copies in modeled time
 };
 
 struct OutLink {  // one outfeed, seen from one device
@@ -49,6 +50,7 @@ struct OutLink {  // one outfeed, seen from one device
   std::vector<std::unique_ptr<Slot>> slots;  // io_tiles > 0
   std::size_t bytes = 0;                     // of the largest source (sizes the slots)
   std::size_t next_use = 0;
+  ModeledLink modeled;  // its copies in modeled time
 };
 
 // What the device runs need of the engine.
@@ -65,7 +67,7 @@ class DeviceRun {
   DeviceRun(EngineState& engine, Device& device, std::uint32_t index, detail::RunControl& control,
             TraceTrack* track, TraceTrack* io_track)
       : eng_(engine), device_(device), index_(index), control_(control), stop_(control.stop()),
-        track_(track), io_track_(io_track) {
+        track_(track), io_track_(io_track), clock_(device.clock()), model_(device.config().model) {
     ctx_.device = device_.id();
     ctx_.replica = index;
     ctx_.compute_tiles = engine.compute_tiles;
@@ -132,6 +134,15 @@ class DeviceRun {
   }
 
   bool exec_node(const program::Sync& s);
+
+  // Modeled nanoseconds of a host-link copy of `bytes`, and of handing `bytes` over between
+  // the I/O tiles and the compute tiles.
+  double host_link_ns(std::size_t bytes) const noexcept {
+    return static_cast<double>(eng_.config.host_link.duration(bytes).count());
+  }
+  double handover_ns(std::size_t bytes) const noexcept {
+    return model_.ns(model_.exchange_cycles(static_cast<double>(bytes), eng_.config.io_tiles));
+  }
 
   bool exec_node(const program::Copy& c);
 
@@ -202,6 +213,8 @@ class DeviceRun {
   const detail::StopFlag& stop_;
   TraceTrack* track_;
   TraceTrack* io_track_;
+  ModeledClock& clock_;  // the device's: this run's modeled time
+  const DeviceModel& model_;
   ComputeContext ctx_;
   bool in_repeat_ = false;
   std::vector<SyncGroup*> groups_;  // the sync groups its program uses (set_groups)

@@ -110,6 +110,11 @@ struct Pipeline::Impl {
       std::copy(host_state.begin(), host_state.end(), state.begin());
       return state.size_bytes();
     }
+    // This run's modeled costs in ns (stage_execution.cpp charges them to the device's
+    // clock as the passes run; < 0: the stage declared none): a forward pass, a backward
+    // pass, an optimiser step; and the tiles its device computes on.
+    double forward_ns = -1, backward_ns = -1, update_ns = -1;
+    std::uint32_t compute_tiles = 1;
     std::uint32_t accumulated = 0;
     bool apply = true;          // this step's update is applied (complete; distributed: everywhere)
     std::uint64_t updates = 0;  // updates applied this run
@@ -258,11 +263,28 @@ struct Pipeline::Impl {
     return config.replicas * (across ? instance->count() : 1);
   }
 
+  // Host thread, before a run: each stage's declared costs at the run's precision, in ns.
+  void cost_passes();
+  // Device thread: a pass of `ns` (< 0: undeclared) on sr's device's modeled clock.
+  static void charge(const StageRun& sr, double ns) noexcept {
+    if (ns >= 0) {
+      sr.device->clock().compute(ns);
+    } else {
+      sr.device->clock().undeclared();
+    }
+  }
+  // Device thread: memory-bound work of `bytes` over sr's device's compute tiles.
+  static void charge_bytes(const StageRun& sr, double bytes, double flops) noexcept {
+    const DeviceModel& m = sr.device->config().model;
+    sr.device->clock().compute(m.ns(m.compute_cycles(Work{flops, bytes}, sr.compute_tiles)));
+  }
+
   void update(StageRun& sr) {
     if (!sr.apply) return;  // cut short, or (distributed) not applied in every instance
     ++sr.updates;
     const StageContext ctx = context(sr, k());
     guarded(sr, k(), "update", [&] { sr.stage->update(ctx, sr.reduced); });
+    charge(sr, sr.update_ns);
     std::fill(sr.accum.begin(), sr.accum.end(), 0.0f);
     sr.accumulated = 0;
   }

@@ -3,7 +3,10 @@
 #include <doctest/doctest.h>
 
 #include <chrono>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
 
 #include <bspflow/bspflow.hpp>
 
@@ -74,6 +77,58 @@ TEST_CASE("trace: valid Chrome JSON, per-device phases add up to the run, summar
   CHECK(contains(s.to_string(), "20 iterations"));
   // Modeled copies take at least their modeled time.
   for (const TraceEvent& e : trace.tracks()[1].events()) CHECK(e.end_ns - e.begin_ns >= 200'000);
+}
+
+TEST_CASE("trace: the modeled IPU timeline, a process of its own, adds up to the modeled run") {
+  DeviceGroup devices(2, kSmall);
+  EngineConfig c = with_link(20us, 4096, 0);
+  c.trace = true;
+  Engine engine(devices, c);
+  InfeedQueue<Tensor> infeed(InfeedConfig{2, 64, 1});
+  auto group = std::make_shared<SyncGroup>(2);
+  std::vector<Program> programs;
+  for (std::uint32_t d = 0; d < 2; ++d) {
+    Buffer x = make_buffer(devices[d], "x", DType::kFloat32, 1024);
+    programs.push_back(Repeat(
+        5, Sequence{StreamCopy(infeed, x),
+                    Execute("matmul", [](const ComputeContext&) {}).declare(Work{1e9 * (d + 1)}),
+                    Sync(group)}));
+  }
+  auto p = infeed.make_producer();
+  for (int i = 0; i < 10; ++i) p.push(filled(1024, 1.0f));
+  const EngineResult r = engine.run(programs);
+  REQUIRE(r.completed());
+  const auto doc = nlohmann::json::parse(engine.trace()->chrome_json());
+  double modeled_us[3] = {0, 0, 0};
+  int matmuls = 0;
+  bool named = false;
+  for (const auto& e : doc["traceEvents"]) {
+    if (e["pid"] != 2) continue;
+    if (e["ph"] == "M" && e["name"] == "process_name")
+      named = e["args"]["name"] == "modeled IPU time";
+    if (e["ph"] != "X") continue;
+    CHECK(std::string(e["cat"]).rfind("modeled ", 0) == 0);
+    modeled_us[e["tid"].get<int>() - 1000] += e["dur"].get<double>();  // tids from 1001
+    if (e["name"] == "matmul") ++matmuls;
+  }
+  CHECK(named);
+  CHECK(matmuls == 10);
+  // Each device's modeled spans cover its modeled time, and both end together (the Sync).
+  const double total_us = static_cast<double>(r.modeled.total.count()) / 1e3;
+  CHECK(modeled_us[1] == doctest::Approx(total_us).epsilon(0.001));
+  CHECK(modeled_us[2] == doctest::Approx(total_us).epsilon(0.001));
+  const TraceSummary s = engine.summary();
+  CHECK(s.modeled_run_ns == doctest::Approx(static_cast<double>(r.modeled.total.count())));
+  for (const TrackSummary& t : s.tracks) {
+    if (t.kind != TraceTrack::Kind::kDevice) continue;
+    double total = 0;
+    for (double v : t.modeled_share) total += v;
+    CHECK(total == doctest::Approx(1.0).epsilon(1e-6));
+  }
+  // The faster device (0: half the work) waited at the sync for the slower one.
+  CHECK(s.tracks[1].modeled_share[static_cast<std::size_t>(Phase::kSync)] <
+        s.tracks[0].modeled_share[static_cast<std::size_t>(Phase::kSync)]);
+  CHECK(contains(s.to_string(), "modeled IPU time:"));
 }
 
 TEST_CASE("trace: off by default, records nothing") {

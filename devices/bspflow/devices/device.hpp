@@ -22,7 +22,9 @@
 #include "bspflow/base/tunables.hpp"
 #include "bspflow/devices/arena.hpp"
 #include "bspflow/devices/device_error.hpp"
+#include "bspflow/devices/device_model.hpp"
 #include "bspflow/devices/device_tunables.hpp"
+#include "bspflow/devices/modeled_clock.hpp"
 #include "bspflow/devices/topology.hpp"
 
 namespace bspflow {
@@ -35,6 +37,9 @@ struct DeviceConfig {
   // neighbours): devices are placed on other cores, and a device that must sit on one of
   // these never spins long there (Placement::shares_host). Each must be below the core count.
   std::vector<std::uint32_t> host_cores{};
+  // What a real IPU would take for the work the device declares (the modeled clock; the Mk2's
+  // figures by default, see device_model.hpp).
+  DeviceModel model{};
   // Throws bspflow::Error naming the field, the value and the allowed range.
   void validate() const;
   std::size_t memory_bytes() const noexcept { return std::size_t{tiles} * bytes_per_tile; }
@@ -68,6 +73,10 @@ class Device {
   const DeviceConfig& config() const noexcept { return config_; }
   const Placement& placement() const noexcept { return placement_; }
   Arena& arena() noexcept { return arena_; }
+  // Device thread during a run (the runtime resets and advances it); any thread once the run
+  // has ended. The time a real IPU would have taken for the device's last run.
+  ModeledClock& clock() noexcept { return clock_; }
+  const ModeledClock& clock() const noexcept { return clock_; }
   // Whether the worker thread is actually pinned (false without hwloc, or if refused).
   // Waits for the thread to have tried.
   bool pinned() const;
@@ -81,6 +90,7 @@ class Device {
   const DeviceConfig config_;
   const Placement placement_;
   Arena arena_;
+  ModeledClock clock_;
 
   // The mailbox: jobs under a mutex (submitted once per host call, never contended on a hot
   // path), plus a seq_cst count the device thread waits on with spin-then-park, so a host

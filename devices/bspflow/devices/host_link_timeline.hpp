@@ -15,14 +15,17 @@
 // another thread once the owner has handed them over (a run's end).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "bspflow/base/stop_flag.hpp"
+#include "bspflow/devices/device_model.hpp"
 #include "bspflow/devices/host_io.hpp"
 #include "bspflow/devices/link_model.hpp"
+#include "bspflow/devices/modeled_clock.hpp"
 
 namespace bspflow {
 
@@ -46,8 +49,20 @@ class HostLinkTimeline {
   explicit HostLinkTimeline(const Shape& shape);
   HostLinkTimeline() : HostLinkTimeline(Shape{}) {}
 
+  // Setup path: the copies also advance `clock` (the device's modeled clock; null: none) in
+  // modeled time (ModeledLink), the hand-over between I/O tiles and compute tiles at
+  // `model`'s exchange rate. Allocates (the modeled buffers); throws only std::bad_alloc.
+  void attach(ModeledClock* clock, const DeviceModel& model) {
+    clock_ = clock;
+    handover_per_byte_ns_ = model.ns(1.0 / (model.exchange_bytes_per_tile_cycle *
+                                            std::max<std::uint32_t>(shape_.host_io.io_tiles, 1)));
+    handover_fixed_ns_ = model.ns(model.sync_cycles_on_chip);
+    modeled_.start(0, shape_.host_io.io_tiles, shape_.host_io.prefetch_depth);
+  }
+
   // Owner thread, before a run: the link is free from `now`, every I/O-tile buffer empty,
-  // the counters zero. Never blocks, never allocates, never throws.
+  // the counters zero (and, attached, the modeled link free from the clock's now). Never
+  // blocks, never allocates, never throws.
   void start(Clock::time_point now) noexcept;
 
   // Owner thread. An element of `bytes` was just taken off the infeed (`waited`: the lane
@@ -81,7 +96,23 @@ class HostLinkTimeline {
   bool wait(Clock::time_point now, Clock::time_point until, const StopFlag* stop,
             Clock::time_point& after) noexcept;
 
+  // Modeled time: the copies' own schedule on the attached clock.
+  double modeled_ns(std::size_t bytes) const noexcept {
+    return static_cast<double>(shape_.host_io.host_link.duration(bytes).count());
+  }
+  double handover_ns(std::size_t bytes) const noexcept {
+    return shape_.host_io.io_tiles > 0
+               ? static_cast<double>(bytes) * handover_per_byte_ns_ + handover_fixed_ns_
+               : 0.0;
+  }
+
+  ModeledLink& modeled_link() noexcept;
+
   Shape shape_;
+  ModeledClock* clock_ = nullptr;
+  ModeledLink modeled_;
+  bool modeled_pending_ = false;
+  double handover_per_byte_ns_ = 0, handover_fixed_ns_ = 0;
   Clock::time_point in_link_free_{}, out_link_free_{};
   std::vector<Clock::time_point> in_buffer_free_, out_buffer_free_;
   std::uint64_t copies_in_ = 0, copies_out_ = 0;

@@ -54,6 +54,8 @@ struct EngineConfig : HostIO {
 // outermost Repeat trips each device completed.
 struct EngineResult : RunResult {
   std::vector<std::uint64_t> iterations;  // per device
+  // Each device's modeled clock at its end (RunResult::modeled is the slowest's).
+  std::vector<ModeledTime> modeled_by_device;
 };
 
 class Engine {

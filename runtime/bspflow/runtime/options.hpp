@@ -114,6 +114,17 @@ class Options {
   Options& bytes_per_tile(std::size_t bytes);
   std::size_t bytes_per_tile() const noexcept { return bytes_per_tile_; }
 
+  // What a real IPU would take for the devices' declared work: the modeled clock's figures
+  // (DeviceConfig::model; default DeviceModel::mk2()). Throws what DeviceModel::validate()
+  // throws.
+  Options& device_model(const DeviceModel& model);
+  const DeviceModel& device_model() const noexcept { return device_model_; }
+  // The modeled link between devices (EngineConfig and PipelineConfig::device_link; default
+  // LinkModel::device(): 32 GB/s, 1 us). Throws what LinkModel::validate("device link")
+  // throws.
+  Options& device_link(const LinkModel& link);
+  const LinkModel& device_link() const noexcept { return device_link_; }
+
   // How a Pipeline stores and accumulates values (PipelineConfig::from copies it): fp32
   // (default) or fp16 storage, fp32 or fp16 partials, static loss scaling. Throws what
   // Precision::validate() throws.
@@ -142,11 +153,11 @@ class Options {
   // only empty vectors, engine_config() an empty string.
   //   infeed_config():   replicas, infeed_capacity, prefetch_depth, producer_type
   //   outfeed_config():  replicas, output_mode, outfeed_capacity, consumer_type
-  //   device_config():   tiles, bytes_per_tile, pin
+  //   device_config():   tiles, bytes_per_tile, pin, device_model
   //   host_io():         host_link, io_tiles, prefetch_depth, synthetic_data (a loop's
   //                      LoopConfig; the host side of the two below)
-  //   engine_config():   host_io() (synthetic data generated as random normal)
-  //   pipeline_config(): host_io(), replicas, gradient_accumulation, precision
+  //   engine_config():   host_io(), device_link (synthetic data generated as random normal)
+  //   pipeline_config(): host_io(), device_link, replicas, gradient_accumulation, precision
   // Every other field of a config keeps its default: set it on the config.
   InfeedConfig infeed_config() const;
   OutfeedConfig outfeed_config() const;
@@ -173,6 +184,8 @@ class Options {
   std::size_t bytes_per_tile_ = tunables::kDefaultBytesPerTile;
   bool pin_ = true;
   Precision precision_{};
+  DeviceModel device_model_{};
+  LinkModel device_link_ = LinkModel::device();
 };
 
 }  // namespace bspflow

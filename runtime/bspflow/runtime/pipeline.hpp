@@ -128,6 +128,14 @@ struct StageMemory {
   std::size_t working = 0;
 };
 
+// What a real IPU does for one stage, for the modeled clock (see
+// bspflow/devices/device_model.hpp): one micro-batch's forward and backward passes and one
+// optimiser step, each spread over its device's compute tiles. A pass left unset declares no
+// cost: it costs nothing in modeled time and is counted in ModeledTime::undeclared.
+struct StageCost {
+  std::optional<Work> forward, backward, update;
+};
+
 // One pipeline stage (a forward function, a backward function and its parameters and
 // optimiser state); each replica has its own. The passes (forward, backward, update) and,
 // during a run, optimizer_state() are called on the stage's device thread only, one call at
@@ -149,6 +157,13 @@ class Stage {
   // What the stage holds on its device (see StageMemory; the default declares nothing
   // beyond gradient_elements() weights and optimizer_state()). Read once, at construction.
   virtual StageMemory memory() const { return {}; }
+  // What the passes cost on a real IPU at `precision` (the run's: PipelineConfig::precision
+  // as WorkPrecision), for the modeled clock. Host thread, once per run. The default declares
+  // nothing. Must not throw.
+  virtual StageCost cost(WorkPrecision precision) const {
+    (void)precision;
+    return {};
+  }
   // Device thread. Fills args.output (and args.saved, for backward). May throw.
   virtual void forward(const StageContext& ctx, ForwardArgs& args) = 0;
   // Device thread; training only. Fills grad_input and gradients (zeroed before the call).

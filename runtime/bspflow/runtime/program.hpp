@@ -34,12 +34,15 @@
 #include <functional>
 #include <initializer_list>
 #include <memory>
+#include <optional>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
 #include "bspflow/base/stop_flag.hpp"
 #include "bspflow/data/tensor.hpp"
+#include "bspflow/devices/device_model.hpp"
 #include "bspflow/feeds/infeed_queue.hpp"
 #include "bspflow/feeds/outfeed_queue.hpp"
 #include "bspflow/runtime/detail/fused_repeat.hpp"
@@ -81,10 +84,25 @@ struct Execute {
   // some; work_items = 0: called once for the whole device (tile 0, range [0, 0)).
   Execute(std::string name, std::size_t work_items, Vertex vertex);
   Execute(std::string name, std::function<void(const ComputeContext&)> codelet);
+  // Declares what a real IPU does for this compute set (the modeled clock, see
+  // bspflow/devices/device_model.hpp): with work_items, `cost` is one item's (each compute
+  // tile does its share; the busiest sets the time); without, the whole set's, spread over
+  // the compute tiles. A Work that declares nothing (Work{}) says the step costs nothing
+  // (say, a codelet that only moves host data). Undeclared (the default), the step costs
+  // nothing in modeled time and is counted in ModeledTime::undeclared. Returns *this.
+  Execute& declare(Work cost) & {
+    this->cost = cost;
+    return *this;
+  }
+  Execute&& declare(Work cost) && {
+    this->cost = cost;
+    return std::move(*this);
+  }
   std::string name;
   std::size_t work_items = 0;
   Vertex vertex;                                       // set by the first constructor
   std::function<void(const ComputeContext&)> codelet;  // set by the second
+  std::optional<Work> cost;                            // declare()
 };
 struct Sync {
   explicit Sync(std::shared_ptr<SyncGroup> group);

@@ -108,6 +108,7 @@ class Run {
     r.status = s->control.finish(r.iterations, r.message);
     r.requested = s->control.requested();
     r.elapsed = s->control.elapsed();
+    r.modeled = s->control.modeled();
     r.states.reserve(s->states.size());
     for (auto& st : s->states) r.states.push_back(std::move(*st));
     for (const auto& l : s->links) {

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <string>
 
+#include "bspflow/devices/modeled_clock.hpp"
+
 namespace bspflow {
 
 // How a run ended. A loop, an Engine or a Pipeline that fails throws (DeviceError,
@@ -39,6 +41,11 @@ struct RunResult {
   // hold the buffer), so a starved Engine feed shows there too.
   std::uint64_t host_bytes_in = 0, host_bytes_out = 0;
   std::chrono::nanoseconds host_wait{0};
+  // The same run in modeled IPU time (the modeled clock: what a real IPU would take for the
+  // work the devices declared, with the devices' DeviceModel): the slowest device's time and
+  // where it went. `elapsed` is the CPU's. modeled.undeclared counts compute steps that
+  // declared no cost (then modeled.complete() is false and the modeled time misses them).
+  ModeledTime modeled{};
 
   // Never blocks, never allocates, never throws.
   bool completed() const noexcept { return status == RunStatus::kCompleted; }

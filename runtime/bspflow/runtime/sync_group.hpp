@@ -22,7 +22,9 @@ class SyncGroup {
   // Device thread. Returns when every participant has arrived (true), or when `stop` is set
   // or the group was aborted (false; the group is then unusable for this run). Spin::kYield
   // for a device that shares its core: it gives the core to the others between checks.
-  bool arrive_and_wait(const StopFlag& stop, Spin spin = Spin::kTight);
+  // `modeled`: this device's modeled clock in, the latest of every participant's out (the
+  // time they go on together; null: no modeled clock).
+  bool arrive_and_wait(const StopFlag& stop, Spin spin = Spin::kTight, double* modeled = nullptr);
   // Device thread: a participant that will not arrive again this run (its infeed ended).
   // Every wait on the group, now and until reset(), returns false, so the others end at
   // their next Sync instead of waiting for it forever; what they do before it still runs.
@@ -36,6 +38,8 @@ class SyncGroup {
   // and an abort.
   void reset() noexcept {
     state_.store(0, std::memory_order_relaxed);  // relaxed: no waiters
+    modeled_[0].store(0, std::memory_order_relaxed);
+    modeled_[1].store(0, std::memory_order_relaxed);
     aborted_.store(false, std::memory_order_relaxed);
   }
   std::uint32_t participants() const noexcept { return participants_; }
@@ -48,6 +52,9 @@ class SyncGroup {
   alignas(tunables::kCacheLine) std::atomic<std::uint64_t> state_{
       0};                             // generation << 32 | arrivals
   std::atomic<bool> aborted_{false};  // on state_'s line: read at every arrival
+  // The latest modeled clock of the arrivals, by generation parity (a non-negative double's
+  // bits order as the double), on state_'s line: written just before each arrival.
+  std::atomic<std::int64_t> modeled_[2] = {};
   detail::WaitPoint point_;
 };
 

@@ -17,6 +17,8 @@
 #include <utility>
 #include <vector>
 
+#include "bspflow/devices/modeled_clock.hpp"
+
 namespace bspflow {
 
 enum class Phase : std::uint8_t {
@@ -42,8 +44,10 @@ struct TraceEvent {
 };
 
 // One timeline: a device, or one channel of the I/O engine. Written by one thread at a time
-// (the device thread, or the engine thread); read after the run has ended.
-class TraceTrack {
+// (the device thread, or the engine thread); read after the run has ended. A device track
+// also keeps the device's modeled IPU timeline (its modeled clock's spans: ModeledSpans),
+// in modeled nanoseconds since the run began.
+class TraceTrack final : public ModeledSpans {
  public:
   using Clock = std::chrono::steady_clock;
   enum class Kind { kDevice, kIo };
@@ -55,6 +59,11 @@ class TraceTrack {
               std::uint32_t label = 0, bool to_host = false) {
     events_.push_back(TraceEvent{phase, to_host, label, ns(begin), ns(end), bytes});
   }
+  // Owner thread (the device's modeled clock): one span of modeled time, as a TraceEvent
+  // (kCompute, kStreamCopyMid for the host link, kExchange, kSync, kIdle for the host call).
+  void modeled_span(ModeledPhase phase, double begin_ns, double end_ns,
+                    std::uint32_t label) noexcept override;
+  const std::vector<TraceEvent>& modeled_events() const noexcept { return modeled_; }
   // Owner thread, at setup: a label for compute sets ("matmul"), returned for record().
   std::uint32_t add_label(std::string label);
   // Owner thread: one more completed iteration of the device's outermost Repeat.
@@ -78,6 +87,7 @@ class TraceTrack {
   std::uint32_t id_;
   Clock::time_point origin_;
   std::vector<TraceEvent> events_;
+  std::vector<TraceEvent> modeled_;
   std::vector<std::string> labels_;
   std::uint64_t iterations_ = 0;
 };
@@ -98,10 +108,17 @@ struct TrackSummary {
   // Time of labelled events by label, largest first ("optimiser state in", "all-reduce",
   // "forward"...): say what share of the run remote-buffer copies or the reduction take.
   std::vector<std::pair<std::string, std::int64_t>> label_ns;
+  // The same device in modeled IPU time (device tracks; 0 when none was kept): its modeled
+  // time, and per phase (kIdle: the host call and waiting after it ended, until the slowest
+  // device's end) and shares of the slowest device's.
+  std::int64_t modeled_ns = 0;
+  std::array<std::int64_t, kPhaseCount> modeled_phase_ns{};
+  std::array<double, kPhaseCount> modeled_share{};
 };
 
 struct TraceSummary {
   std::int64_t run_ns = 0;
+  std::int64_t modeled_run_ns = 0;  // the slowest device's modeled time (0: none kept)
   std::vector<TrackSummary> tracks;
   // A table: per track the share of each phase, bytes each way, iterations, longest phase.
   std::string to_string() const;
@@ -123,7 +140,9 @@ class Trace {
   std::int64_t run_ns() const noexcept;
 
   // Chrome trace-event JSON: one process ("bspflow"), one thread per track, complete ("X")
-  // events in microseconds with bytes and labels in args.
+  // events in microseconds with bytes and labels in args; and a second process ("modeled IPU
+  // time") with each device's modeled timeline, on its own time axis (categories prefixed
+  // "modeled ").
   std::string chrome_json() const;
   // Writes chrome_json() to `path`; throws bspflow::Error naming the file on failure.
   void write_chrome_json(const std::string& path) const;

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "bspflow/base/stop_flag.hpp"
+#include "bspflow/devices/modeled_clock.hpp"
 #include "bspflow/runtime/run_result.hpp"
 #include "bspflow/runtime/trace.hpp"
 
@@ -27,6 +28,7 @@ struct LoopFrame {
   TraceTrack* track;          // null when untraced
   std::uint32_t label;        // the trace label of the loop's compute (its name)
   std::uint64_t* trips_done;  // advanced by the loop after each completed trip
+  ModeledClock* clock;        // the device's modeled clock, advanced by the loop's trips
 };
 // Repeat(count, {StreamCopy in, Execute(name), StreamCopy out}) compiled into one function
 // that runs every trip: what loops::repeat compiles its typed feeds and body to, so the

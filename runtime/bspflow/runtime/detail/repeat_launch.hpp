@@ -63,7 +63,7 @@ Program replica_program(RunState<State>& run, Replica<State, Body, InQ, OutQ>& r
 
 template <class State, class Body, class InQ, class OutQ>
 Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State init, InQ* infeed,
-                  OutQ* outfeed, const HostIO* config = nullptr) {
+                  OutQ* outfeed, const HostIO* config = nullptr, const Work* work = nullptr) {
   const std::uint32_t replicas = devices.size();
   if (replicas == 0) throw Error("loops::repeat needs at least one device");
   if (config) config->validate();
@@ -125,6 +125,13 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
     for (std::uint32_t r = 0; r < replicas; ++r) {
       reps.push_back(std::make_shared<Rep>(body, init, std::move(*ins[r]), std::move(outs[r]),
                                            std::move(links[r])));
+      // The body's modeled time per trip, on the tiles the I/O tiles leave for compute.
+      const DeviceModel& model = devices[r].config().model;
+      const std::uint32_t tiles = devices[r].config().tiles - (config ? config->io_tiles : 0);
+      if (work != nullptr) {
+        reps.back()->body_ns = work->declared() ? model.ns(model.compute_cycles(*work, tiles)) : 0;
+      }
+      if (reps.back()->link) reps.back()->link->timeline.attach(&devices[r].clock(), model);
     }
   }
   run->control.set_waker([infeed, outfeed] {
@@ -191,6 +198,8 @@ template <class T>
 inline constexpr bool kIsOutfeed<OutfeedQueue<T>> = true;
 template <class T>
 inline constexpr bool kIsHostIO = std::is_same_v<T, HostIO>;
+template <class T>
+inline constexpr bool kIsWork = std::is_same_v<T, Work>;
 
 template <class F>
 using Bare = std::remove_cvref_t<F>;
@@ -229,10 +238,14 @@ struct Feeds {
   static constexpr int kInfeeds = (0 + ... + int{kIsInfeed<Bare<Fs>>});
   static constexpr int kOutfeeds = (0 + ... + int{kIsOutfeed<Bare<Fs>>});
   static constexpr int kHostIOs = (0 + ... + int{kIsHostIO<Bare<Fs>>});
-  static_assert(((kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>> || kIsHostIO<Bare<Fs>>)&&...),
+  static constexpr int kWorks = (0 + ... + int{kIsWork<Bare<Fs>>});
+  static_assert(((kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>> || kIsHostIO<Bare<Fs>> ||
+                  kIsWork<Bare<Fs>>)&&...),
                 "loops::repeat takes, after the initial state, only feeds: an InfeedQueue<In>&, "
-                "an OutfeedQueue<Out>& and a const HostIO& (LoopConfig; from Options: "
-                "opts.host_io()), each at most once, in any order");
+                "an OutfeedQueue<Out>&, a const HostIO& (LoopConfig; from Options: "
+                "opts.host_io()) and a const Work& (the body's cost per trip, for the modeled "
+                "clock), each at most once, in any order");
+  static_assert(kWorks <= 1, "loops::repeat takes at most one Work (the body's cost per trip)");
   static_assert(kInfeeds <= 1, "loops::repeat takes at most one InfeedQueue");
   static_assert(kOutfeeds <= 1, "loops::repeat takes at most one OutfeedQueue");
   static_assert(kHostIOs <= 1, "loops::repeat takes at most one HostIO (LoopConfig)");
@@ -283,7 +296,8 @@ Run<State> launch_with(DeviceList devices, std::uint64_t n, Body body, State ini
     }
   }
   return launch(devices, n, std::move(body), std::move(init), find_feed<InQ>(fs...),
-                find_feed<OutQ>(fs...), find_feed<const HostIO>(fs...));
+                find_feed<OutQ>(fs...), find_feed<const HostIO>(fs...),
+                find_feed<const Work>(fs...));
 }
 
 }  // namespace bspflow::loops::detail

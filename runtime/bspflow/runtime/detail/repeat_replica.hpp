@@ -224,7 +224,19 @@ struct Replica {
   std::optional<InfeedSide<InQ>> infeed;
   std::optional<OutfeedSide<OutQ>> outfeed;
   std::unique_ptr<ReplicaLink> link;  // null: no HostIO, elements move at memory speed
+  // The body's modeled time per trip (ns); < 0: it declared no cost (loops::repeat's Work).
+  double body_ns = -1;
 };
+
+// A trip's body in modeled time: its declared cost (body_ns >= 0), or one undeclared step.
+inline void charge_body(double body_ns, ModeledClock* clock) noexcept {
+  if (clock == nullptr) return;
+  if (body_ns >= 0) {
+    clock->compute(body_ns);
+  } else {
+    clock->undeclared();
+  }
+}
 
 // The device-thread side of one replica: every trip of the loop, fused into one function
 // the interpreter calls once (program::FusedRepeat). Traced when frame.track is set: the
@@ -301,6 +313,7 @@ RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFra
       static_assert(!std::is_void_v<Ret>,
                     "with an outfeed, the loop body must return the iteration's output");
       auto&& out = call_body(rep.body, rep.state, input, it);
+      charge_body(rep.body_ns, frame.clock);
       if (track) {
         const Clock::time_point t1 = Clock::now();
         track->record(Phase::kCompute, t0, t1, 0, frame.label);
@@ -323,6 +336,7 @@ RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFra
       if (track) track->record(Phase::kStreamCopyMid, t0, Clock::now(), out_bytes, 0, true);
     } else {
       call_body(rep.body, rep.state, input, it);
+      charge_body(rep.body_ns, frame.clock);
       if (track) track->record(Phase::kCompute, t0, Clock::now(), 0, frame.label);
     }
     ++*frame.trips_done;

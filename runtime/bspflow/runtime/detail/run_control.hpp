@@ -41,6 +41,7 @@ class RunControl {
     std::uint64_t iterations = 0;
     RunStatus status = RunStatus::kCompleted;
     bool failed = false;
+    ModeledTime modeled{};  // the device's modeled clock at its end
   };
 
   // Setup path. Allocates (one end record per replica). Throws only std::bad_alloc.
@@ -78,6 +79,13 @@ class RunControl {
   // whatever the replicas may be parked on. `waker` must not throw (cancel() is noexcept
   // and calls it). May allocate (the std::function).
   void set_waker(std::function<void()> waker) { waker_ = std::move(waker); }
+
+  // Any thread, once done(): the run in modeled IPU time, the slowest replica's clock (and
+  // its split), with every replica's undeclared compute steps. Never throws.
+  ModeledTime modeled() const noexcept;
+  // Any thread, once done(): replica r's modeled clock at its end. Never throws.
+  const ModeledTime& modeled(std::uint32_t r) const noexcept { return ends_[r].modeled; }
+  std::uint32_t replicas() const noexcept { return static_cast<std::uint32_t>(ends_.size()); }
 
   // Host thread, once, after done(): throws DeviceError if a replica failed; else the
   // overall status and message. Per-replica iterations are written to `iterations`. The
