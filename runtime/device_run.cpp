@@ -179,10 +179,10 @@ bool DeviceRun::exec_node(const program::Execute& e) {
   if (!e.cost) {
     clock_.undeclared();
   } else if (e.cost->declared()) {
-    clock_.compute(model_.ns(e.work_items > 0
-                                 ? model_.item_cycles(*e.cost, e.work_items, ctx_.compute_tiles)
-                                 : model_.compute_cycles(*e.cost, ctx_.compute_tiles)),
-                   track_ ? labels_[&e] : 0);
+    clock_.compute(
+        model_.ns(e.work_items > 0 ? model_.item_cycles(*e.cost, e.work_items, ctx_.compute_tiles)
+                                   : model_.compute_cycles(*e.cost, ctx_.compute_tiles)),
+        track_ ? labels_[&e] : 0);
   }
   if (track_) track_->record(Phase::kCompute, t0, Clock::now(), 0, labels_[&e]);
   return true;

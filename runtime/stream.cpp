@@ -226,12 +226,32 @@ void StreamCore::finish_build() {
   for (std::uint32_t r = 0; r < replicas; ++r) {
     replica_meters.push_back(std::make_unique<ReplicaMeter>());
   }
+  // The modeled clock: each stage's device clock and declared cost (StreamBuilder::cost).
+  stage_costs.resize(stages);
+  stage_models.assign(static_cast<std::size_t>(replicas) * stages, StageModel{});
+  for (std::uint32_t r = 0; r < replicas; ++r) {
+    for (std::uint32_t k = 0; k < stages; ++k) {
+      Device& device = devices[device_of(r, stage_devices[k])];
+      StageModel& m = stage_models[static_cast<std::size_t>(r) * stages + k];
+      m.clock = &device.clock();
+      if (!stage_costs[k]) continue;
+      const DeviceModel& dm = device.config().model;
+      const std::uint32_t tiles = device.config().tiles;
+      // A call's fixed part (with its on-chip sync), and each item's share beyond it.
+      m.per_call_ns = dm.ns(dm.compute_cycles(stage_costs[k]->second, tiles));
+      m.per_item_ns =
+          dm.ns(dm.compute_cycles(stage_costs[k]->first, tiles) - dm.sync_cycles_on_chip);
+      m.declared = true;
+    }
+  }
   for (auto& seg : segments) {
     seg->meters = meter_ptrs.data() + static_cast<std::size_t>(seg->replica) * stages;
+    seg->models = stage_models.data() + static_cast<std::size_t>(seg->replica) * stages;
     seg->replica_meter = replica_meters[seg->replica].get();
     seg->timing = timing();
     if (BatchHeadBase* b = seg->batch_head()) {
       b->meters = seg->meters;
+      b->models = seg->models;
       b->stages = stages;
       b->timing = timing();
     }
@@ -296,8 +316,15 @@ void StreamCore::start(ServeMode mode, std::function<void()> wake_feeds) {
   });
   started_ = std::chrono::steady_clock::now();
   running_ = true;
+  // Every device's modeled clock starts with the one host call that launches the serving loop
+  // (no device thread runs this stream's stages yet).
+  for (std::uint32_t d = 0; d < devices.size(); ++d) {
+    devices[d].clock().reset(static_cast<double>(devices[d].config().model.host_call.count()));
+  }
   for (std::size_t i = 0; i < segments.size(); ++i) {
     SegmentBase* seg = segments[i].get();
+    seg->origin = started_;
+    if (BatchHeadBase* b = seg->batch_head()) b->origin = started_;
     seg->answerer = mode == ServeMode::kInfeed ? nullptr : answerer;
     Device& device = devices[seg->device_index];
     const WaitPolicy policy = policy_for(seg->device_index);

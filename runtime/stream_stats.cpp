@@ -198,6 +198,14 @@ StreamResult StreamCore::finish(std::uint64_t accepted, std::uint64_t delivered,
                                 std::uint64_t errors, std::uint64_t refused_before) {
   StreamResult r;
   r.elapsed = std::chrono::steady_clock::now() - started_;
+  // The modeled clock: the slowest device's, every device's undeclared stage calls.
+  std::uint64_t undeclared = 0;
+  for (std::uint32_t d = 0; d < devices.size(); ++d) {
+    const ModeledTime t = devices[d].clock().time();
+    if (t.total > r.modeled.total) r.modeled = t;
+    undeclared += t.undeclared;
+  }
+  r.modeled.undeclared = undeclared;
   r.accepted = accepted;
   r.answered = delivered;
   r.errors = errors;

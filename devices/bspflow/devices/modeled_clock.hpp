@@ -21,8 +21,10 @@ struct ModeledTime {
   std::chrono::nanoseconds exchange{0};   // the device link: copies between devices, all-reduce
   std::chrono::nanoseconds sync{0};       // syncs across devices, waiting for the slowest
   std::chrono::nanoseconds host_call{0};  // the host launching the run (DeviceModel::host_call)
+  std::chrono::nanoseconds idle{0};       // waiting for work from the host (a stream's requests)
   // Compute steps that declared no cost (every device): they cost nothing here, so the
-  // modeled time misses them. 0: the modeled time is complete.
+  // modeled time misses them. 0: the modeled time is complete. (total = host_call + compute
+  // + host_link + exchange + sync + idle.)
   std::uint64_t undeclared = 0;
 
   // Any thread. Whether every compute step declared its cost. Never throws.
@@ -85,6 +87,12 @@ class ModeledClock {
     now_ += ns;
     exchange_ += ns;
   }
+  // Nothing to do until `t` (a request that arrives then).
+  void idle_until(double t) noexcept {
+    if (t <= now_) return;
+    idle_ += t - now_;
+    now_ = t;
+  }
   // A sync: the devices it joins go on together at the latest of their clocks (`latest`),
   // plus the sync's own `cost_ns`.
   void sync_to(double latest, double cost_ns) noexcept {
@@ -96,8 +104,16 @@ class ModeledClock {
   // What this device's clock says, as a ModeledTime of one device.
   ModeledTime time() const noexcept {
     auto ns = [](double v) { return std::chrono::nanoseconds(static_cast<std::int64_t>(v + 0.5)); };
-    return ModeledTime{ns(now_),  ns(compute_),   ns(link_),  ns(exchange_),
-                       ns(sync_), ns(host_call_), undeclared_};
+    ModeledTime t;
+    t.total = ns(now_);
+    t.compute = ns(compute_);
+    t.host_link = ns(link_);
+    t.exchange = ns(exchange_);
+    t.sync = ns(sync_);
+    t.host_call = ns(host_call_);
+    t.idle = ns(idle_);
+    t.undeclared = undeclared_;
+    return t;
   }
 
  private:
@@ -105,7 +121,7 @@ class ModeledClock {
     if (spans_ != nullptr && end > begin) spans_->modeled_span(phase, begin, end, label);
   }
 
-  double now_ = 0, compute_ = 0, link_ = 0, exchange_ = 0, sync_ = 0, host_call_ = 0;
+  double now_ = 0, compute_ = 0, link_ = 0, exchange_ = 0, sync_ = 0, host_call_ = 0, idle_ = 0;
   std::uint64_t undeclared_ = 0;
   ModeledSpans* spans_ = nullptr;
 };

@@ -108,6 +108,18 @@ class StreamBuilder {
                                    std::move(next));
   }
 
+  // Declares what a real IPU does for the stage added last, for the modeled clock
+  // (StreamResult::modeled; see bspflow/devices/device_model.hpp): `per_item` for each
+  // request it runs on (a batch stage: each item of the padded batch), `per_call` once per
+  // call. A stage left undeclared costs nothing in modeled time and is counted in
+  // ModeledTime::undeclared. Throws bspflow::Error if no stage was added yet.
+  StreamBuilder cost(Work per_item, Work per_call = {}) && {
+    if (core_->stage_names.empty()) throw Error("StreamBuilder::cost: add a stage first");
+    core_->stage_costs.resize(core_->stage_names.size());
+    core_->stage_costs.back() = std::pair{per_item, per_call};
+    return std::move(*this);
+  }
+
   // Adds a batch stage on the next device: `f` takes a std::span<Cur> (as many requests as
   // waiting, up to config.max_batch, padded to an allowed size) and returns a std::vector of
   // one output (or ItemResult) per element, at least as many as requests.

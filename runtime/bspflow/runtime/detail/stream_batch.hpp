@@ -153,6 +153,20 @@ class BatchHead final : public BatchHeadBase {
     }
     const auto t1 = StreamClock::now();
     cost_.add(inputs_.size(), static_cast<double>((t1 - t0).count()));
+    if (models != nullptr) {
+      // Modeled: the batch starts once its last request has arrived (real time since the
+      // run's start for the first device, else when the previous device was done with it).
+      double ready = 0;
+      for (const Entry& e : entries_) {
+        if (e.input < 0) continue;
+        ready = std::max(ready, stage == 0 ? static_cast<double>(std::max<std::int64_t>(
+                                                 0, (e.meta.arrival - origin).count()))
+                                           : e.meta.modeled_ns);
+      }
+      ctx.modeled = ready;
+      charge_stage(ctx, stage, inputs_.size());
+      for (Entry& e : entries_) e.meta.modeled_ns = ctx.modeled;
+    }
     if (meter != nullptr) {
       const std::size_t full = config_.padded(config_.max_batch);
       meter->drain_ns.store(

@@ -10,8 +10,10 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "bspflow/devices/device.hpp"
@@ -74,6 +76,10 @@ class StreamCore {
   std::vector<std::vector<std::function<std::size_t()>>> ring_depths;  // per replica
   std::vector<std::unique_ptr<StageMeter>> stage_meters;               // replica * stages + stage
   std::vector<StageMeter*> meter_ptrs;                                 // the same
+  // Declared costs by stage (StreamBuilder::cost: per item, per call), and the modeled clock's
+  // view of each stage of each replica (replica * stages + stage).
+  std::vector<std::optional<std::pair<Work, Work>>> stage_costs;
+  std::vector<StageModel> stage_models;
   std::vector<std::unique_ptr<ReplicaMeter>> replica_meters;
   IntakeBase* intake = nullptr;
   Answerer* answerer = nullptr;

@@ -12,6 +12,7 @@
 #include <optional>
 
 #include "bspflow/base/detail/wait.hpp"
+#include "bspflow/devices/modeled_clock.hpp"
 #include "bspflow/runtime/histogram.hpp"
 #include "bspflow/runtime/request.hpp"
 
@@ -63,6 +64,15 @@ struct RequestMeta {
   StreamClock::time_point enqueued{};  // arrival at the current device (queue wait's origin)
   ClientCore* client = nullptr;        // a StreamClient's request; nullptr on the infeed path
   std::uint64_t order = 0;             // admission order (the shared outfeed keeps it)
+  double modeled_ns = 0;  // modeled time it left its last device (StreamCore's modeled clocks)
+};
+
+// One stage of one replica in modeled time: its device's clock and its declared cost
+// (StreamBuilder::cost), in ns.
+struct StageModel {
+  ModeledClock* clock = nullptr;
+  double per_item_ns = 0, per_call_ns = 0;
+  bool declared = false;
 };
 
 // A request (or its error) between two devices.

@@ -181,7 +181,24 @@ struct StageCtx {
   StageMeter* const* meters = nullptr;  // by stage index
   bool timing = false;
   StreamClock::time_point t{};
+  const StageModel* models = nullptr;  // by stage index (the modeled clock)
+  double modeled = 0;                  // the request's modeled time so far
 };
+
+// Stage k has run on `items` requests: its device's modeled clock takes its declared cost,
+// from when the request reached it (or counts an undeclared step).
+inline void charge_stage(StageCtx& c, std::uint32_t k, std::size_t items) noexcept {
+  if (c.models == nullptr) return;
+  const StageModel& m = c.models[k];
+  ModeledClock& clock = *m.clock;
+  clock.idle_until(c.modeled);
+  if (m.declared) {
+    clock.compute(m.per_call_ns + m.per_item_ns * static_cast<double>(items));
+  } else {
+    clock.undeclared();
+  }
+  c.modeled = clock.now();
+}
 
 // Before stage k runs for a request: a cancelled or expired request is not run (thrown as a
 // StageFailure of that kind). Reads the clock only for a request with a deadline.
@@ -202,7 +219,9 @@ Next run_stage(F& f, Cur&& x, StageCtx& c, std::uint32_t k) {
   check_live(c, k);
   if (!c.timing) {
     try {
-      return f(std::move(x));
+      Next r = f(std::move(x));
+      charge_stage(c, k, 1);
+      return r;
     } catch (...) {
       throw StageFailure{k, std::current_exception()};
     }
@@ -214,6 +233,7 @@ Next run_stage(F& f, Cur&& x, StageCtx& c, std::uint32_t k) {
     Next r = f(std::move(x));
     c.t = StreamClock::now();
     m.end((c.t - t0).count(), 1);
+    charge_stage(c, k, 1);
     return r;
   } catch (...) {
     c.t = StreamClock::now();
@@ -247,6 +267,8 @@ class BatchHeadBase {
   StageMeter* const* meters = nullptr;  // the replica's, by stage index
   std::uint32_t stages = 0;             // in the chain
   bool timing = false;
+  const StageModel* models = nullptr;  // the replica's, by stage index
+  StreamClock::time_point origin{};    // the run's start (modeled time 0)
 };
 
 // One device's contiguous run of stages.
@@ -262,6 +284,8 @@ class SegmentBase {
   std::vector<std::string> names;       // stages first..last
   std::vector<std::uint32_t> devices;   // Device::id() each stage was declared on
   StageMeter* const* meters = nullptr;  // the replica's, by stage index
+  const StageModel* models = nullptr;   // the replica's, by stage index
+  StreamClock::time_point origin{};     // the run's start (modeled time 0)
   ReplicaMeter* replica_meter = nullptr;
   bool timing = false;
   Answerer* answerer = nullptr;  // a StreamClient run: answers held requests on a stop
@@ -314,7 +338,7 @@ class Segment final : public SegmentBase {
       out_.error = std::move(in_.error);
       out_.value.reset();
       if (out_.error == nullptr) {
-        StageCtx ctx{&in_.meta, meters, timing, {}};
+        StageCtx ctx{&in_.meta, meters, timing, {}, models, entry_modeled(in_.meta)};
         if (timing) {
           ctx.t = StreamClock::now();
           meters[first_stage]->wait.record(queue_wait(ctx.t, in_.meta.enqueued));
@@ -323,6 +347,7 @@ class Segment final : public SegmentBase {
           answer_held(out_.meta, out_.error, first_stage, stop);
           return false;
         }
+        out_.meta.modeled_ns = ctx.modeled;
         if (timing) out_.meta.enqueued = ctx.t;
       }
       if (!put(stop, policy)) return false;
@@ -345,7 +370,7 @@ class Segment final : public SegmentBase {
           }
         }
       }
-      StageCtx ctx{nullptr, meters, timing, {}};
+      StageCtx ctx{nullptr, meters, timing, {}, models, 0};
       batch_->run(ctx);
       // The results go out together, whichever way this loop ends.
       struct BatchOut {
@@ -360,6 +385,7 @@ class Segment final : public SegmentBase {
         out_.value.reset();
         if (out_.error == nullptr) {
           ctx.meta = &out_.meta;
+          ctx.modeled = out_.meta.modeled_ns;  // the batch's end (BatchHead::run)
           if (!apply(batch_->output(i), ctx, out_.meta.id, batch_->stage + 1, on_error, state)) {
             answer_held(out_.meta, out_.error, first_stage, stop);
             for (std::size_t k = i + 1; k < n; ++k) {
@@ -370,6 +396,7 @@ class Segment final : public SegmentBase {
             batch_->clear();
             return false;
           }
+          out_.meta.modeled_ns = ctx.modeled;
           if (timing) out_.meta.enqueued = ctx.t;
         }
         if (!put(stop, policy)) {
@@ -412,6 +439,14 @@ class Segment final : public SegmentBase {
     if (sink_.put(std::move(out_), policy, stop)) return true;
     answer_held(meta, out_.error, last_stage, stop);
     return false;
+  }
+
+  // When a request reaches this segment in modeled time: the first segment takes it when it
+  // arrived (real time since the run's start: the host side is real); later ones when the
+  // previous device was done with it.
+  double entry_modeled(const RequestMeta& meta) const noexcept {
+    if (first_stage != 0) return meta.modeled_ns;
+    return static_cast<double>(std::max<std::int64_t>(0, (meta.arrival - origin).count()));
   }
 
   static std::uint64_t queue_wait(StreamClock::time_point now, StreamClock::time_point since) {
