@@ -16,6 +16,10 @@
 //   trace_on_vs_off     step time of a 10 us body with tracing on over off (the cost of tracing)
 //   interpreter_overhead_ns  per iteration of Repeat(Execute) over a plain loop calling the
 //                       same function (what the interpreter, trace-off checks included, costs)
+//   modeled_clock_error_p50  the modeled time of synthetic Engine programs (compute sets, syncs
+//                       across devices, exchange, stream copies without and with I/O tiles,
+//                       link- and compute-bound) against the analytic formula, relative error;
+//                       each case as modeled_clock_error_<case>                target <= 0.02
 //
 // Every ratio's reference is measured in the same run. Prints `key: value`; --json FILE.
 #include <CLI/CLI.hpp>
@@ -227,6 +231,91 @@ int main(int argc, char** argv) {
     report.figure("sync_4_devices_2_cores_ns", bsp * 1e9);
     report.figure("std_barrier_4_threads_2_cores_ns", ref * 1e9);
     report.ratio("sync_oversubscribed_vs_std_barrier", bsp / ref, "<= 1.5", bsp / ref <= 1.5);
+  }
+  // ---- the modeled clock against the analytic formula ----
+  {
+    std::vector<double> errors;
+    auto check = [&](const std::string& what, double modeled, double expected) {
+      const double e = std::abs(modeled - expected) / expected;
+      report.figure("modeled_clock_error_" + what, e);
+      errors.push_back(e);
+    };
+    const DeviceModel m;  // the Mk2's figures
+    const std::uint32_t tiles = kDevice.tiles;
+    const double host_call = static_cast<double>(m.host_call.count());
+    const std::uint64_t n = args.quick ? 10 : 50;
+    const Work w{5e8, 0, WorkPrecision::kFloat16};  // about 10 us on 256 tiles
+    const double compute_ns =
+        m.ns(w.flops / (m.fp16_flops_per_tile_cycle * tiles) + m.sync_cycles_on_chip);
+    auto ns_of = [](std::chrono::nanoseconds d) { return static_cast<double>(d.count()); };
+    {  // compute sets
+      Device dev(0, kDevice);
+      Engine engine(dev);
+      const EngineResult r =
+          engine.run(Repeat(n, Execute("w", [](const ComputeContext&) {}).declare(w)));
+      check("compute", ns_of(r.modeled.total), host_call + n * compute_ns);
+    }
+    {  // syncs across two devices doing different work: the slower sets the pace
+      DeviceGroup two(2, kDevice);
+      Engine engine(two);
+      auto group = std::make_shared<SyncGroup>(2);
+      const Work w2 = w.times(3);
+      const EngineResult r = engine.run(
+          {Repeat(n, Sequence{Execute("w", [](const ComputeContext&) {}).declare(w), Sync(group)}),
+           Repeat(n,
+                  Sequence{Execute("w", [](const ComputeContext&) {}).declare(w2), Sync(group)})});
+      const double slow =
+          m.ns(w2.flops / (m.fp16_flops_per_tile_cycle * tiles) + m.sync_cycles_on_chip);
+      check("sync", ns_of(r.modeled.total), host_call + n * (slow + ns_of(m.sync_between_chips)));
+    }
+    {  // exchange between devices over the device link
+      DeviceGroup two(2, kDevice);
+      Engine engine(two);
+      Buffer a = make_buffer(two[0], "a", DType::kFloat32, kMicroBatchFloats);
+      Buffer b = make_buffer(two[1], "b", DType::kFloat32, kMicroBatchFloats);
+      const EngineResult r = engine.run({Sequence{}, Repeat(n, Copy(a, b))});
+      check("exchange", ns_of(r.modeled_by_device[1].total),
+            host_call + n * ns_of(LinkModel::device().duration(kMicroBatchBytes)));
+    }
+    // Stream copies: in series without I/O tiles; overlapped with them, link-bound and
+    // compute-bound.
+    auto run_copies = [&](std::uint32_t io_tiles, std::chrono::nanoseconds io) {
+      Device dev(0, kDevice);
+      EngineConfig c;
+      c.io_tiles = io_tiles;
+      c.prefetch_depth = 2;
+      c.host_link = LinkModel::taking(io, kMicroBatchBytes);
+      Engine engine(dev, c);
+      InfeedQueue<Tensor> infeed(InfeedConfig{1, n + 8, 2});
+      auto producer = infeed.make_producer();
+      for (std::uint64_t i = 0; i < n; ++i) {
+        producer.push(Tensor(DType::kFloat32, {kMicroBatchFloats}));
+      }
+      Buffer x = make_buffer(dev, "x", DType::kFloat32, kMicroBatchFloats);
+      return engine.run(Repeat(n, Sequence{StreamCopy(infeed, x),
+                                           Execute("w", [](const ComputeContext&) {}).declare(w)}));
+    };
+    {
+      const EngineResult r = run_copies(0, 20us);
+      check("stream_copy_serial", ns_of(r.modeled.total), host_call + n * (20'000 + compute_ns));
+    }
+    const std::uint32_t io = 32;
+    const double io_compute =
+        m.ns(w.flops / (m.fp16_flops_per_tile_cycle * (tiles - io)) + m.sync_cycles_on_chip);
+    const double handover =
+        m.ns(kMicroBatchBytes / (m.exchange_bytes_per_tile_cycle * io) + m.sync_cycles_on_chip);
+    {  // the link is the bottleneck: copy k ends at (k+1) x io after the launch
+      const EngineResult r = run_copies(io, 40us);
+      check("stream_copy_io_tiles_link_bound", ns_of(r.modeled.total),
+            host_call + n * 40'000 + handover + io_compute);
+    }
+    {  // compute is: after the first copy, each step is the hand-over and the compute
+      const EngineResult r = run_copies(io, 2us);
+      check("stream_copy_io_tiles_compute_bound", ns_of(r.modeled.total),
+            host_call + 2'000 + n * (handover + io_compute));
+    }
+    const double p50 = bench::quantile(errors, 0.5);
+    report.ratio("modeled_clock_error_p50", p50, "<= 0.02", p50 <= 0.02);
   }
   return report.write(args.json_path) ? 0 : 1;
 }
