@@ -1,24 +1,38 @@
-// t05_memory_journey: the IPU hands-on session's out-of-memory journey in C++. The
-// tutorial's conv net on Fashion-MNIST-shaped data, micro-batch 64, gradient accumulation
-// 3, on devices with a small memory budget (--tiles x --bytes-per-tile). It starts on one
-// device in fp32 and runs out of memory; each step then changes one thing — half
-// precision, recomputation, optimiser state offloaded to the host, pipelining over more
-// devices — prints the memory report, and (when the model fits) trains a few steps on
-// synthetic data to measure samples per second. The run ends with a table: configuration,
-// fits or not, peak memory per device, samples/s.
+// t05_memory_journey: the IPU hands-on session's journey, in its order, on one emulated IPU
+// (1472 tiles with a small memory each, --bytes-per-tile): the tutorial's conv net on
+// Fashion-MNIST-shaped images (28 x 28, 8-bit on disk), micro-batch 16. Each step changes one
+// thing and prints a row:
 //
-//   t05_memory_journey [--micro-batch 64] [--gradient-accumulation 3]
-//       [--pipeline-accumulation 24] [--tiles 10] [--bytes-per-tile 614400] [--steps 6]
-//       [--quiet]
+//   1. fp32                         runs out of memory (its modeled speed is still computed,
+//                                   as Poplar's IPU Model runs an over-full program)
+//   2. fp16 storage                 fits; the AMP units run fp16 at a multiple of fp32's rate
+//   3. gradient accumulation 1 -> K fewer weight updates, and more work per host call
+//   4. device iterations 1 -> D     fewer host calls: one launches D steps
+//   5. 8-bit input                  the host sends uint8 pixels, normalised on the device:
+//                                   a quarter of the host-link bytes
+//   6. asynchronous loader          the host loads the next steps while the device computes
 //
-// Exit status: 0 when the journey goes as it should (the first configuration does not fit
-// and the last one does), 1 otherwise, 2 for bad arguments.
+// Each row: peak memory of the device, whether it fits, modeled samples/s (the modeled IPU
+// for the device, the real host for the loading: a synchronous loader and the device take
+// turns, 1/(1/host + 1/device); an asynchronous one overlaps them, min(host, device)), the
+// device alone in modeled time, the host's loading rate (real, measured once for fp32 and
+// once for 8-bit pixels), CPU samples/s (what this machine took for the row's training, loader
+// included), and host bytes per step. The verdict uses the modeled figure.
+//
+//   t05_memory_journey [--micro-batch 16] [--gradient-accumulation 16]
+//       [--device-iterations 16] [--bytes-per-tile 2304] [--samples 16384]
+//       [--loader-workers 2] [--quiet]
+//
+// Exit status: 0 when the journey goes as the seed says (fp32 does not fit, fp16 does, and
+// every step is at least as fast in modeled time as the one before), 1 otherwise, 2 for bad
+// arguments.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <random>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,146 +45,214 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 struct Settings {
-  std::size_t batch = 64;
-  std::uint32_t gradient_accumulation = 3;
-  std::uint32_t pipeline_accumulation = 24;
-  std::uint32_t tiles = 10;
-  std::size_t bytes_per_tile = 600 * 1024;  // 5.9 MiB per device
-  std::uint64_t steps = 6;
+  std::size_t batch = 16;
+  std::uint32_t gradient_accumulation = 16;
+  std::uint64_t device_iterations = 16;
+  std::size_t bytes_per_tile = 2304;  // 1472 x 2.25 KiB = 3.2 MiB per device
+  std::uint64_t samples = 16384;      // trained per row
+  std::uint32_t workers = 2;
   bool quiet = false;
 };
 
 struct Step {
-  std::string what;
-  std::uint32_t stages = 1;
-  bspflow::Precision precision;
-  bool recompute = false;
-  bool offload = false;
-  std::uint32_t k = 0;  // gradient accumulation; 0: --gradient-accumulation
+  const char* what;
+  bool half = false;
+  std::uint32_t k = 1;
+  std::uint64_t d = 1;
+  bool eight_bit = false;
+  bool async = false;
 };
 
 struct Row {
   std::string what;
-  std::uint32_t devices = 1;
-  std::uint32_t k = 1;
   bool fits = false;
-  std::vector<std::size_t> peaks;
-  std::size_t capacity = 0;
-  double samples_per_s = 0;
+  std::size_t peak = 0, capacity = 0;
+  double device_sps = 0;   // modeled IPU alone
+  double host_sps = 0;     // the real loader alone
+  double modeled_sps = 0;  // the two combined as the loader mode says
+  double cpu_sps = 0;      // this machine, loader and device together
+  std::uint64_t host_bytes_per_step = 0;
+  bool complete = true;  // every compute step declared its cost
 };
 
-// Synthetic micro-batches: random 28 x 28 uint8 images and labels, made once and reused.
-std::vector<bspflow::Batch> synthetic_batches(std::size_t batch, std::size_t count) {
-  std::mt19937_64 rng(7);
-  std::uniform_int_distribution<int> pixel(0, 255), label(0, 9);
-  std::vector<bspflow::Batch> out(count);
-  for (auto& b : out) {
-    b.data = bspflow::Tensor(bspflow::DType::kUint8, {batch, 28, 28});
-    for (auto& p : b.data.as<std::uint8_t>()) p = static_cast<std::uint8_t>(pixel(rng));
-    b.labels.resize(batch);
-    for (auto& l : b.labels) l = label(rng);
-    b.indices.assign(batch, 0);
-    b.valid = batch;
-  }
-  return out;
+bspflow::PipelineConfig config_of(const Step& s) {
+  bspflow::PipelineConfig cfg;
+  cfg.strategy = bspflow::ExecutionStrategy::kSingle;
+  cfg.schedule = bspflow::PipelineSchedule::kSequential;
+  cfg.gradient_accumulation = s.k;
+  if (s.half) cfg.precision = bspflow::Precision::half();
+  return cfg;
 }
 
-Row try_step(const Settings& st, const Step& step, const std::vector<bspflow::Batch>& data) {
-  bspflow::PipelineConfig cfg;
-  cfg.strategy = step.stages == 1 ? bspflow::ExecutionStrategy::kSingle
-                                  : bspflow::ExecutionStrategy::kPipelined;
-  cfg.precision = step.precision;
-  cfg.recompute = step.recompute;
-  cfg.offload_optimizer = step.offload;
-  // Grouped pipelining needs 2N-1 micro-batches per step to fill; never fewer than asked.
-  cfg.gradient_accumulation = std::max(step.k != 0 ? step.k : st.gradient_accumulation,
-                                       cfg.min_gradient_accumulation(step.stages));
-  Row row{step.what, cfg.devices_needed(step.stages), cfg.gradient_accumulation, false, {}, 0, 0};
+bspflow::DataLoader<bspflow::TensorDataset> make_loader(const Settings& st, const Step& s,
+                                                        const bspflow::Options& opts,
+                                                        bspflow::TensorDataset& data) {
+  bspflow::LoaderConfig lc;
+  lc.batch_size = st.batch;
+  lc.num_workers = st.workers;
+  lc.mode = s.async ? bspflow::LoaderMode::kAsync : bspflow::LoaderMode::kSync;
+  // Without 8-bit I/O the host turns the pixels into fp32 before they cross the link.
+  if (!s.eight_bit) lc.output_dtype = bspflow::DType::kFloat32;
+  if (s.async) lc.persistent_workers = true;
+  return bspflow::DataLoader<bspflow::TensorDataset>(opts, data, lc);
+}
 
-  bspflow::DeviceConfig dc;
-  dc.tiles = st.tiles;
-  dc.bytes_per_tile = st.bytes_per_tile;
-  bspflow::DeviceGroup devices(row.devices, dc);
-  row.capacity = dc.memory_bytes();
-  std::printf("\n== %s: %u device(s), micro-batch %zu, gradient accumulation %u ==\n",
-              step.what.c_str(), row.devices, st.batch, row.k);
+// The host's loading rate (real samples/s) for micro-batches of fp32 pixels or of 8-bit ones:
+// the DataLoader alone, its workers loading steps of the journey's largest shape. Measured
+// for both, alternately, three times each (the median): how fast the host loads does not
+// depend on whether the device waits for it, which is the loader mode's whole effect.
+struct HostRates {
+  double fp32 = 0, eight_bit = 0;
+};
+HostRates measure_host(const Settings& st, bspflow::TensorDataset& data) {
+  bspflow::Options opts;
+  opts.device_iterations(st.device_iterations).gradient_accumulation(st.gradient_accumulation);
+  const std::uint64_t per_step = st.batch * st.gradient_accumulation * st.device_iterations;
+  const std::uint64_t steps = std::max<std::uint64_t>(2, st.samples / per_step);
+  std::vector<double> fp32, eight_bit;
+  for (int round = 0; round < 3; ++round) {
+    for (bool eight : {false, true}) {
+      Step shape{"", true, st.gradient_accumulation, st.device_iterations, eight, true};
+      auto loader = make_loader(st, shape, opts, data);
+      (void)loader.next();  // workers started, buffers allocated
+      std::uint64_t loaded = 0;
+      const auto t0 = Clock::now();
+      for (std::uint64_t c = 0; c < steps;) {
+        auto step = loader.next();  // nullopt at the end of an epoch: the next call starts one
+        if (!step) continue;
+        loaded += step->batches().size() * st.batch;
+        ++c;
+      }
+      (eight ? eight_bit : fp32)
+          .push_back(static_cast<double>(loaded) /
+                     std::chrono::duration<double>(Clock::now() - t0).count());
+    }
+  }
+  std::sort(fp32.begin(), fp32.end());
+  std::sort(eight_bit.begin(), eight_bit.end());
+  return {fp32[1], eight_bit[1]};
+}
+
+Row run_step(const Settings& st, const Step& s, bspflow::TensorDataset& data, double host_sps) {
+  Row row;
+  row.what = s.what;
+  const bspflow::PipelineConfig cfg = config_of(s);
   kit::AdamW adamw;
-  auto make = [&](std::uint32_t) {
-    return kit::make_model(kit::Model::kConv, step.stages, st.batch, adamw);
-  };
+  auto make = [&](std::uint32_t) { return kit::make_model(kit::Model::kConv, 1, st.batch, adamw); };
+  std::printf(
+      "\n== %s: fp%s, gradient accumulation %u, device iterations %llu, %s input, %s "
+      "loader ==\n",
+      s.what, s.half ? "16" : "32", s.k, static_cast<unsigned long long>(s.d),
+      s.eight_bit ? "8-bit" : "fp32", s.async ? "asynchronous" : "synchronous");
+
+  // Memory: the small device the journey is about.
+  bspflow::DeviceConfig small;
+  small.bytes_per_tile = st.bytes_per_tile;
+  row.capacity = small.memory_bytes();
+  std::unique_ptr<bspflow::DeviceGroup> devices;
   std::unique_ptr<bspflow::Pipeline> pipe;
   try {
-    pipe = std::make_unique<bspflow::Pipeline>(devices, cfg, make);
+    devices = std::make_unique<bspflow::DeviceGroup>(1, small);
+    pipe = std::make_unique<bspflow::Pipeline>(*devices, cfg, make);
+    row.fits = true;
+    row.peak = pipe->memory().devices.front().peak();
+    std::printf("fits:\n%s", pipe->memory().to_string(st.quiet ? 2 : 4).c_str());
   } catch (const bspflow::PipelineOutOfMemoryError& e) {
-    std::printf("out of memory:\n%s", e.report().to_string(st.quiet ? 3 : 6).c_str());
-    for (const auto& d : e.report().devices) row.peaks.push_back(d.peak());
-    return row;
+    row.peak = e.report().devices.front().peak();
+    std::printf("out of memory:\n%s", e.report().to_string(st.quiet ? 2 : 4).c_str());
+    // Like Poplar's IPU Model, run it anyway (on a device with room) for its modeled speed.
+    pipe.reset();
+    devices = std::make_unique<bspflow::DeviceGroup>(1, bspflow::DeviceConfig{});
+    pipe = std::make_unique<bspflow::Pipeline>(*devices, cfg, make);
   }
-  row.fits = true;
-  for (const auto& d : pipe->memory().devices) row.peaks.push_back(d.peak());
-  std::printf("fits:\n%s", pipe->memory().to_string(st.quiet ? 3 : 6).c_str());
 
-  // Train: one step to warm up, then `steps` timed steps in one host call.
-  const std::uint64_t per_step = row.k;
+  bspflow::Options opts;
+  opts.device_iterations(s.d).gradient_accumulation(s.k);
+  const std::uint64_t per_step = st.batch * s.k * s.d;  // samples per host call
+  const std::uint64_t calls = std::max<std::uint64_t>(1, st.samples / per_step);
+
+  row.host_sps = host_sps;
+
+  // The training run: the loader feeds each host call's steps, the device runs them.
+  auto loader = make_loader(st, s, opts, data);
   bspflow::InfeedQueue<bspflow::Batch> infeed(
-      bspflow::InfeedConfig{1, (st.steps + 1) * per_step, 2});
-  {
-    auto producer = infeed.make_producer();
-    for (std::uint64_t m = 0; m < (st.steps + 1) * per_step; ++m)
-      producer.push(data[m % data.size()]);
-  }
-  infeed.close();
-  const bspflow::PipelineResult warm = pipe->run(infeed, 1);
+      bspflow::InfeedConfig{1, static_cast<std::size_t>(s.k * s.d) + 1, 1});
+  auto producer = infeed.make_producer();
+  double modeled_ns = 0;
+  std::uint64_t host_bytes = 0;
   const auto t0 = Clock::now();
-  const bspflow::PipelineResult r = pipe->run(infeed, st.steps);
-  const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-  if (!warm.completed() || !r.completed()) {
-    std::printf("training stopped: %s\n", (warm.completed() ? r : warm).message.c_str());
-    row.fits = false;
-    return row;
+  for (std::uint64_t c = 0; c < calls; ++c) {
+    while (!loader.feed_next(producer)) {
+    }  // false at the end of an epoch: the next call starts one
+    const bspflow::PipelineResult r = pipe->run(infeed, s.d);
+    if (!r.completed()) throw bspflow::Error("training stopped: " + r.message);
+    modeled_ns += static_cast<double>(r.modeled.total.count());
+    host_bytes += r.host_bytes_in;
+    row.complete = row.complete && r.modeled.complete();
   }
-  row.samples_per_s = static_cast<double>(st.steps * per_step * st.batch) / seconds;
-  std::printf("trained %llu steps: %.0f samples/s\n", static_cast<unsigned long long>(st.steps),
-              row.samples_per_s);
+  const double cpu_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  const double samples = static_cast<double>(calls * per_step);
+  row.cpu_sps = samples / cpu_s;
+  row.device_sps = samples * 1e9 / modeled_ns;
+  row.modeled_sps = s.async ? std::min(row.host_sps, row.device_sps)
+                            : 1.0 / (1.0 / row.host_sps + 1.0 / row.device_sps);
+  row.host_bytes_per_step = host_bytes / (calls * s.d);
+  std::printf(
+      "modeled IPU %.0f samples/s alone, real loader %.0f samples/s alone: %.0f "
+      "samples/s modeled together (CPU: %.0f)\n",
+      row.device_sps, row.host_sps, row.modeled_sps, row.cpu_sps);
   return row;
 }
 
 int run(const Settings& st) {
-  // Each step changes one thing. Pipelining also raises the gradient accumulation to
-  // --pipeline-accumulation: Grouped fills and drains over 2(N-1) cycles per step, so a
-  // step of 24 micro-batches over 4 stages idles a fifth of the time, and one of 3 could
-  // not run at all (it needs 2N-1 = 7).
-  const bspflow::Precision half = bspflow::Precision::half();
   const std::vector<Step> journey = {
-      {"fp32 on one device", 1, {}, false, false, 0},
-      {"fp16 storage", 1, half, false, false, 0},
-      {"fp16 + optimiser state offloaded", 1, half, false, true, 0},
-      {"fp16, pipelined over 4 devices", 4, half, false, false, st.pipeline_accumulation},
-      {"fp16 + recomputation, pipelined over 4 devices", 4, half, true, false,
-       st.pipeline_accumulation},
+      {"1. fp32", false, 1, 1, false, false},
+      {"2. fp16 storage", true, 1, 1, false, false},
+      {"3. gradient accumulation", true, st.gradient_accumulation, 1, false, false},
+      {"4. device iterations", true, st.gradient_accumulation, st.device_iterations, false, false},
+      {"5. 8-bit input", true, st.gradient_accumulation, st.device_iterations, true, false},
+      {"6. asynchronous loader", true, st.gradient_accumulation, st.device_iterations, true, true},
   };
-  const std::vector<bspflow::Batch> data = synthetic_batches(st.batch, 16);
+  // Fashion-MNIST-shaped images held in memory as 8-bit pixels, as a loaded dataset is.
+  bspflow::TensorDataset data = bspflow::TensorDataset::materialize(bspflow::SyntheticDataset(
+      {.size = 65536, .spec = {bspflow::DType::kUint8, {28, 28}}, .seed = 7}));
+  const HostRates host = measure_host(st, data);
+  std::printf("the host loads %.0f samples/s as fp32, %.0f as 8-bit (real, %u loader workers)\n",
+              host.fp32, host.eight_bit, st.workers);
   std::vector<Row> rows;
-  for (const Step& step : journey) rows.push_back(try_step(st, step, data));
-
-  std::printf("\n%-50s %4s %3s %-5s %-36s %10s\n", "configuration", "devs", "K", "fits",
-              "peak per device (of capacity)", "samples/s");
-  double best = 0;
-  for (const Row& r : rows) best = std::max(best, r.samples_per_s);
-  for (const Row& r : rows) {
-    std::string peaks;
-    for (std::size_t d = 0; d < r.peaks.size(); ++d)
-      peaks += (d ? " " : "") + bspflow::format_bytes(r.peaks[d]);
-    peaks += " (" + bspflow::format_bytes(r.capacity) + ")";
-    char rate[32] = "-";
-    if (r.fits) std::snprintf(rate, sizeof rate, "%.0f", r.samples_per_s);
-    std::printf("%-50s %4u %3u %-5s %-36s %10s\n", r.what.c_str(), r.devices, r.k,
-                r.fits ? "yes" : "no", peaks.c_str(), rate);
+  for (const Step& s : journey) {
+    rows.push_back(run_step(st, s, data, s.eight_bit ? host.eight_bit : host.fp32));
   }
-  const bool last_fastest = rows.back().fits && rows.back().samples_per_s >= best;
-  std::printf("the last configuration %s and is %sthe fastest\n",
-              rows.back().fits ? "fits" : "does NOT fit", last_fastest ? "" : "not ");
-  return !rows.front().fits && rows.back().fits ? 0 : 1;
+
+  std::printf("\n%-28s %-4s %-22s %12s %12s %12s %12s %10s\n", "step", "fits", "peak memory (of)",
+              "modeled/s", "IPU alone/s", "loader/s", "CPU/s", "host B/step");
+  for (const Row& r : rows) {
+    const std::string peak =
+        bspflow::format_bytes(r.peak) + " (" + bspflow::format_bytes(r.capacity) + ")";
+    std::printf("%-28s %-4s %-22s %12.0f %12.0f %12.0f %12.0f %10llu%s\n", r.what.c_str(),
+                r.fits ? "yes" : "no", peak.c_str(), r.modeled_sps, r.device_sps, r.host_sps,
+                r.cpu_sps, static_cast<unsigned long long>(r.host_bytes_per_step),
+                r.complete ? "" : " (modeled time incomplete)");
+  }
+  std::printf("(verdicts use the modeled samples/s: the modeled IPU with the real loader)\n");
+  const char* keys[] = {"journey_fp16_speedup", "journey_gradient_accumulation_speedup",
+                        "journey_device_iterations_speedup", "journey_eight_bit_io_speedup",
+                        "journey_async_loader_speedup"};
+  bool in_order = true;
+  for (std::size_t i = 1; i < rows.size(); ++i) {
+    const double speedup = rows[i].modeled_sps / rows[i - 1].modeled_sps;
+    std::printf("%s: %.3f\n", keys[i - 1], speedup);
+    in_order = in_order && speedup >= 1.0;
+  }
+  std::printf("modeled_fp16_vs_fp32_speedup: %.3f (the IPU alone)\n",
+              rows[1].device_sps / rows[0].device_sps);
+  const bool ok = !rows[0].fits && rows[1].fits && rows.back().fits && in_order;
+  std::printf("the journey %s: fp32 %s, fp16 %s, each step %s\n",
+              ok ? "goes as the seed says" : "does NOT go as the seed says",
+              rows[0].fits ? "fits (it should not)" : "runs out of memory",
+              rows[1].fits ? "fits" : "does not fit",
+              in_order ? "at least as fast as the one before" : "NOT always faster");
+  return ok ? 0 : 1;
 }
 
 }  // namespace
@@ -178,23 +260,23 @@ int run(const Settings& st) {
 int main(int argc, char** argv) {
   Settings st;
   CLI::App app{
-      "The hands-on out-of-memory journey: fp32 does not fit; half precision, recomputation, "
-      "offloading "
-      "and pipelining until it fits and runs fast"};
-  app.add_option("--micro-batch", st.batch, "samples per micro-batch")->check(CLI::Range(1, 4096));
+      "The IPU hands-on journey in its order: fp32 runs out of memory; fp16, gradient "
+      "accumulation, device iterations, 8-bit input and an asynchronous loader, each with its "
+      "modeled and CPU samples/s"};
+  app.add_option("--micro-batch", st.batch, "samples per micro-batch")->check(CLI::Range(1, 1024));
   app.add_option("--gradient-accumulation", st.gradient_accumulation,
-                 "micro-batches per weight update (at least)")
+                 "micro-batches per weight update from step 3")
       ->check(CLI::Range(1, 1024));
-  app.add_option("--pipeline-accumulation", st.pipeline_accumulation,
-                 "micro-batches per weight update once pipelined")
+  app.add_option("--device-iterations", st.device_iterations, "steps per host call from step 4")
       ->check(CLI::Range(1, 1024));
-  app.add_option("--tiles", st.tiles, "tiles per device")
-      ->check(CLI::Range(1u, bspflow::tunables::kMaxTiles));
-  app.add_option("--bytes-per-tile", st.bytes_per_tile, "bytes of memory per tile")
+  app.add_option("--bytes-per-tile", st.bytes_per_tile,
+                 "memory per tile of the 1472-tile device (small: fp32 must not fit)")
       ->check(CLI::Range(std::size_t{bspflow::tunables::kArenaAlignment},
                          bspflow::tunables::kMaxBytesPerTile));
-  app.add_option("--steps", st.steps, "timed training steps per configuration")
-      ->check(CLI::Range(1, 100000));
+  app.add_option("--samples", st.samples, "samples trained per step of the journey")
+      ->check(CLI::Range(1, 100'000'000));
+  app.add_option("--loader-workers", st.workers, "the DataLoader's worker threads")
+      ->check(CLI::Range(1u, bspflow::tunables::kMaxLoaderWorkers));
   app.add_flag("--quiet", st.quiet, "shorter memory reports");
   try {
     app.parse(argc, argv);
