@@ -524,7 +524,9 @@ int main(int argc, char** argv) {
         f.modeled_synthetic, real_slower ? "is slower than" : "is NOT slower than", f.modeled_real,
         f.modeled_synthetic,
         pub != nullptr && loader_keeps_up && real_slower ? ", as in the tutorial" : "");
-    if (pub != nullptr && !(loader_keeps_up && real_slower)) verdicts_match = false;
+    // The tutorial draws its verdict for one replica (its own two-replica figures put the
+    // loader just below synthetic data): that is the one this run must reproduce.
+    if (replicas == 1 && !(loader_keeps_up && real_slower)) verdicts_match = false;
   }
   std::printf("\n");
   if (!verdicts_match) {

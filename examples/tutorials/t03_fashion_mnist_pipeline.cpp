@@ -68,6 +68,12 @@ struct Settings {
   std::uint64_t max_steps = 0;     // per epoch; 0 = the whole epoch
   std::uint64_t test_samples = 0;  // 0 = all 10000
   double min_accuracy = 0;         // exit 1 below this (the tests use it)
+  std::uint32_t stages = 4;        // the model split into 1, 2 or 4 pipeline stages
+  std::uint32_t tiles = bspflow::tunables::kDefaultTiles;
+  std::size_t bytes_per_tile = bspflow::tunables::kDefaultBytesPerTile;
+  double link_gbytes_per_s = 10;
+  std::string output_mode = "final";  // PopTorch's default for training
+  std::uint32_t loader_workers = 1;
 };
 
 // Per-device share of time spent computing, accumulated over every host call.
@@ -114,9 +120,12 @@ bspflow::Options training_options(const Settings& st) {
       .replicas(st.replicas)
       .infeed_capacity(2 * st.device_iterations * st.gradient_accumulation)  // a step ahead
       .prefetch_depth(2)
-      .output_mode(bspflow::OutputMode::final())  // PopTorch's default for training
+      .output_mode(bspflow::OutputMode::parse(st.output_mode))
       .outfeed_capacity(0)
       .io_tiles(st.io_tiles)
+      .tiles(st.tiles)
+      .bytes_per_tile(st.bytes_per_tile)
+      .host_link(bspflow::LinkModel{st.link_gbytes_per_s * 1e9, std::chrono::nanoseconds{5'000}})
       .precision(st.precision == "fp16"
                      ? bspflow::Precision::half(st.loss_scaling)
                      : bspflow::Precision{bspflow::DType::kFloat32, bspflow::DType::kFloat32,
@@ -145,7 +154,7 @@ bspflow::PipelineConfig pipeline_config(const Settings& st, const bspflow::Optio
 }
 
 int run(Settings st) {
-  constexpr std::uint32_t kStages = 4;
+  const std::uint32_t stage_count = st.stages;
   bspflow::Instance& inst = bspflow::Instance::current();
   const bspflow::InstanceLayout layout = inst.layout(st.replicas);  // throws unless it divides
   const bool speak = inst.index() == 0;                             // instance 0 prints for the run
@@ -159,11 +168,29 @@ int run(Settings st) {
   const bspflow::Options opts = training_options(st);
   bspflow::PipelineConfig cfg = pipeline_config(st, opts);
   cfg.distributed = inst.distributed();  // reduce across the instances too
-  cfg.validate(kStages);                 // a bad --device-mapping says so before any device is made
-  bspflow::DeviceGroup devices(cfg.devices_needed(kStages), opts.device_config());
+  if (cfg.gradient_accumulation < cfg.min_gradient_accumulation(stage_count)) {
+    // Which layouts take this gradient accumulation: Grouped needs 2N-1 micro-batches per
+    // step over N stages, Interleaved N, Sequential 1.
+    std::string fits;
+    for (std::uint32_t n : {1u, 2u, 4u}) {
+      if (cfg.min_gradient_accumulation(n) <= cfg.gradient_accumulation) {
+        fits += (fits.empty() ? "" : ", ") + std::string("--stages ") + std::to_string(n);
+      }
+    }
+    std::fprintf(stderr,
+                 "t03_fashion_mnist_pipeline: --gradient-accumulation %u is too small for the %s "
+                 "schedule over %u stages (it needs %u); with this schedule it works with: %s; "
+                 "or use --schedule interleaved (N) or sequential (1)\n",
+                 cfg.gradient_accumulation, bspflow::to_string(cfg.effective_schedule()),
+                 stage_count, cfg.min_gradient_accumulation(stage_count),
+                 fits.empty() ? "none" : fits.c_str());
+    return 2;
+  }
+  cfg.validate(stage_count);  // a bad --device-mapping says so before any device is made
+  bspflow::DeviceGroup devices(cfg.devices_needed(stage_count), opts.device_config());
   const kit::Model model = st.model == "mlp" ? kit::Model::kMlp : kit::Model::kConv;
   bspflow::Pipeline pipe(devices, cfg, [&](std::uint32_t) {
-    return kit::make_model(model, kStages, st.batch, adamw);
+    return kit::make_model(model, stage_count, st.batch, adamw);
   });
 
   bspflow::LoaderConfig lc;
@@ -171,7 +198,7 @@ int run(Settings st) {
   lc.shuffle = true;
   lc.seed = 42;
   lc.mode = st.loader == "sync" ? bspflow::LoaderMode::kSync : bspflow::LoaderMode::kAsync;
-  lc.num_workers = st.loader == "sync" ? 0 : 1;
+  lc.num_workers = st.loader == "sync" ? 0 : st.loader_workers;
   lc.instance = inst.index();  // this instance's part of every epoch
   lc.instances = inst.count();
   if (!st.eight_bit) lc.output_dtype = bspflow::DType::kFloat32;  // widened on the host
@@ -186,7 +213,7 @@ int run(Settings st) {
         "%zu x %llu device "
         "iterations x %u accumulation x %u replica(s) = %llu samples per step, %llu steps per "
         "epoch%s\n",
-        kit::to_string(model), st.strategy.c_str(), cfg.devices_needed(kStages) * inst.count(),
+        kit::to_string(model), st.strategy.c_str(), cfg.devices_needed(stage_count) * inst.count(),
         bspflow::to_string(cfg.effective_schedule()), bspflow::to_string(cfg.sync), total_replicas,
         st.batch, static_cast<unsigned long long>(st.device_iterations), st.gradient_accumulation,
         total_replicas, static_cast<unsigned long long>(per_step * inst.count()),
@@ -213,6 +240,8 @@ int run(Settings st) {
   std::uint64_t trained = 0;
   std::uint64_t link_bytes = 0;
   std::chrono::nanoseconds link_wait{0};
+  double modeled_seconds = 0;  // the same training in modeled IPU time
+  bool modeled_complete = true;
   for (std::uint32_t epoch = 1; epoch <= st.epochs; ++epoch) {
     bspflow::InfeedQueue<bspflow::Batch> infeed(opts.infeed_config());
     bspflow::OutfeedQueue<std::vector<float>> outfeed(opts.outfeed_config());
@@ -235,6 +264,8 @@ int run(Settings st) {
         return 1;
       }
       util.add(pipe.summary());
+      modeled_seconds += std::chrono::duration<double>(r.modeled.total).count();
+      modeled_complete = modeled_complete && r.modeled.complete();
       link_bytes += r.host_bytes_in + r.host_bytes_out;
       link_wait += r.host_wait;
       std::vector<double> sums{0, 0, 0};       // loss, correct, valid
@@ -268,8 +299,8 @@ int run(Settings st) {
   bspflow::PipelineConfig icfg = pipeline_config(st, topts);
   icfg.training = false;
   bspflow::Pipeline infer(devices, icfg, [&](std::uint32_t) {
-    bspflow::StageList stages = kit::make_model(model, kStages, st.test_batch, adamw);
-    for (std::uint32_t s = 0; s < kStages; ++s) {
+    bspflow::StageList stages = kit::make_model(model, stage_count, st.test_batch, adamw);
+    for (std::uint32_t s = 0; s < stage_count; ++s) {
       auto& trained_stage = static_cast<kit::LayerStage&>(pipe.stage(0, s));
       static_cast<kit::LayerStage&>(*stages[s]).set_parameters(trained_stage.parameters());
     }
@@ -315,9 +346,14 @@ int run(Settings st) {
   if (!speak) return accuracy < st.min_accuracy ? 1 : 0;
 
   std::printf("\nsummary\n");
-  std::printf("  training: %llu samples in %.1f s = %.0f samples/s\n",
+  std::printf("  training: %llu samples in %.1f s = %.0f samples/s on this CPU\n",
               static_cast<unsigned long long>(trained), train_seconds,
               static_cast<double>(trained) / train_seconds);
+  std::printf(
+      "  modeled IPU: the same training in %.3f s = %.0f samples/s%s (the device side: the "
+      "loader is this host's; the throughput verdict uses this figure)\n",
+      modeled_seconds, static_cast<double>(trained) / std::max(modeled_seconds, 1e-12),
+      modeled_complete ? "" : " (incomplete: some compute declared no cost)");
   std::printf(
       "  test accuracy: %.2f%% on %.0f images (inference: batch %zu, %llu device iterations, %.0f "
       "images/s)\n",
@@ -415,6 +451,30 @@ int main(int argc, char** argv) {
                  "Fashion-MNIST IDX files (Debian: dataset-fashion-mnist)");
   app.add_option("--model", st.model, "the tutorial's conv net, or an MLP")
       ->check(CLI::IsMember({"conv", "mlp"}));
+  app.add_option("--stages", st.stages,
+                 "pipeline stages the model is split into (Grouped needs gradient accumulation "
+                 ">= 2N-1: 2 stages take 3)")
+      ->check(CLI::IsMember({1, 2, 4}));
+  app.add_option("--tiles", st.tiles, "tiles per device")
+      ->check(CLI::Range(1u, bspflow::tunables::kMaxTiles));
+  app.add_option("--bytes-per-tile", st.bytes_per_tile, "memory per tile, bytes")
+      ->check(CLI::Range(std::size_t{bspflow::tunables::kArenaAlignment},
+                         bspflow::tunables::kMaxBytesPerTile));
+  app.add_option("--link-gbytes-per-s", st.link_gbytes_per_s,
+                 "host link bandwidth, GB/s (5 us latency per copy)")
+      ->check(CLI::Range(0.001, 1000.0));
+  app.add_option("--output-mode", st.output_mode,
+                 "what the host sees of the outfeed while training: final, all, sum, every_n(N)")
+      ->check([](const std::string& v) {
+        try {
+          (void)bspflow::OutputMode::parse(v);
+          return std::string();
+        } catch (const std::exception& e) {
+          return std::string(e.what());
+        }
+      });
+  app.add_option("--loader-workers", st.loader_workers, "the asynchronous loader's worker threads")
+      ->check(CLI::Range(1u, bspflow::tunables::kMaxLoaderWorkers));
   app.add_option("--max-steps", st.max_steps, "host steps per epoch (0: the whole epoch)");
   app.add_option("--test-samples", st.test_samples, "test images to evaluate (0: all)");
   app.add_option("--min-accuracy", st.min_accuracy,

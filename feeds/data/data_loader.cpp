@@ -81,7 +81,7 @@ void LoaderCore::require_in_order_reading() const {
         "streaming dataset is read in order");
   }
   const std::uint32_t allowed = config_.mode == LoaderMode::kAsync ? 1 : 0;
-  if (config_.num_workers != allowed) {
+  if (worker_count() != allowed) {
     throw_bad_value("num_workers", config_.num_workers,
                     std::string("must be ") + std::to_string(allowed) +
                         " with a streaming "
@@ -93,8 +93,8 @@ void LoaderCore::require_in_order_reading() const {
 
 void LoaderCore::spawn_workers() {
   if (!workers_.empty()) return;
-  workers_.reserve(config_.num_workers);
-  for (std::uint32_t i = 0; i < config_.num_workers; ++i) {
+  workers_.reserve(worker_count());
+  for (std::uint32_t i = 0; i < worker_count(); ++i) {
     workers_.emplace_back([this] { worker_main(); });
   }
 }

@@ -33,11 +33,8 @@ void LoaderConfig::validate() const {
                             "must be at most " + std::to_string(tunables::kMaxLoaderWorkers));
   }
   if (mode == LoaderMode::kAsync) {
-    if (num_workers < 1) {
-      detail::throw_bad_value("num_workers", num_workers,
-                              "must be at least 1 in async mode (workers do the loading); use "
-                              "mode sync to load on the calling thread");
-    }
+    // num_workers = 0 is accepted, as PopTorch's asynchronous loader (its own process) is:
+    // one background thread loads (LoaderCore::worker_count()).
     if (buffer_size < 1 || buffer_size > tunables::kMaxLoaderBuffer) {
       detail::throw_bad_value("buffer_size", buffer_size,
                               "must be in 1.." + std::to_string(tunables::kMaxLoaderBuffer));

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <limits>
+#include <string>
 
 #include <bspflow/bspflow.hpp>
 
@@ -185,6 +186,25 @@ TEST_CASE("options: one client thread each side, said once") {
   const std::string why = error_of([&] { o.validate(); });
   CHECK(contains(why, "outfeed_capacity = 0"));
   CHECK(contains(why, "ConsumerType::kMulti"));
+}
+
+TEST_CASE("a loop given the run's Options takes its host side, and refuses gradient accumulation") {
+  DeviceGroup devices(1, DeviceConfig{64, 16 * 1024});
+  Options opts;
+  opts.device_iterations(5).synthetic_data(true);
+  InfeedQueue<int> in(opts.infeed_config());
+  in.make_producer().push(3);
+  auto r = loops::repeat(
+      devices, opts.device_iterations(), [](int& s, int x) { s += x; }, 0, in, opts);
+  CHECK(r.completed());
+  CHECK(r.state(0) == 15);  // synthetic data: the one element stands for every iteration
+  opts.gradient_accumulation(4);
+  const std::string why = error_of([&] {
+    (void)loops::repeat(
+        devices, opts.device_iterations(), [](int& s, int x) { s += x; }, 0, in, opts);
+  });
+  CHECK(contains(why, "loops::repeat: Options gradient_accumulation = 4"));
+  CHECK(contains(why, "must be 1 for a loop"));
 }
 
 TEST_SUITE_END();

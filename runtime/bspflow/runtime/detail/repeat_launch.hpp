@@ -19,6 +19,7 @@
 #include "bspflow/feeds/outfeed_queue.hpp"
 #include "bspflow/runtime/detail/repeat_replica.hpp"
 #include "bspflow/runtime/engine.hpp"
+#include "bspflow/runtime/options.hpp"
 #include "bspflow/runtime/program.hpp"
 #include "bspflow/runtime/run.hpp"
 #include "bspflow/runtime/trace.hpp"
@@ -200,6 +201,8 @@ template <class T>
 inline constexpr bool kIsHostIO = std::is_same_v<T, HostIO>;
 template <class T>
 inline constexpr bool kIsWork = std::is_same_v<T, Work>;
+template <class T>
+inline constexpr bool kIsOptions = std::is_same_v<T, Options>;
 
 template <class F>
 using Bare = std::remove_cvref_t<F>;
@@ -239,13 +242,17 @@ struct Feeds {
   static constexpr int kOutfeeds = (0 + ... + int{kIsOutfeed<Bare<Fs>>});
   static constexpr int kHostIOs = (0 + ... + int{kIsHostIO<Bare<Fs>>});
   static constexpr int kWorks = (0 + ... + int{kIsWork<Bare<Fs>>});
+  static constexpr int kOptions = (0 + ... + int{kIsOptions<Bare<Fs>>});
   static_assert(((kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>> || kIsHostIO<Bare<Fs>> ||
-                  kIsWork<Bare<Fs>>)&&...),
+                  kIsWork<Bare<Fs>> || kIsOptions<Bare<Fs>>)&&...),
                 "loops::repeat takes, after the initial state, only feeds: an InfeedQueue<In>&, "
-                "an OutfeedQueue<Out>&, a const HostIO& (LoopConfig; from Options: "
-                "opts.host_io()) and a const Work& (the body's cost per trip, for the modeled "
-                "clock), each at most once, in any order");
+                "an OutfeedQueue<Out>&, a const HostIO& (LoopConfig) or the run's const "
+                "Options& (its host_io()), and a const Work& (the body's cost per trip, for the "
+                "modeled clock), each at most once, in any order");
   static_assert(kWorks <= 1, "loops::repeat takes at most one Work (the body's cost per trip)");
+  static_assert(kOptions <= 1, "loops::repeat takes at most one Options");
+  static_assert(kHostIOs + kOptions <= 1,
+                "loops::repeat takes its host side once: a HostIO or the Options it comes from");
   static_assert(kInfeeds <= 1, "loops::repeat takes at most one InfeedQueue");
   static_assert(kOutfeeds <= 1, "loops::repeat takes at most one OutfeedQueue");
   static_assert(kHostIOs <= 1, "loops::repeat takes at most one HostIO (LoopConfig)");
@@ -283,7 +290,7 @@ Run<State> launch_with(DeviceList devices, std::uint64_t n, Body body, State ini
   using F = Feeds<Fs&...>;
   using InQ = typename F::In;
   using OutQ = typename F::Out;
-  if constexpr (F::kHostIOs == 1) {
+  if constexpr (F::kHostIOs + F::kOptions == 1) {
     if constexpr (!std::is_same_v<InQ, NoFeed>) {
       static_assert(kMeasurable<typename ElementOf<InQ>::type>,
                     "with a HostIO, the infeed's element needs host_bytes(const T&) (found by "
@@ -295,9 +302,23 @@ Run<State> launch_with(DeviceList devices, std::uint64_t n, Body body, State ini
                     "ADL), or to be trivially copyable, or a std::vector of such");
     }
   }
+  const HostIO* io = find_feed<const HostIO>(fs...);
+  std::optional<HostIO> from_options;
+  if (const Options* opts = find_feed<const Options>(fs...)) {
+    if (opts->gradient_accumulation() > 1) {
+      bspflow::detail::throw_bad_value(
+          "loops::repeat: Options gradient_accumulation", opts->gradient_accumulation(),
+          "must be 1 for a loop: a loop has no weight update to accumulate for, and a "
+          "DataLoader built from these Options feeds gradient_accumulation x device_iterations "
+          "micro-batches per step, more than the loop's iterations take (set "
+          "gradient_accumulation(1), or run device_iterations x gradient_accumulation "
+          "iterations with opts.host_io())");
+    }
+    from_options = opts->host_io();
+    io = &*from_options;
+  }
   return launch(devices, n, std::move(body), std::move(init), find_feed<InQ>(fs...),
-                find_feed<OutQ>(fs...), find_feed<const HostIO>(fs...),
-                find_feed<const Work>(fs...));
+                find_feed<OutQ>(fs...), io, find_feed<const Work>(fs...));
 }
 
 }  // namespace bspflow::loops::detail

@@ -2,6 +2,7 @@
 // implementation is data_loader.cpp). Included by bspflow/data/data_loader.hpp.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -84,6 +85,12 @@ class LoaderCore {
   void spawn_workers();
   void join_workers() noexcept;
   void worker_main() noexcept;
+  // The worker threads: num_workers, and in async mode at least one (num_workers = 0 there
+  // loads on one background thread, like PopTorch's loader in its own process).
+  std::uint32_t worker_count() const noexcept {
+    return config_.mode == LoaderMode::kAsync ? std::max<std::uint32_t>(config_.num_workers, 1)
+                                              : config_.num_workers;
+  }
   bool claim(Task& task, bool wait);
   void run_task(const Task& task) noexcept;
   void open_tasks(std::uint64_t first_global, std::uint64_t epoch, std::uint64_t task_limit);
