@@ -1367,3 +1367,47 @@ TEST_CASE("error kinds and refusals have names") {
 }
 
 TEST_SUITE_END();
+
+TEST_CASE("clients come and go while their answers are being delivered") {
+  // Each short-lived client's ring is freed by the stream once its last deliverer has let go
+  // (regression: it was freed when the last response was counted, before the deliverer woke
+  // the client, so a new client() could free memory a device thread was still touching; the
+  // sanitizer builds see it). One stream answers singly, the other in batches.
+  for (const bool batched : {false, true}) {
+    CAPTURE(batched);
+    DeviceGroup devices(1);
+    Stream<U64, U64> s =
+        batched ? StreamBuilder<U64>(devices)
+                      .batch_stage(
+                          "model",
+                          [](std::span<U64> xs) {
+                            std::vector<ItemResult<U64>> out;
+                            for (U64 x : xs) out.push_back(x + 1);
+                            return out;
+                          },
+                          BatchConfig{.max_batch = 4, .max_delay = 100us})
+                      .build()
+                : StreamBuilder<U64>(devices).stage("model", [](U64 x) { return x + 1; }).build();
+    s.start();
+    std::atomic<int> answered{0};
+    constexpr int kThreads = 2, kClients = 60, kEach = 3;
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        for (int k = 0; k < kClients; ++k) {
+          auto c = s.client();
+          for (int i = 0; i < kEach; ++i) REQUIRE(c.push(static_cast<U64>(t * 1000 + i)));
+          for (int i = 0; i < kEach; ++i) {
+            auto r = c.pop_until(StreamClock::now() + patience());
+            if (r && r->ok() && *r->value == static_cast<U64>(t * 1000 + i + 1)) ++answered;
+          }
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    s.close();
+    const StreamResult r = s.wait();
+    CHECK(r.drained());
+    CHECK(answered.load() == kThreads * kClients * kEach);
+  }
+}

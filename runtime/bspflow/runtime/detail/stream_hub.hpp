@@ -379,8 +379,14 @@ class LastSink final : public Sink<Out> {
     if (mode_ == ServeMode::kInfeed) return writer_->write(written_++, std::move(r), &stop);
     ClientCore* client = e.meta.client;
     const bool later = in_batch_ && client != nullptr;
-    if (later && std::find(to_notify_.begin(), to_notify_.end(), client) == to_notify_.end()) {
-      to_notify_.push_back(client);
+    if (later) {
+      auto it = std::find_if(to_notify_.begin(), to_notify_.end(),
+                             [client](const auto& n) { return n.first == client; });
+      if (it == to_notify_.end()) {
+        to_notify_.emplace_back(client, 1);
+      } else {
+        ++it->second;
+      }
     }
     if (!responder_.deliver(e.meta, std::move(r), &stop, !later)) return true;  // stopped
     ++delivered_;
@@ -389,7 +395,7 @@ class LastSink final : public Sink<Out> {
   void begin_batch() override { in_batch_ = mode_ != ServeMode::kInfeed; }
   void end_batch() override {
     in_batch_ = false;
-    for (ClientCore* c : to_notify_) c->arrived.notify();
+    for (auto& [c, n] : to_notify_) c->notify_and_settle(n);
     to_notify_.clear();
   }
   void flush(const StopFlag& stop) override {
@@ -415,7 +421,8 @@ class LastSink final : public Sink<Out> {
   std::uint64_t written_ = 0, errors_ = 0;  // device thread only
   std::uint64_t delivered_ = 0;             // read by the host after the run
   bool in_batch_ = false;                   // device thread: notify at end_batch()
-  std::vector<ClientCore*> to_notify_;      // device thread: clients answered in the batch
+  // Device thread: clients answered in the batch, and how many of their responses.
+  std::vector<std::pair<ClientCore*, std::uint64_t>> to_notify_;
 };
 
 }  // namespace bspflow::detail

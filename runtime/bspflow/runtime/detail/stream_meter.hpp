@@ -48,6 +48,15 @@ class ClientCore {
   std::atomic<std::uint64_t> sent{0};       // requests accepted (the client's own count)
   std::atomic<bool> abandoned{false};       // the StreamClient is gone: drop its responses
   WaitPoint arrived;                        // a response arrived
+  // Responses whose deliverer is done with this object (delivered, then notified): the
+  // stream frees an abandoned client's core only once settled == sent, so a deliverer never
+  // touches freed memory between counting a response and waking the client.
+  std::atomic<std::uint64_t> settled{0};
+  // Any deliverer, after delivering `n` responses: wakes the client, then lets go.
+  void notify_and_settle(std::uint64_t n) noexcept {
+    arrived.notify();
+    settled.fetch_add(n, std::memory_order_release);  // the last touch of *this
+  }
 
  protected:
   std::size_t mask_;

@@ -24,8 +24,8 @@ class ClientRing final : public ClientCore {
  public:
   explicit ClientRing(std::size_t capacity)
       : ClientCore(capacity), slots_(std::make_unique<Slot[]>(capacity)) {}
-  // Any thread, once per request. `notify` false: the caller calls arrived.notify() soon
-  // (after a batch's other responses).
+  // Any thread, once per request. `notify` false: the caller calls notify_and_settle() soon
+  // (after a batch's other responses), counting this one.
   void deliver(std::uint64_t sequence, Response<Out>&& r, bool notify = true) {
     if (!abandoned.load(std::memory_order_relaxed)) {
       Slot& s = slots_[sequence & mask_];
@@ -33,7 +33,7 @@ class ClientRing final : public ClientCore {
       s.ready.store(sequence, std::memory_order_release);
     }
     delivered.fetch_add(1, std::memory_order_seq_cst);  // pairs with the client's wait
-    if (notify) arrived.notify();
+    if (notify) notify_and_settle(1);
   }
   // Client thread: the response to `sequence` if it is there.
   bool ready(std::uint64_t sequence) const noexcept {
@@ -105,7 +105,7 @@ class Responder final : public Answerer, public RunEnds {
   }
 
   // Any thread (a replica's last device, or whoever answers directly). `notify` false: the
-  // caller notifies m.client->arrived soon (after a batch's other responses).
+  // caller calls m.client->notify_and_settle() soon (after a batch's other responses).
   bool deliver(const RequestMeta& m, Response<Out>&& r, const StopFlag* stop, bool notify = true) {
     if (mode_ == ServeMode::kClients) {
       static_cast<ClientRing<Out>*>(m.client)->deliver(m.id.sequence, std::move(r), notify);
@@ -135,7 +135,7 @@ class Responder final : public Answerer, public RunEnds {
     }
     if (advanced) core_.intake->wake();  // a push waiting for the window's room
     m.client->delivered.fetch_add(1, std::memory_order_seq_cst);
-    if (notify) m.client->arrived.notify();
+    if (notify) m.client->notify_and_settle(1);
     return ok;
   }
 
@@ -187,7 +187,8 @@ class Responder final : public Answerer, public RunEnds {
   std::shared_ptr<ClientRing<Out>> make_client() {
     std::lock_guard lock(clients_mutex_);
     std::erase_if(clients_, [](const std::shared_ptr<ClientRing<Out>>& c) {
-      return c->abandoned.load() && c->delivered.load() == c->sent.load();
+      // settled, not delivered: a deliverer may still be waking the client.
+      return c->abandoned.load() && c->settled.load(std::memory_order_acquire) == c->sent.load();
     });
     auto ring = std::make_shared<ClientRing<Out>>(std::bit_ceil(core_.config.client_capacity));
     clients_.push_back(ring);
