@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "bspflow/base/detail/random.hpp"
 #include "bspflow/base/error.hpp"
@@ -453,17 +454,26 @@ void DeviceRun::finish(bool deliver) {
         link.reader->put_back(std::move(slot.tensor));
     }
     link.reader.reset();
-    for (auto& slot : link.slots) device_.arena().release(slot->mem);
   }
   for (auto& [q, link] : outs_) {
     if (link.writer) link.writer->finish(deliver && lost_.load() == 0, &stop_);
     link.writer.reset();
-    for (auto& slot : link.slots) device_.arena().release(slot->mem);
   }
+  release_slots();
   if (lost_.load() != 0) {
     throw Error(std::to_string(lost_.load()) + " outfeed entr" + (lost_.load() == 1 ? "y" : "ies") +
                 " could not be delivered (the run was stopped while the outfeed was full)");
   }
+}
+
+void DeviceRun::release_slots() noexcept {
+  auto release = [&](std::vector<std::unique_ptr<Slot>>& slots) {
+    for (auto& slot : slots) {
+      if (slot->mem != nullptr) device_.arena().release(std::exchange(slot->mem, nullptr));
+    }
+  };
+  for (auto& [q, link] : ins_) release(link.slots);
+  for (auto& [q, link] : outs_) release(link.slots);
 }
 
 }  // namespace bspflow::detail

@@ -24,10 +24,17 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
                 " replica(s) but the pipeline has " + std::to_string(replicas) +
                 " (OutfeedConfig::replicas = " + std::to_string(replicas) + ")");
   }
-  // Attach the feeds: stage 0 of each replica reads its lane, the last stage writes.
+  // Attach the feeds: stage 0 of each replica reads its lane, the last stage writes. Claimed
+  // here first, so a refusal (a lane or the outfeed already taken) releases what was claimed.
   std::vector<OutfeedQueue<std::vector<float>>::Writer> writers;
-  for (std::uint32_t r = 0; r < replicas; ++r) im.run_of(r, 0).reader.emplace(infeed.reader(r));
-  if (outfeed != nullptr) writers = outfeed->begin_run();
+  {
+    std::vector<InfeedQueue<Batch>::Reader> readers;
+    readers.reserve(replicas);
+    for (std::uint32_t r = 0; r < replicas; ++r) readers.push_back(infeed.reader(r));
+    if (outfeed != nullptr) writers = outfeed->begin_run();
+    for (std::uint32_t r = 0; r < replicas; ++r)
+      im.run_of(r, 0).reader.emplace(std::move(readers[r]));
+  }
   for (std::uint32_t r = 0; r < replicas; ++r) {
     Impl::StageRun& last = im.run_of(r, im.stages - 1);
     last.writer = outfeed != nullptr ? &writers[r] : nullptr;

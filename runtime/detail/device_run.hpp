@@ -72,6 +72,12 @@ class DeviceRun {
     ctx_.stop = &stop_;
   }
 
+  // Whichever thread lets go of the run last. Gives back to the arena any I/O-tile memory
+  // finish() did not (a run refused while it was set up). Never throws.
+  ~DeviceRun() { release_slots(); }
+  DeviceRun(const DeviceRun&) = delete;
+  DeviceRun& operator=(const DeviceRun&) = delete;
+
   // Host thread, before the run: the links this device's program uses.
   void add_infeed(InfeedQueue<Tensor>& q, const DeviceBuffer& dst);
   void add_outfeed(OutfeedQueue<Tensor>& q, const DeviceBuffer& src,
@@ -190,6 +196,9 @@ class DeviceRun {
 
   // io_tiles > 0: drop the result into a free outbound I/O buffer; the engine moves it on.
   bool copy_out_to_io_tiles(OutLink& link, DeviceBuffer& buf);
+
+  // The I/O-tile buffers still held, back to the arena (each once). Never throws.
+  void release_slots() noexcept;
 
   // Device thread, at the end: let the engine finish with this device's buffers, give
   // prefetched micro-batches back to their infeeds, deliver held outfeed entries.

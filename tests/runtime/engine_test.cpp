@@ -469,6 +469,31 @@ TEST_CASE("cancel() stops a run that would not end by itself; waits for data wak
   CHECK(engine.run(Execute("ok", [](const ComputeContext&) {})).completed());
 }
 
+TEST_CASE("a run refused while it sets up gives back what it took: lanes and I/O-tile memory") {
+  // Issue 30: device 0's prefetch slots (I/O tiles) were taken from its arena, then device
+  // 1's lane was refused; the slots stayed allocated (DeviceRun released them only in
+  // finish()), so every refused run leaked I/O-tile memory.
+  DeviceGroup devices(2, kSmall);
+  Engine engine(devices, with_link(1us, 256, 4, 2));
+  InfeedQueue<Tensor> infeed(InfeedConfig{2, 16, 2});
+  std::vector<Program> programs;
+  for (std::uint32_t d = 0; d < 2; ++d) {
+    Buffer x = make_buffer(devices[d], "x", DType::kFloat32, 64);
+    programs.push_back(Repeat(1, StreamCopy(infeed, x)));
+  }
+  const std::size_t before = devices[0].arena().used();
+  {
+    auto held = infeed.reader(1);  // lane 1 is someone else's
+    CHECK(contains(error_of([&] { engine.run(programs); }), "already has a reader"));
+  }
+  CHECK(devices[0].arena().used() == before);
+  // Lane 0 is free again, and the next run takes both lanes.
+  auto p = infeed.make_producer();
+  for (std::uint32_t d = 0; d < 2; ++d) REQUIRE(p.push_to(d, filled(64, 1.0f)));
+  CHECK(engine.run(programs).completed());
+  CHECK(devices[0].arena().used() == before);
+}
+
 TEST_CASE("cancel() reaches a device inside a long modeled transfer (AllReduce, RemoteCopy)") {
   DeviceGroup devices(2, kSmall);
   EngineConfig config;

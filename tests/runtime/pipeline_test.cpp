@@ -590,6 +590,42 @@ TEST_CASE("errors: the config is checked against the stages and devices, saying 
                        "infeed has 2 replica lane(s)"));
 }
 
+TEST_CASE("a run refused while it attaches its feeds leaves nothing claimed") {
+  // Issue 30: the infeed readers were claimed into the pipeline's stage state before the
+  // outfeed was attached (or the next lane claimed); a refusal there left them claimed, and
+  // the next run was refused with "infeed lane of replica 0 already has a reader".
+  const std::uint32_t n = 2, k = 3;
+  for (const std::uint32_t replicas : {1u, 2u}) {
+    // How the run is refused: the outfeed is another run's, or (2 replicas) the last lane is.
+    for (const bool lane_taken : {false, true}) {
+      if (lane_taken && replicas == 1) continue;
+      CAPTURE(replicas);
+      CAPTURE(lane_taken);
+      PipelineConfig cfg;
+      cfg.gradient_accumulation = k;
+      cfg.replicas = replicas;
+      DeviceGroup devices(cfg.devices_needed(n), kSmall);
+      Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+      InfeedQueue<Batch> infeed(InfeedConfig{replicas, 64, 1});
+      OutfeedQueue<std::vector<float>> out(OutfeedConfig{replicas, OutputMode::all(), 0});
+      feed(infeed, k, replicas);
+      if (lane_taken) {
+        auto held = infeed.reader(replicas - 1);
+        CHECK(test::contains(test::error_of([&] { pipe.run(infeed, 1, &out); }),
+                             "already has a reader"));
+      } else {
+        auto held = out.begin_run();
+        CHECK(
+            test::contains(test::error_of([&] { pipe.run(infeed, 1, &out); }), "already attached"));
+        for (auto& w : held) w.finish(false);
+      }
+      const PipelineResult r = pipe.run(infeed, 1, &out);
+      CHECK(r.completed());
+      CHECK(out.drain().size() == k * replicas);
+    }
+  }
+}
+
 TEST_CASE(
     "a failing stage reaches the host with stage, device and micro-batch; every thread joins") {
   const std::uint32_t n = 3, k = 6;

@@ -359,7 +359,8 @@ class Pipeline {
   // reads it, and nothing checks). Allocates (the compiled programs; with an outfeed, one
   // vector per micro-batch). Throws, before anything runs, bspflow::Error if the infeed
   // or outfeed replica count differs from the config's replicas, an infeed lane already
-  // has a reader or the outfeed is already attached to a run. A stage exception is thrown
+  // has a reader or the outfeed is already attached to a run (having let go of every lane it
+  // had claimed: the next run may take them). A stage exception is thrown
   // as StageError (stage, device, replica, step, micro-batch) after every device has
   // stopped; any other device failure as DeviceError. An infeed that ends mid-run ends it
   // with kEndOfData; a step cut short is not applied (the message says how many
