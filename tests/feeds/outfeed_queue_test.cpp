@@ -185,6 +185,22 @@ TEST_CASE("one reader: a ring per replica; every entry once, in order per replic
   }
 }
 
+TEST_CASE("size_approx(replica): a replica's ring with one reader, the shared queue otherwise") {
+  for (const ConsumerType consumer : {ConsumerType::kMulti, ConsumerType::kSingle}) {
+    CAPTURE(consumer == ConsumerType::kSingle);
+    OutfeedQueue<int> q(OutfeedConfig{2, OutputMode::all(), 8, consumer});
+    auto writers = q.begin_run();
+    for (std::uint64_t i = 0; i < 3; ++i) writers[0].write(i, 1);
+    writers[1].write(0, 2);
+    for (auto& w : writers) w.finish(true);
+    CHECK(q.size_approx() == 4);
+    CHECK(q.size_approx(0) == (consumer == ConsumerType::kSingle ? 3 : 4));
+    CHECK(q.size_approx(1) == (consumer == ConsumerType::kSingle ? 1 : 4));
+    (void)q.drain();
+    CHECK(q.size_approx(0) == 0);
+  }
+}
+
 TEST_CASE("one reader: a ring needs a bound, and two threads reading at once is an error") {
   OutfeedConfig unbounded;
   unbounded.consumer_type = ConsumerType::kSingle;

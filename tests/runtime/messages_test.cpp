@@ -129,6 +129,43 @@ TEST_CASE("the table of messages: each names what was wrong, the value given and
       {"an open-ended loop (a service: 2^62 iterations) failing",
        [] { throw Error(loop_failure(std::uint64_t{1} << 62)); },
        "device 0 (replica 0) failed at iteration 2: boom"},
+      // Issue 30: the entries an earlier run left count against the bound.
+      {"loops::repeat into a bounded outfeed an earlier run left 6 of 10 entries in",
+       [] {
+         Device device(0, DeviceConfig{64, 16 * 1024});
+         OutfeedQueue<int> out(OutfeedConfig{1, OutputMode::all(), 10});
+         for (int run = 0; run < 2; ++run) {
+           loops::repeat(
+               device, 6, [](int& s) { return s; }, 0, out);
+         }
+       },
+       "outfeed capacity 10 < 6 entries already in it (unread, from an earlier run) + 6 entries "
+       "this run delivers, and loops::repeat reads nothing until the loop ends: read or drain() "
+       "the outfeed first, use loops::repeat_async and read it while it runs, or raise the "
+       "capacity (0 = unbounded)"},
+      {"the same with one reader (a ring of 10 per replica)",
+       [] {
+         DeviceGroup pair(2, DeviceConfig{64, 16 * 1024});
+         OutfeedQueue<int> out(OutfeedConfig{2, OutputMode::all(), 10, ConsumerType::kSingle});
+         for (int run = 0; run < 2; ++run) {
+           loops::repeat(
+               pair, 6, [](int& s) { return s; }, 0, out);
+         }
+       },
+       "outfeed capacity 10 per replica < 6 entries already in replica 0's ring (unread, from "
+       "an earlier run) + 6 entries this run delivers to each replica, and loops::repeat reads "
+       "nothing until the loop ends: read or drain() the outfeed first, use loops::repeat_async "
+       "and read it while it runs, or raise the capacity"},
+      {"loops::repeat of 10 entries into an outfeed of 5",
+       [] {
+         Device device(0, DeviceConfig{64, 16 * 1024});
+         OutfeedQueue<int> out(OutfeedConfig{1, OutputMode::all(), 5});
+         loops::repeat(
+             device, 10, [](int& s) { return s; }, 0, out);
+       },
+       "outfeed capacity 5 < 10 entries this run delivers, and loops::repeat reads nothing until "
+       "the loop ends: use loops::repeat_async and read the outfeed while it runs, or raise the "
+       "capacity (0 = unbounded)"},
       {"an output mode that does not parse", [] { (void)OutputMode::parse("every_n:0"); },
        "OutputMode every_n(n): n = 0 is not allowed: must be at least 1"},
   };

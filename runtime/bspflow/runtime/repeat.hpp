@@ -98,8 +98,9 @@ Run<State> repeat_async(DeviceList devices, std::uint64_t n, Body body, State in
 // enough elements (or be closed) or be fed by another thread. Allocates (as
 // repeat_async). Throws what repeat_async throws, and, before anything runs (with an
 // outfeed), bspflow::Error if a bounded outfeed's capacity is below the entries this run
-// delivers (nothing reads it until the call returns: use repeat_async and read while it
-// runs, or capacity 0); then what Run::get() throws: DeviceError (device, replica,
+// delivers plus those already in it (an earlier run's, unread; with ConsumerType::kSingle
+// the fullest replica's ring) — nothing reads it until the call returns: read it first, use
+// repeat_async and read while it runs, or capacity 0; then what Run::get() throws: DeviceError (device, replica,
 // iteration, cause) if a replica's body threw. Returns the RepeatResult: kCompleted,
 // kEndOfData or kCancelled (a device destroyed mid-run).
 template <class State, class Body, class... Feeds>

@@ -203,11 +203,20 @@ class OutfeedQueue {
 
   // A run is attached and at least one of its replicas has not finished.
   bool running() const noexcept { return active_writers_.load(std::memory_order_acquire) != 0; }
+  // Any thread. Entries handed to the host and not yet read, all replicas. Approximate while a
+  // run writes or a host thread reads. Never blocks, never allocates, never throws.
   std::size_t size_approx() const noexcept {
     if (queue_) return queue_->size_approx();
     std::size_t n = 0;
     for (const auto& lane : lanes_) n += lane->size_approx();
     return n;
+  }
+  // Any thread. What counts against the capacity for `replica`'s writes: with
+  // ConsumerType::kSingle the entries in that replica's ring, with kMulti in the whole shared
+  // queue (as size_approx()). Approximate while a run writes or a host thread reads. Never
+  // blocks, never allocates, never throws; replica < replicas() (kSingle).
+  std::size_t size_approx(std::uint32_t replica) const noexcept {
+    return queue_ ? queue_->size_approx() : lanes_[replica]->size_approx();
   }
 
   // ---- device side ----

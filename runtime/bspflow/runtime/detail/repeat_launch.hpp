@@ -160,22 +160,42 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
 }
 
 // Sync calls with a bounded outfeed would deadlock if the run produces more entries than fit
-// (nobody reads until the call returns): refuse them up front.
+// (nobody reads until the call returns), counting those an earlier run left unread: refuse
+// them up front.
 template <class OutQ>
 void check_sync_outfeed(const OutQ* outfeed, std::uint64_t n) {
   if constexpr (!std::is_same_v<OutQ, NoFeed>) {
+    const std::uint64_t capacity = outfeed->capacity();
+    if (capacity == 0) return;
     // kSingle: each replica has a ring of `capacity` entries; kMulti: one queue for all.
     const bool per_replica = outfeed->config().consumer_type == ConsumerType::kSingle;
     const std::uint64_t entries =
         outfeed->mode().entries_for(n) * (per_replica ? 1 : outfeed->replicas());
-    if (outfeed->capacity() != 0 && entries > outfeed->capacity()) {
-      throw Error("outfeed capacity " + std::to_string(outfeed->capacity()) +
-                  (per_replica ? " per replica" : "") + " < " + std::to_string(entries) +
-                  " entries this run delivers" + (per_replica ? " to each replica" : "") +
-                  ", and loops::repeat reads nothing until the loop ends: use "
-                  "loops::repeat_async and read the outfeed while it runs, or raise the capacity" +
-                  (per_replica ? "" : " (0 = unbounded)"));
+    if (entries == 0) return;
+    // Already there: the fullest ring (kSingle), or the shared queue.
+    std::uint64_t waiting = 0;
+    std::uint32_t fullest = 0;
+    for (std::uint32_t r = 0; r < (per_replica ? outfeed->replicas() : 1); ++r) {
+      const std::uint64_t here = outfeed->size_approx(r);
+      if (here > waiting) {
+        waiting = here;
+        fullest = r;
+      }
     }
+    if (waiting + entries <= capacity) return;
+    const std::string already =
+        waiting == 0 ? std::string()
+        : per_replica
+            ? std::to_string(waiting) + " entries already in replica " + std::to_string(fullest) +
+                  "'s ring (unread, from an earlier run) + "
+            : std::to_string(waiting) + " entries already in it (unread, from an earlier run) + ";
+    throw Error("outfeed capacity " + std::to_string(capacity) +
+                (per_replica ? " per replica" : "") + " < " + already + std::to_string(entries) +
+                " entries this run delivers" + (per_replica ? " to each replica" : "") +
+                ", and loops::repeat reads nothing until the loop ends: " +
+                (waiting == 0 ? "" : "read or drain() the outfeed first, ") +
+                "use loops::repeat_async and read " + (waiting == 0 ? "the outfeed" : "it") +
+                " while it runs, or raise the capacity" + (per_replica ? "" : " (0 = unbounded)"));
   }
 }
 
