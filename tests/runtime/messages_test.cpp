@@ -166,6 +166,30 @@ TEST_CASE("the table of messages: each names what was wrong, the value given and
        "outfeed capacity 5 < 10 entries this run delivers, and loops::repeat reads nothing until "
        "the loop ends: use loops::repeat_async and read the outfeed while it runs, or raise the "
        "capacity (0 = unbounded)"},
+      // Issue 30: were ignored (sharded, single with Grouped) or worded apart (single with
+      // Interleaved: "the Interleaved schedule needs each stage on a device of its own ...").
+      {"a Grouped schedule for a sharded pipeline",
+       [] {
+         PipelineConfig cfg;
+         cfg.strategy = ExecutionStrategy::kSharded;
+         cfg.schedule = PipelineSchedule::kGrouped;
+         cfg.gradient_accumulation = 8;
+         cfg.validate(4);
+       },
+       "schedule = grouped is not allowed: must be unset or sequential with strategy sharded, "
+       "which runs one stage at a time (the Sequential schedule); for another schedule use "
+       "strategy pipelined"},
+      {"an Interleaved schedule with every stage on one device",
+       [] {
+         PipelineConfig cfg;
+         cfg.strategy = ExecutionStrategy::kSingle;
+         cfg.schedule = PipelineSchedule::kInterleaved;
+         cfg.gradient_accumulation = 8;
+         cfg.validate(4);
+       },
+       "schedule = interleaved is not allowed: must be unset or sequential with strategy single, "
+       "which runs a replica's 4 stages one after another on one device (the Sequential "
+       "schedule); for another schedule use strategy pipelined"},
       {"an output mode that does not parse", [] { (void)OutputMode::parse("every_n:0"); },
        "OutputMode every_n(n): n = 0 is not allowed: must be at least 1"},
   };

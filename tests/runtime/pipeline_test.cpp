@@ -196,9 +196,9 @@ TEST_CASE(
        MeanStyle::kPost, true},
       {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, SyncMode::kBsp,
        MeanStyle::kRunning, true},
-      {ExecutionStrategy::kSharded, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kPost,
+      {ExecutionStrategy::kSharded, PipelineSchedule::kSequential, SyncMode::kBsp, MeanStyle::kPost,
        false},
-      {ExecutionStrategy::kSingle, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kPost,
+      {ExecutionStrategy::kSingle, PipelineSchedule::kSequential, SyncMode::kBsp, MeanStyle::kPost,
        false},
   };
   for (const Case& c : cases) {
@@ -435,7 +435,7 @@ TEST_CASE(
       {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, {0, 0, 1}, 1, false},
       {ExecutionStrategy::kPipelined, PipelineSchedule::kInterleaved, {0, 1, 1}, 1, false},
       {ExecutionStrategy::kPipelined, PipelineSchedule::kSequential, {0, 0, 0}, 1, true},
-      {ExecutionStrategy::kSharded, PipelineSchedule::kGrouped, {0, 1, 1}, 1, false},
+      {ExecutionStrategy::kSharded, PipelineSchedule::kSequential, {0, 1, 1}, 1, false},
       {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, {0, 0, 1}, 2, false},
   };
   for (const Case& c : cases) {
@@ -573,8 +573,9 @@ TEST_CASE("errors: the config is checked against the stages and devices, saying 
   cfg.gradient_accumulation = 8;
   cfg.strategy = ExecutionStrategy::kSingle;
   CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }),
-                       "Interleaved schedule needs each stage on a device of its own"));
+                       "schedule = interleaved is not allowed"));
   cfg.strategy = ExecutionStrategy::kSharded;
+  cfg.schedule.reset();
   cfg.sync = SyncMode::kDataflow;
   CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }),
                        "applies to strategy pipelined"));
@@ -588,6 +589,43 @@ TEST_CASE("errors: the config is checked against the stages and devices, saying 
   InfeedQueue<Batch> two_lanes(InfeedConfig{2, 8, 1});
   CHECK(test::contains(test::error_of([&] { ok.run(two_lanes, 1); }),
                        "infeed has 2 replica lane(s)"));
+}
+
+TEST_CASE("a schedule the strategy cannot honour is refused; left unset, each strategy its own") {
+  // Issue 30: sharded and single run one stage at a time (the Sequential schedule) and used
+  // to ignore Grouped (the default) and sharded Interleaved silently.
+  DeviceGroup devices(4, kSmall);
+  auto model = [](std::uint32_t) { return make_model(4); };
+  for (const auto strategy : {ExecutionStrategy::kSharded, ExecutionStrategy::kSingle}) {
+    CAPTURE(to_string(strategy));
+    for (const auto schedule : {PipelineSchedule::kGrouped, PipelineSchedule::kInterleaved}) {
+      CAPTURE(to_string(schedule));
+      PipelineConfig cfg;
+      cfg.strategy = strategy;
+      cfg.schedule = schedule;
+      cfg.gradient_accumulation = 8;
+      CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }),
+                           "schedule = " + std::string(to_string(schedule)) +
+                               " is not allowed: must be unset or sequential with strategy " +
+                               to_string(strategy)));
+    }
+    PipelineConfig cfg;
+    cfg.strategy = strategy;
+    cfg.gradient_accumulation = 1;  // Sequential needs no more
+    Pipeline unset(devices, cfg, model);
+    CHECK(unset.plan().schedule == PipelineSchedule::kSequential);
+    cfg.schedule = PipelineSchedule::kSequential;
+    Pipeline sequential(devices, cfg, model);
+    CHECK(sequential.plan().schedule == PipelineSchedule::kSequential);
+  }
+  // Left unset, pipelined runs Grouped (the default); one stage is the same under any schedule.
+  PipelineConfig cfg;
+  cfg.gradient_accumulation = 7;
+  Pipeline pipelined(devices, cfg, model);
+  CHECK(pipelined.plan().schedule == PipelineSchedule::kGrouped);
+  cfg.strategy = ExecutionStrategy::kSingle;
+  cfg.schedule = PipelineSchedule::kInterleaved;
+  Pipeline one(devices, cfg, [](std::uint32_t) { return make_model(1); });
 }
 
 TEST_CASE("a run refused while it attaches its feeds leaves nothing claimed") {

@@ -194,7 +194,10 @@ using StageFactory = std::function<StageList(std::uint32_t replica)>;
 // outfeed, without link time.
 struct PipelineConfig : HostIO {
   ExecutionStrategy strategy = ExecutionStrategy::kPipelined;
-  PipelineSchedule schedule = PipelineSchedule::kGrouped;  // sharded, single: Sequential
+  // Unset (the default): each strategy's own, Grouped for pipelined and Sequential for sharded
+  // and single (which run one stage at a time). Sharded and single over several stages take
+  // only Sequential: another schedule is refused, since they cannot honour it.
+  std::optional<PipelineSchedule> schedule;
   SyncMode sync = SyncMode::kBsp;
   // K: micro-batches per step; >= min_gradient_accumulation(stages).
   std::uint32_t gradient_accumulation = 1;
@@ -247,8 +250,9 @@ struct PipelineConfig : HostIO {
   // Any thread. Devices one replica's stages use: single 1; else the device mapping's
   // last entry + 1 (without one: stages). Never blocks, never allocates, never throws.
   std::uint32_t devices_per_replica(std::uint32_t stages) const;
-  // Any thread. The schedule actually used (sharded and single: Sequential). Never blocks,
-  // never allocates, never throws.
+  // Any thread. The schedule the pipeline runs: `schedule`, or when unset Grouped for
+  // pipelined and Sequential for sharded and single. Never blocks, never allocates, never
+  // throws.
   PipelineSchedule effective_schedule() const;
   // Any thread. The smallest gradient accumulation for which the schedule reaches a steady
   // state where every stage is busy in a cycle: Grouped 2N-1, Interleaved N, Sequential 1
@@ -258,11 +262,10 @@ struct PipelineConfig : HostIO {
   // Any thread. Never blocks, never allocates. Throws bspflow::Error naming the field, the
   // value and what is allowed (or the fields that conflict: stages 0, replicas 0, a bad
   // precision, what the Engine refuses (odd io_tiles, prefetch_depth outside 1..255, a bad
-  // link), a device mapping of the wrong
-  // length, not starting at 0, skipping or going back, or with strategy single or dataflow
-  // sync, K below
-  // min_gradient_accumulation, Interleaved with single over several stages, dataflow
-  // without pipelined).
+  // link), a device mapping of the wrong length, not starting at 0, skipping or going back,
+  // or with strategy single or dataflow sync, K below min_gradient_accumulation, a schedule
+  // other than Sequential with sharded or single over several stages, dataflow without
+  // pipelined).
   void validate(std::uint32_t stages) const;
 };
 
