@@ -714,6 +714,55 @@ TEST_CASE("an infeed that ends mid-run ends it with kEndOfData and says what was
   CHECK(dense(pipe, 0, 0).updates.load() == 1);
 }
 
+TEST_CASE("an end of data names the step it ended at, whatever the strategy, sync and mapping") {
+  // Issue 30 reported that the message always said "step 0". It does not (this test passed
+  // before any change): every configuration below names the step and micro-batch the data
+  // ended at, early in the first step, at a step boundary and in a later step.
+  struct Case {
+    const char* what;
+    void (*set)(PipelineConfig&);
+  };
+  const std::vector<Case> cases = {
+      {"pipelined, bsp", [](PipelineConfig&) {}},
+      {"pipelined, dataflow", [](PipelineConfig& c) { c.sync = SyncMode::kDataflow; }},
+      {"a device mapping",
+       [](PipelineConfig& c) {
+         c.device_mapping = {0, 1, 1};
+       }},
+      {"I/O tiles", [](PipelineConfig& c) { c.io_tiles = 2; }},
+      {"sharded", [](PipelineConfig& c) { c.strategy = ExecutionStrategy::kSharded; }},
+      {"single", [](PipelineConfig& c) { c.strategy = ExecutionStrategy::kSingle; }},
+      {"distributed (one instance)", [](PipelineConfig& c) { c.distributed = true; }},
+  };
+  const std::uint32_t n = 3, k = 5;
+  for (const Case& c : cases) {
+    for (const std::uint64_t fed :
+         {std::uint64_t{2}, std::uint64_t{2 * k}, std::uint64_t{3 * k + 1}}) {
+      for (const std::uint32_t replicas : {1u, 2u}) {
+        CAPTURE(c.what);
+        CAPTURE(fed);
+        CAPTURE(replicas);
+        PipelineConfig cfg;
+        cfg.gradient_accumulation = k;
+        cfg.replicas = replicas;
+        c.set(cfg);
+        DeviceGroup devices(cfg.devices_needed(n), kSmall);
+        Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+        InfeedQueue<Batch> infeed(InfeedConfig{replicas, 64, 2});
+        feed(infeed, fed, replicas);
+        infeed.close();
+        const PipelineResult r = pipe.run(infeed, 5);
+        CHECK(r.status == RunStatus::kEndOfData);
+        CHECK(r.iterations == fed / k);
+        const std::string step = std::to_string(fed / k), at = std::to_string(fed % k);
+        CHECK(r.message == "the infeed ended at step " + step + ", micro-batch " + at +
+                               " of 5: " + step + " step(s) applied; the cut-short step (" + at +
+                               " micro-batch(es) per replica) was not");
+      }
+    }
+  }
+}
+
 TEST_CASE(
     "a cancel while stage 0 waits for its input ends a single-device training run as cancelled, "
     "not failed") {
