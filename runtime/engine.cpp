@@ -62,6 +62,10 @@ struct Uses {
   std::set<SyncGroup*> groups;
   std::vector<const DeviceBuffer*> buffers;  // buffers the device itself touches
   std::optional<std::uint64_t> outer_count;
+  // Each AllReduce and the group of the Sync it runs after (in program order), else of the
+  // first Sync after it; null without any Sync: modelled time alone.
+  std::vector<std::pair<const program::AllReduce*, SyncGroup*>> all_reduces;
+  SyncGroup* last_sync = nullptr;
 };
 
 void gather(const Program& p, Uses& u, bool in_repeat, const Program& root) {
@@ -74,6 +78,10 @@ void gather(const Program& p, Uses& u, bool in_repeat, const Program& root) {
           u.executes.push_back(&n);
         } else if constexpr (std::is_same_v<N, program::Sync>) {
           u.groups.insert(n.group.get());
+          u.last_sync = n.group.get();
+          for (auto& [reduce, group] : u.all_reduces) {
+            if (group == nullptr) group = u.last_sync;  // none before it: the first after
+          }
         } else if constexpr (std::is_same_v<N, program::Copy>) {
           u.buffers.push_back(n.dst.get());
         } else if constexpr (std::is_same_v<N, program::StreamCopy>) {
@@ -85,6 +93,9 @@ void gather(const Program& p, Uses& u, bool in_repeat, const Program& root) {
         } else if constexpr (std::is_same_v<N, program::RemoteCopy> ||
                              std::is_same_v<N, program::AllReduce>) {
           u.transfers.emplace_back(&n, n.name);  // host memory, or the device link: a label
+          if constexpr (std::is_same_v<N, program::AllReduce>) {
+            u.all_reduces.emplace_back(&n, u.last_sync);
+          }
         } else if constexpr (std::is_same_v<N, program::FusedRepeat>) {
           if (&n != std::get_if<program::FusedRepeat>(&root.node())) {
             throw Error("FusedRepeat '" + n.name +
@@ -170,6 +181,16 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
       }
     }
     for (SyncGroup* g : uses[d].groups) ++group_users[g];
+    // An all-reduce's ring is the devices of the sync group it runs between.
+    for (const auto& [reduce, group] : uses[d].all_reduces) {
+      if (group != nullptr && reduce->replicas != group->participants()) {
+        detail::throw_bad_value("AllReduce '" + reduce->name + "' replicas", reduce->replicas,
+                                "must be " + std::to_string(group->participants()) + " on device " +
+                                    std::to_string(im.devices[d]->id()) +
+                                    ", the participants of the sync group it runs between (the "
+                                    "devices that all-reduce together)");
+      }
+    }
     std::size_t micro_batch = 0;
     std::set<const InfeedQueue<Tensor>*> seen;
     for (const program::StreamCopy* s : uses[d].streams) {

@@ -376,6 +376,24 @@ TEST_CASE("programs are checked before they run") {
   CHECK(contains(error_of([&] { AllReduce("grads", 0, bytes); }), "AllReduce 'grads' replicas"));
   CHECK(contains(error_of([&] { AllReduce("grads", 0, bytes); }), "must be in 1.."));
   CHECK(contains(error_of([&] { AllReduce("grads", 2, nullptr); }), "the bytes function is empty"));
+  // Issue 30: an AllReduce's replica count must be its sync group's size (it used to run a
+  // ring of 3 between the Syncs of a group of 2, modelling the wrong time without a word).
+  for (const std::uint32_t replicas : {1u, 3u}) {
+    CAPTURE(replicas);
+    const Program odd = Sequence{Sync(group), AllReduce("grads", replicas, bytes), Sync(group)};
+    CHECK(error_of([&] {
+            engine.run({odd, odd});
+          }) == "AllReduce 'grads' replicas = " + std::to_string(replicas) +
+                    " is not allowed: must be 2 on device 0, the participants of the sync group it "
+                    "runs between (the devices that all-reduce together)");
+  }
+  // The Sync after it counts when none comes before (a Repeat's next trip starts with it).
+  const Program after = Repeat(2, Sequence{AllReduce("grads", 3, bytes), Sync(group)});
+  CHECK(contains(error_of([&] { engine.run({after, after}); }), "must be 2 on device 0"));
+  const Program right = Sequence{Sync(group), AllReduce("grads", 2, bytes), Sync(group)};
+  CHECK(engine.run({right, right}).completed());
+  // Without a Sync it is modelled time alone, for any count.
+  CHECK(engine.run({AllReduce("grads", 3, bytes), idle}).completed());
 }
 
 TEST_CASE(

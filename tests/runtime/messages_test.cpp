@@ -190,6 +190,20 @@ TEST_CASE("the table of messages: each names what was wrong, the value given and
        "schedule = interleaved is not allowed: must be unset or sequential with strategy single, "
        "which runs a replica's 4 stages one after another on one device (the Sequential "
        "schedule); for another schedule use strategy pipelined"},
+      // Issue 30: was not checked.
+      {"an AllReduce of 3 replicas between the Syncs of a group of 2",
+       [] {
+         DeviceGroup pair(2, DeviceConfig{64, 16 * 1024});
+         Engine engine(pair);
+         auto group = std::make_shared<SyncGroup>(2);
+         const Program p = program::Sequence{
+             program::Sync(group),
+             program::AllReduce("grads", 3, [](const ComputeContext&) { return std::size_t{64}; }),
+             program::Sync(group)};
+         engine.run({p, p});
+       },
+       "AllReduce 'grads' replicas = 3 is not allowed: must be 2 on device 0, the participants "
+       "of the sync group it runs between (the devices that all-reduce together)"},
       {"an output mode that does not parse", [] { (void)OutputMode::parse("every_n:0"); },
        "OutputMode every_n(n): n = 0 is not allowed: must be at least 1"},
   };

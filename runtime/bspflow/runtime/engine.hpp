@@ -67,7 +67,8 @@ class Engine {
 
   // Host thread. Runs programs[d] on device d (or one program on every device), blocks
   // until all have ended. Checks the programs first: I/O tiles must hold the largest
-  // host->device micro-batch, sync groups must match the devices using them, buffers must
+  // host->device micro-batch, sync groups must match the devices using them, an AllReduce's
+  // replicas its sync group's size, buffers must
   // be on the device that runs them (throws bspflow::Error with a suggestion); a run refused
   // while it sets up (a lane already has a reader, an outfeed is attached to another run, an
   // arena too full for the I/O tiles) gives back every lane and byte it took. A vertex or
