@@ -201,6 +201,27 @@ TEST_CASE("size_approx(replica): a replica's ring with one reader, the shared qu
   }
 }
 
+TEST_CASE("keep_dropped: the entries a stopped writer drops, in the order written") {
+  // A ring of 31 entries keeps 33 spare slots for a stopped run (64 in all): of 100 entries
+  // written after a stop, 64 go in and 36 are dropped, into the caller's vector.
+  OutfeedQueue<int> q(OutfeedConfig{1, OutputMode::all(), 31, ConsumerType::kSingle});
+  std::vector<OutfeedEntry<int>> dropped;
+  auto writers = q.begin_run();
+  writers[0].keep_dropped(&dropped);
+  StopFlag stop;
+  stop.set();
+  for (int i = 0; i < 100; ++i) writers[0].write(static_cast<std::uint64_t>(i), int{i}, &stop);
+  writers[0].finish(true, &stop);
+  CHECK(writers[0].dropped() == dropped.size());
+  const auto kept = q.drain();
+  CHECK(kept.size() + dropped.size() == 100);
+  CHECK(dropped.size() == 36);
+  std::vector<int> all;
+  for (const auto& e : kept) all.push_back(e.value);
+  for (const auto& e : dropped) all.push_back(e.value);
+  for (int i = 0; i < 100; ++i) CHECK(all[static_cast<std::size_t>(i)] == i);
+}
+
 TEST_CASE("one reader: a ring needs a bound, and two threads reading at once is an error") {
   OutfeedConfig unbounded;
   unbounded.consumer_type = ConsumerType::kSingle;

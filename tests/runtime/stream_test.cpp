@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -18,6 +19,7 @@
 
 #include <bspflow/bspflow.hpp>
 
+#include "runtime_test_util.hpp"
 #include "test_util.hpp"
 
 using namespace bspflow;
@@ -283,6 +285,54 @@ TEST_CASE("cancel stops at once, says how many were left unanswered, and the str
   const StreamResult r = stream.run(in, out);
   CHECK(r.drained());
   CHECK(r.answered == 10);
+}
+
+TEST_CASE("a result counts the error responses delivered, not those a cancel dropped") {
+  // Issue 30: StreamResult::errors counted an error response when it was written, so one that
+  // a cancel then dropped (a one-reader outfeed full up to its spare room) still counted:
+  // errors > answered. Every request here fails (an error response), nobody reads the
+  // outfeed (a ring of 31 with 33 spare slots), and each run is cancelled once it is writing
+  // a response: the ring fills over the runs, then a run's response is dropped.
+  DeviceGroup group(1, test::kSmall);
+  auto stream = StreamBuilder<int>(group)
+                    .stage("fails", [](int) -> int { throw std::runtime_error("no"); })
+                    .build();
+  for (const bool clients : {false, true}) {
+    CAPTURE(clients);
+    InfeedQueue<Request<int>> in(InfeedConfig{1, 1024, 1});
+    OutfeedQueue<Response<int>> out(OutfeedConfig{1, OutputMode::all(), 31, ConsumerType::kSingle});
+    if (!clients) {
+      RequestProducer<int> p(in);
+      for (int i = 0; i < 1000; ++i) REQUIRE(p.push(i));
+    }
+    std::uint64_t written = 0, dropped = 0;
+    for (int run = 0; run < 100 && dropped == 0; ++run) {
+      CAPTURE(run);
+      const std::uint64_t before = stream.stats().answered;
+      std::optional<StreamClient<int, int>> client;
+      if (clients) {
+        stream.start(out);
+        client.emplace(stream.client());
+        for (int i = 0; i < 4; ++i) (void)client->push(i);
+      } else {
+        stream.start(in, out);
+      }
+      {
+        test::Rescue guard(10s, [&] { stream.cancel(); });
+        while (stream.stats().answered == before) std::this_thread::yield();  // it is writing
+        CHECK_FALSE(guard.fired());
+      }
+      stream.cancel();
+      const StreamResult r = stream.wait();
+      // Every response is an error: those counted are those that reached the outfeed.
+      CHECK(r.errors == r.answered);
+      const std::uint64_t made = stream.stats().answered - before;
+      written += made;
+      if (r.answered < made) dropped += made - r.answered;
+    }
+    CHECK(dropped > 0);  // the ring's spare room filled up: the test reached the drop
+    CHECK(out.drain().size() == written - dropped);
+  }
 }
 
 TEST_CASE("several producers under load: exactly once, in each producer's order") {

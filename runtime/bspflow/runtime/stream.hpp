@@ -171,6 +171,9 @@ class Stream {
       answered += sink->delivered();
       errors += sink->errors();
     }
+    // Handed to a shared outfeed that then dropped them (a stop found it full): not answered.
+    answered -= responder_->dropped();
+    errors -= responder_->dropped_errors();
     return core_->finish(accepted, answered, errors, refused_at_start_);
   }
 

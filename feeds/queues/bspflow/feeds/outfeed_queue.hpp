@@ -228,7 +228,7 @@ class OutfeedQueue {
         : q_(std::exchange(o.q_, nullptr)), replica_(o.replica_), lane_(o.lane_),
           token_(std::move(o.token_)), staged_(std::move(o.staged_)), dropped_(o.dropped_),
           last_check_(o.last_check_), since_check_(o.since_check_), check_every_(o.check_every_),
-          held_(std::move(o.held_)) {}
+          held_(std::move(o.held_)), graveyard_(o.graveyard_) {}
     Writer& operator=(Writer&&) = delete;
     ~Writer() {
       if (q_ != nullptr) finish(false);
@@ -289,6 +289,13 @@ class OutfeedQueue {
     // found the outfeed full and its spare room (kStoppedSpare) too (a reader that stopped
     // for several runs in a row). Never blocks.
     std::uint64_t dropped() const noexcept { return dropped_; }
+    // Device thread (the writer's user). From now on the entries this writer drops (see
+    // dropped()) are moved into `*to`, in the order written, instead of being destroyed, so
+    // the caller can tell which ones they were (a stream counts the error responses among
+    // them); null (the default): destroyed. `*to` must outlive the writer's use; only the
+    // dropping call (a write, flush or finish after a stop) touches it. Never blocks, never
+    // allocates, never throws.
+    void keep_dropped(std::vector<Entry>* to) noexcept { graveyard_ = to; }
 
     // Device thread. Ends this replica's part of the run, delivering the final()/sum()
     // value when `deliver_held` (false after a failure: a partial sum is no result). The
@@ -329,6 +336,9 @@ class OutfeedQueue {
           pushed + (lane_ != nullptr ? lane_->push_bulk_spare(rest, n - pushed)
                                      : q_->queue_->push_bulk_past_bound(*token_, rest, n - pushed));
       dropped_ += n - kept;
+      if (graveyard_ != nullptr) {
+        for (std::size_t i = kept; i < n; ++i) graveyard_->push_back(std::move(staged_[i]));
+      }
       staged_.clear();
       return kept;
     }
@@ -353,6 +363,7 @@ class OutfeedQueue {
     std::uint32_t since_check_ = 0;  // entries staged since the clock was last read
     std::uint32_t check_every_ = 1;
     std::optional<Entry> held_;
+    std::vector<Entry>* graveyard_ = nullptr;  // keep_dropped(): where dropped entries go
   };
 
   // Setup path (the runtime, on the host thread launching a run): attaches a run and
