@@ -112,18 +112,12 @@ void DeviceRun::run(const Program& program) {
   (void)slack_lowered;
   bool failed = false;
   try {
-    for (auto& [q, link] : ins_) {
-      for (auto& slot : link.slots) submit_fill(link, *slot);
-    }
-    if (!exec(program)) {
-      if (status_ == RunStatus::kEndOfData) {
-        // The devices this one syncs with would wait for it at their next Sync forever
-        // (found by the soak suite): they end there, each after finishing what it does
-        // before that Sync.
-        for (SyncGroup* g : groups_) g->abort();
-      } else if (status_ == RunStatus::kCompleted) {
-        status_ = RunStatus::kCancelled;
-      }
+    // Stopped before it started (a std::stop_token stopped before the run, a cancel() during
+    // its setup): end cancelled, taking nothing from any feed.
+    if (stop_.requested()) {
+      status_ = RunStatus::kCancelled;
+    } else {
+      run_program(program);
     }
   } catch (...) {
     failed = true;
@@ -140,6 +134,20 @@ void DeviceRun::run(const Program& program) {
   }
   control_.replica_done(index_,
                         detail::RunControl::ReplicaEnd{device_.id(), iterations_, status_, failed});
+}
+
+void DeviceRun::run_program(const Program& program) {
+  for (auto& [q, link] : ins_) {
+    for (auto& slot : link.slots) submit_fill(link, *slot);
+  }
+  if (exec(program)) return;
+  if (status_ == RunStatus::kEndOfData) {
+    // The devices this one syncs with would wait for it at their next Sync forever (found by
+    // the soak suite): they end there, each after finishing what it does before that Sync.
+    for (SyncGroup* g : groups_) g->abort();
+  } else if (status_ == RunStatus::kCompleted) {
+    status_ = RunStatus::kCancelled;
+  }
 }
 
 void DeviceRun::abandon() noexcept {

@@ -4,12 +4,13 @@
 #include "bspflow/runtime/engine.hpp"
 
 #include <map>
-#include <mutex>
 #include <set>
+#include <stop_token>
 #include <string>
 
 #include "bspflow/base/error.hpp"
 #include "bspflow/devices/io_engine.hpp"
+#include "bspflow/runtime/detail/cancel_gate.hpp"
 #include "detail/device_run.hpp"
 
 namespace bspflow {
@@ -116,8 +117,7 @@ void gather(const Program& p, Uses& u, bool in_repeat, const Program& root) {
 // ---- Engine ----
 
 struct Engine::Impl : EngineState {
-  std::mutex current_mutex;
-  std::shared_ptr<RunShared> current;  // the run in progress, for cancel()
+  detail::CancelGate gate;  // cancel(): the run() call in progress
 };
 
 Engine::Engine(DeviceList devices, EngineConfig config) : impl_(std::make_unique<Impl>()) {
@@ -156,12 +156,29 @@ EngineResult Engine::run(const std::vector<Program>& programs) {
 }
 
 EngineResult Engine::run(const std::vector<Program>& programs, std::function<void()> wake) {
-  return run(programs, std::move(wake), nullptr);
+  return run(programs, std::move(wake), nullptr, std::stop_token());
 }
 
 EngineResult Engine::run(const std::vector<Program>& programs, std::function<void()> wake,
                          const std::function<void(const detail::StopFlag&)>& host) {
+  return run(programs, std::move(wake), host, std::stop_token());
+}
+
+EngineResult Engine::run(const Program& program, std::stop_token stop) {
+  return run(std::vector<Program>(impl_->devices.size(), program), nullptr, nullptr,
+             std::move(stop));
+}
+
+EngineResult Engine::run(const std::vector<Program>& programs, std::stop_token stop) {
+  return run(programs, nullptr, nullptr, std::move(stop));
+}
+
+EngineResult Engine::run(const std::vector<Program>& programs, std::function<void()> wake,
+                         const std::function<void(const detail::StopFlag&)>& host,
+                         std::stop_token stop) {
   Impl& im = *impl_;
+  // From here to the return a cancel() is never lost, and `stop` is watched too.
+  detail::CancelGate::Scope scope(im.gate, std::move(stop));
   const auto n = static_cast<std::uint32_t>(im.devices.size());
   if (programs.size() != n) {
     throw Error("Engine::run: " + std::to_string(programs.size()) + " programs for " +
@@ -287,11 +304,10 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
         for (auto& [q, w] : rs.writers) q->wake_all();
         for (auto& r : rs.runs) r->wake();
       });
+  // The run's stop, watched from here (after the waker, before any device starts): a stop
+  // already requested cancels now, and every device ends at its first look, taking nothing.
+  std::stop_callback<detail::CancelRun> on_stop(scope.token(), detail::CancelRun{&control});
 
-  {
-    std::lock_guard lock(im.current_mutex);
-    im.current = shared;
-  }
   for (std::uint32_t d = 0; d < n; ++d) {
     try {
       im.devices[d]->submit(DeviceJob{[shared, d] { shared->runs[d]->run(shared->programs[d]); },
@@ -318,10 +334,6 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
   // programs here, so buffers they hold are freed on this thread, not by whichever device
   // thread drops the run's shared state last (perhaps while the host destroys a device).
   rs.programs.clear();
-  {
-    std::lock_guard lock(im.current_mutex);
-    im.current.reset();
-  }
   if (trace) {
     trace->set_end(end);
     im.trace = std::move(trace);
@@ -346,8 +358,7 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
 }
 
 void Engine::cancel() noexcept {
-  std::lock_guard lock(impl_->current_mutex);
-  if (impl_->current) impl_->current->control.cancel();
+  impl_->gate.cancel();
 }
 
 namespace detail {

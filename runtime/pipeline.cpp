@@ -265,13 +265,20 @@ Pipeline::~Pipeline() = default;
 
 PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
                              OutfeedQueue<std::vector<float>>* outfeed) {
+  return run(infeed, device_iterations, outfeed, std::stop_token());
+}
+
+PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
+                             OutfeedQueue<std::vector<float>>* outfeed, std::stop_token stop) {
   Impl& im = *impl_;
-  if (!im.across) return im.run_local(infeed, device_iterations, outfeed);
-  im.across->begin_run(device_iterations, [&im] { im.engine->cancel(); });
+  // From here to the return a cancel() is never lost, and `stop` is watched too.
+  detail::CancelGate::Scope scope(im.gate, std::move(stop));
+  if (!im.across) return im.run_local(infeed, device_iterations, outfeed, scope.token());
+  im.across->begin_run(device_iterations, [&im] { im.gate.cancel(); });
   PipelineResult local;
   std::exception_ptr failure;
   try {
-    local = im.run_local(infeed, device_iterations, outfeed);
+    local = im.run_local(infeed, device_iterations, outfeed, scope.token());
   } catch (...) {
     failure = std::current_exception();
   }
@@ -288,7 +295,7 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
 }
 
 void Pipeline::cancel() noexcept {
-  impl_->engine->cancel();
+  impl_->gate.cancel();
 }
 const PipelineConfig& Pipeline::config() const noexcept {
   return impl_->config;

@@ -9,7 +9,8 @@ namespace bspflow {
 
 PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
                                          std::uint64_t device_iterations,
-                                         OutfeedQueue<std::vector<float>>* outfeed) {
+                                         OutfeedQueue<std::vector<float>>* outfeed,
+                                         std::stop_token stop) {
   Impl& im = *this;
   const std::uint64_t steps = device_iterations;  // a step: K micro-batches, one update
   im.ended_replica = 0;
@@ -112,10 +113,10 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
     };
     if (im.across && im.config.training) {
       // This thread makes the exchanges across instances while the devices run.
-      er = im.engine->run(programs, wake,
-                          [&im](const detail::StopFlag& stop) { im.across->serve(stop); });
+      er = im.engine->run(
+          programs, wake, [&im](const detail::StopFlag& flag) { im.across->serve(flag); }, stop);
     } else {
-      er = im.engine->run(programs, wake);
+      er = im.engine->run(programs, wake, nullptr, stop);
     }
   } catch (const DeviceError& e) {
     if (!im.config.training) {

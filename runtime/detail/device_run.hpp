@@ -114,6 +114,10 @@ class DeviceRun {
   void set_owner(std::weak_ptr<void> owner) { owner_ = std::move(owner); }
 
  private:
+  // Device thread: the I/O tiles' first fills, then the program; sets status_ (throws what
+  // the program throws).
+  void run_program(const Program& program);
+
   // false: the program must stop (end of data, or stop requested).
   bool exec(const Program& p) {
     return std::visit([this](const auto& node) { return exec_node(node); }, p.node());

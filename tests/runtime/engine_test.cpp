@@ -13,8 +13,10 @@
 #include <future>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <stdexcept>
+#include <stop_token>
 #include <string>
 #include <thread>
 #include <vector>
@@ -510,6 +512,52 @@ TEST_CASE("a run refused while it sets up gives back what it took: lanes and I/O
   for (std::uint32_t d = 0; d < 2; ++d) REQUIRE(p.push_to(d, filled(64, 1.0f)));
   CHECK(engine.run(programs).completed());
   CHECK(devices[0].arena().used() == before);
+}
+
+TEST_CASE(
+    "a std::stop_token stops a run: before the call nothing is taken, during it as cancel()") {
+  // Issue 30: the Engine took no stop token, and cancel() reached only a run already set up.
+  DeviceGroup devices(2, kSmall);
+  for (const std::uint32_t io_tiles : {0u, 4u}) {
+    CAPTURE(io_tiles);
+    Engine engine(devices, with_link(1us, 256, io_tiles, 2));
+    InfeedQueue<Tensor> infeed(InfeedConfig{2, 16, 2});
+    std::vector<Program> programs;
+    for (std::uint32_t d = 0; d < 2; ++d) {
+      Buffer x = make_buffer(devices[d], "x", DType::kFloat32, 64);
+      programs.push_back(Repeat(std::uint64_t{1} << 40, StreamCopy(infeed, x)));
+    }
+    {
+      auto p = infeed.make_producer();
+      for (std::uint32_t d = 0; d < 2; ++d) {
+        for (int i = 0; i < 3; ++i) REQUIRE(p.push_to(d, filled(64, float(i))));
+      }
+    }
+    std::stop_source stopped;
+    stopped.request_stop();
+    const EngineResult before = engine.run(programs, stopped.get_token());
+    CHECK(before.status == RunStatus::kCancelled);
+    CHECK(before.iterations == std::vector<std::uint64_t>{0, 0});
+    CHECK(infeed.size_approx(0) == 3);  // nothing taken, not even by the I/O tiles
+    CHECK(infeed.size_approx(1) == 3);
+    // During: a std::jthread's destructor requests the stop (the run waits for more input).
+    std::optional<EngineResult> during;
+    {
+      test::Rescue guard(10s, [&] { infeed.close(); });  // a lost stop: kEndOfData below
+      {
+        std::jthread host([&](std::stop_token stop) { during = engine.run(programs, stop); });
+        while (infeed.size_approx(0) != 0 || infeed.size_approx(1) != 0) {
+          std::this_thread::yield();  // it has taken all 6
+        }
+      }
+      CHECK_FALSE(guard.fired());
+    }
+    REQUIRE(during.has_value());
+    CHECK(during->status == RunStatus::kCancelled);
+    // The engine runs again; a stop source that was never stopped changes nothing.
+    std::stop_source unused;
+    CHECK(engine.run(Execute("ok", [](const ComputeContext&) {}), unused.get_token()).completed());
+  }
 }
 
 TEST_CASE("cancel() reaches a device inside a long modeled transfer (AllReduce, RemoteCopy)") {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 #include <random>
+#include <stop_token>
 #include <thread>
 #include <vector>
 
@@ -597,9 +598,9 @@ TEST_CASE("a schedule the strategy cannot honour is refused; left unset, each st
   DeviceGroup devices(4, kSmall);
   auto model = [](std::uint32_t) { return make_model(4); };
   for (const auto strategy : {ExecutionStrategy::kSharded, ExecutionStrategy::kSingle}) {
-    CAPTURE(to_string(strategy));
+    CAPTURE(std::string(to_string(strategy)));
     for (const auto schedule : {PipelineSchedule::kGrouped, PipelineSchedule::kInterleaved}) {
-      CAPTURE(to_string(schedule));
+      CAPTURE(std::string(to_string(schedule)));
       PipelineConfig cfg;
       cfg.strategy = strategy;
       cfg.schedule = schedule;
@@ -626,6 +627,38 @@ TEST_CASE("a schedule the strategy cannot honour is refused; left unset, each st
   cfg.strategy = ExecutionStrategy::kSingle;
   cfg.schedule = PipelineSchedule::kInterleaved;
   Pipeline one(devices, cfg, [](std::uint32_t) { return make_model(1); });
+}
+
+TEST_CASE("a std::stop_token stops a training run: before the call nothing is taken or applied") {
+  // Issue 30: Pipeline::run took no stop token.
+  const std::uint32_t n = 2, k = 3;
+  for (const auto strategy : {ExecutionStrategy::kPipelined, ExecutionStrategy::kSingle}) {
+    for (const bool distributed : {false, true}) {
+      CAPTURE(std::string(to_string(strategy)));
+      CAPTURE(distributed);
+      PipelineConfig cfg;
+      cfg.strategy = strategy;
+      cfg.gradient_accumulation = k;
+      cfg.distributed = distributed;
+      DeviceGroup devices(cfg.devices_needed(n), kSmall);
+      Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+      InfeedQueue<Batch> infeed(InfeedConfig{1, 64, 2});
+      feed(infeed, 2 * k, 1);
+      std::stop_source stopped;
+      stopped.request_stop();
+      const PipelineResult r = pipe.run(infeed, 2, nullptr, stopped.get_token());
+      CHECK(r.status == RunStatus::kCancelled);
+      CHECK(r.iterations == 0);
+      CHECK(r.micro_batches == 0);
+      CHECK(dense(pipe, 0, 0).updates.load() == 0);
+      CHECK(infeed.size_approx(0) == 2 * k);
+      std::stop_source unused;
+      const PipelineResult next = pipe.run(infeed, 2, nullptr, unused.get_token());
+      CHECK(next.completed());
+      CHECK(next.iterations == 2);
+      check_close(dense(pipe, 0, 1).weight_vector(), reference(n, k, 1, 2)[1]);
+    }
+  }
 }
 
 TEST_CASE("a run refused while it attaches its feeds leaves nothing claimed") {

@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -88,9 +89,22 @@ class Engine {
   // exception is rethrown.
   EngineResult run(const std::vector<Program>& programs, std::function<void()> wake,
                    const std::function<void(const StopFlag&)>& host);
+  // Host thread. Each like the overload without `stop`; the run also stops when `stop` is
+  // requested: before the call, while the run is set up, or while the devices run (as
+  // cancel() does). Stopped before any device started, it returns kCancelled with 0
+  // iterations and takes nothing from any infeed. Blocks until every device has ended.
+  // Allocates. Throws what the overload without `stop` throws. (`wake` and `host` may be
+  // null.)
+  EngineResult run(const std::vector<Program>& programs, std::stop_token stop);
+  EngineResult run(const Program& program, std::stop_token stop);
+  EngineResult run(const std::vector<Program>& programs, std::function<void()> wake,
+                   const std::function<void(const StopFlag&)>& host, std::stop_token stop);
 
-  // Any thread. Stops the current run (if any) at each device's next Repeat trip or wait;
-  // run() then returns RunStatus::kCancelled. Never blocks for long, never throws.
+  // Any thread. Stops the run of the run() call in progress, from the moment run() is called
+  // until it returns (a cancel() while the run is set up is never lost), at each device's
+  // next Repeat trip or wait; run() then returns RunStatus::kCancelled. Between runs it does
+  // nothing: to stop a run that may not have started yet, give run() a std::stop_token.
+  // Never blocks for long, never throws.
   void cancel() noexcept;
 
   // The last run's trace (nullptr when tracing is off or before the first run).

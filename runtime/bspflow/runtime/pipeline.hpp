@@ -49,6 +49,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -390,9 +391,20 @@ class Pipeline {
   // for the next run; the one a stage threw on does not (the error names it).
   PipelineResult run(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
                      OutfeedQueue<std::vector<float>>* outfeed = nullptr);
+  // Host thread. Like run(infeed, device_iterations, outfeed); the run also stops when
+  // `stop` is requested: before the call, while the run is set up, or while the devices run
+  // (as cancel() does). Stopped before any device started, it returns kCancelled having
+  // taken nothing from the infeed (0 iterations, 0 micro-batches). Blocks, allocates and
+  // throws as that overload does. (Distributed: a stop in one instance stops them all at
+  // the same step boundary, as cancel() does.)
+  PipelineResult run(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
+                     OutfeedQueue<std::vector<float>>* outfeed, std::stop_token stop);
 
-  // Any thread: stops the run in progress, if any (run() returns kCancelled). Never blocks
-  // for long, never throws.
+  // Any thread. Stops the run of the run() call in progress, from the moment run() is called
+  // until it returns (a cancel() while the run is set up is never lost); run() returns
+  // kCancelled (inference: the micro-batches in flight go back to the infeed). Between runs
+  // it does nothing: to stop a run that may not have started yet, give run() a
+  // std::stop_token. Never blocks for long, never throws.
   void cancel() noexcept;
 
   // Any thread. Never blocks, never allocates, never throws.

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <stop_token>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -25,6 +26,7 @@
 
 namespace bspflow::loops::detail {
 
+using bspflow::detail::CancelRun;
 using bspflow::detail::RunAccess;
 using bspflow::detail::RunControl;
 using bspflow::detail::RunState;
@@ -63,7 +65,8 @@ Program replica_program(RunState<State>& run, Replica<State, Body, InQ, OutQ>& r
 
 template <class State, class Body, class InQ, class OutQ>
 Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State init, InQ* infeed,
-                  OutQ* outfeed, const HostIO* config = nullptr) {
+                  OutQ* outfeed, const HostIO* config = nullptr,
+                  const std::stop_token* stop = nullptr) {
   const std::uint32_t replicas = devices.size();
   if (replicas == 0) throw Error("loops::repeat needs at least one device");
   if (config) config->validate();
@@ -133,6 +136,12 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
     if constexpr (!std::is_same_v<InQ, NoFeed>) infeed->wake_all();
     if constexpr (!std::is_same_v<OutQ, NoFeed>) outfeed->wake_all();
   });
+  // The caller's stop, watched from here (after the waker, before any replica starts: a stop
+  // already requested cancels now, and every replica ends at its first look, taking nothing).
+  std::unique_ptr<std::stop_callback<CancelRun>> on_stop;
+  if (stop != nullptr && stop->stop_possible()) {
+    on_stop = std::make_unique<std::stop_callback<CancelRun>>(*stop, CancelRun{&run->control});
+  }
 
   for (std::uint32_t r = 0; r < replicas; ++r) {
     Device& device = devices[r];
@@ -156,7 +165,7 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
       break;
     }
   }
-  return RunAccess::make(std::move(run));
+  return RunAccess::make(std::move(run), std::move(on_stop));
 }
 
 // Sync calls with a bounded outfeed would deadlock if the run produces more entries than fit
@@ -211,6 +220,8 @@ template <class T>
 inline constexpr bool kIsOutfeed<OutfeedQueue<T>> = true;
 template <class T>
 inline constexpr bool kIsHostIO = std::is_same_v<T, HostIO>;
+template <class T>
+inline constexpr bool kIsStopToken = std::is_same_v<T, std::stop_token>;
 
 template <class F>
 using Bare = std::remove_cvref_t<F>;
@@ -249,13 +260,16 @@ struct Feeds {
   static constexpr int kInfeeds = (0 + ... + int{kIsInfeed<Bare<Fs>>});
   static constexpr int kOutfeeds = (0 + ... + int{kIsOutfeed<Bare<Fs>>});
   static constexpr int kHostIOs = (0 + ... + int{kIsHostIO<Bare<Fs>>});
-  static_assert(((kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>> || kIsHostIO<Bare<Fs>>)&&...),
+  static constexpr int kStopTokens = (0 + ... + int{kIsStopToken<Bare<Fs>>});
+  static_assert(((kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>> || kIsHostIO<Bare<Fs>> ||
+                  kIsStopToken<Bare<Fs>>)&&...),
                 "loops::repeat takes, after the initial state, only feeds: an InfeedQueue<In>&, "
-                "an OutfeedQueue<Out>& and a const HostIO& (LoopConfig; from Options: "
-                "opts.host_io()), each at most once, in any order");
+                "an OutfeedQueue<Out>&, a const HostIO& (LoopConfig; from Options: "
+                "opts.host_io()) and a std::stop_token, each at most once, in any order");
   static_assert(kInfeeds <= 1, "loops::repeat takes at most one InfeedQueue");
   static_assert(kOutfeeds <= 1, "loops::repeat takes at most one OutfeedQueue");
   static_assert(kHostIOs <= 1, "loops::repeat takes at most one HostIO (LoopConfig)");
+  static_assert(kStopTokens <= 1, "loops::repeat takes at most one std::stop_token");
   static_assert(((!(kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>>) ||
                   std::is_lvalue_reference_v<Fs>)&&...),
                 "loops::repeat takes its queues by reference: pass a named InfeedQueue or "
@@ -272,7 +286,8 @@ struct Feeds {
 template <class Q, class F>
 Q* pointer_if(F& f) noexcept {
   if constexpr (std::is_same_v<Bare<F>, std::remove_cv_t<Q>>) {
-    return const_cast<Q*>(&f);  // queues come as non-const lvalues; a HostIO is only read
+    // Queues come as non-const lvalues; a HostIO and a stop token are only read.
+    return const_cast<Q*>(&f);
   } else {
     return nullptr;
   }
@@ -303,7 +318,8 @@ Run<State> launch_with(DeviceList devices, std::uint64_t n, Body body, State ini
     }
   }
   return launch(devices, n, std::move(body), std::move(init), find_feed<InQ>(fs...),
-                find_feed<OutQ>(fs...), find_feed<const HostIO>(fs...));
+                find_feed<OutQ>(fs...), find_feed<const HostIO>(fs...),
+                find_feed<const std::stop_token>(fs...));
 }
 
 }  // namespace bspflow::loops::detail

@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -113,6 +114,13 @@ class RunControl {
   std::uint32_t more_failures_ = 0;
 };
 
+// A std::stop_callback's callable: cancels a run (a caller's std::stop_token, or an entry
+// point's CancelGate, watching an Engine run or a loop).
+struct CancelRun {
+  RunControl* control;
+  void operator()() const noexcept { control->cancel(); }
+};
+
 // Host thread. Writes a loop's trace; a failure is logged, not thrown (the run's result
 // matters more). Blocks on file I/O; allocates. Never throws.
 void write_trace_or_log(const Trace& trace, const std::string& path) noexcept;
@@ -145,11 +153,13 @@ struct RunState {
 };
 
 // Makes the handle loops::repeat_async returns: a Run is made from its RunState only here
-// (the constructor is private). Never blocks, never allocates, never throws.
+// (the constructor is private), with the callback that cancels it when the loop's
+// std::stop_token is stopped (null: none). Never blocks, never allocates, never throws.
 struct RunAccess {
   template <class State>
-  static Run<State> make(std::shared_ptr<RunState<State>> state) noexcept {
-    return Run<State>(std::move(state));
+  static Run<State> make(std::shared_ptr<RunState<State>> state,
+                         std::unique_ptr<std::stop_callback<CancelRun>> on_stop) noexcept {
+    return Run<State>(std::move(state), std::move(on_stop));
   }
 };
 
