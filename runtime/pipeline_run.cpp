@@ -1,6 +1,7 @@
 // Pipeline::Impl::run_local (see bspflow/runtime/pipeline.hpp): one run of the compiled
 // programs on this instance's devices, and the result assembled from what they did.
 #include <algorithm>
+#include <stop_token>
 
 #include "bspflow/runtime/pipeline.hpp"
 #include "detail/pipeline_impl.hpp"
@@ -64,12 +65,21 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
     sr.polled_empty = false;
   }
   for (auto& h : im.handoffs) h->reset();
+  // The host's own wait: handing the last stage's staged answers to the outfeed when the
+  // devices are done. A stopped run stops it at once (they go in past the bound, or are
+  // dropped and counted), and so does a stop requested while it waits for a reader.
+  detail::StopFlag host_stop;
+  std::stop_callback on_stop(stop, [&host_stop, outfeed]() noexcept {
+    host_stop.set();
+    if (outfeed != nullptr) outfeed->wake_all();
+  });
   auto detach = [&](bool deliver) {
     for (std::uint32_t r = 0; r < replicas; ++r) {
       im.run_of(r, 0).reader.reset();  // prefetched micro-batches go back to the lane
       im.run_of(r, im.stages - 1).writer = nullptr;
     }
-    for (auto& w : writers) w.finish(deliver, nullptr);
+    if (!deliver) host_stop.set();
+    for (auto& w : writers) w.finish(deliver, &host_stop);
   };
 
   // Inference, after a stop or a failure: micro-batches taken but not answered go back to

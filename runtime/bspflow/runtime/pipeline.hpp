@@ -360,7 +360,10 @@ class Pipeline {
   // iteration = step x K + i). Blocks until every device has stopped, so the infeed must
   // already hold the micro-batches (or be closed) or be fed by another thread, and a
   // bounded outfeed must be read by another thread or hold every entry (nothing here
-  // reads it, and nothing checks). Allocates (the compiled programs; with an outfeed, one
+  // reads it, and nothing checks). A stopped run (cancel(), the stop token, a failure)
+  // never waits for that reader: the answers the last stage still holds go in past the
+  // bound (or, with one reader and its spare room full, are dropped and counted in the
+  // message), and a stop requested while run() waits at the end for room ends that wait. Allocates (the compiled programs; with an outfeed, one
   // vector per micro-batch). Throws, before anything runs, bspflow::Error if the infeed
   // or outfeed replica count differs from the config's replicas, an infeed lane already
   // has a reader or the outfeed is already attached to a run (having let go of every lane it
