@@ -28,6 +28,7 @@ EngineConfig EngineConfig::from(const Options& options) {
 void EngineConfig::validate() const {
   HostIO::validate();
   device_link.validate("device link");
+  stall.validate();
 }
 
 std::optional<std::uint32_t> Engine::suggest_io_tiles(std::size_t bytes,
@@ -118,6 +119,9 @@ void gather(const Program& p, Uses& u, bool in_repeat, const Program& root) {
 
 struct Engine::Impl : EngineState {
   detail::CancelGate gate;  // cancel(): the run() call in progress
+  // How stall reports name a run and its devices (detail::name_runs); empty: the defaults.
+  std::string run_name = "Engine::run";
+  std::vector<detail::WatchedDevice> watched;
 };
 
 Engine::Engine(DeviceList devices, EngineConfig config) : impl_(std::make_unique<Impl>()) {
@@ -307,6 +311,13 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
   // The run's stop, watched from here (after the waker, before any device starts): a stop
   // already requested cancels now, and every device ends at its first look, taking nothing.
   std::stop_callback<detail::CancelRun> on_stop(scope.token(), detail::CancelRun{&control});
+  std::vector<detail::WatchedDevice> watched = im.watched;
+  if (watched.size() != n) {
+    watched.clear();
+    for (std::uint32_t d = 0; d < n; ++d)
+      watched.push_back({im.devices[d]->id(), d, "replica " + std::to_string(d)});
+  }
+  control.watch(im.config.stall, im.run_name, std::move(watched));
 
   for (std::uint32_t d = 0; d < n; ++d) {
     try {
@@ -385,6 +396,11 @@ void run_on_device(Device& device, std::uint32_t replica, const Program& program
                    RunControl& control, TraceTrack* track) {
   LoneRun lone(device, replica, program, control, track);
   lone.run->run(program);
+}
+
+void name_runs(Engine& engine, std::string name, std::vector<WatchedDevice> devices) {
+  engine.impl_->run_name = std::move(name);
+  engine.impl_->watched = std::move(devices);
 }
 
 void abandon_on_device(Device& device, std::uint32_t replica, const Program& program,

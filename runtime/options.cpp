@@ -6,6 +6,7 @@
 #include "bspflow/base/error.hpp"
 #include "bspflow/runtime/engine.hpp"
 #include "bspflow/runtime/pipeline.hpp"
+#include "detail/run_monitor.hpp"
 
 namespace bspflow {
 
@@ -124,6 +125,19 @@ Options& Options::pin(bool on) noexcept {
   return *this;
 }
 
+Options& Options::stall_limit(std::chrono::nanoseconds limit) {
+  StallCheck check = stall_;
+  check.limit = limit;
+  check.validate();
+  stall_ = check;
+  return *this;
+}
+
+Options& Options::on_stall(OnStall action) noexcept {
+  stall_.on_stall = action;
+  return *this;
+}
+
 void Options::validate() const {
   if (host_io_.io_tiles >= tiles_) {
     detail::throw_bad_value(
@@ -184,6 +198,7 @@ EngineConfig Options::engine_config() const {
   EngineConfig c;
   static_cast<HostIO&>(c) = host_io();
   c.synthetic_fill = SyntheticFill::kRandomNormal;
+  c.stall = stall_;
   return c;
 }
 
@@ -193,6 +208,7 @@ PipelineConfig Options::pipeline_config() const {
   c.replicas = replicas_;
   c.gradient_accumulation = gradient_accumulation_;
   c.precision = precision_;
+  c.stall = stall_;
   return c;
 }
 
@@ -215,7 +231,10 @@ std::string Options::describe() const {
      << "bytes_per_tile = " << bytes_per_tile_ << '\n'
      << "pin = " << (pin_ ? "true" : "false") << '\n'
      << "precision = storage " << to_string(precision_.storage) << ", partials "
-     << to_string(precision_.partials) << ", loss scaling " << precision_.loss_scaling << '\n';
+     << to_string(precision_.partials) << ", loss scaling " << precision_.loss_scaling << '\n'
+     << "stall_limit = " << detail::describe_duration(stall_.limit)
+     << (stall_.limit.count() == 0 ? " (no check)" : "") << '\n'
+     << "on_stall = " << (stall_.on_stall == OnStall::kFail ? "fail" : "log") << '\n';
   return os.str();
 }
 

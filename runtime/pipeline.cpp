@@ -250,6 +250,19 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config,
   } else {
     im.reduce_groups.push_back(std::make_shared<SyncGroup>(config.replicas));
   }
+  // How a stall report names the Engine's devices: by the stages each runs.
+  std::vector<detail::WatchedDevice> watched(im.devices.size());
+  for (std::size_t d = 0; d < im.devices.size(); ++d) watched[d].device = im.devices[d]->id();
+  for (const auto& sr : im.runs) {
+    detail::WatchedDevice& w = watched[im.device_of(sr->r, sr->s)];
+    w.replica = sr->r;
+    w.role += (w.role.empty() ? "stage " : ", ") + std::to_string(sr->s);
+  }
+  for (detail::WatchedDevice& w : watched) {
+    if (w.role.find(',') != std::string::npos) w.role.insert(5, "s");  // "stages 0, 1"
+    w.role += " of replica " + std::to_string(w.replica);
+  }
+  detail::name_runs(*im.engine, "Pipeline::run", std::move(watched));
 }
 
 EngineConfig engine_config_of(const PipelineConfig& config) {
@@ -258,6 +271,7 @@ EngineConfig engine_config_of(const PipelineConfig& config) {
   ec.synthetic_data = false;          // the stages make synthetic data themselves (stage_execution)
   ec.device_link = config.device_link;
   ec.trace = config.trace;
+  ec.stall = config.stall;
   return ec;
 }
 

@@ -157,6 +157,11 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
       }
     }
     if (!ended) throw;
+  } catch (const StallError&) {
+    // Stopped as by a cancel (OnStall::kFail): inference gives back what was in flight.
+    give_back(std::nullopt);
+    detach(false);
+    throw;
   } catch (...) {
     detach(false);
     throw;

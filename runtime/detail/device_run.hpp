@@ -42,6 +42,7 @@ struct InLink {  // one infeed, seen from one device
   std::size_t next_use = 0;
   std::atomic<bool> closing{false};  // the device is done: fetch nothing more
   Tensor staging;                    // io_tiles = 0: the element being moved
+  WaitSite io_site;                  // io_tiles > 0: the device waits for the I/O tiles
 };
 
 struct OutLink {  // one outfeed, seen from one device
@@ -49,6 +50,7 @@ struct OutLink {  // one outfeed, seen from one device
   std::vector<std::unique_ptr<Slot>> slots;  // io_tiles > 0
   std::size_t bytes = 0;                     // of the largest source (sizes the slots)
   std::size_t next_use = 0;
+  WaitSite io_site;  // io_tiles > 0: the device waits for a free I/O-tile buffer
 };
 
 // What the device runs need of the engine.
@@ -232,6 +234,12 @@ class DeviceRun {
   std::atomic<std::uint32_t> lost_{0};
   detail::WaitPoint point_;
   std::weak_ptr<void> owner_;
+  // finish(): the device waits for the I/O engine's last transfers (which may wait for room
+  // in an outfeed).
+  WaitSite drain_site_{WaitKind::kOutfeed,
+                       "the I/O engine's last transfers (its outputs wait for room in the "
+                       "outfeed)",
+                       {}};
 };
 
 }  // namespace bspflow::detail

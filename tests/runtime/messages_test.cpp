@@ -204,6 +204,27 @@ TEST_CASE("the table of messages: each names what was wrong, the value given and
        },
        "AllReduce 'grads' replicas = 3 is not allowed: must be 2 on device 0, the participants "
        "of the sync group it runs between (the devices that all-reduce together)"},
+      // Issue 30: when a run cannot make progress.
+      {"a negative stall limit", [] { StallCheck{-1ns}.validate(); },
+       "StallCheck::limit = -1 ns is not allowed: must be 0 (no check) or in 1 ms..24 h"},
+      {"a loop stalled on an empty infeed nobody closes, with OnStall::kFail",
+       [] {
+         const LogLevel level = log_level();
+         set_log_level(LogLevel::kError);  // (the same report is logged as a warning)
+         Device device(0, DeviceConfig{64, 16 * 1024});
+         InfeedQueue<int> in;
+         try {
+           loops::repeat(
+               device, 10, [](int&, int&) {}, 0, in, StallCheck{20ms, OnStall::kFail});
+         } catch (...) {
+           set_log_level(level);
+           throw;
+         }
+         set_log_level(level);
+       },
+       "loops::repeat: no device has made progress for 20 ms (StallCheck::limit): device 0 "
+       "(replica 0) waits for an element of the infeed's lane 0 (empty, not closed). Push to the "
+       "infeed or close it, or cancel the run (OnStall::kFail: the run ends with StallError)"},
       {"an output mode that does not parse", [] { (void)OutputMode::parse("every_n:0"); },
        "OutputMode every_n(n): n = 0 is not allowed: must be at least 1"},
   };

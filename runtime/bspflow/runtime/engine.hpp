@@ -25,6 +25,7 @@
 #include "bspflow/runtime/options.hpp"
 #include "bspflow/runtime/program.hpp"
 #include "bspflow/runtime/run.hpp"
+#include "bspflow/runtime/stall.hpp"
 #include "bspflow/runtime/trace.hpp"
 
 namespace bspflow {
@@ -43,11 +44,15 @@ struct EngineConfig : HostIO {
   std::uint64_t seed = 0;                                       // for kRandomNormal
   bool trace = false;      // record a trace (also on if BSPFLOW_TRACE is set)
   std::string trace_path;  // write it here after each run (BSPFLOW_TRACE=FILE)
+  // When no device moves while every device still running waits (an infeed, an outfeed, a
+  // Sync), for stall.limit: the run logs what each waits for; with OnStall::kFail it also
+  // ends and run() throws StallError (see bspflow/runtime/stall.hpp). 0 = no check.
+  StallCheck stall;
 
   // The old spelling of options.engine_config(); kept so older code compiles.
   static EngineConfig from(const Options& options);
-  // Field ranges (HostIO::validate, the device link); throws bspflow::Error naming the
-  // field, the value and what is allowed.
+  // Field ranges (HostIO::validate, the device link, the stall check); throws
+  // bspflow::Error naming the field, the value and what is allowed.
   void validate() const;
 };
 
@@ -56,6 +61,11 @@ struct EngineConfig : HostIO {
 struct EngineResult : RunResult {
   std::vector<std::uint64_t> iterations;  // per device
 };
+
+class Engine;
+namespace detail {
+void name_runs(Engine& engine, std::string name, std::vector<WatchedDevice> devices);
+}  // namespace detail
 
 class Engine {
  public:
@@ -74,7 +84,8 @@ class Engine {
   // while it sets up (a lane already has a reader, an outfeed is attached to another run, an
   // arena too full for the I/O tiles) gives back every lane and byte it took. A vertex or
   // codelet exception stops every device and is thrown as DeviceError (device, replica,
-  // iteration); every thread is left idle.
+  // iteration); every thread is left idle. A run that stalls with OnStall::kFail
+  // (EngineConfig::stall) throws StallError once every device has stopped.
   EngineResult run(const std::vector<Program>& programs);
   EngineResult run(const Program& program);
   // Like run(programs), for codelets that wait on something of their own: `wake` (any
@@ -125,6 +136,7 @@ class Engine {
                                                        const DeviceConfig& config);
 
  private:
+  friend void detail::name_runs(Engine&, std::string, std::vector<detail::WatchedDevice>);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
@@ -140,6 +152,10 @@ void run_on_device(Device& device, std::uint32_t replica, const Program& program
 // program's loops without delivering and reports the replica's end.
 void abandon_on_device(Device& device, std::uint32_t replica, const Program& program,
                        RunControl& control) noexcept;
+// Host thread, between runs: how the engine's stall reports name its runs and its devices
+// (a Pipeline's: "Pipeline::run", "stage 1 of replica 0"); by default "Engine::run" and
+// "replica d". Allocates.
+void name_runs(Engine& engine, std::string name, std::vector<WatchedDevice> devices);
 }  // namespace detail
 
 }  // namespace bspflow

@@ -62,6 +62,7 @@
 #include "bspflow/runtime/memory.hpp"
 #include "bspflow/runtime/options.hpp"
 #include "bspflow/runtime/run.hpp"
+#include "bspflow/runtime/stall.hpp"
 #include "bspflow/runtime/trace.hpp"
 
 namespace bspflow {
@@ -221,6 +222,12 @@ struct PipelineConfig : HostIO {
   // Activations and gradients between devices; the Engine validates both links.
   LinkModel device_link = LinkModel::device();
   bool trace = false;  // also on with BSPFLOW_TRACE=FILE
+  // When no device moves while every device still running waits (stage 0 for the infeed,
+  // the last stage for outfeed room, a stage for its neighbour or a sync), for stall.limit:
+  // the run logs what each waits for; with OnStall::kFail it also ends (as after cancel())
+  // and run() throws StallError (see bspflow/runtime/stall.hpp). 0 = no check. A serving
+  // run idle on an open infeed counts as stalled: set 0, or a limit past your idle spells.
+  StallCheck stall;
   // Training over several instances (processes launched by mpirun; see instance.hpp):
   // `replicas` is this instance's local replicas (InstanceLayout::local_replicas), and the
   // gradients are reduced in two levels, over the local replicas in process and then across
@@ -363,17 +370,16 @@ class Pipeline {
   // reads it, and nothing checks). A stopped run (cancel(), the stop token, a failure)
   // never waits for that reader: the answers the last stage still holds go in past the
   // bound (or, with one reader and its spare room full, are dropped and counted in the
-  // message), and a stop requested while run() waits at the end for room ends that wait. Allocates (the compiled programs; with an outfeed, one
-  // vector per micro-batch). Throws, before anything runs, bspflow::Error if the infeed
-  // or outfeed replica count differs from the config's replicas, an infeed lane already
-  // has a reader or the outfeed is already attached to a run (having let go of every lane it
-  // had claimed: the next run may take them). A stage exception is thrown
-  // as StageError (stage, device, replica, step, micro-batch) after every device has
-  // stopped; any other device failure as DeviceError. An infeed that ends mid-run ends it
-  // with kEndOfData; a step cut short is not applied (the message says how many
-  // micro-batches it dropped). cancel() ends it with kCancelled.
-  // Distributed training (PipelineConfig::distributed, several instances): a collective.
-  // Every instance must call run with the same device_iterations (else every instance
+  // message), and a stop requested while run() waits at the end for room ends that wait. Allocates
+  // (the compiled programs; with an outfeed, one vector per micro-batch). Throws, before anything
+  // runs, bspflow::Error if the infeed or outfeed replica count differs from the config's replicas,
+  // an infeed lane already has a reader or the outfeed is already attached to a run (having let go
+  // of every lane it had claimed: the next run may take them). A stage exception is thrown as
+  // StageError (stage, device, replica, step, micro-batch) after every device has stopped; any
+  // other device failure as DeviceError. An infeed that ends mid-run ends it with kEndOfData; a
+  // step cut short is not applied (the message says how many micro-batches it dropped). cancel()
+  // ends it with kCancelled. Distributed training (PipelineConfig::distributed, several instances):
+  // a collective. Every instance must call run with the same device_iterations (else every instance
   // throws bspflow::Error saying so). A step is applied in every instance or in none: when
   // one instance stops (end of data, cancel, a stage exception) every instance stops at the
   // same step boundary and `iterations` is the same everywhere. The instance whose stage

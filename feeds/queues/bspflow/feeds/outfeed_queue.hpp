@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "bspflow/base/detail/wait_note.hpp"
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/stop_flag.hpp"
 #include "bspflow/base/tunables.hpp"
@@ -121,6 +122,17 @@ class OutfeedQueue {
       throw Error(
           "OutputMode sum() needs an outfeed type with += or an array/vector of "
           "elements with +=; this type has neither (use all(), final() or every_n)");
+    }
+    // What a device waiting for room waits for (its stall check's record), per replica.
+    room_sites_.reserve(config_.replicas);
+    for (std::uint32_t r = 0; r < config_.replicas; ++r) {
+      room_sites_.push_back({detail::WaitKind::kOutfeed,
+                             single() ? "room in the outfeed's ring of replica " + std::to_string(r)
+                                      : std::string("room in the outfeed"),
+                             [this, r] {
+                               return std::to_string(size_approx(r)) + " of " +
+                                      std::to_string(capacity()) + " entries";
+                             }});
     }
     // No run attached yet: reading now ends at once instead of hanging.
     if (single()) {
@@ -276,9 +288,10 @@ class OutfeedQueue {
     bool flush(const StopFlag* stop = nullptr) {
       if (staged_.empty()) return true;
       const std::size_t n = staged_.size();
-      const std::size_t pushed = lane_ != nullptr
-                                     ? lane_->push_bulk(staged_.begin(), n, stop)
-                                     : q_->queue_->push_bulk(*token_, staged_.begin(), n, stop);
+      const detail::WaitSite* site = &q_->room_sites_[replica_];
+      const std::size_t pushed =
+          lane_ != nullptr ? lane_->push_bulk(staged_.begin(), n, stop, site)
+                           : q_->queue_->push_bulk(*token_, staged_.begin(), n, stop, site);
       if (pushed != n) [[unlikely]]
         return keep_stopped(pushed) == n;
       staged_.clear();
@@ -345,8 +358,9 @@ class OutfeedQueue {
     // (Not through flush(): a third caller made GCC stop inlining flush() into write(), which
     // cost the feed benchmark 15%.)
     bool deliver(Entry&& e, const StopFlag* stop) {
-      if (lane_ != nullptr ? lane_->push(std::move(e), stop)
-                           : q_->queue_->push(*token_, std::move(e), stop)) {
+      const detail::WaitSite* site = &q_->room_sites_[replica_];
+      if (lane_ != nullptr ? lane_->push(std::move(e), stop, site)
+                           : q_->queue_->push(*token_, std::move(e), stop, site)) {
         return true;
       }
       staged_.push_back(std::move(e));  // a refused push leaves the value untouched
@@ -459,6 +473,7 @@ class OutfeedQueue {
   };
 
   OutfeedConfig config_;
+  std::vector<detail::WaitSite> room_sites_;  // what a writer waiting for room waits for
   std::optional<Queue> queue_;                // kMulti: one queue shared by every replica
   std::vector<std::unique_ptr<Lane>> lanes_;  // kSingle: a ring per replica
   std::atomic<std::uint32_t> active_writers_{0};

@@ -22,6 +22,7 @@
 #include "bspflow/runtime/engine.hpp"
 #include "bspflow/runtime/program.hpp"
 #include "bspflow/runtime/run.hpp"
+#include "bspflow/runtime/stall.hpp"
 #include "bspflow/runtime/trace.hpp"
 
 namespace bspflow::loops::detail {
@@ -66,10 +67,12 @@ Program replica_program(RunState<State>& run, Replica<State, Body, InQ, OutQ>& r
 template <class State, class Body, class InQ, class OutQ>
 Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State init, InQ* infeed,
                   OutQ* outfeed, const HostIO* config = nullptr,
-                  const std::stop_token* stop = nullptr) {
+                  const std::stop_token* stop = nullptr, const StallCheck* check = nullptr) {
   const std::uint32_t replicas = devices.size();
   if (replicas == 0) throw Error("loops::repeat needs at least one device");
   if (config) config->validate();
+  const StallCheck stall = check != nullptr ? *check : StallCheck{};
+  stall.validate();
   if constexpr (!std::is_same_v<InQ, NoFeed>) {
     if (infeed->replicas() != replicas) {
       throw Error("infeed has " + std::to_string(infeed->replicas()) +
@@ -141,6 +144,12 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
   std::unique_ptr<std::stop_callback<CancelRun>> on_stop;
   if (stop != nullptr && stop->stop_possible()) {
     on_stop = std::make_unique<std::stop_callback<CancelRun>>(*stop, CancelRun{&run->control});
+  }
+  if (stall.limit.count() != 0) {  // watched for a stall until the last replica ends
+    std::vector<bspflow::detail::WatchedDevice> watched;
+    for (std::uint32_t r = 0; r < replicas; ++r)
+      watched.push_back({devices[r].id(), r, "replica " + std::to_string(r)});
+    run->control.watch(stall, "loops::repeat", std::move(watched));
   }
 
   for (std::uint32_t r = 0; r < replicas; ++r) {
@@ -222,6 +231,8 @@ template <class T>
 inline constexpr bool kIsHostIO = std::is_same_v<T, HostIO>;
 template <class T>
 inline constexpr bool kIsStopToken = std::is_same_v<T, std::stop_token>;
+template <class T>
+inline constexpr bool kIsStallCheck = std::is_same_v<T, StallCheck>;
 
 template <class F>
 using Bare = std::remove_cvref_t<F>;
@@ -261,15 +272,18 @@ struct Feeds {
   static constexpr int kOutfeeds = (0 + ... + int{kIsOutfeed<Bare<Fs>>});
   static constexpr int kHostIOs = (0 + ... + int{kIsHostIO<Bare<Fs>>});
   static constexpr int kStopTokens = (0 + ... + int{kIsStopToken<Bare<Fs>>});
+  static constexpr int kStallChecks = (0 + ... + int{kIsStallCheck<Bare<Fs>>});
   static_assert(((kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>> || kIsHostIO<Bare<Fs>> ||
-                  kIsStopToken<Bare<Fs>>)&&...),
+                  kIsStopToken<Bare<Fs>> || kIsStallCheck<Bare<Fs>>)&&...),
                 "loops::repeat takes, after the initial state, only feeds: an InfeedQueue<In>&, "
                 "an OutfeedQueue<Out>&, a const HostIO& (LoopConfig; from Options: "
-                "opts.host_io()) and a std::stop_token, each at most once, in any order");
+                "opts.host_io()), a std::stop_token and a const StallCheck& (from Options: "
+                "opts.stall_check()), each at most once, in any order");
   static_assert(kInfeeds <= 1, "loops::repeat takes at most one InfeedQueue");
   static_assert(kOutfeeds <= 1, "loops::repeat takes at most one OutfeedQueue");
   static_assert(kHostIOs <= 1, "loops::repeat takes at most one HostIO (LoopConfig)");
   static_assert(kStopTokens <= 1, "loops::repeat takes at most one std::stop_token");
+  static_assert(kStallChecks <= 1, "loops::repeat takes at most one StallCheck");
   static_assert(((!(kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>>) ||
                   std::is_lvalue_reference_v<Fs>)&&...),
                 "loops::repeat takes its queues by reference: pass a named InfeedQueue or "
@@ -319,7 +333,7 @@ Run<State> launch_with(DeviceList devices, std::uint64_t n, Body body, State ini
   }
   return launch(devices, n, std::move(body), std::move(init), find_feed<InQ>(fs...),
                 find_feed<OutQ>(fs...), find_feed<const HostIO>(fs...),
-                find_feed<const std::stop_token>(fs...));
+                find_feed<const std::stop_token>(fs...), find_feed<const StallCheck>(fs...));
 }
 
 }  // namespace bspflow::loops::detail
