@@ -311,13 +311,14 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
   // The run's stop, watched from here (after the waker, before any device starts): a stop
   // already requested cancels now, and every device ends at its first look, taking nothing.
   std::stop_callback<detail::CancelRun> on_stop(scope.token(), detail::CancelRun{&control});
-  std::vector<detail::WatchedDevice> watched = im.watched;
-  if (watched.size() != n) {
-    watched.clear();
-    for (std::uint32_t d = 0; d < n; ++d)
-      watched.push_back({im.devices[d]->id(), d, "replica " + std::to_string(d)});
+  if (im.config.stall.limit.count() != 0) {  // watched for a stall until the last device ends
+    std::vector<detail::WatchedDevice> watched = im.watched;
+    if (watched.size() != n) {
+      watched.clear();
+      for (std::uint32_t d = 0; d < n; ++d) watched.push_back({im.devices[d]->id(), d, {}});
+    }
+    control.watch(im.config.stall, im.run_name, std::move(watched));
   }
-  control.watch(im.config.stall, im.run_name, std::move(watched));
 
   for (std::uint32_t d = 0; d < n; ++d) {
     try {

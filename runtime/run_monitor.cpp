@@ -79,7 +79,8 @@ std::string look(StallWatch& w, Clock::time_point now) {
     const WatchedDevice& d = w.devices[r];
     const bool ended = site->kind == WaitKind::kEnded;
     lines += (r == 0 ? "" : "; ") + std::string("device ") + std::to_string(d.device) + " (" +
-             d.role + ") " + (ended ? "has ended" : "waits for " + what);
+             (d.role.empty() ? "replica " + std::to_string(d.replica) : d.role) + ") " +
+             (ended ? "has ended" : "waits for " + what);
     waits.push_back({d.device, d.replica, ended ? "nothing: it has ended" : std::move(what)});
   }
   w.reported = true;

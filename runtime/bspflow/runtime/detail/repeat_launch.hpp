@@ -147,8 +147,8 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
   }
   if (stall.limit.count() != 0) {  // watched for a stall until the last replica ends
     std::vector<bspflow::detail::WatchedDevice> watched;
-    for (std::uint32_t r = 0; r < replicas; ++r)
-      watched.push_back({devices[r].id(), r, "replica " + std::to_string(r)});
+    watched.reserve(replicas);
+    for (std::uint32_t r = 0; r < replicas; ++r) watched.push_back({devices[r].id(), r, {}});
     run->control.watch(stall, "loops::repeat", std::move(watched));
   }
 

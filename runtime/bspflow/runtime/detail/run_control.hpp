@@ -35,7 +35,7 @@ struct StallWatch;  // detail/run_monitor.hpp (in the library)
 struct WatchedDevice {
   std::uint32_t device = 0;   // Device::id()
   std::uint32_t replica = 0;  // StallError::Wait::replica
-  std::string role;           // "replica 1", "stage 2 of replica 0"
+  std::string role;           // "stage 2 of replica 0"; empty: "replica <replica>"
 };
 
 // The non-template part of a run's shared state: stop flag, completion, first failure, and
