@@ -2,56 +2,13 @@
 #include "detail/device_run.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
+#include <utility>
 
-#include "bspflow/base/detail/random.hpp"
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/log.hpp"
 
 namespace bspflow::detail {
-
-namespace {
-
-std::uint64_t mix_seed(std::uint64_t seed, std::uint32_t device, std::uint32_t replica) {
-  std::uint64_t s =
-      seed ^ (std::uint64_t{device} << 32) ^ (std::uint64_t{replica} * 0x9E3779B97F4A7C15ULL);
-  detail::splitmix64(s);
-  return detail::splitmix64(s);
-}
-
-void fill_synthetic(DeviceBuffer& b, SyntheticFill kind, std::uint64_t seed) {
-  if (kind == SyntheticFill::kZeros) {
-    std::memset(b.raw().data(), 0, b.bytes());
-    return;
-  }
-  std::uint64_t state = seed;
-  auto uniform = [&] {  // (0, 1]
-    return (static_cast<double>(detail::splitmix64(state) >> 11) + 1.0) * 0x1.0p-53;
-  };
-  auto normal = [&] {  // Box-Muller; one value per call is plenty here
-    return std::sqrt(-2.0 * std::log(uniform())) * std::cos(6.283185307179586 * uniform());
-  };
-  switch (b.dtype()) {
-    case DType::kFloat32:
-      for (float& v : b.as<float>()) v = static_cast<float>(normal());
-      break;
-    case DType::kFloat16:
-      for (std::uint16_t& v : b.as<std::uint16_t>()) v = to_half(static_cast<float>(normal()));
-      break;
-    case DType::kUint8:  // pixels: around mid-grey
-      for (std::uint8_t& v : b.as<std::uint8_t>()) {
-        v = static_cast<std::uint8_t>(std::clamp(std::lround(128.0 + 32.0 * normal()), 0L, 255L));
-      }
-      break;
-    case DType::kInt32:
-      for (std::int32_t& v : b.as<std::int32_t>())
-        v = static_cast<std::int32_t>(std::lround(normal() * 100));
-      break;
-  }
-}
-
-}  // namespace
 
 void DeviceRun::add_infeed(InfeedQueue<Tensor>& q, const DeviceBuffer& dst) {
   auto [it, fresh] = ins_.try_emplace(&q);
@@ -69,6 +26,14 @@ void DeviceRun::add_infeed(InfeedQueue<Tensor>& q, const DeviceBuffer& dst) {
   link.bytes = dst.bytes();
   link.dtype = dst.dtype();
   link.name = dst.name();
+  link.io_site = {WaitKind::kInfeed,
+                  "the next micro-batch for buffer '" + dst.name() + "', which the I/O tiles " +
+                      "fetch from the infeed's lane " + std::to_string(index_),
+                  [&q, lane = index_] {
+                    const std::size_t n = q.size_approx(lane);
+                    return (n == 0 ? std::string("empty") : std::to_string(n) + " queued") +
+                           (q.closed() ? ", closed" : ", not closed");
+                  }};
   if (eng_.config.synthetic_data) return;  // no host copies at all
   link.reader.emplace(q.reader(index_));
   if (eng_.config.io_tiles > 0) {
@@ -85,7 +50,16 @@ void DeviceRun::add_outfeed(OutfeedQueue<Tensor>& q, const DeviceBuffer& src,
                             OutfeedQueue<Tensor>::Writer* w) {
   auto [it, fresh] = outs_.try_emplace(&q);
   OutLink& link = it->second;
-  if (fresh) link.writer.emplace(std::move(*w));
+  if (fresh) {
+    link.writer.emplace(std::move(*w));
+    link.io_site = {WaitKind::kOutfeed,
+                    "a free I/O-tile buffer for the outfeed (the I/O engine waits for room in "
+                    "it)",
+                    [&q, lane = index_] {
+                      return std::to_string(q.size_approx(lane)) + " of " +
+                             std::to_string(q.capacity()) + " entries";
+                    }};
+  }
   if (eng_.config.io_tiles > 0 && !eng_.config.synthetic_data) {
     // One outbound I/O buffer per prefetch step, sized for the largest source.
     if (link.slots.empty()) {
@@ -110,24 +84,20 @@ void DeviceRun::run(const Program& program) {
   static thread_local const bool slack_lowered = lower_timer_slack();
   (void)slack_lowered;
   clock_.reset(static_cast<double>(model_.host_call.count()), track_);
+  // This device's wait record for the run's stall check: every wait of this thread marks
+  // it from here on (see bspflow/base/detail/wait_note.hpp); its turn has come.
+  detail::WaitNote* const note = control_.note(index_);
+  detail::WaitNote* const outer = detail::set_this_thread_wait_note(note);
+  note->site.store(nullptr, std::memory_order_relaxed);  // relaxed: see WaitNote
+  note->moves.store(note->moves.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
   bool failed = false;
   try {
-    for (auto& [q, link] : ins_) {
-      link.modeled.start(clock_.now(), eng_.config.io_tiles, eng_.config.prefetch_depth);
-      for (auto& slot : link.slots) submit_fill(link, *slot);
-    }
-    for (auto& [q, link] : outs_) {
-      link.modeled.start(clock_.now(), eng_.config.io_tiles, eng_.config.prefetch_depth);
-    }
-    if (!exec(program)) {
-      if (status_ == RunStatus::kEndOfData) {
-        // The devices this one syncs with would wait for it at their next Sync forever
-        // (found by the soak suite): they end there, each after finishing what it does
-        // before that Sync.
-        for (SyncGroup* g : groups_) g->abort();
-      } else if (status_ == RunStatus::kCompleted) {
-        status_ = RunStatus::kCancelled;
-      }
+    // Stopped before it started (a std::stop_token stopped before the run, a cancel() during
+    // its setup): end cancelled, taking nothing from any feed.
+    if (stop_.requested()) {
+      status_ = RunStatus::kCancelled;
+    } else {
+      run_program(program);
     }
   } catch (...) {
     failed = true;
@@ -142,8 +112,27 @@ void DeviceRun::run(const Program& program) {
                                                 std::current_exception()});
     failed = true;
   }
+  detail::set_this_thread_wait_note(outer);
   control_.replica_done(index_, detail::RunControl::ReplicaEnd{device_.id(), iterations_, status_,
                                                                failed, clock_.time()});
+}
+
+void DeviceRun::run_program(const Program& program) {
+  for (auto& [q, link] : ins_) {
+    link.modeled.start(clock_.now(), eng_.config.io_tiles, eng_.config.prefetch_depth);
+    for (auto& slot : link.slots) submit_fill(link, *slot);
+  }
+  for (auto& [q, link] : outs_) {
+    link.modeled.start(clock_.now(), eng_.config.io_tiles, eng_.config.prefetch_depth);
+  }
+  if (exec(program)) return;
+  if (status_ == RunStatus::kEndOfData) {
+    // The devices this one syncs with would wait for it at their next Sync forever (found by
+    // the soak suite): they end there, each after finishing what it does before that Sync.
+    for (SyncGroup* g : groups_) g->abort();
+  } else if (status_ == RunStatus::kCompleted) {
+    status_ = RunStatus::kCancelled;
+  }
 }
 
 void DeviceRun::abandon() noexcept {
@@ -260,15 +249,6 @@ bool DeviceRun::exec_node(const program::StreamCopy& s) {
   return eng_.config.io_tiles > 0 ? copy_out_to_io_tiles(link, buf) : copy_out(link, buf);
 }
 
-bool DeviceRun::synthesize(DeviceBuffer& buf) {
-  if (!synthesized_.insert(&buf).second) return true;  // filled once, then left in place
-  const Clock::time_point t0 = track_ ? Clock::now() : Clock::time_point{};
-  fill_synthetic(buf, eng_.config.synthetic_fill, mix_seed(eng_.config.seed, device_.id(), index_));
-  if (track_)
-    track_->record(Phase::kCompute, t0, Clock::now(), 0, track_->add_label("synthetic data"));
-  return true;
-}
-
 std::string DeviceRun::tensor_mismatch(const InLink& link, const Tensor& t) {
   if (t.dtype() == link.dtype && t.bytes() == link.bytes) return {};
   return "infeed element for buffer '" + link.name + "' is " + std::to_string(t.elements()) + " " +
@@ -335,7 +315,10 @@ bool DeviceRun::copy_in_from_io_tiles(InLink& link, DeviceBuffer& buf) {
   auto arrived = [&] {
     return slot.state.load(std::memory_order_seq_cst) >= kReady || stop_.requested();
   };
-  if (!arrived()) point_.wait(arrived);
+  if (!arrived()) {
+    const WaitMark mark(&link.io_site);
+    point_.wait(arrived);
+  }
   const Clock::time_point t1 = Clock::now();
   if (track_ && t1 - t0 > std::chrono::microseconds(1))
     track_->record(Phase::kStreamCopyBegin, t0, t1);
@@ -419,7 +402,10 @@ bool DeviceRun::copy_out_to_io_tiles(OutLink& link, DeviceBuffer& buf) {
   auto room = [&] {
     return slot.state.load(std::memory_order_seq_cst) != kFilling || stop_.requested();
   };
-  if (!room()) point_.wait(room);
+  if (!room()) {
+    const WaitMark mark(&link.io_site);
+    point_.wait(room);
+  }
   const Clock::time_point t1 = Clock::now();
   if (track_ && t1 - t0 > std::chrono::microseconds(1))
     track_->record(Phase::kStreamCopyBegin, t0, t1);
@@ -472,7 +458,11 @@ void DeviceRun::finish(bool deliver) {
   for (auto& [q, link] : outs_) link.modeled.finish_out(clock_);
   const Clock::time_point t0 = Clock::now();
   for (auto& [q, link] : ins_) link.closing.store(true, std::memory_order_release);
-  point_.wait([&] { return in_flight_.load(std::memory_order_seq_cst) == 0; });
+  auto drained = [&] { return in_flight_.load(std::memory_order_seq_cst) == 0; };
+  if (!drained()) {
+    const WaitMark mark(&drain_site_);
+    point_.wait(drained);
+  }
   if (track_ && Clock::now() - t0 > std::chrono::microseconds(1))
     track_->record(Phase::kIdle, t0, Clock::now());
   for (auto& [q, link] : ins_) {
@@ -483,17 +473,26 @@ void DeviceRun::finish(bool deliver) {
         link.reader->put_back(std::move(slot.tensor));
     }
     link.reader.reset();
-    for (auto& slot : link.slots) device_.arena().release(slot->mem);
   }
   for (auto& [q, link] : outs_) {
     if (link.writer) link.writer->finish(deliver && lost_.load() == 0, &stop_);
     link.writer.reset();
-    for (auto& slot : link.slots) device_.arena().release(slot->mem);
   }
+  release_slots();
   if (lost_.load() != 0) {
     throw Error(std::to_string(lost_.load()) + " outfeed entr" + (lost_.load() == 1 ? "y" : "ies") +
                 " could not be delivered (the run was stopped while the outfeed was full)");
   }
+}
+
+void DeviceRun::release_slots() noexcept {
+  auto release = [&](std::vector<std::unique_ptr<Slot>>& slots) {
+    for (auto& slot : slots) {
+      if (slot->mem != nullptr) device_.arena().release(std::exchange(slot->mem, nullptr));
+    }
+  };
+  for (auto& [q, link] : ins_) release(link.slots);
+  for (auto& [q, link] : outs_) release(link.slots);
 }
 
 }  // namespace bspflow::detail

@@ -4,12 +4,13 @@
 #include "bspflow/runtime/engine.hpp"
 
 #include <map>
-#include <mutex>
 #include <set>
+#include <stop_token>
 #include <string>
 
 #include "bspflow/base/error.hpp"
 #include "bspflow/devices/io_engine.hpp"
+#include "bspflow/runtime/detail/cancel_gate.hpp"
 #include "detail/device_run.hpp"
 
 namespace bspflow {
@@ -27,6 +28,7 @@ EngineConfig EngineConfig::from(const Options& options) {
 void EngineConfig::validate() const {
   HostIO::validate();
   device_link.validate("device link");
+  stall.validate();
 }
 
 std::optional<std::uint32_t> Engine::suggest_io_tiles(std::size_t bytes,
@@ -62,6 +64,10 @@ struct Uses {
   std::set<SyncGroup*> groups;
   std::vector<const DeviceBuffer*> buffers;  // buffers the device itself touches
   std::optional<std::uint64_t> outer_count;
+  // Each AllReduce and the group of the Sync it runs after (in program order), else of the
+  // first Sync after it; null without any Sync: modelled time alone.
+  std::vector<std::pair<const program::AllReduce*, SyncGroup*>> all_reduces;
+  SyncGroup* last_sync = nullptr;
 };
 
 void gather(const Program& p, Uses& u, bool in_repeat, const Program& root) {
@@ -74,6 +80,10 @@ void gather(const Program& p, Uses& u, bool in_repeat, const Program& root) {
           u.executes.push_back(&n);
         } else if constexpr (std::is_same_v<N, program::Sync>) {
           u.groups.insert(n.group.get());
+          u.last_sync = n.group.get();
+          for (auto& [reduce, group] : u.all_reduces) {
+            if (group == nullptr) group = u.last_sync;  // none before it: the first after
+          }
         } else if constexpr (std::is_same_v<N, program::Copy>) {
           u.buffers.push_back(n.dst.get());
         } else if constexpr (std::is_same_v<N, program::StreamCopy>) {
@@ -85,6 +95,9 @@ void gather(const Program& p, Uses& u, bool in_repeat, const Program& root) {
         } else if constexpr (std::is_same_v<N, program::RemoteCopy> ||
                              std::is_same_v<N, program::AllReduce>) {
           u.transfers.emplace_back(&n, n.name);  // host memory, or the device link: a label
+          if constexpr (std::is_same_v<N, program::AllReduce>) {
+            u.all_reduces.emplace_back(&n, u.last_sync);
+          }
         } else if constexpr (std::is_same_v<N, program::FusedRepeat>) {
           if (&n != std::get_if<program::FusedRepeat>(&root.node())) {
             throw Error("FusedRepeat '" + n.name +
@@ -105,8 +118,10 @@ void gather(const Program& p, Uses& u, bool in_repeat, const Program& root) {
 // ---- Engine ----
 
 struct Engine::Impl : EngineState {
-  std::mutex current_mutex;
-  std::shared_ptr<RunShared> current;  // the run in progress, for cancel()
+  detail::CancelGate gate;  // cancel(): the run() call in progress
+  // How stall reports name a run and its devices (detail::name_runs); empty: the defaults.
+  std::string run_name = "Engine::run";
+  std::vector<detail::WatchedDevice> watched;
 };
 
 Engine::Engine(DeviceList devices, EngineConfig config) : impl_(std::make_unique<Impl>()) {
@@ -145,12 +160,29 @@ EngineResult Engine::run(const std::vector<Program>& programs) {
 }
 
 EngineResult Engine::run(const std::vector<Program>& programs, std::function<void()> wake) {
-  return run(programs, std::move(wake), nullptr);
+  return run(programs, std::move(wake), nullptr, std::stop_token());
 }
 
 EngineResult Engine::run(const std::vector<Program>& programs, std::function<void()> wake,
                          const std::function<void(const detail::StopFlag&)>& host) {
+  return run(programs, std::move(wake), host, std::stop_token());
+}
+
+EngineResult Engine::run(const Program& program, std::stop_token stop) {
+  return run(std::vector<Program>(impl_->devices.size(), program), nullptr, nullptr,
+             std::move(stop));
+}
+
+EngineResult Engine::run(const std::vector<Program>& programs, std::stop_token stop) {
+  return run(programs, nullptr, nullptr, std::move(stop));
+}
+
+EngineResult Engine::run(const std::vector<Program>& programs, std::function<void()> wake,
+                         const std::function<void(const detail::StopFlag&)>& host,
+                         std::stop_token stop) {
   Impl& im = *impl_;
+  // From here to the return a cancel() is never lost, and `stop` is watched too.
+  detail::CancelGate::Scope scope(im.gate, std::move(stop));
   const auto n = static_cast<std::uint32_t>(im.devices.size());
   if (programs.size() != n) {
     throw Error("Engine::run: " + std::to_string(programs.size()) + " programs for " +
@@ -170,6 +202,16 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
       }
     }
     for (SyncGroup* g : uses[d].groups) ++group_users[g];
+    // An all-reduce's ring is the devices of the sync group it runs between.
+    for (const auto& [reduce, group] : uses[d].all_reduces) {
+      if (group != nullptr && reduce->replicas != group->participants()) {
+        detail::throw_bad_value("AllReduce '" + reduce->name + "' replicas", reduce->replicas,
+                                "must be " + std::to_string(group->participants()) + " on device " +
+                                    std::to_string(im.devices[d]->id()) +
+                                    ", the participants of the sync group it runs between (the "
+                                    "devices that all-reduce together)");
+      }
+    }
     std::size_t micro_batch = 0;
     std::set<const InfeedQueue<Tensor>*> seen;
     for (const program::StreamCopy* s : uses[d].streams) {
@@ -266,11 +308,18 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
         for (auto& [q, w] : rs.writers) q->wake_all();
         for (auto& r : rs.runs) r->wake();
       });
-
-  {
-    std::lock_guard lock(im.current_mutex);
-    im.current = shared;
+  // The run's stop, watched from here (after the waker, before any device starts): a stop
+  // already requested cancels now, and every device ends at its first look, taking nothing.
+  std::stop_callback<detail::CancelRun> on_stop(scope.token(), detail::CancelRun{&control});
+  if (im.config.stall.limit.count() != 0) {  // watched for a stall until the last device ends
+    std::vector<detail::WatchedDevice> watched = im.watched;
+    if (watched.size() != n) {
+      watched.clear();
+      for (std::uint32_t d = 0; d < n; ++d) watched.push_back({im.devices[d]->id(), d, {}});
+    }
+    control.watch(im.config.stall, im.run_name, std::move(watched));
   }
+
   for (std::uint32_t d = 0; d < n; ++d) {
     try {
       im.devices[d]->submit(DeviceJob{[shared, d] { shared->runs[d]->run(shared->programs[d]); },
@@ -297,10 +346,6 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
   // programs here, so buffers they hold are freed on this thread, not by whichever device
   // thread drops the run's shared state last (perhaps while the host destroys a device).
   rs.programs.clear();
-  {
-    std::lock_guard lock(im.current_mutex);
-    im.current.reset();
-  }
   if (trace) {
     trace->set_end(end);
     im.trace = std::move(trace);
@@ -329,8 +374,7 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
 }
 
 void Engine::cancel() noexcept {
-  std::lock_guard lock(impl_->current_mutex);
-  if (impl_->current) impl_->current->control.cancel();
+  impl_->gate.cancel();
 }
 
 namespace detail {
@@ -357,6 +401,11 @@ void run_on_device(Device& device, std::uint32_t replica, const Program& program
                    RunControl& control, TraceTrack* track) {
   LoneRun lone(device, replica, program, control, track);
   lone.run->run(program);
+}
+
+void name_runs(Engine& engine, std::string name, std::vector<WatchedDevice> devices) {
+  engine.impl_->run_name = std::move(name);
+  engine.impl_->watched = std::move(devices);
 }
 
 void abandon_on_device(Device& device, std::uint32_t replica, const Program& program,

@@ -74,6 +74,7 @@ bool InstanceReduction::exchange(std::uint32_t slot, std::uint64_t step, std::ui
   } else {
     // Whoever claimed the step (the last slot, or the host for a stopped instance) always
     // finishes its call, so this wait ends without looking at the stop flag.
+    const WaitMark mark(&exchange_site_);
     device_point_.wait(
         [&] {
           return done_.load(std::memory_order_seq_cst) > step ||
@@ -85,6 +86,7 @@ bool InstanceReduction::exchange(std::uint32_t slot, std::uint64_t step, std::ui
 }
 
 bool InstanceReduction::wait_done(std::uint64_t step, Spin spin) {
+  const WaitMark mark(&exchange_site_);
   device_point_.wait(
       [&] {
         return done_.load(std::memory_order_seq_cst) > step ||

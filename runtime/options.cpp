@@ -6,6 +6,7 @@
 #include "bspflow/base/error.hpp"
 #include "bspflow/runtime/engine.hpp"
 #include "bspflow/runtime/pipeline.hpp"
+#include "detail/run_monitor.hpp"
 
 namespace bspflow {
 
@@ -124,6 +125,19 @@ Options& Options::pin(bool on) noexcept {
   return *this;
 }
 
+Options& Options::stall_limit(std::chrono::nanoseconds limit) {
+  StallCheck check = stall_;
+  check.limit = limit;
+  check.validate();
+  stall_ = check;
+  return *this;
+}
+
+Options& Options::on_stall(OnStall action) noexcept {
+  stall_.on_stall = action;
+  return *this;
+}
+
 void Options::validate() const {
   if (host_io_.io_tiles >= tiles_) {
     detail::throw_bad_value(
@@ -187,6 +201,7 @@ EngineConfig Options::engine_config() const {
   static_cast<HostIO&>(c) = host_io();
   c.synthetic_fill = SyntheticFill::kRandomNormal;
   c.device_link = device_link_;
+  c.stall = stall_;
   return c;
 }
 
@@ -197,6 +212,7 @@ PipelineConfig Options::pipeline_config() const {
   c.gradient_accumulation = gradient_accumulation_;
   c.precision = precision_;
   c.device_link = device_link_;
+  c.stall = stall_;
   return c;
 }
 
@@ -233,7 +249,10 @@ std::string Options::describe() const {
      << "device_model = " << device_model_.describe() << '\n'
      << "device_link = " << device_link_.describe() << '\n'
      << "precision = storage " << to_string(precision_.storage) << ", partials "
-     << to_string(precision_.partials) << ", loss scaling " << precision_.loss_scaling << '\n';
+     << to_string(precision_.partials) << ", loss scaling " << precision_.loss_scaling << '\n'
+     << "stall_limit = " << detail::describe_duration(stall_.limit)
+     << (stall_.limit.count() == 0 ? " (no check)" : "") << '\n'
+     << "on_stall = " << (stall_.on_stall == OnStall::kFail ? "fail" : "log") << '\n';
   return os.str();
 }
 

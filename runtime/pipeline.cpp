@@ -251,6 +251,19 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config,
   } else {
     im.reduce_groups.push_back(std::make_shared<SyncGroup>(config.replicas));
   }
+  // How a stall report names the Engine's devices: by the stages each runs.
+  std::vector<detail::WatchedDevice> watched(im.devices.size());
+  for (std::size_t d = 0; d < im.devices.size(); ++d) watched[d].device = im.devices[d]->id();
+  for (const auto& sr : im.runs) {
+    detail::WatchedDevice& w = watched[im.device_of(sr->r, sr->s)];
+    w.replica = sr->r;
+    w.role += (w.role.empty() ? "stage " : ", ") + std::to_string(sr->s);
+  }
+  for (detail::WatchedDevice& w : watched) {
+    if (w.role.find(',') != std::string::npos) w.role.insert(5, "s");  // "stages 0, 1"
+    w.role += " of replica " + std::to_string(w.replica);
+  }
+  detail::name_runs(*im.engine, "Pipeline::run", std::move(watched));
 }
 
 EngineConfig engine_config_of(const PipelineConfig& config) {
@@ -259,6 +272,7 @@ EngineConfig engine_config_of(const PipelineConfig& config) {
   ec.synthetic_data = false;          // the stages make synthetic data themselves (stage_execution)
   ec.device_link = config.device_link;
   ec.trace = config.trace;
+  ec.stall = config.stall;
   return ec;
 }
 
@@ -266,13 +280,20 @@ Pipeline::~Pipeline() = default;
 
 PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
                              OutfeedQueue<std::vector<float>>* outfeed) {
+  return run(infeed, device_iterations, outfeed, std::stop_token());
+}
+
+PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
+                             OutfeedQueue<std::vector<float>>* outfeed, std::stop_token stop) {
   Impl& im = *impl_;
-  if (!im.across) return im.run_local(infeed, device_iterations, outfeed);
-  im.across->begin_run(device_iterations, [&im] { im.engine->cancel(); });
+  // From here to the return a cancel() is never lost, and `stop` is watched too.
+  detail::CancelGate::Scope scope(im.gate, std::move(stop));
+  if (!im.across) return im.run_local(infeed, device_iterations, outfeed, scope.token());
+  im.across->begin_run(device_iterations, [&im] { im.gate.cancel(); });
   PipelineResult local;
   std::exception_ptr failure;
   try {
-    local = im.run_local(infeed, device_iterations, outfeed);
+    local = im.run_local(infeed, device_iterations, outfeed, scope.token());
   } catch (...) {
     failure = std::current_exception();
   }
@@ -289,7 +310,7 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
 }
 
 void Pipeline::cancel() noexcept {
-  impl_->engine->cancel();
+  impl_->gate.cancel();
 }
 const PipelineConfig& Pipeline::config() const noexcept {
   return impl_->config;

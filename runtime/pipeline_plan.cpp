@@ -57,7 +57,9 @@ std::uint32_t PipelineConfig::devices_needed(std::uint32_t stages) const {
 }
 
 PipelineSchedule PipelineConfig::effective_schedule() const {
-  return strategy == ExecutionStrategy::kPipelined ? schedule : PipelineSchedule::kSequential;
+  if (schedule) return *schedule;
+  return strategy == ExecutionStrategy::kPipelined ? PipelineSchedule::kGrouped
+                                                   : PipelineSchedule::kSequential;
 }
 
 std::uint32_t PipelineConfig::min_gradient_accumulation(std::uint32_t stages) const {
@@ -83,14 +85,18 @@ void PipelineConfig::validate(std::uint32_t stages) const {
   // The Engine's own rules for what it is given (I/O tiles, prefetch depth, both links),
   // checked here so a bad config is refused before anything is built.
   engine_config_of(*this).validate();
-  if (strategy == ExecutionStrategy::kSingle && schedule == PipelineSchedule::kInterleaved &&
-      stages > 1) {
-    throw Error(
-        "the Interleaved schedule needs each stage on a device of its own, but strategy "
-        "single puts all " +
-        std::to_string(stages) +
-        " stages on one device: use the "
-        "Grouped or Sequential schedule, or strategy pipelined");
+  // Sharded and single run one stage at a time: the Sequential schedule, the only one they
+  // can honour (with one stage every schedule is the same).
+  if (strategy != ExecutionStrategy::kPipelined && schedule &&
+      *schedule != PipelineSchedule::kSequential && stages > 1) {
+    detail::throw_bad_value(
+        "schedule", to_string(*schedule),
+        std::string("must be unset or sequential with strategy ") + to_string(strategy) +
+            (strategy == ExecutionStrategy::kSharded
+                 ? ", which runs one stage at a time (the Sequential schedule)"
+                 : ", which runs a replica's " + std::to_string(stages) +
+                       " stages one after another on one device (the Sequential schedule)") +
+            "; for another schedule use strategy pipelined");
   }
   if (sync == SyncMode::kDataflow && strategy != ExecutionStrategy::kPipelined) {
     throw Error(std::string("sync mode dataflow hands activations between concurrently running "

@@ -1,6 +1,7 @@
 // Pipeline::Impl::run_local (see bspflow/runtime/pipeline.hpp): one run of the compiled
 // programs on this instance's devices, and the result assembled from what they did.
 #include <algorithm>
+#include <stop_token>
 
 #include "bspflow/runtime/pipeline.hpp"
 #include "detail/pipeline_impl.hpp"
@@ -9,7 +10,8 @@ namespace bspflow {
 
 PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
                                          std::uint64_t device_iterations,
-                                         OutfeedQueue<std::vector<float>>* outfeed) {
+                                         OutfeedQueue<std::vector<float>>* outfeed,
+                                         std::stop_token stop) {
   Impl& im = *this;
   const std::uint64_t steps = device_iterations;  // a step: K micro-batches, one update
   im.ended_replica = 0;
@@ -24,10 +26,17 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
                 " replica(s) but the pipeline has " + std::to_string(replicas) +
                 " (OutfeedConfig::replicas = " + std::to_string(replicas) + ")");
   }
-  // Attach the feeds: stage 0 of each replica reads its lane, the last stage writes.
+  // Attach the feeds: stage 0 of each replica reads its lane, the last stage writes. Claimed
+  // here first, so a refusal (a lane or the outfeed already taken) releases what was claimed.
   std::vector<OutfeedQueue<std::vector<float>>::Writer> writers;
-  for (std::uint32_t r = 0; r < replicas; ++r) im.run_of(r, 0).reader.emplace(infeed.reader(r));
-  if (outfeed != nullptr) writers = outfeed->begin_run();
+  {
+    std::vector<InfeedQueue<Batch>::Reader> readers;
+    readers.reserve(replicas);
+    for (std::uint32_t r = 0; r < replicas; ++r) readers.push_back(infeed.reader(r));
+    if (outfeed != nullptr) writers = outfeed->begin_run();
+    for (std::uint32_t r = 0; r < replicas; ++r)
+      im.run_of(r, 0).reader.emplace(std::move(readers[r]));
+  }
   for (std::uint32_t r = 0; r < replicas; ++r) {
     Impl::StageRun& last = im.run_of(r, im.stages - 1);
     last.writer = outfeed != nullptr ? &writers[r] : nullptr;
@@ -57,12 +66,21 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
     sr.polled_empty = false;
   }
   for (auto& h : im.handoffs) h->reset();
+  // The host's own wait: handing the last stage's staged answers to the outfeed when the
+  // devices are done. A stopped run stops it at once (they go in past the bound, or are
+  // dropped and counted), and so does a stop requested while it waits for a reader.
+  detail::StopFlag host_stop;
+  std::stop_callback on_stop(stop, [&host_stop, outfeed]() noexcept {
+    host_stop.set();
+    if (outfeed != nullptr) outfeed->wake_all();
+  });
   auto detach = [&](bool deliver) {
     for (std::uint32_t r = 0; r < replicas; ++r) {
       im.run_of(r, 0).reader.reset();  // prefetched micro-batches go back to the lane
       im.run_of(r, im.stages - 1).writer = nullptr;
     }
-    for (auto& w : writers) w.finish(deliver, nullptr);
+    if (!deliver) host_stop.set();
+    for (auto& w : writers) w.finish(deliver, &host_stop);
   };
 
   // Inference, after a stop or a failure: micro-batches taken but not answered go back to
@@ -106,10 +124,10 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
     };
     if (im.across && im.config.training) {
       // This thread makes the exchanges across instances while the devices run.
-      er = im.engine->run(programs, wake,
-                          [&im](const detail::StopFlag& stop) { im.across->serve(stop); });
+      er = im.engine->run(
+          programs, wake, [&im](const detail::StopFlag& flag) { im.across->serve(flag); }, stop);
     } else {
-      er = im.engine->run(programs, wake);
+      er = im.engine->run(programs, wake, nullptr, stop);
     }
   } catch (const DeviceError& e) {
     if (!im.config.training) {
@@ -140,6 +158,11 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
       }
     }
     if (!ended) throw;
+  } catch (const StallError&) {
+    // Stopped as by a cancel (OnStall::kFail): inference gives back what was in flight.
+    give_back(std::nullopt);
+    detach(false);
+    throw;
   } catch (...) {
     detach(false);
     throw;

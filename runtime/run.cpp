@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "bspflow/base/log.hpp"
+#include "detail/run_monitor.hpp"
 
 namespace bspflow {
 
@@ -25,7 +26,49 @@ namespace detail {
 
 RunControl::RunControl(std::uint32_t replicas, std::uint64_t requested)
     : requested_(requested), ends_(replicas), remaining_(replicas),
-      started_(std::chrono::steady_clock::now()) {}
+      started_(std::chrono::steady_clock::now()), notes_(std::make_unique<WaitNote[]>(replicas)) {
+  // Until its device starts the replica, it waits for its turn there.
+  for (std::uint32_t r = 0; r < replicas; ++r) {
+    notes_[r].site.store(&not_started_site(), std::memory_order_relaxed);  // before any thread
+  }
+}
+
+RunControl::~RunControl() {
+  unwatch();
+}
+
+void RunControl::watch(const StallCheck& check, std::string name,
+                       std::vector<WatchedDevice> devices) {
+  if (check.limit.count() == 0 || watch_) return;
+  auto w = std::make_unique<StallWatch>();
+  w->control = this;
+  w->replicas = static_cast<std::uint32_t>(ends_.size());
+  w->name = std::move(name);
+  w->devices = std::move(devices);
+  w->devices.resize(ends_.size());
+  w->check = check;
+  watch_run(w.get());
+  watch_ = std::move(w);
+}
+
+void RunControl::unwatch() noexcept {
+  if (!watch_) return;
+  unwatch_run(watch_.get());
+  watch_.reset();  // the monitor no longer holds it
+}
+
+void RunControl::stall(std::string message, std::vector<StallError::Wait> waits) noexcept {
+  {
+    std::lock_guard lock(mutex_);
+    if (!failure_ && !stalled_) {
+      try {
+        stalled_.emplace(message, std::move(waits));
+      } catch (...) {  // no memory for the report: end the run all the same
+      }
+    }
+  }
+  cancel();
+}
 
 void RunControl::cancel() noexcept {
   stop_.set();
@@ -47,7 +90,11 @@ void RunControl::fail(Failure f) noexcept {
 
 void RunControl::replica_done(std::uint32_t replica, ReplicaEnd end) noexcept {
   ends_[replica] = end;  // each replica writes only its own slot
+  // relaxed: see WaitNote (a report reads it; a move so the monitor sees the change).
+  notes_[replica].site.store(&ended_site(), std::memory_order_relaxed);
   if (remaining_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    // No look at the run after this (its sites may read feeds the host frees once done).
+    unwatch();
     ended_ = std::chrono::steady_clock::now();  // published by done_
     {
       std::lock_guard lock(wake_mutex_);
@@ -85,6 +132,11 @@ RunStatus RunControl::finish(std::vector<std::uint64_t>& iterations, std::string
       Failure f = std::move(*failure_);
       failure_.reset();
       throw DeviceError(os.str(), f.device, f.replica, f.iteration, std::move(f.cause));
+    }
+    if (stalled_) {
+      StallError e = std::move(*stalled_);
+      stalled_.reset();
+      throw e;
     }
   }
   RunStatus status = RunStatus::kCompleted;

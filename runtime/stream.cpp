@@ -302,6 +302,15 @@ WaitPolicy StreamCore::policy_for(std::uint32_t index) const {
   return place.wait_policy(policy);
 }
 
+void StreamCore::open_run(std::stop_token stop) {
+  scope_.emplace(gate_, std::move(stop));
+}
+
+void StreamCore::close_run() noexcept {
+  on_stop_.reset();
+  scope_.reset();
+}
+
 void StreamCore::start(ServeMode mode, std::function<void()> wake_feeds) {
   for (auto& reset : ring_resets) reset();
   for (auto& m : replica_meters) {
@@ -314,6 +323,8 @@ void StreamCore::start(ServeMode mode, std::function<void()> wake_feeds) {
     for (const auto& w : wakes) w();
     wake_feeds();
   });
+  // The run's stop, watched from here (after the waker, before any segment starts).
+  if (scope_) on_stop_.emplace(scope_->token(), CancelStream{state_});
   started_ = std::chrono::steady_clock::now();
   running_ = true;
   // Every device's modeled clock starts with the one host call that launches the serving loop
@@ -341,6 +352,7 @@ void StreamCore::start(ServeMode mode, std::function<void()> wake_feeds) {
       state_->cancel();
       for (std::size_t k = i; k < segments.size(); ++k) state_->segment_done();
       state_->wait_done();
+      on_stop_.reset();
       running_ = false;
       throw;
     }
@@ -407,10 +419,11 @@ void StreamCore::wait_segments() {
   }
   state_->disarm();
   running_ = false;
+  close_run();
 }
 
 void StreamCore::cancel() noexcept {
-  if (state_) state_->cancel();
+  gate_.cancel();
 }
 
 std::int64_t StreamCore::per_request_ns() const noexcept {

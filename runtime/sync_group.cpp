@@ -15,6 +15,11 @@ SyncGroup::SyncGroup(std::uint32_t participants) : participants_(participants) {
     detail::throw_bad_value("sync group participants", participants,
                             "must be in 1.." + std::to_string(tunables::kMaxReplicas));
   }
+  site_ = {detail::WaitKind::kSync,
+           "the other devices of a sync group of " + std::to_string(participants), [this] {
+             return std::to_string(arrived()) + " of " + std::to_string(participants_) +
+                    " arrived" + (aborted() ? ", aborted" : "");
+           }};
 }
 
 void SyncGroup::abort() noexcept {
@@ -55,6 +60,7 @@ bool SyncGroup::arrive_and_wait(const StopFlag& stop, Spin spin, double* modeled
     if (spin == detail::Spin::kYield) std::this_thread::yield();
     return true;
   }
+  const detail::WaitMark mark(&site_);  // the stall check's record, while this device waits
   point_.wait(
       [&] {
         return generation(state_.load(std::memory_order_seq_cst)) != gen || stop.requested() ||

@@ -5,8 +5,9 @@
 //
 //   t03_fashion_mnist_pipeline [--epochs N] [--batch-size B] [--test-batch-size B]
 //       [--device-iterations D] [--gradient-accumulation K] [--replicas R]
-//       [--learning-rate LR] [--strategy pipelined|sharded] [--schedule grouped|interleaved|
-//       sequential] [--sync bsp|dataflow] [--eight-bit-io] [--offload-optimiser] [--trace FILE]
+//       [--learning-rate LR] [--strategy pipelined|sharded] [--schedule auto|grouped|
+//       interleaved|sequential] [--sync bsp|dataflow] [--eight-bit-io] [--offload-optimiser]
+//       [--trace FILE]
 //       [--precision fp32|fp16] [--loss-scaling S] [--recompute] [--memory]
 //       [--loader sync|async] [--io-tiles N] [--device-mapping 0,0,1,2]
 //       [--data-dir DIR] [--model conv|mlp]
@@ -53,7 +54,7 @@ struct Settings {
   float lr = 0.001f;
   std::string strategy = "pipelined";
   std::vector<std::uint32_t> device_mapping;  // empty: stage s on device s
-  std::string schedule = "grouped";
+  std::string schedule = "auto";  // the strategy's own: grouped, or sequential when sharded
   std::string sync = "bsp";
   bool eight_bit = false;
   bool offload = false;
@@ -142,9 +143,11 @@ bspflow::PipelineConfig pipeline_config(const Settings& st, const bspflow::Optio
   bspflow::PipelineConfig cfg = opts.pipeline_config();
   cfg.strategy = st.strategy == "sharded" ? bspflow::ExecutionStrategy::kSharded
                                           : bspflow::ExecutionStrategy::kPipelined;
-  cfg.schedule = st.schedule == "interleaved"  ? bspflow::PipelineSchedule::kInterleaved
-                 : st.schedule == "sequential" ? bspflow::PipelineSchedule::kSequential
-                                               : bspflow::PipelineSchedule::kGrouped;
+  if (st.schedule != "auto") {  // else unset: the strategy's own schedule
+    cfg.schedule = st.schedule == "interleaved"  ? bspflow::PipelineSchedule::kInterleaved
+                   : st.schedule == "sequential" ? bspflow::PipelineSchedule::kSequential
+                                                 : bspflow::PipelineSchedule::kGrouped;
+  }
   cfg.sync = st.sync == "dataflow" ? bspflow::SyncMode::kDataflow : bspflow::SyncMode::kBsp;
   cfg.offload_optimizer = st.offload;
   cfg.recompute = st.recompute;
@@ -411,8 +414,10 @@ int main(int argc, char** argv) {
   app.add_option("--learning-rate", st.lr, "AdamW learning rate")->check(CLI::PositiveNumber);
   app.add_option("--strategy", st.strategy, "execution strategy")
       ->check(CLI::IsMember({"pipelined", "sharded"}));
-  app.add_option("--schedule", st.schedule, "pipeline schedule")
-      ->check(CLI::IsMember({"grouped", "interleaved", "sequential"}));
+  app.add_option("--schedule", st.schedule,
+                 "pipeline schedule (auto: grouped when pipelined, sequential when sharded, the "
+                 "only one sharding can honour)")
+      ->check(CLI::IsMember({"auto", "grouped", "interleaved", "sequential"}));
   app.add_option("--sync", st.sync, "bsp (IPU-faithful) or dataflow")
       ->check(CLI::IsMember({"bsp", "dataflow"}));
   app.add_flag(

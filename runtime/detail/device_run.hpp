@@ -43,6 +43,7 @@ struct InLink {  // one infeed, seen from one device
   std::atomic<bool> closing{false};  // the device is done: fetch nothing more
   Tensor staging;                    // io_tiles = 0: the element being moved
   ModeledLink modeled;               // its copies in modeled time
+  WaitSite io_site;                  // io_tiles > 0: the device waits for the I/O tiles
 };
 
 struct OutLink {  // one outfeed, seen from one device
@@ -51,6 +52,7 @@ struct OutLink {  // one outfeed, seen from one device
   std::size_t bytes = 0;                     // of the largest source (sizes the slots)
   std::size_t next_use = 0;
   ModeledLink modeled;  // its copies in modeled time
+  WaitSite io_site;     // io_tiles > 0: the device waits for a free I/O-tile buffer
 };
 
 // What the device runs need of the engine.
@@ -73,6 +75,12 @@ class DeviceRun {
     ctx_.compute_tiles = engine.compute_tiles;
     ctx_.stop = &stop_;
   }
+
+  // Whichever thread lets go of the run last. Gives back to the arena any I/O-tile memory
+  // finish() did not (a run refused while it was set up). Never throws.
+  ~DeviceRun() { release_slots(); }
+  DeviceRun(const DeviceRun&) = delete;
+  DeviceRun& operator=(const DeviceRun&) = delete;
 
   // Host thread, before the run: the links this device's program uses.
   void add_infeed(InfeedQueue<Tensor>& q, const DeviceBuffer& dst);
@@ -110,6 +118,10 @@ class DeviceRun {
   void set_owner(std::weak_ptr<void> owner) { owner_ = std::move(owner); }
 
  private:
+  // Device thread: the I/O tiles' first fills, then the program; sets status_ (throws what
+  // the program throws).
+  void run_program(const Program& program);
+
   // false: the program must stop (end of data, or stop requested).
   bool exec(const Program& p) {
     return std::visit([this](const auto& node) { return exec_node(node); }, p.node());
@@ -202,6 +214,9 @@ class DeviceRun {
   // io_tiles > 0: drop the result into a free outbound I/O buffer; the engine moves it on.
   bool copy_out_to_io_tiles(OutLink& link, DeviceBuffer& buf);
 
+  // The I/O-tile buffers still held, back to the arena (each once). Never throws.
+  void release_slots() noexcept;
+
   // Device thread, at the end: let the engine finish with this device's buffers, give
   // prefetched micro-batches back to their infeeds, deliver held outfeed entries.
   void finish(bool deliver);
@@ -232,6 +247,12 @@ class DeviceRun {
   std::atomic<std::uint32_t> lost_{0};
   detail::WaitPoint point_;
   std::weak_ptr<void> owner_;
+  // finish(): the device waits for the I/O engine's last transfers (which may wait for room
+  // in an outfeed).
+  WaitSite drain_site_{WaitKind::kOutfeed,
+                       "the I/O engine's last transfers (its outputs wait for room in the "
+                       "outfeed)",
+                       {}};
 };
 
 }  // namespace bspflow::detail

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "bspflow/base/detail/wait.hpp"
+#include "bspflow/base/detail/wait_note.hpp"
 #include "bspflow/runtime/instance.hpp"
 
 namespace bspflow::detail {
@@ -127,6 +128,11 @@ class InstanceReduction {
   bool served_ = false;
   std::string mismatch_;
   WaitPoint host_point_, device_point_;
+  // What a device waiting for a step's exchange waits for (its run's stall check).
+  WaitSite exchange_site_{WaitKind::kOther,
+                          "the step's exchange across instances (every instance's devices, and "
+                          "the MPI call)",
+                          {}};
 };
 
 }  // namespace bspflow::detail

@@ -14,6 +14,7 @@
 
 #include "bspflow/devices/host_link_timeline.hpp"
 #include "bspflow/feeds/spsc_ring.hpp"
+#include "bspflow/runtime/detail/cancel_gate.hpp"
 #include "bspflow/runtime/engine.hpp"
 #include "bspflow/runtime/instance.hpp"
 #include "bspflow/runtime/pipeline.hpp"
@@ -344,8 +345,10 @@ struct Pipeline::Impl {
   // The constructor's work before any other instance is involved.
   void build(const DeviceList& group, PipelineConfig config, const StageFactory& make_stages);
   // The host call in this process (Pipeline::run without the agreement across instances).
+  // `stop`: the run() call's (its CancelGate scope's token).
   PipelineResult run_local(InfeedQueue<Batch>& infeed, std::uint64_t steps,
-                           OutfeedQueue<std::vector<float>>* outfeed);
+                           OutfeedQueue<std::vector<float>>* outfeed, std::stop_token stop);
+  detail::CancelGate gate;          // cancel(): the run() call in progress
   std::uint32_t ended_replica = 0;  // the last run's kEndOfData: the replica whose lane ended
   // Distributed: at construction, checks every instance built its pipeline, and the same
   // one, and broadcasts instance 0's weights and optimiser state (collectives); then, for

@@ -185,6 +185,43 @@ TEST_CASE("one reader: a ring per replica; every entry once, in order per replic
   }
 }
 
+TEST_CASE("size_approx(replica): a replica's ring with one reader, the shared queue otherwise") {
+  for (const ConsumerType consumer : {ConsumerType::kMulti, ConsumerType::kSingle}) {
+    CAPTURE(consumer == ConsumerType::kSingle);
+    OutfeedQueue<int> q(OutfeedConfig{2, OutputMode::all(), 8, consumer});
+    auto writers = q.begin_run();
+    for (std::uint64_t i = 0; i < 3; ++i) writers[0].write(i, 1);
+    writers[1].write(0, 2);
+    for (auto& w : writers) w.finish(true);
+    CHECK(q.size_approx() == 4);
+    CHECK(q.size_approx(0) == (consumer == ConsumerType::kSingle ? 3 : 4));
+    CHECK(q.size_approx(1) == (consumer == ConsumerType::kSingle ? 1 : 4));
+    (void)q.drain();
+    CHECK(q.size_approx(0) == 0);
+  }
+}
+
+TEST_CASE("keep_dropped: the entries a stopped writer drops, in the order written") {
+  // A ring of 31 entries keeps 33 spare slots for a stopped run (64 in all): of 100 entries
+  // written after a stop, 64 go in and 36 are dropped, into the caller's vector.
+  OutfeedQueue<int> q(OutfeedConfig{1, OutputMode::all(), 31, ConsumerType::kSingle});
+  std::vector<OutfeedEntry<int>> dropped;
+  auto writers = q.begin_run();
+  writers[0].keep_dropped(&dropped);
+  StopFlag stop;
+  stop.set();
+  for (int i = 0; i < 100; ++i) writers[0].write(static_cast<std::uint64_t>(i), int{i}, &stop);
+  writers[0].finish(true, &stop);
+  CHECK(writers[0].dropped() == dropped.size());
+  const auto kept = q.drain();
+  CHECK(kept.size() + dropped.size() == 100);
+  CHECK(dropped.size() == 36);
+  std::vector<int> all;
+  for (const auto& e : kept) all.push_back(e.value);
+  for (const auto& e : dropped) all.push_back(e.value);
+  for (int i = 0; i < 100; ++i) CHECK(all[static_cast<std::size_t>(i)] == i);
+}
+
 TEST_CASE("one reader: a ring needs a bound, and two threads reading at once is an error") {
   OutfeedConfig unbounded;
   unbounded.consumer_type = ConsumerType::kSingle;

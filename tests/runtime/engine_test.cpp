@@ -13,8 +13,10 @@
 #include <future>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <stdexcept>
+#include <stop_token>
 #include <string>
 #include <thread>
 #include <vector>
@@ -376,6 +378,24 @@ TEST_CASE("programs are checked before they run") {
   CHECK(contains(error_of([&] { AllReduce("grads", 0, bytes); }), "AllReduce 'grads' replicas"));
   CHECK(contains(error_of([&] { AllReduce("grads", 0, bytes); }), "must be in 1.."));
   CHECK(contains(error_of([&] { AllReduce("grads", 2, nullptr); }), "the bytes function is empty"));
+  // Issue 30: an AllReduce's replica count must be its sync group's size (it used to run a
+  // ring of 3 between the Syncs of a group of 2, modelling the wrong time without a word).
+  for (const std::uint32_t replicas : {1u, 3u}) {
+    CAPTURE(replicas);
+    const Program odd = Sequence{Sync(group), AllReduce("grads", replicas, bytes), Sync(group)};
+    CHECK(error_of([&] {
+            engine.run({odd, odd});
+          }) == "AllReduce 'grads' replicas = " + std::to_string(replicas) +
+                    " is not allowed: must be 2 on device 0, the participants of the sync group it "
+                    "runs between (the devices that all-reduce together)");
+  }
+  // The Sync after it counts when none comes before (a Repeat's next trip starts with it).
+  const Program after = Repeat(2, Sequence{AllReduce("grads", 3, bytes), Sync(group)});
+  CHECK(contains(error_of([&] { engine.run({after, after}); }), "must be 2 on device 0"));
+  const Program right = Sequence{Sync(group), AllReduce("grads", 2, bytes), Sync(group)};
+  CHECK(engine.run({right, right}).completed());
+  // Without a Sync it is modelled time alone, for any count.
+  CHECK(engine.run({AllReduce("grads", 3, bytes), idle}).completed());
 }
 
 TEST_CASE(
@@ -467,6 +487,77 @@ TEST_CASE("cancel() stops a run that would not end by itself; waits for data wak
   CHECK(r.iterations[1] == 0);
   engine.cancel();  // no run: nothing happens
   CHECK(engine.run(Execute("ok", [](const ComputeContext&) {})).completed());
+}
+
+TEST_CASE("a run refused while it sets up gives back what it took: lanes and I/O-tile memory") {
+  // Issue 30: device 0's prefetch slots (I/O tiles) were taken from its arena, then device
+  // 1's lane was refused; the slots stayed allocated (DeviceRun released them only in
+  // finish()), so every refused run leaked I/O-tile memory.
+  DeviceGroup devices(2, kSmall);
+  Engine engine(devices, with_link(1us, 256, 4, 2));
+  InfeedQueue<Tensor> infeed(InfeedConfig{2, 16, 2});
+  std::vector<Program> programs;
+  for (std::uint32_t d = 0; d < 2; ++d) {
+    Buffer x = make_buffer(devices[d], "x", DType::kFloat32, 64);
+    programs.push_back(Repeat(1, StreamCopy(infeed, x)));
+  }
+  const std::size_t before = devices[0].arena().used();
+  {
+    auto held = infeed.reader(1);  // lane 1 is someone else's
+    CHECK(contains(error_of([&] { engine.run(programs); }), "already has a reader"));
+  }
+  CHECK(devices[0].arena().used() == before);
+  // Lane 0 is free again, and the next run takes both lanes.
+  auto p = infeed.make_producer();
+  for (std::uint32_t d = 0; d < 2; ++d) REQUIRE(p.push_to(d, filled(64, 1.0f)));
+  CHECK(engine.run(programs).completed());
+  CHECK(devices[0].arena().used() == before);
+}
+
+TEST_CASE(
+    "a std::stop_token stops a run: before the call nothing is taken, during it as cancel()") {
+  // Issue 30: the Engine took no stop token, and cancel() reached only a run already set up.
+  DeviceGroup devices(2, kSmall);
+  for (const std::uint32_t io_tiles : {0u, 4u}) {
+    CAPTURE(io_tiles);
+    Engine engine(devices, with_link(1us, 256, io_tiles, 2));
+    InfeedQueue<Tensor> infeed(InfeedConfig{2, 16, 2});
+    std::vector<Program> programs;
+    for (std::uint32_t d = 0; d < 2; ++d) {
+      Buffer x = make_buffer(devices[d], "x", DType::kFloat32, 64);
+      programs.push_back(Repeat(std::uint64_t{1} << 40, StreamCopy(infeed, x)));
+    }
+    {
+      auto p = infeed.make_producer();
+      for (std::uint32_t d = 0; d < 2; ++d) {
+        for (int i = 0; i < 3; ++i) REQUIRE(p.push_to(d, filled(64, float(i))));
+      }
+    }
+    std::stop_source stopped;
+    stopped.request_stop();
+    const EngineResult before = engine.run(programs, stopped.get_token());
+    CHECK(before.status == RunStatus::kCancelled);
+    CHECK(before.iterations == std::vector<std::uint64_t>{0, 0});
+    CHECK(infeed.size_approx(0) == 3);  // nothing taken, not even by the I/O tiles
+    CHECK(infeed.size_approx(1) == 3);
+    // During: a std::jthread's destructor requests the stop (the run waits for more input).
+    std::optional<EngineResult> during;
+    {
+      test::Rescue guard(10s, [&] { infeed.close(); });  // a lost stop: kEndOfData below
+      {
+        std::jthread host([&](std::stop_token stop) { during = engine.run(programs, stop); });
+        while (infeed.size_approx(0) != 0 || infeed.size_approx(1) != 0) {
+          std::this_thread::yield();  // it has taken all 6
+        }
+      }
+      CHECK_FALSE(guard.fired());
+    }
+    REQUIRE(during.has_value());
+    CHECK(during->status == RunStatus::kCancelled);
+    // The engine runs again; a stop source that was never stopped changes nothing.
+    std::stop_source unused;
+    CHECK(engine.run(Execute("ok", [](const ComputeContext&) {}), unused.get_token()).completed());
+  }
 }
 
 TEST_CASE("cancel() reaches a device inside a long modeled transfer (AllReduce, RemoteCopy)") {

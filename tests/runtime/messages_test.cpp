@@ -129,6 +129,102 @@ TEST_CASE("the table of messages: each names what was wrong, the value given and
       {"an open-ended loop (a service: 2^62 iterations) failing",
        [] { throw Error(loop_failure(std::uint64_t{1} << 62)); },
        "device 0 (replica 0) failed at iteration 2: boom"},
+      // Issue 30: the entries an earlier run left count against the bound.
+      {"loops::repeat into a bounded outfeed an earlier run left 6 of 10 entries in",
+       [] {
+         Device device(0, DeviceConfig{64, 16 * 1024});
+         OutfeedQueue<int> out(OutfeedConfig{1, OutputMode::all(), 10});
+         for (int run = 0; run < 2; ++run) {
+           loops::repeat(
+               device, 6, [](int& s) { return s; }, 0, out);
+         }
+       },
+       "outfeed capacity 10 < 6 entries already in it (unread, from an earlier run) + 6 entries "
+       "this run delivers, and loops::repeat reads nothing until the loop ends: read or drain() "
+       "the outfeed first, use loops::repeat_async and read it while it runs, or raise the "
+       "capacity (0 = unbounded)"},
+      {"the same with one reader (a ring of 10 per replica)",
+       [] {
+         DeviceGroup pair(2, DeviceConfig{64, 16 * 1024});
+         OutfeedQueue<int> out(OutfeedConfig{2, OutputMode::all(), 10, ConsumerType::kSingle});
+         for (int run = 0; run < 2; ++run) {
+           loops::repeat(
+               pair, 6, [](int& s) { return s; }, 0, out);
+         }
+       },
+       "outfeed capacity 10 per replica < 6 entries already in replica 0's ring (unread, from "
+       "an earlier run) + 6 entries this run delivers to each replica, and loops::repeat reads "
+       "nothing until the loop ends: read or drain() the outfeed first, use loops::repeat_async "
+       "and read it while it runs, or raise the capacity"},
+      {"loops::repeat of 10 entries into an outfeed of 5",
+       [] {
+         Device device(0, DeviceConfig{64, 16 * 1024});
+         OutfeedQueue<int> out(OutfeedConfig{1, OutputMode::all(), 5});
+         loops::repeat(
+             device, 10, [](int& s) { return s; }, 0, out);
+       },
+       "outfeed capacity 5 < 10 entries this run delivers, and loops::repeat reads nothing until "
+       "the loop ends: use loops::repeat_async and read the outfeed while it runs, or raise the "
+       "capacity (0 = unbounded)"},
+      // Issue 30: were ignored (sharded, single with Grouped) or worded apart (single with
+      // Interleaved: "the Interleaved schedule needs each stage on a device of its own ...").
+      {"a Grouped schedule for a sharded pipeline",
+       [] {
+         PipelineConfig cfg;
+         cfg.strategy = ExecutionStrategy::kSharded;
+         cfg.schedule = PipelineSchedule::kGrouped;
+         cfg.gradient_accumulation = 8;
+         cfg.validate(4);
+       },
+       "schedule = grouped is not allowed: must be unset or sequential with strategy sharded, "
+       "which runs one stage at a time (the Sequential schedule); for another schedule use "
+       "strategy pipelined"},
+      {"an Interleaved schedule with every stage on one device",
+       [] {
+         PipelineConfig cfg;
+         cfg.strategy = ExecutionStrategy::kSingle;
+         cfg.schedule = PipelineSchedule::kInterleaved;
+         cfg.gradient_accumulation = 8;
+         cfg.validate(4);
+       },
+       "schedule = interleaved is not allowed: must be unset or sequential with strategy single, "
+       "which runs a replica's 4 stages one after another on one device (the Sequential "
+       "schedule); for another schedule use strategy pipelined"},
+      // Issue 30: was not checked.
+      {"an AllReduce of 3 replicas between the Syncs of a group of 2",
+       [] {
+         DeviceGroup pair(2, DeviceConfig{64, 16 * 1024});
+         Engine engine(pair);
+         auto group = std::make_shared<SyncGroup>(2);
+         const Program p = program::Sequence{
+             program::Sync(group),
+             program::AllReduce("grads", 3, [](const ComputeContext&) { return std::size_t{64}; }),
+             program::Sync(group)};
+         engine.run({p, p});
+       },
+       "AllReduce 'grads' replicas = 3 is not allowed: must be 2 on device 0, the participants "
+       "of the sync group it runs between (the devices that all-reduce together)"},
+      // Issue 30: when a run cannot make progress.
+      {"a negative stall limit", [] { StallCheck{-1ns}.validate(); },
+       "StallCheck::limit = -1 ns is not allowed: must be 0 (no check) or in 1 ms..24 h"},
+      {"a loop stalled on an empty infeed nobody closes, with OnStall::kFail",
+       [] {
+         const LogLevel level = log_level();
+         set_log_level(LogLevel::kError);  // (the same report is logged as a warning)
+         Device device(0, DeviceConfig{64, 16 * 1024});
+         InfeedQueue<int> in;
+         try {
+           loops::repeat(
+               device, 10, [](int&, int&) {}, 0, in, StallCheck{20ms, OnStall::kFail});
+         } catch (...) {
+           set_log_level(level);
+           throw;
+         }
+         set_log_level(level);
+       },
+       "loops::repeat: no device has made progress for 20 ms (StallCheck::limit): device 0 "
+       "(replica 0) waits for an element of the infeed's lane 0 (empty, not closed). Push to the "
+       "infeed or close it, or cancel the run (OnStall::kFail: the run ends with StallError)"},
       {"an output mode that does not parse", [] { (void)OutputMode::parse("every_n:0"); },
        "OutputMode every_n(n): n = 0 is not allowed: must be at least 1"},
   };

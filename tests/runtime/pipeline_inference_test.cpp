@@ -7,16 +7,19 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <map>
 #include <optional>
 #include <stdexcept>
+#include <stop_token>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <bspflow/bspflow.hpp>
 
+#include "runtime_test_util.hpp"
 #include "test_util.hpp"
 
 using namespace bspflow;
@@ -93,9 +96,171 @@ PipelineConfig inference(const Shape& s, std::uint32_t k = 1) {
   return c;
 }
 
+// A stage whose name() (the host reads it while run() compiles the programs) calls
+// `on_name` once when armed: a cancel() that comes while run() sets up.
+class CancelsOnName final : public Stage {
+ public:
+  CancelsOnName(std::atomic<bool>& armed, std::function<void()> on_name)
+      : armed_(armed), on_name_(std::move(on_name)) {}
+  std::string name() const override {
+    if (armed_.exchange(false)) on_name_();
+    return "cancels on name";
+  }
+  std::size_t output_elements() const override { return 1; }
+  void forward(const StageContext&, ForwardArgs& a) override {
+    a.output[0] = static_cast<float>(a.batch.indices.front());
+  }
+
+ private:
+  std::atomic<bool>& armed_;
+  std::function<void()> on_name_;
+};
+
+// Outputs the request's id; at micro-batch `at` of a run it calls `on_reach` (on its device).
+class CallsAt final : public Stage {
+ public:
+  CallsAt(std::uint64_t at, std::function<void()> on_reach)
+      : at_(at), on_reach_(std::move(on_reach)) {}
+  std::string name() const override { return "calls at"; }
+  std::size_t output_elements() const override { return 1; }
+  void forward(const StageContext& ctx, ForwardArgs& a) override {
+    if (ctx.micro_batch == at_) on_reach_();
+    a.output[0] = static_cast<float>(ctx.micro_batch);
+  }
+
+ private:
+  std::uint64_t at_;
+  std::function<void()> on_reach_;
+};
+
 }  // namespace
 
 TEST_SUITE_BEGIN("pipeline_inference");
+
+TEST_CASE("a stopped run with answers staged and a full outfeed nobody reads still returns") {
+  // Issue 30: run() finished its outfeed writers with no stop flag. A run stopped while its
+  // last stage held answers (write-combining) and the bounded outfeed was full, with nobody
+  // reading, blocked there for ever (the guard drains the outfeed after 10 s, and fails).
+  // Synthetic data (no link time) keeps the iterations fast, so answers are staged; the
+  // stage cancels the run at micro-batch 8, with up to 8 answers in an outfeed of 8.
+  for (int trial = 0; trial < 5; ++trial) {
+    CAPTURE(trial);
+    PipelineConfig cfg = inference({ExecutionStrategy::kSingle, SyncMode::kBsp, 1});
+    cfg.synthetic_data = true;
+    DeviceGroup devices(1, kSmall);
+    Pipeline* self = nullptr;
+    Pipeline pipe(devices, cfg, [&](std::uint32_t) {
+      StageList l;
+      l.push_back(std::make_unique<CallsAt>(8, [&] { self->cancel(); }));
+      return l;
+    });
+    self = &pipe;
+    InfeedQueue<Batch> infeed(InfeedConfig{1, 64, 1});
+    REQUIRE(infeed.make_producer().push(request(0)));  // read once: the run's data
+    OutfeedQueue<std::vector<float>> outfeed(OutfeedConfig{1, OutputMode::all(), 8});
+    PipelineResult r;
+    {
+      test::Rescue guard(10s, [&] { (void)outfeed.drain(); });
+      r = pipe.run(infeed, 1'000'000, &outfeed);
+      CHECK_FALSE(guard.fired());
+      if (guard.fired()) break;
+    }
+    CHECK(r.status == RunStatus::kCancelled);
+    // A shared outfeed takes a stopped run's answers past its bound: none is lost.
+    CHECK(outfeed.drain().size() == r.micro_batches);
+    CHECK(r.micro_batches == 9);
+  }
+}
+
+TEST_CASE(
+    "a cancel() while run() sets up is not lost: nothing is taken, the next run answers all") {
+  // Issue 30: Pipeline::cancel() reached only an Engine run already started; one made while
+  // run() attached its feeds and compiled its programs was lost, and this serving run (a
+  // count of 10^12 on an open infeed) went on for ever (the guard cancels it after 10 s).
+  for (const auto strategy : {ExecutionStrategy::kPipelined, ExecutionStrategy::kSingle}) {
+    CAPTURE(std::string(to_string(strategy)));
+    PipelineConfig cfg = inference({strategy, SyncMode::kBsp, 2});
+    DeviceGroup devices(cfg.devices_needed(2), kSmall);
+    std::atomic<bool> armed{false};
+    Pipeline* self = nullptr;
+    Pipeline pipe(devices, cfg, [&](std::uint32_t) {
+      StageList l;
+      l.push_back(std::make_unique<CancelsOnName>(armed, [&] { self->cancel(); }));
+      l.push_back(std::make_unique<Tag>());
+      return l;
+    });
+    self = &pipe;
+    InfeedQueue<Batch> infeed(InfeedConfig{1, 64, 1});
+    OutfeedQueue<std::vector<float>> outfeed;
+    {
+      auto p = infeed.make_producer();
+      for (std::uint64_t i = 0; i < 3; ++i) REQUIRE(p.push(request(i)));  // not closed
+    }
+    armed = true;
+    const std::uint64_t forever = 1'000'000'000'000;
+    PipelineResult r;
+    {
+      test::Rescue guard(10s, [&] { pipe.cancel(); });
+      r = pipe.run(infeed, forever, &outfeed);
+      CHECK_FALSE(guard.fired());
+    }
+    CHECK_FALSE(armed.load());  // the cancel was made inside run()
+    CHECK(r.status == RunStatus::kCancelled);
+    CHECK(r.micro_batches == 0);
+    CHECK(infeed.size_approx(0) == 3);  // every request still in the lane
+    CHECK(outfeed.drain().empty());
+    infeed.close();
+    const PipelineResult next = pipe.run(infeed, forever, &outfeed);
+    CHECK(next.status == RunStatus::kEndOfData);
+    CHECK(next.micro_batches == 3);
+    CHECK(outfeed.drain().size() == 3);
+  }
+}
+
+TEST_CASE("a std::stop_token stops a serving run: before the call it takes nothing") {
+  for (const Shape& shape : shapes()) {
+    if (shape.stages != 2 && shape.stages != 3) continue;
+    CAPTURE(describe(shape));
+    CAPTURE(shape.stages);
+    const PipelineConfig cfg = inference(shape);
+    DeviceGroup devices(cfg.devices_needed(shape.stages), kSmall);
+    Pipeline pipe(devices, cfg, [&](std::uint32_t) { return tags(shape.stages); });
+    InfeedQueue<Batch> infeed(InfeedConfig{1, 64, 2});
+    OutfeedQueue<std::vector<float>> outfeed;
+    auto p = infeed.make_producer();
+    for (std::uint64_t i = 0; i < 3; ++i) REQUIRE(p.push(request(i)));
+    std::stop_source stopped;
+    stopped.request_stop();
+    const std::uint64_t forever = 1'000'000'000'000;
+    const PipelineResult r = pipe.run(infeed, forever, &outfeed, stopped.get_token());
+    CHECK(r.status == RunStatus::kCancelled);
+    CHECK(r.micro_batches == 0);
+    CHECK(infeed.size_approx(0) == 3);
+    // During: the run answers what there is, then waits; a std::jthread's destructor stops it.
+    std::optional<PipelineResult> during;
+    {
+      test::Rescue guard(10s, [&] { infeed.close(); });  // a lost stop: kEndOfData below
+      {
+        std::jthread host(
+            [&](std::stop_token stop) { during = pipe.run(infeed, forever, &outfeed, stop); });
+        std::uint64_t answered = 0;
+        while (answered < 3) answered += outfeed.drain().size();
+      }
+      CHECK_FALSE(guard.fired());
+    }
+    REQUIRE(during.has_value());
+    CHECK(during->status == RunStatus::kCancelled);
+    CHECK(during->micro_batches == 3);
+    // A token never stopped changes nothing; a stop after the run's end reaches nothing.
+    REQUIRE(p.push(request(3)));
+    infeed.close();
+    std::stop_source later;
+    const PipelineResult last = pipe.run(infeed, forever, &outfeed, later.get_token());
+    later.request_stop();
+    CHECK(last.status == RunStatus::kEndOfData);
+    CHECK(last.micro_batches == 1);
+  }
+}
 
 TEST_CASE("the end of data drains: every micro-batch taken is answered, once and in order") {
   for (const Shape& shape : shapes()) {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <map>
 #include <random>
+#include <stop_token>
 #include <thread>
 #include <vector>
 
@@ -196,9 +197,9 @@ TEST_CASE(
        MeanStyle::kPost, true},
       {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, SyncMode::kBsp,
        MeanStyle::kRunning, true},
-      {ExecutionStrategy::kSharded, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kPost,
+      {ExecutionStrategy::kSharded, PipelineSchedule::kSequential, SyncMode::kBsp, MeanStyle::kPost,
        false},
-      {ExecutionStrategy::kSingle, PipelineSchedule::kGrouped, SyncMode::kBsp, MeanStyle::kPost,
+      {ExecutionStrategy::kSingle, PipelineSchedule::kSequential, SyncMode::kBsp, MeanStyle::kPost,
        false},
   };
   for (const Case& c : cases) {
@@ -435,7 +436,7 @@ TEST_CASE(
       {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, {0, 0, 1}, 1, false},
       {ExecutionStrategy::kPipelined, PipelineSchedule::kInterleaved, {0, 1, 1}, 1, false},
       {ExecutionStrategy::kPipelined, PipelineSchedule::kSequential, {0, 0, 0}, 1, true},
-      {ExecutionStrategy::kSharded, PipelineSchedule::kGrouped, {0, 1, 1}, 1, false},
+      {ExecutionStrategy::kSharded, PipelineSchedule::kSequential, {0, 1, 1}, 1, false},
       {ExecutionStrategy::kPipelined, PipelineSchedule::kGrouped, {0, 0, 1}, 2, false},
   };
   for (const Case& c : cases) {
@@ -573,8 +574,9 @@ TEST_CASE("errors: the config is checked against the stages and devices, saying 
   cfg.gradient_accumulation = 8;
   cfg.strategy = ExecutionStrategy::kSingle;
   CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }),
-                       "Interleaved schedule needs each stage on a device of its own"));
+                       "schedule = interleaved is not allowed"));
   cfg.strategy = ExecutionStrategy::kSharded;
+  cfg.schedule.reset();
   cfg.sync = SyncMode::kDataflow;
   CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }),
                        "applies to strategy pipelined"));
@@ -588,6 +590,111 @@ TEST_CASE("errors: the config is checked against the stages and devices, saying 
   InfeedQueue<Batch> two_lanes(InfeedConfig{2, 8, 1});
   CHECK(test::contains(test::error_of([&] { ok.run(two_lanes, 1); }),
                        "infeed has 2 replica lane(s)"));
+}
+
+TEST_CASE("a schedule the strategy cannot honour is refused; left unset, each strategy its own") {
+  // Issue 30: sharded and single run one stage at a time (the Sequential schedule) and used
+  // to ignore Grouped (the default) and sharded Interleaved silently.
+  DeviceGroup devices(4, kSmall);
+  auto model = [](std::uint32_t) { return make_model(4); };
+  for (const auto strategy : {ExecutionStrategy::kSharded, ExecutionStrategy::kSingle}) {
+    CAPTURE(std::string(to_string(strategy)));
+    for (const auto schedule : {PipelineSchedule::kGrouped, PipelineSchedule::kInterleaved}) {
+      CAPTURE(std::string(to_string(schedule)));
+      PipelineConfig cfg;
+      cfg.strategy = strategy;
+      cfg.schedule = schedule;
+      cfg.gradient_accumulation = 8;
+      CHECK(test::contains(test::error_of([&] { Pipeline p(devices, cfg, model); }),
+                           "schedule = " + std::string(to_string(schedule)) +
+                               " is not allowed: must be unset or sequential with strategy " +
+                               to_string(strategy)));
+    }
+    PipelineConfig cfg;
+    cfg.strategy = strategy;
+    cfg.gradient_accumulation = 1;  // Sequential needs no more
+    Pipeline unset(devices, cfg, model);
+    CHECK(unset.plan().schedule == PipelineSchedule::kSequential);
+    cfg.schedule = PipelineSchedule::kSequential;
+    Pipeline sequential(devices, cfg, model);
+    CHECK(sequential.plan().schedule == PipelineSchedule::kSequential);
+  }
+  // Left unset, pipelined runs Grouped (the default); one stage is the same under any schedule.
+  PipelineConfig cfg;
+  cfg.gradient_accumulation = 7;
+  Pipeline pipelined(devices, cfg, model);
+  CHECK(pipelined.plan().schedule == PipelineSchedule::kGrouped);
+  cfg.strategy = ExecutionStrategy::kSingle;
+  cfg.schedule = PipelineSchedule::kInterleaved;
+  Pipeline one(devices, cfg, [](std::uint32_t) { return make_model(1); });
+}
+
+TEST_CASE("a std::stop_token stops a training run: before the call nothing is taken or applied") {
+  // Issue 30: Pipeline::run took no stop token.
+  const std::uint32_t n = 2, k = 3;
+  for (const auto strategy : {ExecutionStrategy::kPipelined, ExecutionStrategy::kSingle}) {
+    for (const bool distributed : {false, true}) {
+      CAPTURE(std::string(to_string(strategy)));
+      CAPTURE(distributed);
+      PipelineConfig cfg;
+      cfg.strategy = strategy;
+      cfg.gradient_accumulation = k;
+      cfg.distributed = distributed;
+      DeviceGroup devices(cfg.devices_needed(n), kSmall);
+      Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+      InfeedQueue<Batch> infeed(InfeedConfig{1, 64, 2});
+      feed(infeed, 2 * k, 1);
+      std::stop_source stopped;
+      stopped.request_stop();
+      const PipelineResult r = pipe.run(infeed, 2, nullptr, stopped.get_token());
+      CHECK(r.status == RunStatus::kCancelled);
+      CHECK(r.iterations == 0);
+      CHECK(r.micro_batches == 0);
+      CHECK(dense(pipe, 0, 0).updates.load() == 0);
+      CHECK(infeed.size_approx(0) == 2 * k);
+      std::stop_source unused;
+      const PipelineResult next = pipe.run(infeed, 2, nullptr, unused.get_token());
+      CHECK(next.completed());
+      CHECK(next.iterations == 2);
+      check_close(dense(pipe, 0, 1).weight_vector(), reference(n, k, 1, 2)[1]);
+    }
+  }
+}
+
+TEST_CASE("a run refused while it attaches its feeds leaves nothing claimed") {
+  // Issue 30: the infeed readers were claimed into the pipeline's stage state before the
+  // outfeed was attached (or the next lane claimed); a refusal there left them claimed, and
+  // the next run was refused with "infeed lane of replica 0 already has a reader".
+  const std::uint32_t n = 2, k = 3;
+  for (const std::uint32_t replicas : {1u, 2u}) {
+    // How the run is refused: the outfeed is another run's, or (2 replicas) the last lane is.
+    for (const bool lane_taken : {false, true}) {
+      if (lane_taken && replicas == 1) continue;
+      CAPTURE(replicas);
+      CAPTURE(lane_taken);
+      PipelineConfig cfg;
+      cfg.gradient_accumulation = k;
+      cfg.replicas = replicas;
+      DeviceGroup devices(cfg.devices_needed(n), kSmall);
+      Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+      InfeedQueue<Batch> infeed(InfeedConfig{replicas, 64, 1});
+      OutfeedQueue<std::vector<float>> out(OutfeedConfig{replicas, OutputMode::all(), 0});
+      feed(infeed, k, replicas);
+      if (lane_taken) {
+        auto held = infeed.reader(replicas - 1);
+        CHECK(test::contains(test::error_of([&] { pipe.run(infeed, 1, &out); }),
+                             "already has a reader"));
+      } else {
+        auto held = out.begin_run();
+        CHECK(
+            test::contains(test::error_of([&] { pipe.run(infeed, 1, &out); }), "already attached"));
+        for (auto& w : held) w.finish(false);
+      }
+      const PipelineResult r = pipe.run(infeed, 1, &out);
+      CHECK(r.completed());
+      CHECK(out.drain().size() == k * replicas);
+    }
+  }
 }
 
 TEST_CASE(
@@ -638,6 +745,55 @@ TEST_CASE("an infeed that ends mid-run ends it with kEndOfData and says what was
   CHECK(r.iterations == 1);
   CHECK(test::contains(r.message, "step 1, micro-batch 2"));
   CHECK(dense(pipe, 0, 0).updates.load() == 1);
+}
+
+TEST_CASE("an end of data names the step it ended at, whatever the strategy, sync and mapping") {
+  // Issue 30 reported that the message always said "step 0". It does not (this test passed
+  // before any change): every configuration below names the step and micro-batch the data
+  // ended at, early in the first step, at a step boundary and in a later step.
+  struct Case {
+    const char* what;
+    void (*set)(PipelineConfig&);
+  };
+  const std::vector<Case> cases = {
+      {"pipelined, bsp", [](PipelineConfig&) {}},
+      {"pipelined, dataflow", [](PipelineConfig& c) { c.sync = SyncMode::kDataflow; }},
+      {"a device mapping",
+       [](PipelineConfig& c) {
+         c.device_mapping = {0, 1, 1};
+       }},
+      {"I/O tiles", [](PipelineConfig& c) { c.io_tiles = 2; }},
+      {"sharded", [](PipelineConfig& c) { c.strategy = ExecutionStrategy::kSharded; }},
+      {"single", [](PipelineConfig& c) { c.strategy = ExecutionStrategy::kSingle; }},
+      {"distributed (one instance)", [](PipelineConfig& c) { c.distributed = true; }},
+  };
+  const std::uint32_t n = 3, k = 5;
+  for (const Case& c : cases) {
+    for (const std::uint64_t fed :
+         {std::uint64_t{2}, std::uint64_t{2 * k}, std::uint64_t{3 * k + 1}}) {
+      for (const std::uint32_t replicas : {1u, 2u}) {
+        CAPTURE(c.what);
+        CAPTURE(fed);
+        CAPTURE(replicas);
+        PipelineConfig cfg;
+        cfg.gradient_accumulation = k;
+        cfg.replicas = replicas;
+        c.set(cfg);
+        DeviceGroup devices(cfg.devices_needed(n), kSmall);
+        Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(n); });
+        InfeedQueue<Batch> infeed(InfeedConfig{replicas, 64, 2});
+        feed(infeed, fed, replicas);
+        infeed.close();
+        const PipelineResult r = pipe.run(infeed, 5);
+        CHECK(r.status == RunStatus::kEndOfData);
+        CHECK(r.iterations == fed / k);
+        const std::string step = std::to_string(fed / k), at = std::to_string(fed % k);
+        CHECK(r.message == "the infeed ended at step " + step + ", micro-batch " + at +
+                               " of 5: " + step + " step(s) applied; the cut-short step (" + at +
+                               " micro-batch(es) per replica) was not");
+      }
+    }
+  }
 }
 
 TEST_CASE(

@@ -370,6 +370,44 @@ TEST_CASE("bad launches are clear errors, before anything runs") {
         e, "outfeed capacity 10 per replica < 11 entries this run delivers to each replica"));
     CHECK(!contains(e, "0 = unbounded"));  // a ring has a bound
   }
+  {
+    // Issue 30: entries an earlier run left unread count against the bound. The check used
+    // to look at this run's entries only, and the second call below blocked on the full
+    // outfeed for ever (the guard drains it after 10 s and the test fails).
+    OutfeedQueue<int> shared(OutfeedConfig{1, OutputMode::all(), 10});
+    loops::repeat(
+        device, 6, [](int& s) { return s++; }, 0, shared);  // 6 of 10: fits, left unread
+    test::Rescue guard(10s, [&] { (void)shared.drain(); });
+    CHECK(error_of([&] {
+            loops::repeat(
+                device, 6, [](int& s) { return s; }, 0, shared);
+          }) ==
+          "outfeed capacity 10 < 6 entries already in it (unread, from an earlier run) + "
+          "6 entries this run delivers, and loops::repeat reads nothing until the loop "
+          "ends: read or drain() the outfeed first, use loops::repeat_async and read it "
+          "while it runs, or raise the capacity (0 = unbounded)");
+    CHECK_FALSE(guard.fired());
+    guard.disarm();
+    CHECK(shared.drain().size() == 6);  // what was there, untouched
+    DeviceGroup pair(2, kSmall);
+    OutfeedQueue<int> rings(OutfeedConfig{2, OutputMode::all(), 10, ConsumerType::kSingle});
+    loops::repeat(
+        pair, 6, [](int& s) { return s++; }, 0, rings);
+    test::Rescue ring_guard(10s, [&] { (void)rings.drain(); });
+    CHECK(contains(error_of([&] {
+                     loops::repeat(
+                         pair, 5, [](int& s) { return s; }, 0, rings);
+                   }),
+                   "outfeed capacity 10 per replica < 6 entries already in replica 0's ring "
+                   "(unread, from an earlier run) + 5 entries this run delivers to each "
+                   "replica"));
+    CHECK_FALSE(ring_guard.fired());
+    ring_guard.disarm();
+    CHECK(rings.drain().size() == 12);
+    loops::repeat(
+        pair, 10, [](int& s) { return s; }, 0, rings);  // read: room for 10 again
+    CHECK(rings.drain().size() == 20);
+  }
   // A lane can feed one loop at a time.
   InfeedQueue<int> in;
   auto first = loops::repeat_async(

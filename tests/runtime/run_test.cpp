@@ -2,7 +2,11 @@
 // the device under it never hangs.
 #include <doctest/doctest.h>
 
+#include <atomic>
 #include <chrono>
+#include <optional>
+#include <stop_token>
+#include <thread>
 
 #include <bspflow/bspflow.hpp>
 
@@ -45,6 +49,64 @@ TEST_CASE("cancel, dropping the Run handle, or destroying the device never hangs
     }
     CHECK(run.get().status == RunStatus::kCancelled);
   }
+}
+
+TEST_CASE("a std::stop_token feed stops a loop: before the call it takes nothing") {
+  // Issue 30: loops::repeat could not be stopped at all (only by destroying the device), and
+  // a Run only once its handle existed.
+  Device device(0, kSmall);
+  const std::uint64_t forever = std::uint64_t{1} << 40;
+  auto body = [](int& sum, int& x) { sum += x; };
+  for (const bool async : {false, true}) {
+    CAPTURE(async);
+    InfeedQueue<int> in;
+    {
+      auto p = in.make_producer();
+      for (int i = 1; i <= 5; ++i) REQUIRE(p.push(i));
+    }
+    std::stop_source stop;
+    stop.request_stop();
+    const RepeatResult<int> r =
+        async ? loops::repeat_async(device, forever, body, 0, in, stop.get_token()).get()
+              : loops::repeat(device, forever, body, 0, stop.get_token(), in);
+    CHECK(r.status == RunStatus::kCancelled);
+    CHECK(r.iterations.at(0) == 0);
+    CHECK(r.state() == 0);
+    CHECK(in.size_approx(0) == 5);  // every element still in its lane
+    in.close();
+    const RepeatResult<int> next = loops::repeat(device, forever, body, 0, in);  // untouched
+    CHECK(next.status == RunStatus::kEndOfData);
+    CHECK(next.state() == 15);
+  }
+}
+
+TEST_CASE("a std::jthread running a loop stops it when it is destroyed (its stop token)") {
+  Device device(0, kSmall);
+  InfeedQueue<int> in;  // never fed: the loop waits on it until stopped
+  std::optional<RepeatResult<int>> r;
+  {
+    // Closing the infeed would end a loop that ignored the token (kEndOfData, a failure below).
+    test::Rescue guard(10s, [&] { in.close(); });
+    {
+      std::jthread worker([&](std::stop_token stop) {
+        r = loops::repeat(
+            device, std::uint64_t{1} << 40, [](int&, int&) {}, 0, in, stop);
+      });
+      while (device.arena().used() == 0) std::this_thread::yield();  // the loop has started
+    }  // ~jthread: request_stop(), join()
+    CHECK_FALSE(guard.fired());
+  }
+  REQUIRE(r.has_value());
+  CHECK(r->status == RunStatus::kCancelled);
+  // A stop requested after the end changes nothing, and the next loop is not affected.
+  std::stop_source late;
+  auto run = loops::repeat_async(
+      device, 3, [](int& s) { ++s; }, 0, late.get_token());
+  REQUIRE(run.wait_for(10s));
+  late.request_stop();
+  const RepeatResult<int> done = run.get();
+  CHECK(done.completed());
+  CHECK(done.state() == 3);
 }
 
 TEST_SUITE_END();

@@ -2,8 +2,14 @@
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
+#include <mutex>
+#include <stop_token>
+#include <thread>
+#include <utility>
 
 #include <bspflow/bspflow.hpp>
 
@@ -27,5 +33,44 @@ inline bspflow::EngineConfig with_link(std::chrono::nanoseconds d, std::size_t b
   c.prefetch_depth = prefetch;
   return c;
 }
+
+// A hang guard, never a timing check: if it is still alive `limit` after it was made, a
+// thread of its own calls `rescue` once (cancel the run, drain the outfeed: whatever lets the
+// code under test return), and fired() says so; the test then FAILs instead of hanging. A
+// correct run ends long before the limit, so nothing is timed.
+//
+//   test::Rescue guard(10s, [&] { pipe.cancel(); });
+//   auto r = pipe.run(...);
+//   CHECK_FALSE(guard.fired());
+class Rescue {
+ public:
+  Rescue(std::chrono::seconds limit, std::function<void()> rescue)
+      : thread_([this, limit, rescue = std::move(rescue)](std::stop_token stop) {
+          std::unique_lock lock(m_);
+          // Wakes early only when the guard is stopped (the predicate never holds).
+          (void)cv_.wait_for(lock, stop, limit, [] { return false; });
+          if (stop.stop_requested()) return;
+          fired_ = true;
+          lock.unlock();
+          rescue();
+        }) {}
+  // Stops the guard (and waits for a rescue in progress).
+  ~Rescue() { thread_ = {}; }
+  Rescue(const Rescue&) = delete;
+  Rescue& operator=(const Rescue&) = delete;
+  // Whether the rescue was called (the code under test hung). Any thread.
+  bool fired() const {
+    std::lock_guard lock(m_);
+    return fired_;
+  }
+  // Stops the guard now (the code under test returned). Waits for a rescue in progress.
+  void disarm() { thread_ = {}; }
+
+ private:
+  mutable std::mutex m_;
+  std::condition_variable_any cv_;
+  bool fired_ = false;
+  std::jthread thread_;  // last: made after the members it uses
+};
 
 }  // namespace test

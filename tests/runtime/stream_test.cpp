@@ -9,8 +9,10 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <stdexcept>
+#include <stop_token>
 #include <string>
 #include <thread>
 #include <utility>
@@ -18,6 +20,7 @@
 
 #include <bspflow/bspflow.hpp>
 
+#include "runtime_test_util.hpp"
 #include "test_util.hpp"
 
 using namespace bspflow;
@@ -283,6 +286,123 @@ TEST_CASE("cancel stops at once, says how many were left unanswered, and the str
   const StreamResult r = stream.run(in, out);
   CHECK(r.drained());
   CHECK(r.answered == 10);
+}
+
+TEST_CASE("a std::stop_token stops a stream's run: before start() it takes nothing") {
+  // Issue 30: a Stream took no stop token, and cancel() reached only a run whose start() had
+  // got far enough (it read the run's state unlocked while start() assigned it).
+  DeviceGroup group(2, test::kSmall);
+  auto stream = StreamBuilder<int>(group)
+                    .stage("inc", [](int x) { return x + 1; })
+                    .stage("double", [](int x) { return 2 * x; })
+                    .build();
+  std::stop_source stopped;
+  stopped.request_stop();
+  {  // The infeed path: every request stays in the lane.
+    InfeedQueue<Request<int>> in;
+    OutfeedQueue<Response<int>> out;
+    RequestProducer<int> p(in);
+    for (int i = 0; i < 5; ++i) REQUIRE(p.push(i));
+    const StreamResult r = stream.run(in, out, stopped.get_token());
+    CHECK(r.status == StreamStatus::kCancelled);
+    CHECK(r.accepted == 0);
+    CHECK(r.answered == 0);
+    CHECK(in.size_approx(0) == 5);
+    CHECK(out.drain().empty());
+    in.close();
+    std::stop_source unused;
+    const StreamResult next = stream.run(in, out, unused.get_token());
+    CHECK(next.drained());
+    CHECK(next.answered == 5);
+  }
+  {  // Clients: what they push is answered kCancelled, not run.
+    stream.start(stopped.get_token());
+    auto client = stream.client();
+    std::uint64_t cancelled = 0;
+    for (int i = 0; i < 3; ++i) {
+      if (client.push(i)) ++cancelled;  // may be refused (kClosed) once the stop is seen
+    }
+    const StreamResult r = stream.wait();
+    CHECK(r.status == StreamStatus::kCancelled);
+    std::uint64_t seen = 0;
+    while (auto resp = client.try_pop()) {
+      REQUIRE_FALSE(resp->ok());
+      CHECK(resp->kind() == ErrorKind::kCancelled);
+      ++seen;
+    }
+    CHECK(seen == cancelled);
+  }
+  {  // During: a std::jthread's destructor stops a run that waits for requests.
+    InfeedQueue<Request<int>> in;  // never closed
+    OutfeedQueue<Response<int>> out;
+    std::optional<StreamResult> during;
+    test::Rescue guard(10s, [&] { in.close(); });  // a lost stop: drained below
+    {
+      std::jthread host([&](std::stop_token stop) { during = stream.run(in, out, stop); });
+      RequestProducer<int> p(in);
+      REQUIRE(p.push(1));
+      while (!out.try_pop()) std::this_thread::yield();  // it is serving
+    }
+    CHECK_FALSE(guard.fired());
+    REQUIRE(during.has_value());
+    CHECK(during->status == StreamStatus::kCancelled);
+  }
+  // cancel() between runs does nothing; the stream serves again.
+  stream.cancel();
+  InfeedQueue<Request<int>> in;
+  OutfeedQueue<Response<int>> out;
+  RequestProducer<int> p(in);
+  REQUIRE(p.push(1));
+  in.close();
+  CHECK(stream.run(in, out).drained());
+}
+
+TEST_CASE("a result counts the error responses delivered, not those a cancel dropped") {
+  // Issue 30: StreamResult::errors counted an error response when it was written, so one that
+  // a cancel then dropped (a one-reader outfeed full up to its spare room) still counted:
+  // errors > answered. Every request here fails (an error response), nobody reads the
+  // outfeed (a ring of 31 with 33 spare slots), and each run is cancelled once it is writing
+  // a response: the ring fills over the runs, then a run's response is dropped.
+  DeviceGroup group(1, test::kSmall);
+  auto stream = StreamBuilder<int>(group)
+                    .stage("fails", [](int) -> int { throw std::runtime_error("no"); })
+                    .build();
+  for (const bool clients : {false, true}) {
+    CAPTURE(clients);
+    InfeedQueue<Request<int>> in(InfeedConfig{1, 1024, 1});
+    OutfeedQueue<Response<int>> out(OutfeedConfig{1, OutputMode::all(), 31, ConsumerType::kSingle});
+    if (!clients) {
+      RequestProducer<int> p(in);
+      for (int i = 0; i < 1000; ++i) REQUIRE(p.push(i));
+    }
+    std::uint64_t written = 0, dropped = 0;
+    for (int run = 0; run < 100 && dropped == 0; ++run) {
+      CAPTURE(run);
+      const std::uint64_t before = stream.stats().answered;
+      std::optional<StreamClient<int, int>> client;
+      if (clients) {
+        stream.start(out);
+        client.emplace(stream.client());
+        for (int i = 0; i < 4; ++i) (void)client->push(i);
+      } else {
+        stream.start(in, out);
+      }
+      {
+        test::Rescue guard(10s, [&] { stream.cancel(); });
+        while (stream.stats().answered == before) std::this_thread::yield();  // it is writing
+        CHECK_FALSE(guard.fired());
+      }
+      stream.cancel();
+      const StreamResult r = stream.wait();
+      // Every response is an error: those counted are those that reached the outfeed.
+      CHECK(r.errors == r.answered);
+      const std::uint64_t made = stream.stats().answered - before;
+      written += made;
+      if (r.answered < made) dropped += made - r.answered;
+    }
+    CHECK(dropped > 0);  // the ring's spare room filled up: the test reached the drop
+    CHECK(out.drain().size() == written - dropped);
+  }
 }
 
 TEST_CASE("several producers under load: exactly once, in each producer's order") {

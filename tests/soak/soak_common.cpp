@@ -122,6 +122,22 @@ void check_exactly_once(const Seen& seen, std::uint64_t pushed, std::vector<std:
   CHECK(ids.size() + undelivered == pushed);
 }
 
+Stopper stopper_for(Rng& rng, const Trial& t) {
+  Stopper s;
+  if (t.fault == Fault::kCancel && rng.coin()) {
+    s.before = true;
+    s.source.request_stop();
+  }
+  return s;
+}
+
+void check_stopped_before(Trial& t, RunStatus status,
+                          const std::vector<std::uint64_t>& iterations) {
+  CHECK(status == RunStatus::kCancelled);
+  for (const std::uint64_t i : iterations) CHECK(i == 0);
+  t.outcome = "cancelled before it started (stop token)";
+}
+
 Closing closing_for(Rng& rng, const Trial& t, std::uint64_t total) {
   if (t.fault != Fault::kClose) return {total, false};
   if (rng.coin()) return {total, true};

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <mutex>
 #include <random>
+#include <stop_token>
 #include <string>
 #include <thread>
 #include <vector>
@@ -228,25 +229,39 @@ std::vector<bspflow::OutfeedEntry<T>> read_then_stop(bspflow::OutfeedQueue<T>& o
   return got;
 }
 
+// A trial's stop token: the cancel fault stops half of its runs before they start (the
+// token given to run(), stopped before the call: the run must take nothing and end
+// kCancelled), the other half once, at a random time (stop_fault). Other faults never stop it.
+struct Stopper {
+  std::stop_source source;
+  bool before = false;  // stopped before the run was started
+  std::stop_token token() const { return source.get_token(); }
+};
+Stopper stopper_for(Rng& rng, const Trial& t);
+// A run stopped before it started: kCancelled, no iteration anywhere (it took nothing; the
+// exactly-once check then finds every element processed by the second run). Names the outcome.
+void check_stopped_before(Trial& t, bspflow::RunStatus status,
+                          const std::vector<std::uint64_t>& iterations);
+
 // The cancel and reader-stops faults against a run in progress: `ended_within(d)` waits up
-// to d for the run to end and says whether it has, `cancel()` stops it. A cancel comes after a
-// random delay of up to `cancel_within`; a reader reads up to `read_at_most` entries (or until
-// the run ends by itself), stops, and the run, which cannot end by itself now, is cancelled.
-// Engine and Pipeline cancel() stop the run in progress, if any: one that comes before the run
-// has started finds none, so the cancel is repeated until the run has ended. Returns what the
-// reader read.
+// to d for the run to end and says whether it has, `cancel()` stops it (exactly once: a
+// stop token is never lost, nor a cancel() made once the run's call has begun). A cancel
+// comes after a random delay of up to `cancel_within` (none if the trial's stopper stopped
+// the run before it started); a reader reads up to `read_at_most` entries (or until the run
+// ends by itself), stops, and the run, which cannot end by itself now, is cancelled. Returns
+// what the reader read.
 template <class T, class Ended, class Cancel>
 std::vector<bspflow::OutfeedEntry<T>> stop_fault(Rng& rng, const Trial& t,
                                                  bspflow::OutfeedQueue<T>& out,
                                                  std::uint64_t cancel_within,
                                                  std::uint64_t read_at_most, Ended ended_within,
-                                                 Cancel cancel) {
-  using std::chrono::microseconds;
+                                                 Cancel cancel, const Stopper& stopper) {
   using std::chrono::milliseconds;
   std::vector<bspflow::OutfeedEntry<T>> read;
   if (t.fault == Fault::kCancel) {
+    if (stopper.before) return read;
     std::this_thread::sleep_for(micros(rng, cancel_within));
-    while (!ended_within(microseconds(200))) cancel();
+    cancel();
   } else if (t.fault == Fault::kReaderStops) {
     const std::uint64_t k = rng.in(0, read_at_most);
     std::atomic<bool> give_up{false};
@@ -257,7 +272,7 @@ std::vector<bspflow::OutfeedEntry<T>> stop_fault(Rng& rng, const Trial& t,
     });
     read = read_then_stop(out, k, give_up);
     std::this_thread::sleep_for(micros(rng, 2000));
-    while (!ended_within(milliseconds(1))) cancel();
+    cancel();
     watcher.join();
   }
   return read;

@@ -72,12 +72,16 @@ void engine_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   std::vector<Program> programs;
   for (std::uint32_t dev = 0; dev < d; ++dev)
     programs.push_back(program_for(dev, n, out, throws && dev == fail_device, with_sync));
-  auto running = std::async(std::launch::async, [&] { return engine.run(programs); });
+  // Stopped through the run's token: a cancel() before the other thread has called run()
+  // would reach no run (cancel() stops the run() call in progress only).
+  Stopper stopper = stopper_for(rng, t);
+  auto running =
+      std::async(std::launch::async, [&] { return engine.run(programs, stopper.token()); });
   const auto ended_within = [&](auto d) {
     return running.wait_for(d) == std::future_status::ready;
   };
-  const std::vector<OutfeedEntry<Tensor>> read =
-      stop_fault(rng, t, out, 3000, 12, ended_within, [&] { engine.cancel(); });
+  const std::vector<OutfeedEntry<Tensor>> read = stop_fault(
+      rng, t, out, 3000, 12, ended_within, [&] { stopper.source.request_stop(); }, stopper);
   std::optional<EngineResult> r;
   try {
     r = running.get();
@@ -88,7 +92,10 @@ void engine_trial(Rng& rng, Trial& t, DeviceGroup& group) {
     CHECK(contains(e.what(), "injected fault"));
     t.outcome = "DeviceError at the injected place";
   }
-  if (r) check_ending(t, r->status, r->message, kCountedRunEndings);
+  if (r) {
+    check_ending(t, r->status, r->message, kCountedRunEndings);
+    if (stopper.before) check_stopped_before(t, r->status, r->iterations);
+  }
   if (closer.joinable()) closer.join();
   std::vector<std::uint64_t> delivered(d, 0);
   std::vector<std::uint64_t> ids;

@@ -142,9 +142,12 @@ void loops_trial(Rng& rng, Trial& t, DeviceGroup& group) {
     ok[it.replica].fetch_add(1, std::memory_order_relaxed);
     return x;
   };
-  Run<int> run = loops::repeat_async(group, n, body, 0, in, out);
+  Stopper stopper = stopper_for(rng, t);
+  const bool by_token = stopper.before || rng.coin();  // else Run::cancel()
+  Run<int> run = loops::repeat_async(group, n, body, 0, in, out, stopper.token());
   const std::vector<OutfeedEntry<std::uint64_t>> read = stop_fault(
-      rng, t, out, 3000, 20, [&](auto d) { return run.wait_for(d); }, [&] { run.cancel(); });
+      rng, t, out, 3000, 20, [&](auto d) { return run.wait_for(d); },
+      [&] { by_token ? (void)stopper.source.request_stop() : run.cancel(); }, stopper);
   std::optional<RepeatResult<int>> r;
   try {
     r = run.get();
@@ -160,6 +163,7 @@ void loops_trial(Rng& rng, Trial& t, DeviceGroup& group) {
     check_ending(t, r->status, r->message, kCountedRunEndings);
     if (r->status == RunStatus::kEndOfData) CHECK(contains(r->message, "end of data"));
     for (std::uint32_t rep = 0; rep < d; ++rep) CHECK(r->iterations[rep] == ok[rep].load());
+    if (stopper.before) check_stopped_before(t, r->status, r->iterations);
   }
   if (closer.joinable()) closer.join();
   // What each replica produced before the fault was delivered, in order: iterations 0, 1, ...

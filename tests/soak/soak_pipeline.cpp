@@ -275,13 +275,16 @@ void pipeline_inference_trial(Rng& rng, Trial& t, DeviceGroup& group) {
       produce(in, closing.push, pushed, [](std::uint64_t i) { return micro_batch(i); });
   std::thread closer;
   if (closing.from_outside) closer = close_later(in, micros(rng, 3000));
-  auto running =
-      std::async(std::launch::async, [&] { return pipe.run(in, std::uint64_t{1} << 40, &out); });
+  // Stopped through the run's token (see engine_trial).
+  Stopper stopper = stopper_for(rng, t);
+  auto running = std::async(std::launch::async, [&] {
+    return pipe.run(in, std::uint64_t{1} << 40, &out, stopper.token());
+  });
   const auto ended_within = [&](auto d) {
     return running.wait_for(d) == std::future_status::ready;
   };
-  const std::vector<OutfeedEntry<std::vector<float>>> read =
-      stop_fault(rng, t, out, 5000, 12, ended_within, [&] { pipe.cancel(); });
+  const std::vector<OutfeedEntry<std::vector<float>>> read = stop_fault(
+      rng, t, out, 5000, 12, ended_within, [&] { stopper.source.request_stop(); }, stopper);
   std::optional<PipelineResult> r;
   bool threw = false;
   try {
@@ -300,7 +303,10 @@ void pipeline_inference_trial(Rng& rng, Trial& t, DeviceGroup& group) {
                         {{RunStatus::kCancelled, "cancelled"},
                          {RunStatus::kEndOfData, "ended (end of data) before the cancel"}},
                         {{RunStatus::kEndOfData, "end of data"}}};
-  if (r) check_ending(t, r->status, r->message, endings);
+  if (r) {
+    check_ending(t, r->status, r->message, endings);
+    if (stopper.before) check_stopped_before(t, r->status, {r->micro_batches});
+  }
   if (closer.joinable()) closer.join();
   std::vector<std::uint64_t> ids;
   for (const auto& e : read) ids.push_back(static_cast<std::uint64_t>(e.value.at(0)));
@@ -371,12 +377,14 @@ void pipeline_training_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   });
   std::thread closer;
   if (closing.from_outside) closer = close_later(in, micros(rng, 3000));
-  auto running = std::async(std::launch::async, [&] { return pipe.run(in, steps, &out); });
+  Stopper stopper = stopper_for(rng, t);  // (see engine_trial)
+  auto running =
+      std::async(std::launch::async, [&] { return pipe.run(in, steps, &out, stopper.token()); });
   const auto ended_within = [&](auto d) {
     return running.wait_for(d) == std::future_status::ready;
   };
-  const std::vector<OutfeedEntry<std::vector<float>>> read =
-      stop_fault(rng, t, out, 5000, 12, ended_within, [&] { pipe.cancel(); });
+  const std::vector<OutfeedEntry<std::vector<float>>> read = stop_fault(
+      rng, t, out, 5000, 12, ended_within, [&] { stopper.source.request_stop(); }, stopper);
   std::optional<PipelineResult> r;
   try {
     r = running.get();
@@ -392,6 +400,7 @@ void pipeline_training_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   if (closer.joinable()) closer.join();
   if (r) {
     check_ending(t, r->status, r->message, kCountedRunEndings);
+    if (stopper.before) check_stopped_before(t, r->status, {r->iterations, r->micro_batches});
     if (r->status == RunStatus::kEndOfData) {
       CHECK(r->iterations <= pushed.load() / (std::uint64_t{k} * replicas));
       CHECK(contains(r->message, "the infeed ended at step"));

@@ -134,7 +134,12 @@ void stream_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   InfeedQueue<Request<std::uint64_t>> in(InfeedConfig{.capacity = rng.in(1, 32)});
   const std::size_t out_capacity = t.fault == Fault::kReaderStops ? rng.in(1, 8) : 0;
   OutfeedQueue<Response<std::uint64_t>> out(OutfeedConfig{.capacity = out_capacity});
-  stream.start(in, out);
+  // Stopped before the start through the token, or once after it (cancel() or the token:
+  // start() has returned, so neither can be lost).
+  Stopper stopper = stopper_for(rng, t);
+  const bool by_token = stopper.before || rng.coin();
+  const auto cancel = [&] { by_token ? (void)stopper.source.request_stop() : stream.cancel(); };
+  stream.start(in, out, stopper.token());
   Seen answered(total);
   std::atomic<std::uint64_t> pushed{0};
   std::atomic<std::uint32_t> finished{0};
@@ -170,10 +175,10 @@ void stream_trial(Rng& rng, Trial& t, DeviceGroup& group) {
     });
     read = read_then_stop(out, rng.in(0, 12), give_up);
     std::this_thread::sleep_for(micros(rng, 2000));
-    stream.cancel();
-  } else if (t.fault == Fault::kCancel) {
+    cancel();
+  } else if (t.fault == Fault::kCancel && !stopper.before) {
     std::this_thread::sleep_for(micros(rng, 3000));
-    stream.cancel();
+    cancel();
   }
   std::vector<OutfeedEntry<Response<std::uint64_t>>> rest;
   if (t.fault != Fault::kReaderStops) {
@@ -217,6 +222,7 @@ void stream_trial(Rng& rng, Trial& t, DeviceGroup& group) {
        {StreamStatus::kDrained, "drained before the cancel"}},
       {{StreamStatus::kDrained, "drained after the close"}}};
   check_ending(t, r.status, r.message, endings);
+  if (stopper.before) check_stopped_before(t, r.status, {r.accepted, r.answered});
   if (t.fault == Fault::kThrow && on_error == OnError::kRespond) {
     CHECK(r.unanswered == 0);
     CHECK(errors == (fail_value < total ? 1u : 0u));

@@ -6,8 +6,10 @@
 //    4 stages on 2 devices): every element arrives once, with the right value, in each
 //    producer's order, and the checksums agree.
 // 2. Seeded fault injection: BSPFLOW_SOAK_TRIALS (default 2000) trials, each one fault (a
-//    body or stage throws at a random place, a cancel at a random time, the infeed closed
-//    mid-run, an outfeed reader that stops early) in one of loops::repeat, Engine programs,
+//    body or stage throws at a random place, a cancel (in half of these trials a stop token
+//    stopped before the run starts, which must take nothing; else one stop at a random time),
+//    the infeed closed mid-run, an outfeed reader that stops early, then one stop) in one of
+//    loops::repeat, Engine programs,
 //    Pipeline inference, Pipeline training and Streams, over 1-4 devices (4 on 2 cores). Each
 //    trial must end within a time limit (else the process aborts naming the trial) with the
 //    status and context the fault calls for; what was produced before the fault is delivered

@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,7 @@
 #include "bspflow/runtime/options.hpp"
 #include "bspflow/runtime/program.hpp"
 #include "bspflow/runtime/run.hpp"
+#include "bspflow/runtime/stall.hpp"
 #include "bspflow/runtime/trace.hpp"
 
 namespace bspflow {
@@ -42,11 +44,15 @@ struct EngineConfig : HostIO {
   std::uint64_t seed = 0;                                       // for kRandomNormal
   bool trace = false;      // record a trace (also on if BSPFLOW_TRACE is set)
   std::string trace_path;  // write it here after each run (BSPFLOW_TRACE=FILE)
+  // When no device moves while every device still running waits (an infeed, an outfeed, a
+  // Sync), for stall.limit: the run logs what each waits for; with OnStall::kFail it also
+  // ends and run() throws StallError (see bspflow/runtime/stall.hpp). 0 = no check.
+  StallCheck stall;
 
   // The old spelling of options.engine_config(); kept so older code compiles.
   static EngineConfig from(const Options& options);
-  // Field ranges (HostIO::validate, the device link); throws bspflow::Error naming the
-  // field, the value and what is allowed.
+  // Field ranges (HostIO::validate, the device link, the stall check); throws
+  // bspflow::Error naming the field, the value and what is allowed.
   void validate() const;
 };
 
@@ -57,6 +63,11 @@ struct EngineResult : RunResult {
   // Each device's modeled clock at its end (RunResult::modeled is the slowest's).
   std::vector<ModeledTime> modeled_by_device;
 };
+
+class Engine;
+namespace detail {
+void name_runs(Engine& engine, std::string name, std::vector<WatchedDevice> devices);
+}  // namespace detail
 
 class Engine {
  public:
@@ -69,10 +80,14 @@ class Engine {
 
   // Host thread. Runs programs[d] on device d (or one program on every device), blocks
   // until all have ended. Checks the programs first: I/O tiles must hold the largest
-  // host->device micro-batch, sync groups must match the devices using them, buffers must
-  // be on the device that runs them (throws bspflow::Error with a suggestion). A vertex or
+  // host->device micro-batch, sync groups must match the devices using them, an AllReduce's
+  // replicas its sync group's size, buffers must
+  // be on the device that runs them (throws bspflow::Error with a suggestion); a run refused
+  // while it sets up (a lane already has a reader, an outfeed is attached to another run, an
+  // arena too full for the I/O tiles) gives back every lane and byte it took. A vertex or
   // codelet exception stops every device and is thrown as DeviceError (device, replica,
-  // iteration); every thread is left idle.
+  // iteration); every thread is left idle. A run that stalls with OnStall::kFail
+  // (EngineConfig::stall) throws StallError once every device has stopped.
   EngineResult run(const std::vector<Program>& programs);
   EngineResult run(const Program& program);
   // Like run(programs), for codelets that wait on something of their own: `wake` (any
@@ -87,9 +102,22 @@ class Engine {
   // exception is rethrown.
   EngineResult run(const std::vector<Program>& programs, std::function<void()> wake,
                    const std::function<void(const StopFlag&)>& host);
+  // Host thread. Each like the overload without `stop`; the run also stops when `stop` is
+  // requested: before the call, while the run is set up, or while the devices run (as
+  // cancel() does). Stopped before any device started, it returns kCancelled with 0
+  // iterations and takes nothing from any infeed. Blocks until every device has ended.
+  // Allocates. Throws what the overload without `stop` throws. (`wake` and `host` may be
+  // null.)
+  EngineResult run(const std::vector<Program>& programs, std::stop_token stop);
+  EngineResult run(const Program& program, std::stop_token stop);
+  EngineResult run(const std::vector<Program>& programs, std::function<void()> wake,
+                   const std::function<void(const StopFlag&)>& host, std::stop_token stop);
 
-  // Any thread. Stops the current run (if any) at each device's next Repeat trip or wait;
-  // run() then returns RunStatus::kCancelled. Never blocks for long, never throws.
+  // Any thread. Stops the run of the run() call in progress, from the moment run() is called
+  // until it returns (a cancel() while the run is set up is never lost), at each device's
+  // next Repeat trip or wait; run() then returns RunStatus::kCancelled. Between runs it does
+  // nothing: to stop a run that may not have started yet, give run() a std::stop_token.
+  // Never blocks for long, never throws.
   void cancel() noexcept;
 
   // The last run's trace (nullptr when tracing is off or before the first run).
@@ -110,6 +138,7 @@ class Engine {
                                                        const DeviceConfig& config);
 
  private:
+  friend void detail::name_runs(Engine&, std::string, std::vector<detail::WatchedDevice>);
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
@@ -125,6 +154,10 @@ void run_on_device(Device& device, std::uint32_t replica, const Program& program
 // program's loops without delivering and reports the replica's end.
 void abandon_on_device(Device& device, std::uint32_t replica, const Program& program,
                        RunControl& control) noexcept;
+// Host thread, between runs: how the engine's stall reports name its runs and its devices
+// (a Pipeline's: "Pipeline::run", "stage 1 of replica 0"); by default "Engine::run" and
+// "replica d". Allocates.
+void name_runs(Engine& engine, std::string name, std::vector<WatchedDevice> devices);
 }  // namespace detail
 
 }  // namespace bspflow

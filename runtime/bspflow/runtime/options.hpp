@@ -19,6 +19,7 @@
 // describe() allocates (and a throw, for its message).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -31,6 +32,7 @@
 #include "bspflow/feeds/outfeed_queue.hpp"
 #include "bspflow/feeds/output_mode.hpp"
 #include "bspflow/runtime/memory.hpp"
+#include "bspflow/runtime/stall.hpp"
 
 namespace bspflow {
 
@@ -138,6 +140,19 @@ class Options {
   Options& pin_devices(bool on) noexcept { return pin(on); }
   bool pin_devices() const noexcept { return pin_; }
 
+  // When a run cannot make progress (StallCheck, bspflow/runtime/stall.hpp): how long every
+  // running device may wait with none moving before the run says what each waits for
+  // (0: no check; else kMinRunStallLimit..kMaxRunStallLimit, 1 ms..24 h; default 30 s), and
+  // whether it then ends with StallError (OnStall::kFail) or only logs (kLog, the default).
+  // stall_limit throws what StallCheck::validate() throws; on_stall never throws.
+  // engine_config() and pipeline_config() take both; a loop takes the Options (or their
+  // stall_check()) as a feed.
+  Options& stall_limit(std::chrono::nanoseconds limit);
+  std::chrono::nanoseconds stall_limit() const noexcept { return stall_.limit; }
+  Options& on_stall(OnStall action) noexcept;
+  OnStall on_stall() const noexcept { return stall_.on_stall; }
+  const StallCheck& stall_check() const noexcept { return stall_; }
+
   // Any thread. Cross-option rules (io_tiles below tiles, infeed_capacity >=
   // prefetch_depth, a bounded outfeed_capacity with consumer_type kSingle). Never blocks,
   // never allocates. Throws bspflow::Error naming the field, the value and what is allowed.
@@ -156,8 +171,10 @@ class Options {
   //   device_config():   tiles, bytes_per_tile, pin, device_model
   //   host_io():         host_link, io_tiles, prefetch_depth, synthetic_data (a loop's
   //                      LoopConfig; the host side of the two below)
-  //   engine_config():   host_io(), device_link (synthetic data generated as random normal)
-  //   pipeline_config(): host_io(), device_link, replicas, gradient_accumulation, precision
+  //   engine_config():   host_io(), device_link (synthetic data generated as random normal),
+  //                      the stall check
+  //   pipeline_config(): host_io(), device_link, replicas, gradient_accumulation, precision,
+  //                      the stall check
   // Every other field of a config keeps its default: set it on the config.
   InfeedConfig infeed_config() const;
   OutfeedConfig outfeed_config() const;
@@ -186,6 +203,7 @@ class Options {
   Precision precision_{};
   DeviceModel device_model_{};
   LinkModel device_link_ = LinkModel::device();
+  StallCheck stall_{};
 };
 
 }  // namespace bspflow

@@ -49,6 +49,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -61,6 +62,7 @@
 #include "bspflow/runtime/memory.hpp"
 #include "bspflow/runtime/options.hpp"
 #include "bspflow/runtime/run.hpp"
+#include "bspflow/runtime/stall.hpp"
 #include "bspflow/runtime/trace.hpp"
 
 namespace bspflow {
@@ -209,7 +211,10 @@ using StageFactory = std::function<StageList(std::uint32_t replica)>;
 // outfeed, without link time.
 struct PipelineConfig : HostIO {
   ExecutionStrategy strategy = ExecutionStrategy::kPipelined;
-  PipelineSchedule schedule = PipelineSchedule::kGrouped;  // sharded, single: Sequential
+  // Unset (the default): each strategy's own, Grouped for pipelined and Sequential for sharded
+  // and single (which run one stage at a time). Sharded and single over several stages take
+  // only Sequential: another schedule is refused, since they cannot honour it.
+  std::optional<PipelineSchedule> schedule;
   SyncMode sync = SyncMode::kBsp;
   // K: micro-batches per step; >= min_gradient_accumulation(stages).
   std::uint32_t gradient_accumulation = 1;
@@ -232,6 +237,12 @@ struct PipelineConfig : HostIO {
   // Activations and gradients between devices; the Engine validates both links.
   LinkModel device_link = LinkModel::device();
   bool trace = false;  // also on with BSPFLOW_TRACE=FILE
+  // When no device moves while every device still running waits (stage 0 for the infeed,
+  // the last stage for outfeed room, a stage for its neighbour or a sync), for stall.limit:
+  // the run logs what each waits for; with OnStall::kFail it also ends (as after cancel())
+  // and run() throws StallError (see bspflow/runtime/stall.hpp). 0 = no check. A serving
+  // run idle on an open infeed counts as stalled: set 0, or a limit past your idle spells.
+  StallCheck stall;
   // Training over several instances (processes launched by mpirun; see instance.hpp):
   // `replicas` is this instance's local replicas (InstanceLayout::local_replicas), and the
   // gradients are reduced in two levels, over the local replicas in process and then across
@@ -262,8 +273,9 @@ struct PipelineConfig : HostIO {
   // Any thread. Devices one replica's stages use: single 1; else the device mapping's
   // last entry + 1 (without one: stages). Never blocks, never allocates, never throws.
   std::uint32_t devices_per_replica(std::uint32_t stages) const;
-  // Any thread. The schedule actually used (sharded and single: Sequential). Never blocks,
-  // never allocates, never throws.
+  // Any thread. The schedule the pipeline runs: `schedule`, or when unset Grouped for
+  // pipelined and Sequential for sharded and single. Never blocks, never allocates, never
+  // throws.
   PipelineSchedule effective_schedule() const;
   // Any thread. The smallest gradient accumulation for which the schedule reaches a steady
   // state where every stage is busy in a cycle: Grouped 2N-1, Interleaved N, Sequential 1
@@ -273,11 +285,10 @@ struct PipelineConfig : HostIO {
   // Any thread. Never blocks, never allocates. Throws bspflow::Error naming the field, the
   // value and what is allowed (or the fields that conflict: stages 0, replicas 0, a bad
   // precision, what the Engine refuses (odd io_tiles, prefetch_depth outside 1..255, a bad
-  // link), a device mapping of the wrong
-  // length, not starting at 0, skipping or going back, or with strategy single or dataflow
-  // sync, K below
-  // min_gradient_accumulation, Interleaved with single over several stages, dataflow
-  // without pipelined).
+  // link), a device mapping of the wrong length, not starting at 0, skipping or going back,
+  // or with strategy single or dataflow sync, K below min_gradient_accumulation, a schedule
+  // other than Sequential with sharded or single over several stages, dataflow without
+  // pipelined).
   void validate(std::uint32_t stages) const;
 };
 
@@ -371,16 +382,19 @@ class Pipeline {
   // iteration = step x K + i). Blocks until every device has stopped, so the infeed must
   // already hold the micro-batches (or be closed) or be fed by another thread, and a
   // bounded outfeed must be read by another thread or hold every entry (nothing here
-  // reads it, and nothing checks). Allocates (the compiled programs; with an outfeed, one
-  // vector per micro-batch). Throws, before anything runs, bspflow::Error if the infeed
-  // or outfeed replica count differs from the config's replicas, an infeed lane already
-  // has a reader or the outfeed is already attached to a run. A stage exception is thrown
-  // as StageError (stage, device, replica, step, micro-batch) after every device has
-  // stopped; any other device failure as DeviceError. An infeed that ends mid-run ends it
-  // with kEndOfData; a step cut short is not applied (the message says how many
-  // micro-batches it dropped). cancel() ends it with kCancelled.
-  // Distributed training (PipelineConfig::distributed, several instances): a collective.
-  // Every instance must call run with the same device_iterations (else every instance
+  // reads it, and nothing checks). A stopped run (cancel(), the stop token, a failure)
+  // never waits for that reader: the answers the last stage still holds go in past the
+  // bound (or, with one reader and its spare room full, are dropped and counted in the
+  // message), and a stop requested while run() waits at the end for room ends that wait. Allocates
+  // (the compiled programs; with an outfeed, one vector per micro-batch). Throws, before anything
+  // runs, bspflow::Error if the infeed or outfeed replica count differs from the config's replicas,
+  // an infeed lane already has a reader or the outfeed is already attached to a run (having let go
+  // of every lane it had claimed: the next run may take them). A stage exception is thrown as
+  // StageError (stage, device, replica, step, micro-batch) after every device has stopped; any
+  // other device failure as DeviceError. An infeed that ends mid-run ends it with kEndOfData; a
+  // step cut short is not applied (the message says how many micro-batches it dropped). cancel()
+  // ends it with kCancelled. Distributed training (PipelineConfig::distributed, several instances):
+  // a collective. Every instance must call run with the same device_iterations (else every instance
   // throws bspflow::Error saying so). A step is applied in every instance or in none: when
   // one instance stops (end of data, cancel, a stage exception) every instance stops at the
   // same step boundary and `iterations` is the same everywhere. The instance whose stage
@@ -401,9 +415,20 @@ class Pipeline {
   // for the next run; the one a stage threw on does not (the error names it).
   PipelineResult run(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
                      OutfeedQueue<std::vector<float>>* outfeed = nullptr);
+  // Host thread. Like run(infeed, device_iterations, outfeed); the run also stops when
+  // `stop` is requested: before the call, while the run is set up, or while the devices run
+  // (as cancel() does). Stopped before any device started, it returns kCancelled having
+  // taken nothing from the infeed (0 iterations, 0 micro-batches). Blocks, allocates and
+  // throws as that overload does. (Distributed: a stop in one instance stops them all at
+  // the same step boundary, as cancel() does.)
+  PipelineResult run(InfeedQueue<Batch>& infeed, std::uint64_t device_iterations,
+                     OutfeedQueue<std::vector<float>>* outfeed, std::stop_token stop);
 
-  // Any thread: stops the run in progress, if any (run() returns kCancelled). Never blocks
-  // for long, never throws.
+  // Any thread. Stops the run of the run() call in progress, from the moment run() is called
+  // until it returns (a cancel() while the run is set up is never lost); run() returns
+  // kCancelled (inference: the micro-batches in flight go back to the infeed). Between runs
+  // it does nothing: to stop a run that may not have started yet, give run() a
+  // std::stop_token. Never blocks for long, never throws.
   void cancel() noexcept;
 
   // Any thread. Never blocks, never allocates, never throws.

@@ -142,7 +142,10 @@ struct RemoteCopy {
 // them (between two Syncs of their group, so no one reads a peer's gradients early): the
 // device takes the device link's modeled time for a ring all-reduce of the bytes `bytes`
 // returns, its own contribution (LinkModel::ring_allreduce). The summing itself is an
-// Execute before it. Exchange in the trace, labelled `name`.
+// Execute before it. Exchange in the trace, labelled `name`. `replicas` must be the size of
+// the group of the Sync it runs after (or, with none before it, the first Sync after it):
+// Engine::run refuses another count before anything runs. Without any Sync it is modelled
+// time alone.
 struct AllReduce {
   AllReduce(std::string name, std::uint32_t replicas,
             std::function<std::size_t(const ComputeContext&)> bytes);

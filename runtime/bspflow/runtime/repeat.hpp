@@ -11,7 +11,13 @@
 //
 // One signature: repeat(devices, n, body, init, feeds...) and the same for repeat_async,
 // where feeds are what the loop uses, each at most once, in any order: an InfeedQueue<In>&,
-// an OutfeedQueue<Out>&, and a const HostIO& (its LoopConfig: the modeled host link).
+// an OutfeedQueue<Out>&, a const HostIO& (its LoopConfig: the modeled host link), and a
+// std::stop_token. The token stops the loop when its stop is requested, as Run::cancel()
+// does: requested before the call (or while it sets up), no replica takes anything from the
+// infeed and the loop ends kCancelled with 0 iterations; later, at each replica's next
+// iteration or wait. repeat_async's Run watches it until get() has returned or the handle
+// is destroyed; repeat() until it returns (std::jthread's token gives a loop on that thread
+// its shutdown for free).
 //
 // The body is called as body(State&, In&) with an infeed, body(State&) without one, each
 // optionally with a trailing `const Iteration&`. With an outfeed its return value is the
@@ -98,10 +104,11 @@ Run<State> repeat_async(DeviceList devices, std::uint64_t n, Body body, State in
 // enough elements (or be closed) or be fed by another thread. Allocates (as
 // repeat_async). Throws what repeat_async throws, and, before anything runs (with an
 // outfeed), bspflow::Error if a bounded outfeed's capacity is below the entries this run
-// delivers (nothing reads it until the call returns: use repeat_async and read while it
-// runs, or capacity 0); then what Run::get() throws: DeviceError (device, replica,
-// iteration, cause) if a replica's body threw. Returns the RepeatResult: kCompleted,
-// kEndOfData or kCancelled (a device destroyed mid-run).
+// delivers plus those already in it (an earlier run's, unread; with ConsumerType::kSingle
+// the fullest replica's ring) — nothing reads it until the call returns: read it first, use
+// repeat_async and read while it runs, or capacity 0; then what Run::get() throws: DeviceError
+// (device, replica, iteration, cause) if a replica's body threw. Returns the RepeatResult:
+// kCompleted, kEndOfData or kCancelled (a device destroyed mid-run).
 template <class State, class Body, class... Feeds>
 RepeatResult<State> repeat(DeviceList devices, std::uint64_t n, Body body, State init,
                            Feeds&&... feeds) {

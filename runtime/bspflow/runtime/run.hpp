@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <stop_token>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,7 @@ class Run {
     if (this != &o) {
       stop_and_wait();
       state_ = std::move(o.state_);
+      on_stop_ = std::move(o.on_stop_);
     }
     return *this;
   }
@@ -86,7 +88,8 @@ class Run {
   }
   // Any thread. Stops the loop at each replica's next iteration or wait (a replica it
   // stops ends as kCancelled). Idempotent; a no-op on an empty handle or after the end.
-  // Never blocks for long, never throws.
+  // (A std::stop_token given to loops::repeat_async as a feed does the same when stopped,
+  // as long as the handle lives.) Never blocks for long, never throws.
   void cancel() noexcept {
     if (state_) state_->control.cancel();
   }
@@ -99,11 +102,13 @@ class Run {
   // I/O; a write failure is logged, not thrown).
   RepeatResult<State> get() {
     auto s = std::move(state_);
+    auto on_stop = std::move(on_stop_);
     if (!s)
       throw Error(
           "Run::get() on an empty Run: it was default-constructed, moved from, or get() was "
           "already called");
     s->control.wait();
+    on_stop.reset();  // after the end: a stop requested while get() waited still landed
     RepeatResult<State> r;
     r.status = s->control.finish(r.iterations, r.message);
     r.requested = s->control.requested();
@@ -127,7 +132,9 @@ class Run {
  private:
   friend struct detail::RunAccess;
   // What loops::repeat_async returns (through detail::RunAccess).
-  explicit Run(std::shared_ptr<detail::RunState<State>> s) noexcept : state_(std::move(s)) {}
+  Run(std::shared_ptr<detail::RunState<State>> s,
+      std::unique_ptr<std::stop_callback<detail::CancelRun>> on_stop) noexcept
+      : state_(std::move(s)), on_stop_(std::move(on_stop)) {}
   detail::RunState<State>& checked() const {
     if (!state_)
       throw Error(
@@ -141,9 +148,13 @@ class Run {
       state_->control.cancel();
       state_->control.wait();
     }
+    on_stop_.reset();  // before the state it points into
     state_.reset();
   }
   std::shared_ptr<detail::RunState<State>> state_;
+  // The loop's std::stop_token feed, watched until the loop's end is read (get()) or the
+  // handle lets go (null: none). Points into *state_: reset before it.
+  std::unique_ptr<std::stop_callback<detail::CancelRun>> on_stop_;
 };
 
 }  // namespace bspflow

@@ -54,6 +54,7 @@
 #include <functional>
 #include <memory>
 #include <span>
+#include <stop_token>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -91,49 +92,34 @@ class Stream {
     intake_->detach();
   }
 
+  // Every start takes an optional std::stop_token: it is watched from the start() call until
+  // wait() returns, and a stop requested before start(), or any time until then, cancels the
+  // run as cancel() does (stopped before the devices start: nothing is taken from the infeed
+  // and no request runs; StreamClient requests are answered kCancelled).
+
   // Host thread. Serves StreamClients: each pops its own responses. Returns at once.
   // Throws bspflow::Error if a run is in progress.
-  void start() { start_clients(detail::ServeMode::kClients, nullptr); }
+  void start(std::stop_token stop = {}) {
+    start_clients(detail::ServeMode::kClients, nullptr, std::move(stop));
+  }
   // Host thread. Serves StreamClients; every response goes to `outfeed` (one replica,
   // OutputMode::all()), each client's in its push order unless Ordering::kNone.
-  void start(OutfeedQueue<Response<Out>>& outfeed) {
+  void start(OutfeedQueue<Response<Out>>& outfeed, std::stop_token stop = {}) {
     check_outfeed(outfeed);
-    start_clients(detail::ServeMode::kSharedOutfeed, &outfeed);
+    start_clients(detail::ServeMode::kSharedOutfeed, &outfeed, std::move(stop));
   }
   // Host thread. Serves an InfeedQueue of Requests (RequestProducers): one replica only.
   // Throws bspflow::Error if a run is in progress, the stream has replicas, the infeed does
   // not have exactly one lane or already has a reader, or the outfeed is not OutputMode::all()
   // with one replica or is attached to another run. Allocates (prefetch buffer).
-  void start(InfeedQueue<Request<In>>& infeed, OutfeedQueue<Response<Out>>& outfeed) {
+  void start(InfeedQueue<Request<In>>& infeed, OutfeedQueue<Response<Out>>& outfeed,
+             std::stop_token stop = {}) {
     if (core_->running()) throw Error("Stream::start: a run is in progress; wait() for it first");
-    if (core_->replicas != 1) {
-      detail::throw_bad_value("Stream::start(infeed, outfeed) with replicas", core_->replicas,
-                              "1: a replicated stream serves StreamClients (stream.client(), "
-                              "then start() or start(outfeed))");
-    }
-    if (infeed.replicas() != 1) {
-      detail::throw_bad_value("stream infeed replicas", infeed.replicas(),
-                              "a stream reads one lane: use InfeedConfig{.replicas = 1}");
-    }
-    check_outfeed(outfeed);
-    sources_[0]->attach(infeed.reader(0));
+    core_->open_run(std::move(stop));
     try {
-      auto writers = outfeed.begin_run();
-      sinks_[0]->attach(std::move(writers.front()));
+      start_infeed(infeed, outfeed);
     } catch (...) {
-      sources_[0]->detach();
-      throw;
-    }
-    begin_ends(detail::ServeMode::kInfeed);
-    responder_->begin(detail::ServeMode::kInfeed, nullptr, 0);
-    try {
-      core_->start(detail::ServeMode::kInfeed, [in = &infeed, out = &outfeed] {
-        in->wake_all();
-        out->wake_all();
-      });
-    } catch (...) {  // a device refused its job: let go of the feeds
-      sources_[0]->detach();
-      sinks_[0]->abandon();
+      core_->close_run();
       throw;
     }
   }
@@ -171,17 +157,24 @@ class Stream {
       answered += sink->delivered();
       errors += sink->errors();
     }
+    // Handed to a shared outfeed that then dropped them (a stop found it full): not answered.
+    answered -= responder_->dropped();
+    errors -= responder_->dropped_errors();
     return core_->finish(accepted, answered, errors, refused_at_start_);
   }
 
-  // Host thread: start() then wait().
-  StreamResult run(InfeedQueue<Request<In>>& infeed, OutfeedQueue<Response<Out>>& outfeed) {
-    start(infeed, outfeed);
+  // Host thread: start(infeed, outfeed, stop) then wait().
+  StreamResult run(InfeedQueue<Request<In>>& infeed, OutfeedQueue<Response<Out>>& outfeed,
+                   std::stop_token stop = {}) {
+    start(infeed, outfeed, std::move(stop));
     return wait();
   }
 
-  // Any thread. Stops the run in progress at once (StreamClient requests are answered
-  // kCancelled; infeed requests in flight are not answered). Never blocks, never throws.
+  // Any thread. Stops the run of the start() call made last, from that call until wait()
+  // returns, at once (StreamClient requests are answered kCancelled; infeed requests in
+  // flight are not answered). Between runs (before start(), after wait()) it does nothing:
+  // to stop a run that may not have started yet, give start() a std::stop_token. Never
+  // blocks for long, never throws.
   void cancel() noexcept { core_->cancel(); }
 
   // Any thread, any time. Histograms, counts and depths since the Stream was built.
@@ -226,6 +219,40 @@ class Stream {
     }
   }
 
+  // start(infeed, outfeed)'s work once the run is open.
+  void start_infeed(InfeedQueue<Request<In>>& infeed, OutfeedQueue<Response<Out>>& outfeed) {
+    if (core_->replicas != 1) {
+      detail::throw_bad_value("Stream::start(infeed, outfeed) with replicas", core_->replicas,
+                              "1: a replicated stream serves StreamClients (stream.client(), "
+                              "then start() or start(outfeed))");
+    }
+    if (infeed.replicas() != 1) {
+      detail::throw_bad_value("stream infeed replicas", infeed.replicas(),
+                              "a stream reads one lane: use InfeedConfig{.replicas = 1}");
+    }
+    check_outfeed(outfeed);
+    sources_[0]->attach(infeed.reader(0));
+    try {
+      auto writers = outfeed.begin_run();
+      sinks_[0]->attach(std::move(writers.front()));
+    } catch (...) {
+      sources_[0]->detach();
+      throw;
+    }
+    begin_ends(detail::ServeMode::kInfeed);
+    responder_->begin(detail::ServeMode::kInfeed, nullptr, 0);
+    try {
+      core_->start(detail::ServeMode::kInfeed, [in = &infeed, out = &outfeed] {
+        in->wake_all();
+        out->wake_all();
+      });
+    } catch (...) {  // a device refused its job: let go of the feeds
+      sources_[0]->detach();
+      sinks_[0]->abandon();
+      throw;
+    }
+  }
+
   void begin_ends(detail::ServeMode mode) {
     refused_at_start_ = core_->refused_total();
     const bool timing = core_->timing();
@@ -235,8 +262,18 @@ class Stream {
     }
   }
 
-  void start_clients(detail::ServeMode mode, OutfeedQueue<Response<Out>>* outfeed) {
+  void start_clients(detail::ServeMode mode, OutfeedQueue<Response<Out>>* outfeed,
+                     std::stop_token stop) {
     if (core_->running()) throw Error("Stream::start: a run is in progress; wait() for it first");
+    core_->open_run(std::move(stop));
+    try {
+      open_clients(mode, outfeed);
+    } catch (...) {
+      core_->close_run();
+      throw;
+    }
+  }
+  void open_clients(detail::ServeMode mode, OutfeedQueue<Response<Out>>* outfeed) {
     // Everything a request can be in between admission and delivery bounds the reorder window.
     const std::size_t window = core_->config.admission.max_queued +
                                (core_->segments.size() + core_->replicas) *

@@ -77,7 +77,7 @@ struct StreamConfig {
 struct StreamResult : RunResult {
   std::uint64_t accepted = 0;    // requests the stream took (off the infeed, or admitted)
   std::uint64_t answered = 0;    // responses delivered (errors included)
-  std::uint64_t errors = 0;      // of those, RequestErrors (every kind)
+  std::uint64_t errors = 0;      // of those, RequestErrors (every kind; none a stop dropped)
   std::uint64_t unanswered = 0;  // accepted - answered: cut short by cancel or fail-fast
   std::uint64_t refused = 0;     // StreamClient pushes refused (nothing queued; not accepted)
   std::shared_ptr<const RequestError> failure{};  // kFailed: the error that stopped it

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "bspflow/base/detail/wait.hpp"
+#include "bspflow/base/detail/wait_note.hpp"
 #include "bspflow/base/spin.hpp"
 #include "bspflow/base/stop_flag.hpp"
 #include "bspflow/base/tunables.hpp"
@@ -43,6 +44,12 @@ class SyncGroup {
     aborted_.store(false, std::memory_order_relaxed);
   }
   std::uint32_t participants() const noexcept { return participants_; }
+  // Any thread: participants arrived in the current round (approximate while they arrive).
+  // Never blocks, never throws.
+  std::uint32_t arrived() const noexcept {
+    // relaxed: a moment's view, for reports.
+    return static_cast<std::uint32_t>(state_.load(std::memory_order_relaxed) & kCountMask);
+  }
 
  private:
   static constexpr std::uint64_t kCountMask = 0xffff'ffffu;  // low half: arrivals this round
@@ -56,6 +63,7 @@ class SyncGroup {
   // bits order as the double), on state_'s line: written just before each arrival.
   std::atomic<std::int64_t> modeled_[2] = {};
   detail::WaitPoint point_;
+  detail::WaitSite site_;  // what a device waiting here waits for (a run's stall check)
 };
 
 }  // namespace bspflow

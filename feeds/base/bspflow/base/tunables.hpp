@@ -77,4 +77,13 @@ inline constexpr std::chrono::nanoseconds kDeviceSharedSpinBudget{50'000};
 // yield instead and park after kSpinBudget.
 inline constexpr std::chrono::nanoseconds kSyncSpinBudget{1'000'000};
 
+// A run's stall check (StallCheck::limit, runtime/stall.hpp): how long every running device
+// of a loop, Engine or Pipeline run may wait with none of them moving before the run says
+// so. 30 s by default (long enough that a producer that is only slow is not taken for a
+// hang; a serving Pipeline idle on an open infeed says so once per run); 0 turns it off.
+// The monitor looks at a run every limit / 4, clamped to 1 ms..1 s.
+inline constexpr std::chrono::nanoseconds kDefaultRunStallLimit{30'000'000'000};
+inline constexpr std::chrono::nanoseconds kMinRunStallLimit{1'000'000};
+inline constexpr std::chrono::nanoseconds kMaxRunStallLimit{86'400'000'000'000};
+
 }  // namespace bspflow::tunables

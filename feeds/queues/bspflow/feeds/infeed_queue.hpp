@@ -31,9 +31,11 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "bspflow/base/detail/wait_note.hpp"
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/stop_flag.hpp"
 #include "bspflow/base/tunables.hpp"
@@ -70,6 +72,13 @@ class InfeedQueue {
     lanes_.reserve(config_.replicas);
     for (std::uint32_t r = 0; r < config_.replicas; ++r) {
       lanes_.push_back(std::make_unique<LaneSlot>(config_.capacity, single()));
+      lanes_.back()->site = {
+          detail::WaitKind::kInfeed, "an element of the infeed's lane " + std::to_string(r),
+          [this, r] {
+            const std::size_t n = size_approx(r);
+            return (n == 0 ? std::string("empty") : std::to_string(n) + " queued") +
+                   (closed() ? ", closed" : ", not closed");
+          }};
     }
   }
   InfeedQueue(const InfeedQueue&) = delete;
@@ -198,8 +207,7 @@ class InfeedQueue {
     // waiting as `policy` says (null: spin, then park). Returns false at end of data (closed
     // and drained: end_of_data() is then true) or when `stop` is set.
     bool pop(T& out, const StopFlag* stop = nullptr, const WaitPolicy* policy = nullptr) {
-      if (pos_ == count_ && !refilled_from_carry() &&
-          !refilled(lane_->pop_bulk(buffer_.data(), buffer_.size(), stop, policy))) {
+      if (pos_ == count_ && !refilled_from_carry() && !refilled(wait_for_more(stop, policy))) {
         end_of_data_ = lane_->drained();
         return false;
       }
@@ -224,6 +232,12 @@ class InfeedQueue {
 
    private:
     friend class InfeedQueue;
+    // pop()'s slow path: the prefetch buffer is empty, so the device waits on the lane (its
+    // stall check's record says so while it does).
+    std::size_t wait_for_more(const StopFlag* stop, const WaitPolicy* policy) {
+      const detail::WaitMark mark(&lane_->site);
+      return lane_->pop_bulk(buffer_.data(), buffer_.size(), stop, policy);
+    }
     // The prefetch buffer now holds n fresh elements; false if n is 0.
     bool refilled(std::size_t n) noexcept {
       count_ = n;
@@ -334,6 +348,7 @@ class InfeedQueue {
     std::optional<Lane> mpmc;
     std::optional<typename Lane::ConsumerToken> consumer;  // used by the lane's one active Reader
     std::atomic<bool> reader_active{false};
+    detail::WaitSite site;  // what a device waiting on this lane waits for
     // Taken off the lane by an earlier Reader and not handed out: the next Reader serves
     // these first. Touched only by the active Reader (handed over through reader_active).
     std::deque<T> carry;

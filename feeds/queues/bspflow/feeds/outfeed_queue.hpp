@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "bspflow/base/detail/wait_note.hpp"
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/stop_flag.hpp"
 #include "bspflow/base/tunables.hpp"
@@ -122,6 +123,17 @@ class OutfeedQueue {
           "OutputMode sum() needs an outfeed type with += or an array/vector of "
           "elements with +=; this type has neither (use all(), final() or every_n)");
     }
+    // What a device waiting for room waits for (its stall check's record), per replica.
+    room_sites_.reserve(config_.replicas);
+    for (std::uint32_t r = 0; r < config_.replicas; ++r) {
+      room_sites_.push_back({detail::WaitKind::kOutfeed,
+                             single() ? "room in the outfeed's ring of replica " + std::to_string(r)
+                                      : std::string("room in the outfeed"),
+                             [this, r] {
+                               return std::to_string(size_approx(r)) + " of " +
+                                      std::to_string(capacity()) + " entries";
+                             }});
+    }
     // No run attached yet: reading now ends at once instead of hanging.
     if (single()) {
       lanes_.reserve(config_.replicas);
@@ -203,11 +215,20 @@ class OutfeedQueue {
 
   // A run is attached and at least one of its replicas has not finished.
   bool running() const noexcept { return active_writers_.load(std::memory_order_acquire) != 0; }
+  // Any thread. Entries handed to the host and not yet read, all replicas. Approximate while a
+  // run writes or a host thread reads. Never blocks, never allocates, never throws.
   std::size_t size_approx() const noexcept {
     if (queue_) return queue_->size_approx();
     std::size_t n = 0;
     for (const auto& lane : lanes_) n += lane->size_approx();
     return n;
+  }
+  // Any thread. What counts against the capacity for `replica`'s writes: with
+  // ConsumerType::kSingle the entries in that replica's ring, with kMulti in the whole shared
+  // queue (as size_approx()). Approximate while a run writes or a host thread reads. Never
+  // blocks, never allocates, never throws; replica < replicas() (kSingle).
+  std::size_t size_approx(std::uint32_t replica) const noexcept {
+    return queue_ ? queue_->size_approx() : lanes_[replica]->size_approx();
   }
 
   // ---- device side ----
@@ -219,7 +240,7 @@ class OutfeedQueue {
         : q_(std::exchange(o.q_, nullptr)), replica_(o.replica_), lane_(o.lane_),
           token_(std::move(o.token_)), staged_(std::move(o.staged_)), dropped_(o.dropped_),
           last_check_(o.last_check_), since_check_(o.since_check_), check_every_(o.check_every_),
-          held_(std::move(o.held_)) {}
+          held_(std::move(o.held_)), graveyard_(o.graveyard_) {}
     Writer& operator=(Writer&&) = delete;
     ~Writer() {
       if (q_ != nullptr) finish(false);
@@ -267,9 +288,10 @@ class OutfeedQueue {
     bool flush(const StopFlag* stop = nullptr) {
       if (staged_.empty()) return true;
       const std::size_t n = staged_.size();
-      const std::size_t pushed = lane_ != nullptr
-                                     ? lane_->push_bulk(staged_.begin(), n, stop)
-                                     : q_->queue_->push_bulk(*token_, staged_.begin(), n, stop);
+      const detail::WaitSite* site = &q_->room_sites_[replica_];
+      const std::size_t pushed =
+          lane_ != nullptr ? lane_->push_bulk(staged_.begin(), n, stop, site)
+                           : q_->queue_->push_bulk(*token_, staged_.begin(), n, stop, site);
       if (pushed != n) [[unlikely]]
         return keep_stopped(pushed) == n;
       staged_.clear();
@@ -280,6 +302,13 @@ class OutfeedQueue {
     // found the outfeed full and its spare room (kStoppedSpare) too (a reader that stopped
     // for several runs in a row). Never blocks.
     std::uint64_t dropped() const noexcept { return dropped_; }
+    // Device thread (the writer's user). From now on the entries this writer drops (see
+    // dropped()) are moved into `*to`, in the order written, instead of being destroyed, so
+    // the caller can tell which ones they were (a stream counts the error responses among
+    // them); null (the default): destroyed. `*to` must outlive the writer's use; only the
+    // dropping call (a write, flush or finish after a stop) touches it. Never blocks, never
+    // allocates, never throws.
+    void keep_dropped(std::vector<Entry>* to) noexcept { graveyard_ = to; }
 
     // Device thread. Ends this replica's part of the run, delivering the final()/sum()
     // value when `deliver_held` (false after a failure: a partial sum is no result). The
@@ -320,14 +349,18 @@ class OutfeedQueue {
           pushed + (lane_ != nullptr ? lane_->push_bulk_spare(rest, n - pushed)
                                      : q_->queue_->push_bulk_past_bound(*token_, rest, n - pushed));
       dropped_ += n - kept;
+      if (graveyard_ != nullptr) {
+        for (std::size_t i = kept; i < n; ++i) graveyard_->push_back(std::move(staged_[i]));
+      }
       staged_.clear();
       return kept;
     }
     // (Not through flush(): a third caller made GCC stop inlining flush() into write(), which
     // cost the feed benchmark 15%.)
     bool deliver(Entry&& e, const StopFlag* stop) {
-      if (lane_ != nullptr ? lane_->push(std::move(e), stop)
-                           : q_->queue_->push(*token_, std::move(e), stop)) {
+      const detail::WaitSite* site = &q_->room_sites_[replica_];
+      if (lane_ != nullptr ? lane_->push(std::move(e), stop, site)
+                           : q_->queue_->push(*token_, std::move(e), stop, site)) {
         return true;
       }
       staged_.push_back(std::move(e));  // a refused push leaves the value untouched
@@ -344,6 +377,7 @@ class OutfeedQueue {
     std::uint32_t since_check_ = 0;  // entries staged since the clock was last read
     std::uint32_t check_every_ = 1;
     std::optional<Entry> held_;
+    std::vector<Entry>* graveyard_ = nullptr;  // keep_dropped(): where dropped entries go
   };
 
   // Setup path (the runtime, on the host thread launching a run): attaches a run and
@@ -439,6 +473,7 @@ class OutfeedQueue {
   };
 
   OutfeedConfig config_;
+  std::vector<detail::WaitSite> room_sites_;  // what a writer waiting for room waits for
   std::optional<Queue> queue_;                // kMulti: one queue shared by every replica
   std::vector<std::unique_ptr<Lane>> lanes_;  // kSingle: a ring per replica
   std::atomic<std::uint32_t> active_writers_{0};

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "bspflow/base/detail/wait.hpp"
+#include "bspflow/base/detail/wait_note.hpp"
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/stop_flag.hpp"
 #include "bspflow/base/tunables.hpp"
@@ -94,6 +95,7 @@ class SpscRing {
   T* claim(const WaitPolicy& policy, const StopFlag& stop) {
     const std::uint64_t t = producer_.tail;
     if (t - producer_.head_seen >= capacity_) {
+      const detail::WaitMark mark(&room_site_);  // the stall check's record, while waiting
       detail::wait_with(
           not_full_, policy,
           [&] {
@@ -135,6 +137,7 @@ class SpscRing {
   T* front(const WaitPolicy& policy, const StopFlag& stop) {
     if (T* f = try_front()) return f;
     const std::uint64_t h = consumer_.head;
+    const detail::WaitMark mark(&next_site_);  // the stall check's record, while waiting
     detail::wait_with(
         not_empty_, policy,
         [&] {
@@ -198,6 +201,17 @@ class SpscRing {
   alignas(tunables::kCacheLine) std::atomic<bool> closed_{false};
   detail::WaitPoint not_empty_;
   detail::WaitPoint not_full_;
+  // What a device waiting on either side waits for (its stall check's record).
+  detail::WaitSite next_site_{detail::WaitKind::kHandoff,
+                              "the next message of a hand-off ring (from the device before it)",
+                              [this] { return held(); }};
+  detail::WaitSite room_site_{detail::WaitKind::kHandoff,
+                              "room in a hand-off ring (to the device after it)",
+                              [this] { return held(); }};
+  std::string held() const {
+    return std::to_string(size()) + " of " + std::to_string(capacity_) + " held" +
+           (closed_.load(std::memory_order_relaxed) ? ", closed" : "");  // relaxed: a report
+  }
 };
 
 }  // namespace bspflow

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <stop_token>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -22,10 +23,12 @@
 #include "bspflow/runtime/options.hpp"
 #include "bspflow/runtime/program.hpp"
 #include "bspflow/runtime/run.hpp"
+#include "bspflow/runtime/stall.hpp"
 #include "bspflow/runtime/trace.hpp"
 
 namespace bspflow::loops::detail {
 
+using bspflow::detail::CancelRun;
 using bspflow::detail::RunAccess;
 using bspflow::detail::RunControl;
 using bspflow::detail::RunState;
@@ -64,10 +67,13 @@ Program replica_program(RunState<State>& run, Replica<State, Body, InQ, OutQ>& r
 
 template <class State, class Body, class InQ, class OutQ>
 Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State init, InQ* infeed,
-                  OutQ* outfeed, const HostIO* config = nullptr, const Work* work = nullptr) {
+                  OutQ* outfeed, const HostIO* config = nullptr, const Work* work = nullptr,
+                  const std::stop_token* stop = nullptr, const StallCheck* check = nullptr) {
   const std::uint32_t replicas = devices.size();
   if (replicas == 0) throw Error("loops::repeat needs at least one device");
   if (config) config->validate();
+  const StallCheck stall = check != nullptr ? *check : StallCheck{};
+  stall.validate();
   if constexpr (!std::is_same_v<InQ, NoFeed>) {
     if (infeed->replicas() != replicas) {
       throw Error("infeed has " + std::to_string(infeed->replicas()) +
@@ -141,6 +147,18 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
     if constexpr (!std::is_same_v<InQ, NoFeed>) infeed->wake_all();
     if constexpr (!std::is_same_v<OutQ, NoFeed>) outfeed->wake_all();
   });
+  // The caller's stop, watched from here (after the waker, before any replica starts: a stop
+  // already requested cancels now, and every replica ends at its first look, taking nothing).
+  std::unique_ptr<std::stop_callback<CancelRun>> on_stop;
+  if (stop != nullptr && stop->stop_possible()) {
+    on_stop = std::make_unique<std::stop_callback<CancelRun>>(*stop, CancelRun{&run->control});
+  }
+  if (stall.limit.count() != 0) {  // watched for a stall until the last replica ends
+    std::vector<bspflow::detail::WatchedDevice> watched;
+    watched.reserve(replicas);
+    for (std::uint32_t r = 0; r < replicas; ++r) watched.push_back({devices[r].id(), r, {}});
+    run->control.watch(stall, "loops::repeat", std::move(watched));
+  }
 
   for (std::uint32_t r = 0; r < replicas; ++r) {
     Device& device = devices[r];
@@ -164,26 +182,46 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
       break;
     }
   }
-  return RunAccess::make(std::move(run));
+  return RunAccess::make(std::move(run), std::move(on_stop));
 }
 
 // Sync calls with a bounded outfeed would deadlock if the run produces more entries than fit
-// (nobody reads until the call returns): refuse them up front.
+// (nobody reads until the call returns), counting those an earlier run left unread: refuse
+// them up front.
 template <class OutQ>
 void check_sync_outfeed(const OutQ* outfeed, std::uint64_t n) {
   if constexpr (!std::is_same_v<OutQ, NoFeed>) {
+    const std::uint64_t capacity = outfeed->capacity();
+    if (capacity == 0) return;
     // kSingle: each replica has a ring of `capacity` entries; kMulti: one queue for all.
     const bool per_replica = outfeed->config().consumer_type == ConsumerType::kSingle;
     const std::uint64_t entries =
         outfeed->mode().entries_for(n) * (per_replica ? 1 : outfeed->replicas());
-    if (outfeed->capacity() != 0 && entries > outfeed->capacity()) {
-      throw Error("outfeed capacity " + std::to_string(outfeed->capacity()) +
-                  (per_replica ? " per replica" : "") + " < " + std::to_string(entries) +
-                  " entries this run delivers" + (per_replica ? " to each replica" : "") +
-                  ", and loops::repeat reads nothing until the loop ends: use "
-                  "loops::repeat_async and read the outfeed while it runs, or raise the capacity" +
-                  (per_replica ? "" : " (0 = unbounded)"));
+    if (entries == 0) return;
+    // Already there: the fullest ring (kSingle), or the shared queue.
+    std::uint64_t waiting = 0;
+    std::uint32_t fullest = 0;
+    for (std::uint32_t r = 0; r < (per_replica ? outfeed->replicas() : 1); ++r) {
+      const std::uint64_t here = outfeed->size_approx(r);
+      if (here > waiting) {
+        waiting = here;
+        fullest = r;
+      }
     }
+    if (waiting + entries <= capacity) return;
+    const std::string already =
+        waiting == 0 ? std::string()
+        : per_replica
+            ? std::to_string(waiting) + " entries already in replica " + std::to_string(fullest) +
+                  "'s ring (unread, from an earlier run) + "
+            : std::to_string(waiting) + " entries already in it (unread, from an earlier run) + ";
+    throw Error("outfeed capacity " + std::to_string(capacity) +
+                (per_replica ? " per replica" : "") + " < " + already + std::to_string(entries) +
+                " entries this run delivers" + (per_replica ? " to each replica" : "") +
+                ", and loops::repeat reads nothing until the loop ends: " +
+                (waiting == 0 ? "" : "read or drain() the outfeed first, ") +
+                "use loops::repeat_async and read " + (waiting == 0 ? "the outfeed" : "it") +
+                " while it runs, or raise the capacity" + (per_replica ? "" : " (0 = unbounded)"));
   }
 }
 
@@ -203,6 +241,10 @@ template <class T>
 inline constexpr bool kIsWork = std::is_same_v<T, Work>;
 template <class T>
 inline constexpr bool kIsOptions = std::is_same_v<T, Options>;
+template <class T>
+inline constexpr bool kIsStopToken = std::is_same_v<T, std::stop_token>;
+template <class T>
+inline constexpr bool kIsStallCheck = std::is_same_v<T, StallCheck>;
 
 template <class F>
 using Bare = std::remove_cvref_t<F>;
@@ -243,19 +285,28 @@ struct Feeds {
   static constexpr int kHostIOs = (0 + ... + int{kIsHostIO<Bare<Fs>>});
   static constexpr int kWorks = (0 + ... + int{kIsWork<Bare<Fs>>});
   static constexpr int kOptions = (0 + ... + int{kIsOptions<Bare<Fs>>});
+  static constexpr int kStopTokens = (0 + ... + int{kIsStopToken<Bare<Fs>>});
+  static constexpr int kStallChecks = (0 + ... + int{kIsStallCheck<Bare<Fs>>});
   static_assert(((kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>> || kIsHostIO<Bare<Fs>> ||
-                  kIsWork<Bare<Fs>> || kIsOptions<Bare<Fs>>)&&...),
+                  kIsWork<Bare<Fs>> || kIsOptions<Bare<Fs>> || kIsStopToken<Bare<Fs>> ||
+                  kIsStallCheck<Bare<Fs>>)&&...),
                 "loops::repeat takes, after the initial state, only feeds: an InfeedQueue<In>&, "
                 "an OutfeedQueue<Out>&, a const HostIO& (LoopConfig) or the run's const "
-                "Options& (its host_io()), and a const Work& (the body's cost per trip, for the "
-                "modeled clock), each at most once, in any order");
+                "Options& (its host_io() and stall_check()), a const Work& (the body's cost per "
+                "trip, for the modeled clock), a std::stop_token and a const StallCheck&, each "
+                "at most once, in any order");
   static_assert(kWorks <= 1, "loops::repeat takes at most one Work (the body's cost per trip)");
   static_assert(kOptions <= 1, "loops::repeat takes at most one Options");
   static_assert(kHostIOs + kOptions <= 1,
                 "loops::repeat takes its host side once: a HostIO or the Options it comes from");
+  static_assert(kStallChecks + kOptions <= 1,
+                "loops::repeat takes its stall check once: a StallCheck or the Options it "
+                "comes from");
   static_assert(kInfeeds <= 1, "loops::repeat takes at most one InfeedQueue");
   static_assert(kOutfeeds <= 1, "loops::repeat takes at most one OutfeedQueue");
   static_assert(kHostIOs <= 1, "loops::repeat takes at most one HostIO (LoopConfig)");
+  static_assert(kStopTokens <= 1, "loops::repeat takes at most one std::stop_token");
+  static_assert(kStallChecks <= 1, "loops::repeat takes at most one StallCheck");
   static_assert(((!(kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>>) ||
                   std::is_lvalue_reference_v<Fs>)&&...),
                 "loops::repeat takes its queues by reference: pass a named InfeedQueue or "
@@ -272,7 +323,8 @@ struct Feeds {
 template <class Q, class F>
 Q* pointer_if(F& f) noexcept {
   if constexpr (std::is_same_v<Bare<F>, std::remove_cv_t<Q>>) {
-    return const_cast<Q*>(&f);  // queues come as non-const lvalues; a HostIO is only read
+    // Queues come as non-const lvalues; a HostIO and a stop token are only read.
+    return const_cast<Q*>(&f);
   } else {
     return nullptr;
   }
@@ -317,8 +369,15 @@ Run<State> launch_with(DeviceList devices, std::uint64_t n, Body body, State ini
     from_options = opts->host_io();
     io = &*from_options;
   }
+  const StallCheck* check = find_feed<const StallCheck>(fs...);
+  std::optional<StallCheck> check_from_options;
+  if (const Options* opts = find_feed<const Options>(fs...)) {
+    check_from_options = opts->stall_check();
+    check = &*check_from_options;
+  }
   return launch(devices, n, std::move(body), std::move(init), find_feed<InQ>(fs...),
-                find_feed<OutQ>(fs...), io, find_feed<const Work>(fs...));
+                find_feed<OutQ>(fs...), io, find_feed<const Work>(fs...),
+                find_feed<const std::stop_token>(fs...), check);
 }
 
 }  // namespace bspflow::loops::detail

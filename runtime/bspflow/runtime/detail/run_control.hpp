@@ -11,12 +11,15 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stop_token>
 #include <string>
 #include <vector>
 
 #include "bspflow/base/detail/wait.hpp"
+#include "bspflow/base/detail/wait_note.hpp"
 #include "bspflow/base/stop_flag.hpp"
 #include "bspflow/runtime/run_result.hpp"
+#include "bspflow/runtime/stall.hpp"
 #include "bspflow/runtime/trace.hpp"
 
 namespace bspflow {
@@ -26,8 +29,18 @@ class Run;
 
 namespace detail {
 
-// The non-template part of a run's shared state: stop flag, completion, first failure.
-// Shared by the host and every device thread of one run (loops::repeat_async, Engine::run).
+struct StallWatch;  // detail/run_monitor.hpp (in the library)
+
+// A device of a watched run, as the stall report names it: "device 3 (replica 1)".
+struct WatchedDevice {
+  std::uint32_t device = 0;   // Device::id()
+  std::uint32_t replica = 0;  // StallError::Wait::replica
+  std::string role;           // "stage 2 of replica 0"; empty: "replica <replica>"
+};
+
+// The non-template part of a run's shared state: stop flag, completion, first failure, and
+// each device's wait record for the stall check. Shared by the host and every device thread
+// of one run (loops::repeat_async, Engine::run).
 class RunControl {
  public:
   struct Failure {
@@ -44,8 +57,26 @@ class RunControl {
     ModeledTime modeled{};  // the device's modeled clock at its end
   };
 
-  // Setup path. Allocates (one end record per replica). Throws only std::bad_alloc.
+  // Setup path. Allocates (one end record and one wait record per replica). Throws only
+  // std::bad_alloc.
   RunControl(std::uint32_t replicas, std::uint64_t requested);
+  // Whichever thread lets go of the run last. Stops watching it if nobody did. Never throws.
+  ~RunControl();
+  RunControl(const RunControl&) = delete;
+  RunControl& operator=(const RunControl&) = delete;
+
+  // Host thread, before any replica starts: has the run's stall check (see
+  // bspflow/runtime/stall.hpp) watch it until the last replica ends; nothing if check.limit
+  // is 0. `name` opens the report ("loops::repeat"); `devices` names each replica's device.
+  // Allocates. Throws only std::bad_alloc.
+  void watch(const StallCheck& check, std::string name, std::vector<WatchedDevice> devices);
+  // Any thread (replica `replica`'s device thread writes it, the monitor reads it). Never
+  // blocks, never allocates, never throws.
+  WaitNote* note(std::uint32_t replica) noexcept { return &notes_[replica]; }
+  // The monitor thread, once, when the run stalled with OnStall::kFail: records the report
+  // (unless a failure came first: it wins) and cancels the run. finish() throws it as
+  // StallError. Never blocks for long, never throws.
+  void stall(std::string message, std::vector<StallError::Wait> waits) noexcept;
 
   // Any thread. Stops every replica at its next iteration or wait, and wakes feeds (calls
   // the waker while the run is open, under a mutex). Idempotent. Never blocks for long,
@@ -87,8 +118,9 @@ class RunControl {
   const ModeledTime& modeled(std::uint32_t r) const noexcept { return ends_[r].modeled; }
   std::uint32_t replicas() const noexcept { return static_cast<std::uint32_t>(ends_.size()); }
 
-  // Host thread, once, after done(): throws DeviceError if a replica failed; else the
-  // overall status and message. Per-replica iterations are written to `iterations`. The
+  // Host thread, once, after done(): throws DeviceError if a replica failed, else StallError
+  // if the run stalled and was ended for it (OnStall::kFail); else the overall status and
+  // message. Per-replica iterations are written to `iterations`. The
   // failure's exception moves into the DeviceError, so the host thread that reads it also
   // frees it (a device thread dropping the last reference would race with that read as far
   // as ThreadSanitizer can tell: exception_ptr counts references inside libsupc++).
@@ -119,6 +151,18 @@ class RunControl {
   mutable std::mutex mutex_;
   std::optional<Failure> failure_;
   std::uint32_t more_failures_ = 0;
+  std::optional<StallError> stalled_;  // under mutex_: a stall that ended the run
+  std::unique_ptr<WaitNote[]> notes_;  // one per replica, each on its own cache line
+  std::unique_ptr<StallWatch> watch_;  // while the monitor watches the run
+  // Stops watching (waits for a look at the run in progress). Idempotent. Never throws.
+  void unwatch() noexcept;
+};
+
+// A std::stop_callback's callable: cancels a run (a caller's std::stop_token, or an entry
+// point's CancelGate, watching an Engine run or a loop).
+struct CancelRun {
+  RunControl* control;
+  void operator()() const noexcept { control->cancel(); }
 };
 
 // Host thread. Writes a loop's trace; a failure is logged, not thrown (the run's result
@@ -153,11 +197,13 @@ struct RunState {
 };
 
 // Makes the handle loops::repeat_async returns: a Run is made from its RunState only here
-// (the constructor is private). Never blocks, never allocates, never throws.
+// (the constructor is private), with the callback that cancels it when the loop's
+// std::stop_token is stopped (null: none). Never blocks, never allocates, never throws.
 struct RunAccess {
   template <class State>
-  static Run<State> make(std::shared_ptr<RunState<State>> state) noexcept {
-    return Run<State>(std::move(state));
+  static Run<State> make(std::shared_ptr<RunState<State>> state,
+                         std::unique_ptr<std::stop_callback<CancelRun>> on_stop) noexcept {
+    return Run<State>(std::move(state), std::move(on_stop));
   }
 };
 

@@ -11,12 +11,14 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <stop_token>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "bspflow/devices/device.hpp"
+#include "bspflow/runtime/detail/cancel_gate.hpp"
 #include "bspflow/runtime/detail/stream_segment.hpp"
 #include "bspflow/runtime/stream_config.hpp"
 #include "bspflow/runtime/stream_serving.hpp"
@@ -100,10 +102,20 @@ class StreamCore {
 
   // The wait policy device `index` of the list uses (capped when it shares its core).
   WaitPolicy policy_for(std::uint32_t index) const;
-  // Host thread: starts one job per segment; `wake` wakes the feeds on cancel.
+  // Host thread, first thing in every Stream::start (after the check that no run is in
+  // progress): from here until wait_segments() returns, cancel() and `stop` stop this run,
+  // whether its devices have started yet or not. A start that throws calls close_run().
+  void open_run(std::stop_token stop);
+  void close_run() noexcept;
+  // Host thread, after open_run(): starts one job per segment; `wake` wakes the feeds on
+  // cancel. A stop already requested cancels the run before any segment starts (each ends at
+  // once, taking nothing).
   void start(ServeMode mode, std::function<void()> wake_feeds);
   // Host thread: blocks until the run ends; a stopped StreamClient run's requests answered.
+  // Closes the run (see open_run).
   void wait_segments();
+  // Any thread: stops the run opened by open_run() and not yet ended by wait_segments(), if
+  // any. Never blocks for long, never throws.
   void cancel() noexcept;
   bool running() const noexcept { return running_; }
   ServeMode mode() const noexcept { return mode_; }
@@ -130,6 +142,14 @@ class StreamCore {
   std::mutex monitor_mutex_;
   std::condition_variable monitor_cv_;
   bool monitor_stop_ = false;
+  // cancel() and the caller's std::stop_token, from open_run() to the end of wait_segments().
+  struct CancelStream {
+    std::shared_ptr<StreamRunState> state;
+    void operator()() const noexcept { state->cancel(); }
+  };
+  CancelGate gate_;
+  std::optional<CancelGate::Scope> scope_;
+  std::optional<std::stop_callback<CancelStream>> on_stop_;  // watches scope_'s token
 };
 
 }  // namespace bspflow::detail

@@ -335,6 +335,8 @@ class LastSink final : public Sink<Out> {
   explicit LastSink(Responder<Out>& responder) : responder_(responder) { to_notify_.reserve(16); }
   void attach(typename OutfeedQueue<Response<Out>>::Writer writer) {
     writer_.emplace(std::move(writer));
+    dropped_.clear();
+    writer_->keep_dropped(&dropped_);  // close() takes the errors among them off the count
   }
   // Host thread, at start.
   void begin(ServeMode mode, ReplicaMeter* meter, bool timing) {
@@ -388,7 +390,9 @@ class LastSink final : public Sink<Out> {
         ++it->second;
       }
     }
-    if (!responder_.deliver(e.meta, std::move(r), &stop, !later)) return true;  // stopped
+    // Handed over; what the shared outfeed then drops (a stop, and its spare room full) the
+    // Responder takes off the run's counts.
+    (void)responder_.deliver(e.meta, std::move(r), &stop, !later);
     ++delivered_;
     return true;
   }
@@ -409,6 +413,11 @@ class LastSink final : public Sink<Out> {
     if (mode_ != ServeMode::kInfeed) return;
     writer_->finish(completed, &stop);
     delivered_ = written_ - writer_->dropped();
+    // Count the errors delivered: those among the dropped responses never reached the host.
+    for (const auto& entry : dropped_) {
+      if (entry.value.error) --errors_;
+    }
+    dropped_.clear();
     writer_.reset();
   }
 
@@ -420,7 +429,9 @@ class LastSink final : public Sink<Out> {
   std::optional<typename OutfeedQueue<Response<Out>>::Writer> writer_;
   std::uint64_t written_ = 0, errors_ = 0;  // device thread only
   std::uint64_t delivered_ = 0;             // read by the host after the run
-  bool in_batch_ = false;                   // device thread: notify at end_batch()
+  // What the outfeed's writer dropped this run (kInfeed; device thread only).
+  std::vector<OutfeedEntry<Response<Out>>> dropped_;
+  bool in_batch_ = false;  // device thread: notify at end_batch()
   // Device thread: clients answered in the batch, and how many of their responses.
   std::vector<std::pair<ClientCore*, std::uint64_t>> to_notify_;
 };

@@ -85,11 +85,14 @@ class Responder final : public Answerer, public RunEnds {
       run_delivered_ = run_errors_ = 0;
     }
     front_.store(0, std::memory_order_relaxed);
+    dropped_.clear();
+    dropped_errors_ = 0;
     if (mode == ServeMode::kSharedOutfeed) {
       window_.clear();
       window_.resize(std::bit_ceil(window));
       auto writers = outfeed->begin_run();
       writer_.emplace(std::move(writers.front()));
+      writer_->keep_dropped(&dropped_);  // finish() takes them off the run's counts
     }
   }
   // The oldest admission order not yet written (shared outfeed, in order), and the room for
@@ -172,7 +175,15 @@ class Responder final : public Answerer, public RunEnds {
     std::lock_guard lock(mutex_);
     writer_->finish(completed, &stop);
     writer_.reset();
+    for (const auto& entry : dropped_) {
+      if (entry.value.error) ++dropped_errors_;
+    }
   }
+  // Host thread, the run over (shared outfeed): responses handed over, by a last device or
+  // directly, that the outfeed then dropped (a stop found it full, spare room too), and the
+  // errors among them. Stream::wait() takes them off what was handed over.
+  std::uint64_t dropped() const noexcept { return dropped_.size(); }
+  std::uint64_t dropped_errors() const noexcept { return dropped_errors_; }
 
   // Any thread: the direct answers' figures.
   void add_stats(StreamStats& s) const {
@@ -208,6 +219,8 @@ class Responder final : public Answerer, public RunEnds {
   std::uint64_t next_ = 0, written_ = 0;
   std::atomic<std::uint64_t> front_{0};  // next_, for admission
   std::optional<typename OutfeedQueue<Response<Out>>::Writer> writer_;
+  std::vector<OutfeedEntry<Response<Out>>> dropped_;  // what writer_ dropped (under mutex_)
+  std::uint64_t dropped_errors_ = 0;                  // of those, errors (set by finish())
   mutable std::mutex stats_mutex_;
   Histogram direct_latency_;
   std::atomic<std::uint64_t> direct_answered_{0};

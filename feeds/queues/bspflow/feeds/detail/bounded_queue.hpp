@@ -26,6 +26,7 @@
 #include <utility>
 
 #include "bspflow/base/detail/wait.hpp"
+#include "bspflow/base/detail/wait_note.hpp"
 #include "bspflow/base/tunables.hpp"
 #include "bspflow/base/wait_policy.hpp"
 #include "bspflow/feeds/detail/moodycamel.hpp"
@@ -72,13 +73,15 @@ class BoundedQueue {
 
   // Producer. Blocks while full. Returns false (value untouched) if the queue is closed,
   // or `stop` was set, before a slot was free.
-  bool push(Token& token, T&& value, const StopFlag* stop = nullptr) {
+  // `site`: what a device waiting here waits for (its stall check's record; null: none).
+  bool push(Token& token, T&& value, const StopFlag* stop = nullptr,
+            const WaitSite* site = nullptr) {
     for (;;) {
       const PushResult r = try_push(token, std::move(value));
       if (r == PushResult::kOk) return true;
       if (r == PushResult::kClosed) return false;
       if (stop != nullptr && stop->requested()) return false;
-      wait_for_room(stop);
+      wait_for_room(stop, site);
     }
   }
 
@@ -86,7 +89,8 @@ class BoundedQueue {
   // (one moodycamel bulk enqueue per reservation). Blocks while full. Returns how many were
   // pushed: n, or fewer if the queue closed or `stop` was set first.
   template <class It>
-  std::size_t push_bulk(Token& token, It first, std::size_t n, const StopFlag* stop = nullptr) {
+  std::size_t push_bulk(Token& token, It first, std::size_t n, const StopFlag* stop = nullptr,
+                        const WaitSite* site = nullptr) {
     std::size_t done = 0;
     while (done < n) {
       std::size_t want = n - done;
@@ -102,7 +106,7 @@ class BoundedQueue {
       if (r == PushResult::kClosed) return done;
       if (r == PushResult::kFull) {
         if (stop != nullptr && stop->requested()) return done;
-        wait_for_room(stop);
+        wait_for_room(stop, site);
         continue;
       }
       const bool enqueued = enqueue_bulk(token, first, want);
@@ -267,7 +271,8 @@ class BoundedQueue {
   // A producer that found the queue full waits for a chunk of room (an eighth of the
   // capacity), not one slot, and polls with backoff: otherwise producer and consumer trade
   // the consumer's counter line on every element and both slow down several times over.
-  void wait_for_room(const StopFlag* stop) {
+  void wait_for_room(const StopFlag* stop, const WaitSite* site) {
+    const WaitMark mark(site);
     const std::size_t low_water = capacity_ / 8 > 1 ? capacity_ / 8 : 1;
     not_full_.wait([&] { return has_room(low_water) || is_closed() || stopped(stop); },
                    Spin::kBackoff, single_consumer_ ? Fence::kAsymmetric : Fence::kSymmetric);

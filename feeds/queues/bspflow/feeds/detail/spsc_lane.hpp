@@ -31,6 +31,7 @@
 
 #include "bspflow/base/detail/fence.hpp"
 #include "bspflow/base/detail/wait.hpp"
+#include "bspflow/base/detail/wait_note.hpp"
 #include "bspflow/base/tunables.hpp"
 #include "bspflow/base/wait_policy.hpp"
 #include "bspflow/feeds/push_result.hpp"
@@ -62,7 +63,8 @@ class SpscLane {
   }
 
   // Blocks while full. false (value untouched) once closed, or if `stop` was set first.
-  bool push(T&& value, const StopFlag* stop = nullptr) {
+  // `site`: what a device waiting here waits for (its stall check's record; null: none).
+  bool push(T&& value, const StopFlag* stop = nullptr, const WaitSite* site = nullptr) {
     for (;;) {
       if (!enter()) return false;
       if (has_room(1)) {
@@ -71,14 +73,15 @@ class SpscLane {
         return true;
       }
       leave();
-      if (!wait_for_room(stop)) return false;
+      if (!wait_for_room(stop, site)) return false;
     }
   }
 
   // Moves n elements from `first`, in order, as many as fit at a time. Blocks while full.
   // Returns how many were pushed: n, or fewer once closed or stopped.
   template <class It>
-  std::size_t push_bulk(It first, std::size_t n, const StopFlag* stop = nullptr) {
+  std::size_t push_bulk(It first, std::size_t n, const StopFlag* stop = nullptr,
+                        const WaitSite* site = nullptr) {
     std::size_t done = 0;
     while (done < n) {
       if (!enter()) return done;
@@ -89,7 +92,7 @@ class SpscLane {
       if (fit != 0) publish(producer_.tail + fit);
       leave();
       done += fit;
-      if (done < n && fit == 0 && !wait_for_room(stop)) return done;
+      if (done < n && fit == 0 && !wait_for_room(stop, site)) return done;
     }
     return done;
   }
@@ -231,7 +234,8 @@ class SpscLane {
     readable_->notify_light();
   }
   // false once closed or stopped; true when there may be room now.
-  bool wait_for_room(const StopFlag* stop) {
+  bool wait_for_room(const StopFlag* stop, const WaitSite* site) {
+    const WaitMark mark(site);
     const std::uint64_t t = producer_.tail;
     not_full_.wait(
         [&] {
