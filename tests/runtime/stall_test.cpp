@@ -136,6 +136,23 @@ TEST_CASE("a loop whose bounded outfeed nobody reads ends with StallError (OnSta
             .completed());
 }
 
+TEST_CASE("a loop given the run's Options takes its stall check from them") {
+  // Options::stall_limit()/on_stall() reach a loop that takes the Options as a feed (its host
+  // side comes from them too); a loop takes its stall check once, so the Options and a
+  // StallCheck together do not compile.
+  Reports reports;
+  Device device(0, kSmall);
+  OutfeedQueue<int> out(OutfeedConfig{1, OutputMode::all(), 4});
+  const Options opts = Options().stall_limit(kLimit).on_stall(OnStall::kFail);
+  auto run = loops::repeat_async(
+      device, std::uint64_t{1} << 40, [](int& s) { return s++; }, 0, out, opts);
+  test::Rescue guard(10s, [&] { run.cancel(); });
+  CHECK_THROWS_AS((void)run.get(), StallError);
+  CHECK_FALSE(guard.fired());
+  CHECK(reports.seen().size() == 1);
+  (void)out.drain();
+}
+
 TEST_CASE("Engine: devices at a Sync another device will never reach; the Engine runs again") {
   Reports reports;
   DeviceGroup pair(2, kSmall);
