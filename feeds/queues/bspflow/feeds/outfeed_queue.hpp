@@ -350,7 +350,12 @@ class OutfeedQueue {
                                      : q_->queue_->push_bulk_past_bound(*token_, rest, n - pushed));
       dropped_ += n - kept;
       if (graveyard_ != nullptr) {
-        for (std::size_t i = kept; i < n; ++i) graveyard_->push_back(std::move(staged_[i]));
+        // (insert, not push_back: one more caller of staged_'s push_back made GCC stop
+        // inlining it into write(), which cost the feed benchmark 15%.)
+        graveyard_->insert(
+            graveyard_->end(),
+            std::make_move_iterator(staged_.begin() + static_cast<std::ptrdiff_t>(kept)),
+            std::make_move_iterator(staged_.end()));
       }
       staged_.clear();
       return kept;
