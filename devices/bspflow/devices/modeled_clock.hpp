@@ -146,12 +146,7 @@ class ModeledLink {
   }
   // The device takes its next input, a copy of `duration_ns` on the link.
   void copy_in(ModeledClock& c, double duration_ns, double handover_ns) noexcept {
-    if (io_tiles_ == 0) {
-      const double done = std::max(c.now(), in_link_free_) + duration_ns;
-      in_link_free_ = done;
-      c.link_until(done);
-      return;
-    }
+    if (io_tiles_ == 0) return serial_copy(c, in_link_free_, duration_ns);
     double& buffer = in_free_[ins_++ % in_free_.size()];
     const double done = std::max(buffer, in_link_free_) + duration_ns;
     in_link_free_ = done;
@@ -160,12 +155,7 @@ class ModeledLink {
   }
   // The device hands over an output, a copy of `duration_ns` on the link.
   void copy_out(ModeledClock& c, double duration_ns, double handover_ns) noexcept {
-    if (io_tiles_ == 0) {
-      const double done = std::max(c.now(), out_link_free_) + duration_ns;
-      out_link_free_ = done;
-      c.link_until(done);
-      return;
-    }
+    if (io_tiles_ == 0) return serial_copy(c, out_link_free_, duration_ns);
     double& buffer = out_free_[outs_++ % out_free_.size()];
     c.link_until(buffer, handover_ns);  // the buffer's last copy must have left
     const double done = std::max(c.now(), out_link_free_) + duration_ns;
@@ -178,6 +168,12 @@ class ModeledLink {
   }
 
  private:
+  // Without I/O tiles: the device waits for its copy, one at a time on the link's direction.
+  static void serial_copy(ModeledClock& c, double& link_free, double duration_ns) noexcept {
+    link_free = std::max(c.now(), link_free) + duration_ns;
+    c.link_until(link_free);
+  }
+
   std::uint32_t io_tiles_ = 0;
   std::vector<double> in_free_, out_free_;
   double in_link_free_ = 0, out_link_free_ = 0;

@@ -355,6 +355,7 @@ Run<State> launch_with(DeviceList devices, std::uint64_t n, Body body, State ini
     }
   }
   const HostIO* io = find_feed<const HostIO>(fs...);
+  const StallCheck* check = find_feed<const StallCheck>(fs...);
   std::optional<HostIO> from_options;
   if (const Options* opts = find_feed<const Options>(fs...)) {
     if (opts->gradient_accumulation() > 1) {
@@ -368,12 +369,7 @@ Run<State> launch_with(DeviceList devices, std::uint64_t n, Body body, State ini
     }
     from_options = opts->host_io();
     io = &*from_options;
-  }
-  const StallCheck* check = find_feed<const StallCheck>(fs...);
-  std::optional<StallCheck> check_from_options;
-  if (const Options* opts = find_feed<const Options>(fs...)) {
-    check_from_options = opts->stall_check();
-    check = &*check_from_options;
+    check = &opts->stall_check();  // (the Options outlive launch(), which copies it)
   }
   return launch(devices, n, std::move(body), std::move(init), find_feed<InQ>(fs...),
                 find_feed<OutQ>(fs...), io, find_feed<const Work>(fs...),
