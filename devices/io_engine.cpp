@@ -69,12 +69,18 @@ struct IoEngine::Impl {
     std::chrono::nanoseconds poll = tunables::kIoPollFirst;
     bool waited = false;          // the front transfer's data was not there at first
     Clock::time_point free_at{};  // when the previous transfer ended
+    // The front transfer's modeled start and end; `due` once the end is near enough that
+    // the engine spins toward it (it is then on Impl::due).
+    Clock::time_point begin{}, deadline{};
+    bool due = false;
     asio::steady_timer timer;
   };
 
-  Impl(std::uint32_t n, std::string engine_name, std::optional<std::uint32_t> core)
-      : name(std::move(engine_name)), work(asio::make_work_guard(ctx)) {
+  Impl(std::uint32_t n, std::string engine_name, std::optional<std::uint32_t> core,
+       bool core_shared)
+      : name(std::move(engine_name)), work(asio::make_work_guard(ctx)), shared(core_shared) {
     channels.reserve(n);
+    due.reserve(n);
     for (std::uint32_t i = 0; i < n; ++i) channels.push_back(std::make_unique<Channel>(ctx));
     thread = std::thread([this, core] {
       if (core) Topology::get().pin_current_thread(*core);
@@ -83,23 +89,103 @@ struct IoEngine::Impl {
     });
   }
 
-  // Engine thread: runs handlers; when there are none, polls for kSpinBudget before it
-  // blocks in the io_context (epoll), whose wake-up takes tens of microseconds on a VM.
+  // Engine thread: runs handlers; when there are none, polls for kSpinBudget (on a core no
+  // device uses, for kSyncSpinBudget, yielding after the first kSpinBudget) before it blocks
+  // in the io_context (epoll), whose wake-up takes tens of microseconds on a VM, and up to
+  // milliseconds at its tail: a transfer asked for then would end that much late. While a transfer
+  // is due (its end within the horizon) it never blocks: it spins toward the nearest end, the way a
+  // bare spin on this core would, and polls for new work only when some was posted (or a timer may
+  // be due) and the end is not about to pass (a poll is a syscall, about a microsecond on a VM).
   void serve() {
     auto idle_since = Clock::now();
+    auto polled_at = idle_since;
+    std::uint64_t posts_seen = 0;
     for (;;) {
+      if (!due.empty()) {
+        const Clock::time_point now = Clock::now();
+        const Clock::time_point nearest = finish_due(now);
+        if (due.empty()) {
+          idle_since = Clock::now();
+          continue;
+        }
+        const std::uint64_t posts = posted.load(std::memory_order_acquire);
+        if (nearest - now > kPollGuard &&
+            (posts != posts_seen || now - polled_at > kTimerPollEvery)) {
+          posts_seen = posts;
+          polled_at = now;
+          ctx.poll();
+          if (ctx.stopped()) return;
+        } else {
+          detail::cpu_relax();
+        }
+        continue;
+      }
+      posts_seen = posted.load(std::memory_order_acquire);
       if (ctx.poll() != 0) {
         idle_since = Clock::now();
         continue;
       }
       if (ctx.stopped()) return;
-      if (Clock::now() - idle_since < tunables::kSpinBudget) {
+      if (!due.empty()) continue;
+      const auto idle = Clock::now() - idle_since;
+      if (idle < tunables::kSpinBudget) {
         for (int i = 0; i < 16; ++i) detail::cpu_relax();
         continue;
       }
-      if (ctx.run_one() == 0) return;  // stopped: out of work after the guard was reset
+      if (!shared && idle < tunables::kSyncSpinBudget) {
+        // No device runs here: keep watching a while longer, yielding to host threads, so
+        // the next transfer of a run does not wait for this thread's wake-up.
+        std::this_thread::yield();
+        continue;
+      }
+      sleeping.store(true, std::memory_order_release);
+      const std::size_t ran = ctx.run_one();
+      sleeping.store(false, std::memory_order_release);
+      if (ran == 0) return;  // stopped: out of work after the guard was reset
       idle_since = Clock::now();
     }
+  }
+
+  // Engine thread: finishes every due transfer whose end has come (starting the next on
+  // its channel); returns the nearest end still ahead.
+  Clock::time_point finish_due(Clock::time_point now) {
+    Clock::time_point nearest = Clock::time_point::max();
+    for (std::size_t i = 0; i < due.size();) {
+      Channel& ch = *due[i];
+      if (ch.deadline > now) {
+        nearest = std::min(nearest, ch.deadline);
+        ++i;
+        continue;
+      }
+      due[i] = due.back();
+      due.pop_back();
+      ch.due = false;
+      finish_front(ch, Times{ch.begin, now});  // may put the channel back on `due`
+      now = Clock::now();
+      i = 0;  // the list changed: look again
+      nearest = Clock::time_point::max();
+    }
+    return nearest;
+  }
+
+  // Engine thread: the channel's end is within the horizon; the engine spins toward it.
+  void make_due(Channel& ch) {
+    ch.due = true;
+    due.push_back(&ch);
+  }
+
+  // How long before a transfer's end the engine stops relying on its timer and spins. It
+  // adapts to how late the timer has been firing here (a decaying maximum of the lateness,
+  // twice over, plus a margin), between kTimerMargin and kIoSpinHorizonMax; on a core shared
+  // with devices it stays at kTimerMargin (a spin there takes their time).
+  std::chrono::nanoseconds horizon() const {
+    if (shared) return tunables::kTimerMargin;
+    const auto h = std::chrono::nanoseconds(2 * late_max_ns) + tunables::kTimerMargin;
+    return std::min<std::chrono::nanoseconds>(h, tunables::kIoSpinHorizonMax);
+  }
+  void timer_fired(Clock::time_point asked) {
+    const std::int64_t late = (Clock::now() - asked).count();
+    late_max_ns = std::max<std::int64_t>(late, late_max_ns - late_max_ns / 128);
   }
 
   // Engine thread. Starts the channel's front transfer, or schedules a retry.
@@ -128,12 +214,18 @@ struct IoEngine::Impl {
       return;
     }
     ch.poll = tunables::kIoPollFirst;
-    const Clock::time_point deadline = begin + t.modeled;
-    ch.timer.expires_at(deadline - tunables::kTimerMargin);
-    ch.timer.async_wait([this, &ch, begin, deadline](const boost::system::error_code& ec) {
-      if (ec) return;                 // cancelled at stop: finished below
-      wait_until_deadline(deadline);  // the timer fired within the margin: this spins
-      finish_front(ch, Times{begin, Clock::now()});
+    ch.begin = begin;
+    ch.deadline = begin + t.modeled;
+    const Clock::time_point wake = ch.deadline - horizon();
+    if (wake <= now) {
+      make_due(ch);
+      return;
+    }
+    ch.timer.expires_at(wake);
+    ch.timer.async_wait([this, &ch, wake](const boost::system::error_code& ec) {
+      if (ec) return;  // cancelled at stop: finished below
+      timer_fired(wake);
+      make_due(ch);
     });
   }
 
@@ -152,16 +244,27 @@ struct IoEngine::Impl {
   asio::io_context ctx;
   asio::executor_work_guard<asio::io_context::executor_type> work;
   std::vector<std::unique_ptr<Channel>> channels;
+  // A poll is skipped when the nearest end is closer than this; timers are looked at at
+  // least this often while transfers are due.
+  static constexpr std::chrono::nanoseconds kPollGuard{5'000};
+  static constexpr std::chrono::nanoseconds kTimerPollEvery{50'000};
+  std::vector<Channel*> due;  // engine thread only
+  const bool shared;
+  std::int64_t late_max_ns = 0;          // engine thread only
+  std::atomic<std::uint64_t> posted{0};  // submits, so a spinning engine polls only for them
+  std::atomic<bool> sleeping{false};     // blocked in the io_context (for wake())
+  std::atomic<std::uint64_t> wakes{0};   // wake() handlers run
   std::atomic<bool> stopping{false};
   std::atomic<bool> slack_lowered{false};
   std::thread thread;
 };
 
-IoEngine::IoEngine(std::uint32_t channels, std::string name, std::optional<std::uint32_t> core) {
+IoEngine::IoEngine(std::uint32_t channels, std::string name, std::optional<std::uint32_t> core,
+                   bool core_shared) {
   if (channels < 1 || channels > 4096) {
     detail::throw_bad_value("I/O engine channels", channels, "must be in 1..4096");
   }
-  impl_ = std::make_unique<Impl>(channels, std::move(name), core);
+  impl_ = std::make_unique<Impl>(channels, std::move(name), core, core_shared);
 }
 
 std::optional<std::uint32_t> IoEngine::pick_core(const std::vector<std::uint32_t>& device_cores) {
@@ -183,6 +286,7 @@ IoEngine::~IoEngine() {
     for (auto& ch : im.channels) ch->timer.cancel();
     im.work.reset();
   });
+  im.posted.fetch_add(1, std::memory_order_release);
   im.thread.join();
   for (auto& ch : im.channels) {
     for (Transfer& t : ch->queue) {
@@ -208,6 +312,20 @@ void IoEngine::submit(std::uint32_t channel, Transfer t) {
     ch.queue.push_back(std::move(t));
     if (!ch.busy) im.start_front(ch);
   });
+  im.posted.fetch_add(1, std::memory_order_release);  // after the post: a spinning engine polls
+}
+
+void IoEngine::wake() {
+  Impl& im = *impl_;
+  if (!im.sleeping.load(std::memory_order_acquire)) return;  // watching: nothing to do
+  const std::uint64_t before = im.wakes.load(std::memory_order_acquire);
+  asio::post(im.ctx, [&im] { im.wakes.fetch_add(1, std::memory_order_release); });
+  im.posted.fetch_add(1, std::memory_order_release);
+  // Until it runs (bounded: a wake-up that takes longer only makes the first transfer late).
+  const auto give_up = Clock::now() + tunables::kIoWakeWaitMax;
+  while (im.wakes.load(std::memory_order_acquire) == before && Clock::now() < give_up) {
+    std::this_thread::yield();
+  }
 }
 
 std::uint32_t IoEngine::channels() const noexcept {

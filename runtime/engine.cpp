@@ -3,6 +3,8 @@
 // collects the end.
 #include "bspflow/runtime/engine.hpp"
 
+#include <algorithm>
+
 #include <map>
 #include <set>
 #include <stop_token>
@@ -146,7 +148,11 @@ Engine::Engine(DeviceList devices, EngineConfig config) : impl_(std::make_unique
   for (Device* d : impl_->devices) {
     if (d->placement().core) cores.push_back(*d->placement().core);
   }
-  impl_->io = std::make_unique<IoEngine>(devices.size(), "I/O engine", IoEngine::pick_core(cores));
+  // The engine spins toward a transfer's end only on a core no device can run on.
+  const std::optional<std::uint32_t> io_core = IoEngine::pick_core(cores);
+  const bool io_shared = !io_core || cores.size() < impl_->devices.size() ||
+                         std::find(cores.begin(), cores.end(), *io_core) != cores.end();
+  impl_->io = std::make_unique<IoEngine>(devices.size(), "I/O engine", io_core, io_shared);
 }
 
 Engine::~Engine() = default;
@@ -183,6 +189,7 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
   Impl& im = *impl_;
   // From here to the return a cancel() is never lost, and `stop` is watched too.
   detail::CancelGate::Scope scope(im.gate, std::move(stop));
+  im.io->wake();  // the run's first transfer must not wait for the engine thread's wake-up
   const auto n = static_cast<std::uint32_t>(im.devices.size());
   if (programs.size() != n) {
     throw Error("Engine::run: " + std::to_string(programs.size()) + " programs for " +

@@ -27,6 +27,16 @@ inline constexpr std::chrono::nanoseconds kTimerMargin{60'000};
 // within a slice.
 inline constexpr std::chrono::nanoseconds kModeledWaitSlice{1'000'000};
 
+// The I/O engine stops relying on its timer and spins toward a transfer's end this long
+// before it at most: the horizon adapts to how late the engine's timer fires on this machine
+// (twice its recent worst lateness plus kTimerMargin), so a VM whose timers wake hundreds of
+// microseconds late still ends copies on time, at the cost of spinning the engine's core
+// (one no device uses) that long. On a core shared with devices it stays at kTimerMargin.
+inline constexpr std::chrono::nanoseconds kIoSpinHorizonMax{1'000'000};
+
+// IoEngine::wake() waits at most this long for a sleeping engine thread to run.
+inline constexpr std::chrono::nanoseconds kIoWakeWaitMax{20'000'000};
+
 // The I/O engine polls an empty infeed for the next prefetch with this interval, doubling up
 // to the maximum (the engine thread serves every device's link, so it must not block).
 inline constexpr std::chrono::nanoseconds kIoPollFirst{5'000};

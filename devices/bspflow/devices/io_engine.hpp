@@ -62,9 +62,10 @@ class IoEngine {
   };
 
   // Starts the engine thread with `channels` independent links (1..4096), pinned to `core`
-  // if given (see pick_core()).
+  // if given (see pick_core()). `core_shared`: devices run on that core too, so the engine
+  // spins toward a transfer's end only for kTimerMargin (else up to kIoSpinHorizonMax).
   explicit IoEngine(std::uint32_t channels, std::string name = "I/O engine",
-                    std::optional<std::uint32_t> core = std::nullopt);
+                    std::optional<std::uint32_t> core = std::nullopt, bool core_shared = false);
 
   // Where the engine thread should run next to devices on `device_cores`: the lowest of
   // this process's cores (Topology::instance_cores()) no device uses, or else the first of
@@ -80,6 +81,12 @@ class IoEngine {
   // Any thread. Queues `t` on `channel` (allocates; takes Asio's queue lock). Throws
   // bspflow::Error for a channel out of range.
   void submit(std::uint32_t channel, Transfer t);
+
+  // Any thread. If the engine thread sleeps, wakes it and waits (at most kIoWakeWaitMax)
+  // until it runs, so it watches for transfers for a while (see serve() in io_engine.cpp):
+  // call it before transfers come (a run starts), so the first does not end late by the
+  // engine's wake-up, which a VM can stretch to a millisecond. Returns at once when awake.
+  void wake();
 
   std::uint32_t channels() const noexcept;
   const std::string& name() const noexcept;
