@@ -1,5 +1,6 @@
 // devices/: IoEngine (bspflow/devices/io_engine.hpp): a transfer does its copy and takes its
-// modeled time; transfers queued at shutdown end as cancelled.
+// modeled time; transfers queued at shutdown end as cancelled; near and far ends on several
+// channels, a woken engine, shutdown with transfers being spun toward.
 #include <doctest/doctest.h>
 
 #include <algorithm>
@@ -53,6 +54,48 @@ TEST_CASE("I/O engine: transfers still queued at shutdown end as cancelled") {
   }
   CHECK(cancelled.load() + finished.load() == 3);
   CHECK(cancelled.load() >= 2);
+}
+
+TEST_CASE("I/O engine: channels with near and far ends all finish, none before its end") {
+  // A 50 us transfer is spun toward at once; 300 us and 3 ms ones wait on a timer first.
+  // A sleeping engine woken by wake() takes them as an awake one does.
+  IoEngine io(3);
+  for (int round = 0; round < 2; ++round) {
+    if (round == 1) {
+      std::this_thread::sleep_for(5ms);  // past the idle watch: the engine thread sleeps
+      io.wake();
+    }
+    const std::chrono::microseconds modeled[3] = {3000us, 300us, 50us};
+    std::atomic<int> done{0};
+    IoEngine::Times times[3];
+    for (std::uint32_t c = 0; c < 3; ++c) {
+      io.submit(c, IoEngine::Transfer{0, modeled[c], [] { return IoEngine::Start::kGo; },
+                                      [&, c](const IoEngine::Times& t, bool cancelled) {
+                                        if (!cancelled) times[c] = t;
+                                        done.fetch_add(cancelled ? 100 : 1);
+                                      }});
+    }
+    while (done.load() < 3) std::this_thread::sleep_for(50us);
+    CHECK(done.load() == 3);
+    for (int c = 0; c < 3; ++c) CHECK(times[c].end - times[c].begin >= modeled[c]);
+  }
+}
+
+TEST_CASE("I/O engine: shutdown with transfers near their end accounts for each") {
+  for (int round = 0; round < 20; ++round) {
+    std::atomic<int> ended{0};
+    {
+      IoEngine io(2);
+      for (int i = 0; i < 4; ++i) {
+        io.submit(static_cast<std::uint32_t>(i % 2),
+                  IoEngine::Transfer{0, std::chrono::microseconds(20 + 40 * i),
+                                     [] { return IoEngine::Start::kGo; },
+                                     [&](const IoEngine::Times&, bool) { ended++; }});
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(10 * round));
+    }
+    CHECK(ended.load() == 4);
+  }
 }
 
 TEST_SUITE_END();
