@@ -9,6 +9,11 @@
 // order and releases each slot to step g + buffer.
 #include "bspflow/data/data_loader.hpp"
 
+#if defined(__linux__)
+#include <pthread.h>
+#include <sched.h>
+#endif
+
 #include <algorithm>
 #include <limits>
 #include <string>
@@ -186,8 +191,20 @@ void LoaderCore::run_task(const Task& task) noexcept {
 }
 
 void LoaderCore::worker_main() noexcept {
+  if (config_.mode == LoaderMode::kAsync && config_.background_workers) to_background();
   Task task;
   while (claim(task, true)) run_task(task);
+}
+
+// The calling thread runs only when a core would otherwise idle (Linux SCHED_IDLE; any
+// thread may lower its own policy): a consumer or device that wakes takes a core from the
+// workers at once, instead of waiting out a worker's time slice (about a millisecond with 4
+// workers on 2 cores). Elsewhere, or if refused, the thread keeps its priority.
+void LoaderCore::to_background() noexcept {
+#if defined(__linux__)
+  sched_param p{};
+  (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &p);
+#endif
 }
 
 void LoaderCore::release_slot(std::size_t slot) noexcept {

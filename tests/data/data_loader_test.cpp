@@ -4,6 +4,10 @@
 // loops::repeat loop.
 #include <doctest/doctest.h>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -614,5 +618,35 @@ TEST_CASE("instances: bad settings and a stream are refused with what is allowed
   CHECK(contains(error_of([&] { DataLoader loader(StepShape{}, sixty, c); }),
                  "30 samples per instance"));
 }
+
+#if defined(__linux__)
+// A stream that records the scheduling policy of the thread reading each sample.
+class PolicyStream : public CountingStream {
+ public:
+  using CountingStream::CountingStream;
+  bool next(Sample& s) {
+    policies.insert(sched_getscheduler(0));
+    return CountingStream::next(s);
+  }
+  std::set<int> policies;
+};
+
+TEST_CASE("async workers load at background priority unless told not to; sync loads do not") {
+  for (bool background : {true, false}) {
+    PolicyStream stream(40, 40);
+    LoaderConfig c = async_config(4, 1);
+    c.background_workers = background;
+    DataLoader loader(StepShape{2, 1, 1}, stream, c);
+    CHECK(drain_epoch_count(loader) == 5);
+    CHECK(stream.policies == std::set<int>{background ? SCHED_IDLE : SCHED_OTHER});
+  }
+  PolicyStream stream(40, 40);
+  LoaderConfig c;
+  c.batch_size = 4;
+  DataLoader sync(StepShape{2, 1, 1}, stream, c);  // loads on this thread
+  CHECK(drain_epoch_count(sync) == 5);
+  CHECK(stream.policies == std::set<int>{sched_getscheduler(0)});
+}
+#endif
 
 TEST_SUITE_END();

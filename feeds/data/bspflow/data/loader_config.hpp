@@ -29,10 +29,15 @@ struct LoaderConfig {
   LoaderMode mode = LoaderMode::kSync;
   // kAsync: steps loaded ahead, 1..kMaxLoaderBuffer (kSync ignores it: one step at a time).
   std::uint32_t buffer_size = tunables::kDefaultLoaderBuffer;
-  bool early_preload = false;         // kAsync only: start loading at construction
-  bool load_indefinitely = false;     // kAsync only: keep loading across epoch ends
-                                      // (needs persistent_workers)
-  bool persistent_workers = true;     // kAsync: keep workers between epochs
+  bool early_preload = false;      // kAsync only: start loading at construction
+  bool load_indefinitely = false;  // kAsync only: keep loading across epoch ends
+                                   // (needs persistent_workers)
+  bool persistent_workers = true;  // kAsync: keep workers between epochs
+  // kAsync: workers run at background priority (Linux SCHED_IDLE): they take every core
+  // time nothing else wants, and give a core up at once to the consumer or a device that
+  // wakes. Off: normal priority, so they compete with them for the cores (a woken consumer
+  // can wait a worker's time slice, a millisecond or more, when workers outnumber cores).
+  bool background_workers = true;
   std::optional<DType> output_dtype;  // convert samples to this type (default: keep)
   // Several processes (Instance, bspflow/runtime/instance.hpp): this loader is instance
   // `instance` of `instances` and loads its part of every epoch. Every instance shuffles
