@@ -32,6 +32,7 @@
 //   dataflow_floor_1us_vs_ideal  the same two threads joined by a bare 64-slot SPSC ring
 //   pipeline_bsp_1us_vs_floor, pipeline_bsp_10us_vs_floor, pipeline_dataflow_1us_vs_floor
 //                       the pipeline over its floor: the share of the attainable it gets
+//                       (targets >= 0.95 bsp 1 us, >= 0.98 dataflow 1 us; 10 us: none)
 //
 // The stages are inference stages (forward passes only), the device and host links cost
 // nothing (LinkModel with no latency) except in the pipeline_io keys, and the infeed is
@@ -316,19 +317,26 @@ int main(int argc, char** argv) {
     }
     return std::pair{best_p, best_f};
   };
+  // The floor targets are issue 29's (>= 0.95 bsp 1 us, >= 0.98 dataflow 1 us); 0: none.
   auto report_against = [&](const char* name, double per_s, double floor_per_s, double stage_s,
-                            const char* target, double target_value, const char* floor_key) {
+                            const char* target, double target_value, const char* floor_key,
+                            double floor_target = 0.0) {
     const double v = per_s * stage_s, f = floor_per_s * stage_s;
     report.figure(std::string(name) + "_per_s", per_s);
     report.ratio(std::string(name) + "_vs_ideal", v, target, v >= target_value);
     report.figure(floor_key, f);
-    report.figure(std::string(name) + "_vs_floor", v / f);
+    if (floor_target > 0) {
+      report.ratio(std::string(name) + "_vs_floor", v / f,
+                   ">= " + std::to_string(floor_target).substr(0, 4), v / f >= floor_target);
+    } else {
+      report.figure(std::string(name) + "_vs_floor", v / f);
+    }
   };
   {
     const auto [p1, f1] =
         paired([&] { return pipeline_rate(devices, SyncMode::kBsp, 1us, 200'000 / scale); },
                [&] { return bsp_floor_rate(1us, 200'000 / scale); });
-    report_against("pipeline_bsp_1us", p1, f1, 1e-6, ">= 0.8", 0.8, "bsp_floor_1us_vs_ideal");
+    report_against("pipeline_bsp_1us", p1, f1, 1e-6, ">= 0.8", 0.8, "bsp_floor_1us_vs_ideal", 0.95);
     const auto [p10, f10] =
         paired([&] { return pipeline_rate(devices, SyncMode::kBsp, 10us, 40'000 / scale); },
                [&] { return bsp_floor_rate(10us, 40'000 / scale); });
@@ -339,7 +347,7 @@ int main(int argc, char** argv) {
         paired([&] { return pipeline_rate(devices, SyncMode::kDataflow, 1us, 200'000 / scale); },
                [&] { return dataflow_floor_rate(1us, 200'000 / scale); });
     report_against("pipeline_dataflow_1us", pd, fd, 1e-6, ">= 0.9", 0.9,
-                   "dataflow_floor_1us_vs_ideal");
+                   "dataflow_floor_1us_vs_ideal", 0.98);
 #if BSPFLOW_HAVE_TBB
     double rt = 0;
     for (int i = 0; i < reps; ++i) rt = std::max(rt, tbb_rate(1us, 200'000 / scale));
