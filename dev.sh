@@ -105,8 +105,8 @@ case "$what" in
     install_deps
     configure "$build"
     meson test -C "$build" --benchmark --suite bench "$@"
-    # The figures, dated: tests/bench/results/<date>_<commit>[-dirty]/<bench>.json.
-    stamp="$(date -u +%Y-%m-%d)_$(git rev-parse --short HEAD)"
+    # The figures, dated: tests/bench/results/<date>_<hhmm>_<commit>[-dirty]/<bench>.json.
+    stamp="$(date -u +%Y-%m-%d_%H%M)_$(git rev-parse --short HEAD)"
     git diff --quiet HEAD -- 2>/dev/null || stamp="$stamp-dirty"
     mkdir -p "tests/bench/results/$stamp"
     for f in "$build"/tests/bench/*.json; do

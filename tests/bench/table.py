@@ -3,7 +3,7 @@
 
   table.py RUN_DIR [RUN_DIR ...] [--update FILE] [--keys-file FILE]
 
-Each RUN_DIR is a directory kept by `./dev.sh bench`, tests/bench/results/<date>_<commit>[-dirty]/,
+Each RUN_DIR is a directory kept by `./dev.sh bench`, tests/bench/results/<date>_<hhmm>_<commit>[-dirty]/,
 holding one <bench>.json per benchmark. A table's rows are the keys with a `<key>_target` entry
 in any run (alphabetical); a key's target is taken from the last RUN_DIR that has it. A cell is
 the value to 4 significant digits, with " ✗" when `<key>_met` is false, or "—" when the run
