@@ -69,10 +69,9 @@ struct IoEngine::Impl {
     std::chrono::nanoseconds poll = tunables::kIoPollFirst;
     bool waited = false;          // the front transfer's data was not there at first
     Clock::time_point free_at{};  // when the previous transfer ended
-    // The front transfer's modeled start and end; `due` once the end is near enough that
-    // the engine spins toward it (it is then on Impl::due).
+    // The front transfer's modeled start and end (on Impl::due once the end is near enough
+    // that the engine spins toward it).
     Clock::time_point begin{}, deadline{};
-    bool due = false;
     asio::steady_timer timer;
   };
 
@@ -102,12 +101,12 @@ struct IoEngine::Impl {
     std::uint64_t posts_seen = 0;
     for (;;) {
       if (!due.empty()) {
-        const Clock::time_point now = Clock::now();
-        const Clock::time_point nearest = finish_due(now);
+        const Clock::time_point nearest = finish_due(Clock::now());
         if (due.empty()) {
           idle_since = Clock::now();
           continue;
         }
+        const Clock::time_point now = Clock::now();
         const std::uint64_t posts = posted.load(std::memory_order_acquire);
         if (nearest - now > kPollGuard &&
             (posts != posts_seen || now - polled_at > kTimerPollEvery)) {
@@ -126,7 +125,6 @@ struct IoEngine::Impl {
         continue;
       }
       if (ctx.stopped()) return;
-      if (!due.empty()) continue;
       const auto idle = Clock::now() - idle_since;
       if (idle < tunables::kSpinBudget) {
         for (int i = 0; i < 16; ++i) detail::cpu_relax();
@@ -159,7 +157,6 @@ struct IoEngine::Impl {
       }
       due[i] = due.back();
       due.pop_back();
-      ch.due = false;
       finish_front(ch, Times{ch.begin, now});  // may put the channel back on `due`
       now = Clock::now();
       i = 0;  // the list changed: look again
@@ -169,22 +166,25 @@ struct IoEngine::Impl {
   }
 
   // Engine thread: the channel's end is within the horizon; the engine spins toward it.
-  void make_due(Channel& ch) {
-    ch.due = true;
-    due.push_back(&ch);
-  }
+  void make_due(Channel& ch) { due.push_back(&ch); }
 
   // How long before a transfer's end the engine stops relying on its timer and spins. It
   // adapts to how late the timer has been firing here (a decaying maximum of the lateness,
   // twice over, plus a margin), between kTimerMargin and kIoSpinHorizonMax; on a core shared
-  // with devices it stays at kTimerMargin (a spin there takes their time).
+  // with devices it stays at kTimerMargin (a spin there takes their time). It only decays
+  // as timers fire: once it exceeds the transfers, the engine spins through them (it watches
+  // its own core; a decay by time made it fall back to timers and yields, which on this VM
+  // gave the core away for milliseconds and made every other copy late).
   std::chrono::nanoseconds horizon() const {
     if (shared) return tunables::kTimerMargin;
     const auto h = std::chrono::nanoseconds(2 * late_max_ns) + tunables::kTimerMargin;
     return std::min<std::chrono::nanoseconds>(h, tunables::kIoSpinHorizonMax);
   }
+  // A timer asked for `asked` ran its handler now: how late, whatever made it so (a slow
+  // wake-up, or a yield that gave the core away for a time slice).
   void timer_fired(Clock::time_point asked) {
-    const std::int64_t late = (Clock::now() - asked).count();
+    const Clock::time_point now = Clock::now();
+    const std::int64_t late = std::max<std::int64_t>(0, (now - asked).count());
     late_max_ns = std::max<std::int64_t>(late, late_max_ns - late_max_ns / 128);
   }
 
@@ -216,8 +216,9 @@ struct IoEngine::Impl {
     ch.poll = tunables::kIoPollFirst;
     ch.begin = begin;
     ch.deadline = begin + t.modeled;
+    const Clock::time_point armed = Clock::now();  // after the copy: it may take a while
     const Clock::time_point wake = ch.deadline - horizon();
-    if (wake <= now) {
+    if (wake <= armed) {
       make_due(ch);
       return;
     }
@@ -288,6 +289,10 @@ IoEngine::~IoEngine() {
   });
   im.posted.fetch_add(1, std::memory_order_release);
   im.thread.join();
+  // A transfer submitted after the engine stopped (by a callback, or racing the stop) is
+  // still in the io_context: run those handlers here, which cancel it (stopping is set).
+  im.ctx.restart();
+  im.ctx.poll();
   for (auto& ch : im.channels) {
     for (Transfer& t : ch->queue) {
       if (t.done) t.done(Times{}, true);
@@ -317,10 +322,13 @@ void IoEngine::submit(std::uint32_t channel, Transfer t) {
 
 void IoEngine::wake() {
   Impl& im = *impl_;
-  if (!im.sleeping.load(std::memory_order_acquire)) return;  // watching: nothing to do
+  if (std::this_thread::get_id() == im.thread.get_id()) return;  // a callback: it is awake
+  // Posted even when the engine watches: running it restarts the engine's idle watch, so it
+  // does not go to sleep just as the transfers come.
   const std::uint64_t before = im.wakes.load(std::memory_order_acquire);
   asio::post(im.ctx, [&im] { im.wakes.fetch_add(1, std::memory_order_release); });
   im.posted.fetch_add(1, std::memory_order_release);
+  if (!im.sleeping.load(std::memory_order_acquire)) return;  // watching: it sees the post
   // Until it runs (bounded: a wake-up that takes longer only makes the first transfer late).
   const auto give_up = Clock::now() + tunables::kIoWakeWaitMax;
   while (im.wakes.load(std::memory_order_acquire) == before && Clock::now() < give_up) {
