@@ -4,7 +4,6 @@
 #include "bspflow/runtime/engine.hpp"
 
 #include <algorithm>
-
 #include <map>
 #include <set>
 #include <stop_token>

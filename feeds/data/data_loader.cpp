@@ -190,21 +190,25 @@ void LoaderCore::run_task(const Task& task) noexcept {
   }
 }
 
-void LoaderCore::worker_main() noexcept {
-  if (config_.mode == LoaderMode::kAsync && config_.background_workers) to_background();
-  Task task;
-  while (claim(task, true)) run_task(task);
-}
+namespace {
 
 // The calling thread runs only when a core would otherwise idle (Linux SCHED_IDLE; any
 // thread may lower its own policy): a consumer or device that wakes takes a core from the
 // workers at once, instead of waiting out a worker's time slice (about a millisecond with 4
 // workers on 2 cores). Elsewhere, or if refused, the thread keeps its priority.
-void LoaderCore::to_background() noexcept {
+void to_background() noexcept {
 #if defined(__linux__)
   sched_param p{};
   (void)pthread_setschedparam(pthread_self(), SCHED_IDLE, &p);
 #endif
+}
+
+}  // namespace
+
+void LoaderCore::worker_main() noexcept {
+  if (config_.mode == LoaderMode::kAsync && config_.background_workers) to_background();
+  Task task;
+  while (claim(task, true)) run_task(task);
 }
 
 void LoaderCore::release_slot(std::size_t slot) noexcept {

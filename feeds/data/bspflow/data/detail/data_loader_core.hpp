@@ -85,7 +85,6 @@ class LoaderCore {
   void spawn_workers();
   void join_workers() noexcept;
   void worker_main() noexcept;
-  static void to_background() noexcept;
   // The worker threads: num_workers, and in async mode at least one (num_workers = 0 there
   // loads on one background thread, like PopTorch's loader in its own process).
   std::uint32_t worker_count() const noexcept {
