@@ -7,7 +7,12 @@
 //  - feed_bulk_throughput_vs_moodycamel: the same path with push_bulk (1000 per call) and
 //    prefetch depth 32, over raw moodycamel's bulk API (enqueue_bulk of 1000, try_dequeue_bulk
 //    of 32) on the same two threads and cores; target >= 1.0 (issue 29). Its ratio over the
-//    element-wise reference is printed too (..._elementwise).
+//    element-wise reference is printed too (..._elementwise). The bulk path's outfeed has one
+//    reader and says so (ConsumerType::kSingle); feed_bulk_multi_reader_* is it with kMulti.
+//  - feed_bulk_throughput_vs_moodycamel_same_shape: the bulk path over moodycamel's bulk API
+//    moving the same shape by hand (two hops, a result per element, a hand-shake per step of
+//    1000); target >= 1.0. moodycamel_bulk_same_shape_vs_single_hop shows how far below its
+//    own single hop moodycamel lands in that shape on this machine: the bound of the key above.
 //  - roundtrip_p50/p99_vs_pingpong: one element host -> device -> host, against an atomic
 //    ping-pong between two threads pinned to the same two cores; target p50 <= 1.1.
 // The infeeds have one producer and say so (ProducerType::kSingle: single-producer lanes);
@@ -104,15 +109,90 @@ double moodycamel_rate(std::uint64_t n, const Cores& cores, bool bulk) {
   return static_cast<double>(n) / t;
 }
 
+// The bulk path's shape built by hand from moodycamel's bulk API: per step of 1000 the host
+// starts the step (one release store, where bspflow launches a run), enqueue_bulk's the 1000,
+// then try_dequeue_bulk's (32 at a time) the 1000 results; the worker dequeues 32 at a time,
+// makes one {value, iteration} result per element and enqueue_bulk's them to a second queue,
+// then says the step is done. Same threads, cores and element counts as bspflow_rate. It
+// shows what moodycamel itself moves when the path has two hops, a per-element loop and a
+// hand-shake per step, against its single hop (moodycamel_rate with bulk).
+#if defined(__GNUC__) && !defined(__clang__)
+// GCC 12's bogus -Wstringop-overflow inside the inlined enqueue_bulk calls, as above.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
+#endif
+double moodycamel_same_shape_rate(std::uint64_t steps, const Cores& cores) {
+  constexpr std::uint64_t kIterations = 1000;
+  struct Result {
+    std::uint64_t value;
+    std::uint64_t iteration;
+  };
+  moodycamel::ConcurrentQueue<std::uint64_t> in;
+  moodycamel::ConcurrentQueue<Result> out;
+  std::atomic<std::uint64_t> started{0};
+  std::atomic<std::uint64_t> finished{0};
+  std::thread worker([&] {
+    pin(cores.device);
+    moodycamel::ConsumerToken in_tok(in);
+    moodycamel::ProducerToken out_tok(out);
+    std::uint64_t v[32];
+    Result staged[32];
+    for (std::uint64_t s = 1; s <= steps; ++s) {
+      while (started.load(std::memory_order_acquire) < s) {
+      }
+      for (std::uint64_t done = 0; done < kIterations;) {
+        const std::size_t k = in.try_dequeue_bulk(in_tok, v, 32);
+        for (std::size_t i = 0; i < k; ++i) staged[i] = Result{v[i], done + i};
+        if (k != 0) out.enqueue_bulk(out_tok, staged, k);
+        done += k;
+      }
+      finished.store(s, std::memory_order_release);
+    }
+  });
+  pin(cores.host);
+  moodycamel::ProducerToken in_tok(in);
+  moodycamel::ConsumerToken out_tok(out);
+  std::vector<std::uint64_t> batch(kIterations);
+  Result got[32];
+  std::uint64_t sum = 0;
+  const auto t0 = Clock::now();
+  for (std::uint64_t s = 1; s <= steps; ++s) {
+    started.store(s, std::memory_order_release);
+    const std::uint64_t base = (s - 1) * kIterations;
+    for (std::uint64_t i = 0; i < kIterations; ++i) batch[i] = base + i;
+    in.enqueue_bulk(in_tok, batch.data(), kIterations);
+    for (std::uint64_t r = 0; r < kIterations;) {
+      const std::size_t k = out.try_dequeue_bulk(out_tok, got, 32);
+      for (std::size_t i = 0; i < k; ++i) sum += got[i].value;
+      r += k;
+    }
+    while (finished.load(std::memory_order_acquire) < s) {
+    }
+  }
+  const double t = seconds_since(t0);
+  worker.join();
+  const std::uint64_t n = steps * kIterations;
+  if (sum != n * (n - 1) / 2)
+    std::fprintf(stderr, "moodycamel same-shape reference lost elements\n");
+  return static_cast<double>(n) / t;
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
 // infeed -> repeat(1000, empty body) -> outfeed; host pushes a step, then drains it.
 double bspflow_rate(std::uint64_t steps, bool bulk, std::uint32_t prefetch, const Cores& cores,
                     bspflow::Device& device,
-                    bspflow::ProducerType producers = bspflow::ProducerType::kSingle) {
+                    bspflow::ProducerType producers = bspflow::ProducerType::kSingle,
+                    bspflow::ConsumerType readers = bspflow::ConsumerType::kMulti) {
   constexpr std::uint64_t kIterations = 1000;
   bspflow::InfeedConfig config{1, 1024, prefetch};
   config.producer_type = producers;
   bspflow::InfeedQueue<std::uint64_t> infeed(config);
-  bspflow::OutfeedQueue<std::uint64_t> outfeed;
+  bspflow::OutfeedConfig out_config;
+  out_config.consumer_type = readers;
+  if (readers == bspflow::ConsumerType::kSingle) out_config.capacity = 1024;
+  bspflow::OutfeedQueue<std::uint64_t> outfeed(out_config);
   auto producer = infeed.make_producer();
   pin(cores.host);
   std::vector<std::uint64_t> batch(kIterations);
@@ -195,13 +275,16 @@ int main(int argc, char** argv) {
                          bspflow::Topology::get().place(1)[0]);
 
   // Interleave reference and subject runs so drift on a shared machine hits both alike.
-  std::vector<double> raw, raw_bulk, elementwise, multi, bulk;
+  std::vector<double> raw, raw_bulk, elementwise, multi, bulk, bulk_multi, same_shape;
   for (int r = 0; r < kRepeats; ++r) {
     raw.push_back(moodycamel_rate(elements, cores, false));
     raw_bulk.push_back(moodycamel_rate(elements, cores, true));
     elementwise.push_back(bspflow_rate(steps, false, 1, cores, device));
     multi.push_back(bspflow_rate(steps, false, 1, cores, device, bspflow::ProducerType::kMulti));
-    bulk.push_back(bspflow_rate(steps, true, 32, cores, device));
+    bulk.push_back(bspflow_rate(steps, true, 32, cores, device, bspflow::ProducerType::kSingle,
+                                bspflow::ConsumerType::kSingle));
+    bulk_multi.push_back(bspflow_rate(steps, true, 32, cores, device));
+    same_shape.push_back(moodycamel_same_shape_rate(steps, cores));
   }
   const double raw_rate = bench::median(raw);
   const double elem_rate = bench::median(elementwise);
@@ -218,6 +301,16 @@ int main(int argc, char** argv) {
   report.ratio("feed_bulk_throughput_vs_moodycamel", bulk_rate / raw_bulk_rate, ">= 1.0",
                bulk_rate / raw_bulk_rate >= 1.0);
   report.figure("feed_bulk_throughput_vs_moodycamel_elementwise", bulk_rate / raw_rate);
+  // The bound of the bulk key on this machine: moodycamel's bulk API moving the same shape.
+  const double shape_rate = bench::median(same_shape);
+  report.figure("moodycamel_bulk_same_shape_elements_per_s", shape_rate);
+  report.figure("moodycamel_bulk_same_shape_vs_single_hop", shape_rate / raw_bulk_rate);
+  report.ratio("feed_bulk_throughput_vs_moodycamel_same_shape", bulk_rate / shape_rate, ">= 1.0",
+               bulk_rate / shape_rate >= 1.0);
+  const double bulk_multi_rate = bench::median(bulk_multi);
+  report.figure("feed_bulk_multi_reader_elements_per_s", bulk_multi_rate);
+  report.ratio("feed_bulk_multi_reader_vs_moodycamel_same_shape", bulk_multi_rate / shape_rate,
+               "(no target)", true);
 
   std::vector<double> pp = bench::pingpong(trips, cores.host, cores.device);
   std::vector<double> rt = roundtrip(trips, cores, device, bspflow::ConsumerType::kSingle);

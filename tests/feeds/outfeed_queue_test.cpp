@@ -185,6 +185,39 @@ TEST_CASE("one reader: a ring per replica; every entry once, in order per replic
   }
 }
 
+TEST_CASE("one reader: many short runs in a row, each delivered whole and then ended") {
+  // The last writer ends a run by closing every replica's ring without a process-wide fence
+  // (SpscLane::close_quiescent): the other writers are done. Short runs back to back, with
+  // writers finishing on their own threads while the host reads, check that no entry of a
+  // run is lost or seen after its end, and that every run ends.
+  constexpr std::uint32_t kReplicas = 2;
+  OutfeedQueue<int> q(config_for(ConsumerType::kSingle, kReplicas, OutputMode::all(), 16));
+  const int runs = static_cast<int>(test::scaled(300, 30));
+  constexpr int kPerReplica = 40;
+  for (int run = 0; run < runs; ++run) {
+    auto writers = q.begin_run();
+    std::vector<std::thread> devices;
+    for (std::uint32_t r = 0; r < kReplicas; ++r) {
+      devices.emplace_back([&, r] {
+        for (int i = 0; i < kPerReplica; ++i)
+          writers[r].write(static_cast<std::uint64_t>(i), run * 1000 + int(r) * 100 + i);
+        writers[r].finish(true);
+      });
+    }
+    int count = 0;
+    bool right = true;
+    for (auto& e : q) {
+      right = right && e.value / 1000 == run &&
+              e.value % 1000 == int(e.replica) * 100 + int(e.iteration);
+      ++count;
+    }
+    for (auto& t : devices) t.join();
+    REQUIRE(count == kPerReplica * int(kReplicas));
+    REQUIRE(right);
+    REQUIRE_FALSE(q.running());
+  }
+}
+
 TEST_CASE("size_approx(replica): a replica's ring with one reader, the shared queue otherwise") {
   for (const ConsumerType consumer : {ConsumerType::kMulti, ConsumerType::kSingle}) {
     CAPTURE(consumer == ConsumerType::kSingle);

@@ -140,7 +140,7 @@ class OutfeedQueue {
       for (std::uint32_t r = 0; r < config_.replicas; ++r) {
         lanes_.push_back(
             std::make_unique<Lane>(config_.capacity, &readable_, spare_slots(config_.capacity)));
-        lanes_.back()->close();
+        lanes_.back()->close_quiescent();
       }
     } else {
       queue_.emplace(config_.capacity);
@@ -321,10 +321,11 @@ class OutfeedQueue {
       OutfeedQueue* q = std::exchange(q_, nullptr);
       // The last writer ends the run for the readers, after the count reached 0: a reader
       // that saw the end also sees running() false (and may attach the next run at once).
-      // No other writer pushes any more, so it may close their rings too.
+      // No other writer pushes any more (each one's countdown released its last push to us), so
+      // it may close their rings too, without the fence a close racing a push needs.
       if (q->active_writers_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
         if (q->queue_) q->queue_->close();
-        for (auto& lane : q->lanes_) lane->close();
+        for (auto& lane : q->lanes_) lane->close_quiescent();
       }
     }
 
