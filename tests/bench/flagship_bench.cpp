@@ -7,11 +7,26 @@
 //                            micro-batch order and accumulation; no runtime), same run;
 //                            target >= 1.6 (issue 29)
 //
+// Where the devices' time goes (issue 29, item 3), from a separate traced run of the same
+// pipeline after the timed one (so tracing never touches the throughput keys), summed over
+// its host calls, per device d (figures, no targets):
+//   flagship_device<d>_compute_share    share of the device's time in compute sets
+//                                       (its utilisation, as t03 prints it)
+//   flagship_device<d>_sync_share       waiting at the syncs of the pipeline's cycles
+//   flagship_device<d>_handoff_share    exchanges: activations and gradients to and from
+//                                       the neighbouring stages, and the all-reduce
+//   flagship_device<d>_host_link_share  stream copies: micro-batches in, losses out
+//   flagship_device<d>_idle_share       everything else (between the host's calls)
+//   flagship_compute_share_mean         the mean of the compute shares
+//
 // Prints `key: value`; --json FILE.
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
+#include <array>
 #include <cstdio>
 #include <random>
+#include <string>
 #include <vector>
 
 #include <bspflow/bspflow.hpp>
@@ -72,6 +87,73 @@ double pipelined_rate(DeviceGroup& devices, const std::vector<Batch>& batches,
   return static_cast<double>(samples) / bench::seconds_since(t0);
 }
 
+// Per device, nanoseconds by phase over `calls` traced host calls of the pipelined training.
+struct Shares {
+  std::vector<std::array<std::int64_t, kPhaseCount>> ns;
+  std::vector<std::int64_t> total;
+};
+
+Shares traced_shares(DeviceGroup& devices, const std::vector<Batch>& batches, std::uint64_t calls) {
+  PipelineConfig cfg;
+  cfg.gradient_accumulation = kAccumulation;
+  cfg.trace = true;
+  Pipeline pipe(devices, cfg, [](std::uint32_t) {
+    return kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{});
+  });
+  InfeedQueue<Batch> infeed(InfeedConfig{1, 2 * kIterations * kAccumulation, 2});
+  auto producer = infeed.make_producer();
+  Shares out;
+  std::size_t m = 0;
+  for (std::uint64_t c = 0; c < calls; ++c) {
+    for (std::uint64_t i = 0; i < kIterations * kAccumulation; ++i, ++m)
+      producer.push(Batch(batches[m % batches.size()]));
+    const PipelineResult r = pipe.run(infeed, kIterations);
+    if (!r.completed()) std::fprintf(stderr, "traced pipeline: %s\n", r.message.c_str());
+    if (pipe.trace() == nullptr) continue;
+    std::size_t d = 0;
+    for (const TrackSummary& t : pipe.trace()->summary().tracks) {
+      if (t.kind != TraceTrack::Kind::kDevice) continue;
+      if (out.ns.size() <= d) {
+        out.ns.emplace_back();
+        out.total.push_back(0);
+      }
+      for (std::size_t p = 0; p < kPhaseCount; ++p) out.ns[d][p] += t.ns[p];
+      out.total[d] += t.total_ns;
+      ++d;
+    }
+  }
+  return out;
+}
+
+void report_shares(bench::Report& report, const Shares& sh) {
+  if (sh.ns.empty()) {
+    std::fprintf(stderr, "traced pipeline: no device tracks\n");
+    return;
+  }
+  auto at = [](const std::array<std::int64_t, kPhaseCount>& a, Phase p) {
+    return static_cast<double>(a[static_cast<std::size_t>(p)]);
+  };
+  double compute_sum = 0;
+  for (std::size_t d = 0; d < sh.ns.size(); ++d) {
+    const auto& a = sh.ns[d];
+    const double total = static_cast<double>(std::max<std::int64_t>(sh.total[d], 1));
+    const double compute = at(a, Phase::kCompute) / total;
+    const double sync = at(a, Phase::kSync) / total;
+    const double handoff = at(a, Phase::kExchange) / total;
+    const double link = (at(a, Phase::kStreamCopyBegin) + at(a, Phase::kStreamCopyMid) +
+                         at(a, Phase::kStreamCopyEnd)) /
+                        total;
+    const std::string key = "flagship_device" + std::to_string(d) + "_";
+    report.figure(key + "compute_share", compute);
+    report.figure(key + "sync_share", sync);
+    report.figure(key + "handoff_share", handoff);
+    report.figure(key + "host_link_share", link);
+    report.figure(key + "idle_share", std::max(0.0, 1.0 - compute - sync - handoff - link));
+    compute_sum += compute;
+  }
+  report.figure("flagship_compute_share_mean", compute_sum / static_cast<double>(sh.ns.size()));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -88,5 +170,6 @@ int main(int argc, char** argv) {
   report.figure("sequential_samples_per_s", seq);
   report.figure("flagship_samples_per_s", pip);
   report.ratio("flagship_vs_sequential", pip / seq, ">= 1.6", pip / seq >= 1.6);
+  report_shares(report, traced_shares(devices, batches, args.quick ? 1 : 3));
   return report.write(args.json_path) ? 0 : 1;
 }
