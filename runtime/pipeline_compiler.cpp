@@ -308,8 +308,12 @@ Program Pipeline::Impl::compile_inference(const std::vector<StageRun*>& on_devic
         StageRun* prev = &run_of(st->r, st->s - 1);
         for (std::uint64_t parity = 0; parity < 2; ++parity) {
           body.push_back(when(
-              [st, prev, parity](const ComputeContext&) {
+              [st, prev, parity, src = prev->out_fwd[parity]](const ComputeContext&) {
                 if (st->cycle % 2 != parity) return false;
+                // The id and the activations both come from the previous device's core:
+                // ask for the activations' line first, so the two misses overlap instead of
+                // following each other (the copy would read it next).
+                __builtin_prefetch(src->raw().data(), 0, 3);
                 st->in_id = prev->out_id[parity];
                 return st->in_id >= 0;
               },
