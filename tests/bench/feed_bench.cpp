@@ -52,6 +52,13 @@ Cores pick_cores() {
 
 using bench::pin;
 
+// The two moodycamel references call enqueue_bulk, inlined: GCC 12 warns there with a bogus
+// -Wstringop-overflow, as in BoundedQueue.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wstringop-overflow"
+#endif
+
 // Raw moodycamel, one producer and one consumer thread: one element per call, or with
 // `bulk` its bulk API as the feed's bulk path moves them (the producer enqueues 1000 at a time
 // with enqueue_bulk, the consumer dequeues up to 32 at a time with try_dequeue_bulk).
@@ -90,15 +97,7 @@ double moodycamel_rate(std::uint64_t n, const Cores& cores, bool bulk) {
   if (bulk) {
     for (std::uint64_t i = 0; i < n; i += kChunk) {
       for (std::uint64_t k = 0; k < kChunk; ++k) chunk[k] = i + k;
-#if defined(__GNUC__) && !defined(__clang__)
-// GCC 12's bogus -Wstringop-overflow inside an inlined enqueue_bulk, as in BoundedQueue.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wstringop-overflow"
-#endif
       q.enqueue_bulk(tok, chunk.data(), kChunk);
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
     }
   } else {
     for (std::uint64_t i = 0; i < n; ++i) q.enqueue(tok, i);
@@ -116,11 +115,6 @@ double moodycamel_rate(std::uint64_t n, const Cores& cores, bool bulk) {
 // then says the step is done. Same threads, cores and element counts as bspflow_rate. It
 // shows what moodycamel itself moves when the path has two hops, a per-element loop and a
 // hand-shake per step, against its single hop (moodycamel_rate with bulk).
-#if defined(__GNUC__) && !defined(__clang__)
-// GCC 12's bogus -Wstringop-overflow inside the inlined enqueue_bulk calls, as above.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wstringop-overflow"
-#endif
 double moodycamel_same_shape_rate(std::uint64_t steps, const Cores& cores) {
   constexpr std::uint64_t kIterations = 1000;
   struct Result {

@@ -65,15 +65,18 @@ double sequential_rate(const std::vector<Batch>& batches, std::uint64_t steps) {
   return static_cast<double>(steps * kAccumulation * kBatch) / seconds;
 }
 
-double pipelined_rate(DeviceGroup& devices, const std::vector<Batch>& batches,
-                      std::uint64_t calls) {
+// `calls` host calls of the pipelined training (traced with `trace`), each after pushing its
+// micro-batches; after_call(pipe) runs after each call. Returns the seconds the calls took.
+template <class AfterCall>
+double train_calls(DeviceGroup& devices, const std::vector<Batch>& batches, std::uint64_t calls,
+                   bool trace, AfterCall&& after_call) {
   PipelineConfig cfg;
   cfg.gradient_accumulation = kAccumulation;
+  cfg.trace = trace;
   Pipeline pipe(devices, cfg, [](std::uint32_t) {
     return kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{});
   });
   InfeedQueue<Batch> infeed(InfeedConfig{1, 2 * kIterations * kAccumulation, 2});
-  std::uint64_t samples = 0;
   std::size_t m = 0;
   auto producer = infeed.make_producer();
   const auto t0 = bench::Clock::now();
@@ -82,9 +85,15 @@ double pipelined_rate(DeviceGroup& devices, const std::vector<Batch>& batches,
       producer.push(Batch(batches[m % batches.size()]));
     const PipelineResult r = pipe.run(infeed, kIterations);
     if (!r.completed()) std::fprintf(stderr, "pipeline: %s\n", r.message.c_str());
-    samples += kIterations * kAccumulation * kBatch;
+    after_call(pipe);
   }
-  return static_cast<double>(samples) / bench::seconds_since(t0);
+  return bench::seconds_since(t0);
+}
+
+double pipelined_rate(DeviceGroup& devices, const std::vector<Batch>& batches,
+                      std::uint64_t calls) {
+  const double seconds = train_calls(devices, batches, calls, false, [](const Pipeline&) {});
+  return static_cast<double>(calls * kIterations * kAccumulation * kBatch) / seconds;
 }
 
 // Per device, nanoseconds by phase over `calls` traced host calls of the pipelined training.
@@ -94,22 +103,9 @@ struct Shares {
 };
 
 Shares traced_shares(DeviceGroup& devices, const std::vector<Batch>& batches, std::uint64_t calls) {
-  PipelineConfig cfg;
-  cfg.gradient_accumulation = kAccumulation;
-  cfg.trace = true;
-  Pipeline pipe(devices, cfg, [](std::uint32_t) {
-    return kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{});
-  });
-  InfeedQueue<Batch> infeed(InfeedConfig{1, 2 * kIterations * kAccumulation, 2});
-  auto producer = infeed.make_producer();
   Shares out;
-  std::size_t m = 0;
-  for (std::uint64_t c = 0; c < calls; ++c) {
-    for (std::uint64_t i = 0; i < kIterations * kAccumulation; ++i, ++m)
-      producer.push(Batch(batches[m % batches.size()]));
-    const PipelineResult r = pipe.run(infeed, kIterations);
-    if (!r.completed()) std::fprintf(stderr, "traced pipeline: %s\n", r.message.c_str());
-    if (pipe.trace() == nullptr) continue;
+  train_calls(devices, batches, calls, true, [&](const Pipeline& pipe) {
+    if (pipe.trace() == nullptr) return;
     std::size_t d = 0;
     for (const TrackSummary& t : pipe.trace()->summary().tracks) {
       if (t.kind != TraceTrack::Kind::kDevice) continue;
@@ -121,7 +117,7 @@ Shares traced_shares(DeviceGroup& devices, const std::vector<Batch>& batches, st
       out.total[d] += t.total_ns;
       ++d;
     }
-  }
+  });
   return out;
 }
 
