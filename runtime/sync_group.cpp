@@ -28,6 +28,11 @@ void SyncGroup::abort() noexcept {
 }
 
 bool SyncGroup::arrive_and_wait(const StopFlag& stop, Spin spin, double* modeled) {
+  // Every arrival reads state_'s line (aborted_, the generation), then writes it (the
+  // modeled slot, the count), and the line was last written by another participant: asked
+  // for writing first, it comes over once, not once to read and again to write. On this
+  // 2-core VM that is one cross-core transfer less on the critical path of every superstep.
+  detail::prefetch_for_write(&state_);
   if (aborted_.load(std::memory_order_acquire)) return false;
   if (modeled != nullptr) {
     // Before arriving: nobody can open this generation without this arrival, so the one

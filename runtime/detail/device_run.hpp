@@ -144,6 +144,11 @@ class DeviceRun {
     return wait_until_deadline(deadline, finish ? nullptr : &stop_,
                                device_.placement().shares_core());
   }
+  // Whether a modeled transfer of `d` is waited out in real time (and the clock read for it):
+  // not when it is shorter than the clock reads would be (tunables::kShortestRealWait).
+  static bool waits_for(std::chrono::nanoseconds d) noexcept {
+    return d >= tunables::kShortestRealWait;
+  }
 
   bool exec_node(const program::Sync& s);
 

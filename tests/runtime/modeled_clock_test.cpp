@@ -130,6 +130,30 @@ TEST_CASE("a Copy between devices takes the device link's time; on one device, t
   CHECK(ns(r.modeled_by_device[0].exchange) == doctest::Approx(2 * 16));
 }
 
+TEST_CASE(
+    "a Copy between devices counts in full in modeled time, short or long; a long one "
+    "is also waited out in real time") {
+  DeviceGroup devices(2, round_device());
+  Buffer a = make_buffer(devices[0], "a", DType::kFloat32, 1024);
+  Buffer b = make_buffer(devices[1], "b", DType::kFloat32, 1024);
+  auto run = [&](std::chrono::nanoseconds per_copy, std::uint64_t copies) {
+    EngineConfig config;
+    config.device_link = LinkModel::taking(per_copy, 4096);
+    Engine engine(devices, config);
+    const EngineResult r = engine.run({Sequence{}, Repeat(copies, Copy(a, b))});
+    CHECK(r.completed());
+    CHECK(ns(r.modeled_by_device[1].exchange) ==
+          doctest::Approx(static_cast<double>(copies * per_copy.count())));
+    return r;
+  };
+  // Shorter than the clock reads that would time it: not waited out, still modeled.
+  static_assert(10ns < tunables::kShortestRealWait);
+  run(10ns, 1000);
+  // 4 x 50 us: the device waits each one out, so the run takes at least that long.
+  const EngineResult slow = run(50us, 4);
+  CHECK(slow.elapsed >= 4 * 50us);
+}
+
 TEST_CASE("stream copies: in series without I/O tiles, overlapped with compute with them") {
   DeviceConfig dc = round_device();
   Device dev(0, dc);

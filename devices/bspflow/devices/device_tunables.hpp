@@ -27,6 +27,14 @@ inline constexpr std::chrono::nanoseconds kTimerMargin{60'000};
 // within a slice.
 inline constexpr std::chrono::nanoseconds kModeledWaitSlice{1'000'000};
 
+// A device waits out a modeled transfer it takes alone (a Copy between devices, a RemoteCopy,
+// an AllReduce) in real time only when it lasts at least this long: a shorter one ends sooner
+// than the two clock reads that would time it (about 20 ns each on a VM), so waiting would
+// put the real time further from the model than not waiting. The modeled clock counts every
+// transfer in full either way. (Host stream copies keep a timeline of the link, where short
+// copies add up, so they are always timed.)
+inline constexpr std::chrono::nanoseconds kShortestRealWait{20};
+
 // The I/O engine stops relying on its timer and spins toward a transfer's end this long
 // before it at most: the horizon adapts to how late the engine's timer fires on this machine
 // (twice its recent worst lateness plus kTimerMargin), so a VM whose timers wake hundreds of

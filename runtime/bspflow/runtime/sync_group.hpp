@@ -14,9 +14,9 @@ namespace bspflow {
 
 // A barrier across `participants` devices. The arrival count and the generation share one
 // atomic word, so the last arrival opens the barrier on the cache line it already holds
-// (one line moves between cores per arrival and one per release, the least a barrier
-// can do). Waiting spins briefly (tunables::kSpinBudget), then parks, so it is live with
-// more devices than cores.
+// (one line moves between cores per arrival, asked for writing from the start, and one per
+// release, the least a barrier can do). Waiting spins briefly (tunables::kSpinBudget), then parks,
+// so it is live with more devices than cores.
 class SyncGroup {
  public:
   explicit SyncGroup(std::uint32_t participants);
