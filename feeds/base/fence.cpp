@@ -1,5 +1,12 @@
-// membarrier-based heavy fence (see bspflow/base/detail/fence.hpp).
+// membarrier-based heavy fence (see bspflow/base/detail/fence.hpp), and whether the CPU has
+// the write prefetch detail::prefetch_for_write uses (bspflow/base/detail/wait.hpp).
 #include "bspflow/base/detail/fence.hpp"
+
+#include "bspflow/base/detail/wait.hpp"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 #if defined(__linux__)
 #include <linux/membarrier.h>
@@ -21,7 +28,20 @@ bool register_membarrier() noexcept {
 #endif
 }
 
+bool cpu_has_prefetchw() noexcept {
+#if defined(__x86_64__) || defined(__i386__)
+  // CPUID leaf 0x80000001, ECX bit 8: PRFCHW (AMD's name: 3DNowPrefetch). Read here, not
+  // with __builtin_cpu_supports in the header: older clang does not know that feature name.
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(0x80000001u, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1u << 8)) != 0;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
+
+const bool g_have_prefetchw = cpu_has_prefetchw();
 
 // Registered when the library loads (before any queue exists, in practice); a thread that
 // runs before that uses the symmetric fences, which is also correct.

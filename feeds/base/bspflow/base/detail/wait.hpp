@@ -46,10 +46,12 @@ inline void cpu_relax() noexcept {
 // of a line that another core holds, this makes one transfer of the line instead of two (a
 // shared copy for the read, then an upgrade that invalidates the other core's copy). A hint:
 // never faults, never changes what the program computes.
+// g_have_prefetchw: whether this x86 CPU has PREFETCHW (CPUID, read when the library loads;
+// false before that, and elsewhere).
+extern const bool g_have_prefetchw;
 inline void prefetch_for_write(const void* p) noexcept {
 #if defined(__x86_64__) || defined(__i386__)
-  static const bool have = __builtin_cpu_supports("prfchw");
-  if (have) asm volatile("prefetchw %0" : : "m"(*static_cast<const char*>(p)));
+  if (g_have_prefetchw) asm volatile("prefetchw %0" : : "m"(*static_cast<const char*>(p)));
 #else
   __builtin_prefetch(p, 1, 3);
 #endif
