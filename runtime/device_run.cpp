@@ -189,8 +189,7 @@ bool DeviceRun::exec_node(const program::RemoteCopy& r) {
   const Clock::time_point t0 = Clock::now();
   const std::size_t bytes = r.copy(ctx_);
   clock_.link_until(clock_.now() + host_link_ns(bytes));
-  const std::chrono::nanoseconds link = eng_.config.host_link.duration(bytes);
-  const bool ok = !waits_for(link) || take_modeled_time(t0 + link, r.finish_on_stop);
+  const bool ok = take_modeled_time(t0, eng_.config.host_link.duration(bytes), r.finish_on_stop);
   if (track_)
     track_->record(Phase::kStreamCopyMid, t0, Clock::now(), bytes, labels_[&r], r.to_host);
   return ok;
@@ -201,7 +200,7 @@ bool DeviceRun::exec_node(const program::AllReduce& a) {
   const std::size_t bytes = a.bytes(ctx_);
   const auto ring = eng_.config.device_link.ring_allreduce(bytes, a.replicas);
   clock_.exchange(static_cast<double>(ring.count()));
-  const bool ok = !waits_for(ring) || take_modeled_time(t0 + ring, a.finish_on_stop);
+  const bool ok = take_modeled_time(t0, ring, a.finish_on_stop);
   if (track_) track_->record(Phase::kExchange, t0, Clock::now(), bytes, labels_[&a]);
   return ok;
 }
@@ -228,13 +227,13 @@ bool DeviceRun::exec_node(const program::Copy& c) {
   const std::chrono::nanoseconds link = &c.src->device() != &c.dst->device()
                                             ? eng_.config.device_link.duration(c.dst->bytes())
                                             : std::chrono::nanoseconds{0};
-  const bool wait = waits_for(link);
-  const Clock::time_point t0 = track_ || wait ? Clock::now() : Clock::time_point{};
+  // Read the clock only for a trace or a wait (take_modeled_time reads t0 only then).
+  const Clock::time_point t0 = track_ || waits_for(link) ? Clock::now() : Clock::time_point{};
   std::memcpy(c.dst->raw().data(), c.src->raw().data(), c.dst->bytes());
   clock_.exchange(link.count() > 0 ? static_cast<double>(link.count())
                                    : model_.ns(model_.exchange_cycles(
                                          static_cast<double>(c.dst->bytes()), ctx_.compute_tiles)));
-  const bool ok = !wait || take_modeled_time(t0 + link);
+  const bool ok = take_modeled_time(t0, link);
   if (track_) track_->record(Phase::kExchange, t0, Clock::now(), c.dst->bytes());
   return ok;
 }

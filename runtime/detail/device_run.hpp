@@ -137,11 +137,14 @@ class DeviceRun {
 
   bool exec_node(const program::AllReduce& a);
 
-  // Takes a modeled transfer's time on this device's thread (Copy between devices,
-  // RemoteCopy, AllReduce), seeing a stop and yielding the core when it shares it. false: a
-  // stop came first. `finish`: the whole time, stop or not (then true).
-  bool take_modeled_time(Clock::time_point deadline, bool finish = false) {
-    return wait_until_deadline(deadline, finish ? nullptr : &stop_,
+  // Takes a modeled transfer of `d`, begun at `start`, on this device's thread (Copy between
+  // devices, RemoteCopy, AllReduce): waits until start + d, seeing a stop and yielding the
+  // core when it shares it, unless waits_for(d) says it is too short to wait out (then true
+  // at once; `start` is not read). false: a stop came first. `finish`: the whole time, stop
+  // or not (then true).
+  bool take_modeled_time(Clock::time_point start, std::chrono::nanoseconds d, bool finish = false) {
+    if (!waits_for(d)) return true;
+    return wait_until_deadline(start + d, finish ? nullptr : &stop_,
                                device_.placement().shares_core());
   }
   // Whether a modeled transfer of `d` is waited out in real time (and the clock read for it):
