@@ -23,15 +23,33 @@ constexpr std::size_t kCode = 0, kSteps = 1, kHasChecksum = 4, kChecksum = 5;
 }  // namespace
 
 InstanceReduction::InstanceReduction(Instance& instance, std::vector<std::size_t> slot_sizes,
-                                     std::uint32_t check_interval)
+                                     std::uint32_t check_interval, std::size_t bucket_bytes)
     : instance_(instance), sizes_(std::move(slot_sizes)), check_interval_(check_interval),
-      checksums_(sizes_.size()) {
-  for (std::size_t n : sizes_) {
-    offsets_.push_back(payload_);
-    payload_ += n;
+      checksums_(sizes_.size()), posted_(sizes_.size()) {
+  // Laid out in call order (slot S-1 first), so a bucket's slots are one range and slot 0's
+  // segment and the tails that follow it are one call.
+  offsets_.assign(sizes_.size(), 0);
+  std::size_t open_bytes = 0;
+  bool open = false;
+  for (std::size_t s = sizes_.size(); s-- > 0;) {
+    offsets_[s] = payload_;
+    payload_ += sizes_[s];
+    const auto slot = static_cast<std::uint32_t>(s);
+    if (!open) {
+      buckets_.push_back(Bucket{slot, slot, offsets_[s], 0});
+      open = true;
+      open_bytes = 0;
+    }
+    buckets_.back().low = slot;
+    open_bytes += sizes_[s] * sizeof(float);
+    if (open_bytes >= bucket_bytes || s == 0) {
+      buckets_.back().end = payload_;
+      open = false;
+    }
   }
   wire_.assign(payload_ + instance_.count() * kTail, 0.0f);
   stopped_.assign(wire_.size(), 0.0f);
+  buckets_.back().end = wire_.size();  // slot 0's: with the tails
 }
 
 void InstanceReduction::begin_run(std::uint64_t steps, std::function<void()> cancel) {
@@ -40,8 +58,9 @@ void InstanceReduction::begin_run(std::uint64_t steps, std::function<void()> can
   cancel_ = std::move(cancel);
   mismatch_instance_ = stopped_instance_ = instance_.count();
   // relaxed: no device runs yet (the Engine's start orders these before them)
-  posted_.store(0, std::memory_order_relaxed);
-  claimed_.store(0, std::memory_order_relaxed);
+  for (auto& p : posted_) p.store(0, std::memory_order_relaxed);
+  turn_.store(0, std::memory_order_relaxed);
+  stopping_.store(false, std::memory_order_relaxed);
   done_.store(0, std::memory_order_relaxed);
   applied_.store(0, std::memory_order_relaxed);
   closed_.store(false, std::memory_order_relaxed);
@@ -68,24 +87,15 @@ bool InstanceReduction::exchange(std::uint32_t slot, std::uint64_t step, std::ui
                 std::to_string(step) + " while step " + std::to_string(done) +
                 " is exchanged (internal schedule error)");
   }
-  checksums_[slot].store(checksum, std::memory_order_relaxed);  // published by the fetch_add
-  if (posted_.fetch_add(1, std::memory_order_seq_cst) + 1 == sizes_.size() && claim(step)) {
-    exchange_step(step, Kind::kContributing);  // the last to post makes the call
-  } else {
-    // Whoever claimed the step (the last slot, or the host for a stopped instance) always
-    // finishes its call, so this wait ends without looking at the stop flag.
-    const WaitMark mark(&exchange_site_);
-    device_point_.wait(
-        [&] {
-          return done_.load(std::memory_order_seq_cst) > step ||
-                 closed_.load(std::memory_order_seq_cst);
-        },
-        spin);
-  }
-  return applied(step);
+  checksums_[slot].store(checksum, std::memory_order_relaxed);  // published by the post
+  posted_[slot].store(step + 1, std::memory_order_seq_cst);
+  pump(false);
+  return wait_done(step, spin);
 }
 
 bool InstanceReduction::wait_done(std::uint64_t step, Spin spin) {
+  // Whoever holds the turn (a device, or the host for a stopped instance) always finishes
+  // the step's calls, so this wait ends without looking at the stop flag.
   const WaitMark mark(&exchange_site_);
   device_point_.wait(
       [&] {
@@ -100,61 +110,64 @@ void InstanceReduction::wake() noexcept {
   host_point_.notify();
 }
 
-void InstanceReduction::exchange_step(std::uint64_t step, Kind kind) noexcept {
-  const bool contributing = kind != Kind::kStopped;
+bool InstanceReduction::posted(const Bucket& b, std::uint64_t step) const noexcept {
+  for (std::uint32_t slot = b.low; slot <= b.high; ++slot) {
+    if (posted_[slot].load(std::memory_order_seq_cst) != step + 1) return false;
+  }
+  return true;
+}
+
+void InstanceReduction::pump(bool host) noexcept {
+  for (;;) {
+    std::uint64_t turn = turn_.load(std::memory_order_seq_cst);
+    // Odd: a call is being made (its maker looks at the next bucket after it) or closed.
+    if (turn & 1) return;
+    const std::uint64_t n = turn / 2, step = n / buckets();
+    if (step >= steps_) return;
+    // Posts and turns are stored before they are looked at (seq_cst): of the threads that
+    // made the last post or moved the turn, at least one sees the bucket ready; the CAS picks
+    // one.
+    if (!host && !posted(buckets_[n % buckets()], step)) return;
+    if (!turn_.compare_exchange_strong(turn, turn + 1, std::memory_order_seq_cst)) continue;
+    send(n, false);
+  }
+}
+
+void InstanceReduction::send(std::uint64_t n, bool nothing) noexcept {
+  const std::uint64_t step = n / buckets();
+  const Bucket& b = buckets_[n % buckets()];
+  const bool last = b.low == 0;
+  // The host sends zeros for a bucket its devices did not post in full (a device may still
+  // be writing its segment).
+  const bool posted = !nothing && this->posted(b, step);
+  // A step is contributed unless the host is making the calls (this instance stopped):
+  // then its tail says stopped, whatever was posted.
+  const bool contributing = !nothing && !stopping_.load(std::memory_order_seq_cst);
+  std::vector<float>& buffer = posted ? wire_ : stopped_;
+  const std::span<float> bucket = std::span<float>(buffer).subspan(b.begin, b.end - b.begin);
   bool applied = false;
   try {
-    const std::uint32_t count = instance_.count(), me = instance_.index();
-    std::vector<float>& buffer = contributing ? wire_ : stopped_;
-    std::fill(buffer.begin() + static_cast<std::ptrdiff_t>(payload_), buffer.end(),
-              0.0f);  // every tail
-    float* mine = buffer.data() + payload_ + me * kTail;
-    mine[kCode] = contributing ? 0.0f : 1.0f;
-    put64(mine + kSteps, steps_);
-    if (kind == Kind::kContributing && check_due(step)) {
-      std::uint64_t h = 0xcbf29ce484222325ull;  // the slots' checksums, in slot order
-      for (const auto& c : checksums_)
-        h = (h ^ c.load(std::memory_order_relaxed)) * 0x100000001b3ull;
-      mine[kHasChecksum] = 1.0f;
-      put64(mine + kChecksum, h);
+    if (!posted) {
+      std::fill(buffer.begin() + static_cast<std::ptrdiff_t>(b.begin),
+                buffer.begin() + static_cast<std::ptrdiff_t>(last ? payload_ : b.end), 0.0f);
     }
-    InstanceWire::sum(instance_, buffer);
-
-    bool everyone = true, checked = true, steps_differ = false, checksums_differ = false;
-    std::string steps_seen, checksums_seen;
-    const float* first = buffer.data() + payload_;
-    const std::uint64_t first_steps = get64(first + kSteps),
-                        first_checksum = get64(first + kChecksum);
-    for (std::uint32_t i = 0; i < count; ++i) {
-      const float* t = buffer.data() + payload_ + i * kTail;
-      if (t[kCode] != 0.0f && stopped_instance_ == count) stopped_instance_ = i;
-      everyone = everyone && t[kCode] == 0.0f;
-      checked = checked && t[kHasChecksum] == 1.0f;
-      const bool steps_differ_here = get64(t + kSteps) != first_steps;
-      const bool checksum_differs_here = get64(t + kChecksum) != first_checksum;
-      if ((steps_differ_here || checksum_differs_here) && mismatch_instance_ == count)
-        mismatch_instance_ = i;
-      steps_differ = steps_differ || steps_differ_here;
-      checksums_differ = checksums_differ || checksum_differs_here;
-    }
-    if (steps_differ || (everyone && checked && checksums_differ)) {
-      for (std::uint32_t i = 0; i < count; ++i) {
-        const float* t = buffer.data() + payload_ + i * kTail;
-        const std::string who = (i ? ", instance " : "instance ") + std::to_string(i) + ": ";
-        steps_seen += who + std::to_string(get64(t + kSteps));
-        checksums_seen += who + hex(get64(t + kChecksum));
+    if (last) {
+      std::fill(buffer.begin() + static_cast<std::ptrdiff_t>(payload_), buffer.end(),
+                0.0f);  // every tail
+      float* mine = buffer.data() + payload_ + instance_.index() * kTail;
+      mine[kCode] = contributing || nothing ? 0.0f : 1.0f;
+      put64(mine + kSteps, steps_);
+      if (contributing && check_due(step)) {
+        std::uint64_t h = 0xcbf29ce484222325ull;  // the slots' checksums, in slot order
+        for (const auto& c : checksums_)
+          h = (h ^ c.load(std::memory_order_relaxed)) * 0x100000001b3ull;
+        mine[kHasChecksum] = 1.0f;
+        put64(mine + kChecksum, h);
       }
     }
-    if (steps_differ) {
-      mismatch_ = "the instances' runs have different step counts (" + steps_seen +
-                  "): every instance must call Pipeline::run with the same device_iterations";
-    } else if (everyone && checked && checksums_differ) {
-      mismatch_ = "the weights differ across instances at step " + std::to_string(step) +
-                  " (checksums: " + checksums_seen +
-                  "): a stage's update() is not deterministic, or the stages did not start "
-                  "from the same weights";
-    }
-    applied = everyone && mismatch_.empty();
+    // Every instance agreed on the sizes: an empty bucket is skipped everywhere.
+    if (!bucket.empty()) InstanceWire::sum(instance_, bucket);
+    if (last) applied = read_tails(step, buffer.data() + payload_) && contributing;
   } catch (...) {
     // An MPI error seen here may not be seen by the other instances, which would then wait
     // in their next call for ever: end them all (Open MPI ends the job).
@@ -164,20 +177,23 @@ void InstanceReduction::exchange_step(std::uint64_t step, Kind kind) noexcept {
                               "): ending every instance");
     instance_.abort(1);
   }
-  if (kind == Kind::kNothing) {  // a run of 0 steps: only the mismatch matters
-    done_.store(0, std::memory_order_seq_cst);
+  if (nothing) return;  // a run of 0 steps: only the mismatch matters
+  if (!last) {
+    turn_.store(2 * (n + 1), std::memory_order_seq_cst);
+    device_point_.notify();  // the host may wait for the turn
     return;
   }
-  posted_.store(0, std::memory_order_seq_cst);
   if (applied) applied_.store(step + 1, std::memory_order_release);
   stopped_by_peer_ = contributing && !applied;
   const bool over = !applied || step + 1 == steps_;
   if (!applied) {
-    // Not applied everywhere: the run is over. No thread claims another step, and this
+    // Not applied everywhere: the run is over. No thread claims another bucket, and this
     // instance's run stops before its waiting devices go on, so none starts another step.
-    claimed_.store(kNoMoreClaims, std::memory_order_seq_cst);
+    turn_.store(kClosed, std::memory_order_seq_cst);
     closed_.store(true, std::memory_order_seq_cst);
     if (cancel_) cancel_();
+  } else {
+    turn_.store(2 * (n + 1), std::memory_order_seq_cst);
   }
   if (over) finished_.store(true, std::memory_order_seq_cst);
   done_.store(step + 1, std::memory_order_seq_cst);
@@ -185,9 +201,48 @@ void InstanceReduction::exchange_step(std::uint64_t step, Kind kind) noexcept {
   if (over) host_point_.notify();
 }
 
+bool InstanceReduction::read_tails(std::uint64_t step, const float* tails) {
+  const std::uint32_t count = instance_.count();
+  bool everyone = true, checked = true, steps_differ = false, checksums_differ = false;
+  std::string steps_seen, checksums_seen;
+  const std::uint64_t first_steps = get64(tails + kSteps),
+                      first_checksum = get64(tails + kChecksum);
+  for (std::uint32_t i = 0; i < count; ++i) {
+    const float* t = tails + i * kTail;
+    if (t[kCode] != 0.0f && stopped_instance_ == count) stopped_instance_ = i;
+    everyone = everyone && t[kCode] == 0.0f;
+    checked = checked && t[kHasChecksum] == 1.0f;
+    const bool steps_differ_here = get64(t + kSteps) != first_steps;
+    const bool checksum_differs_here = get64(t + kChecksum) != first_checksum;
+    if ((steps_differ_here || checksum_differs_here) && mismatch_instance_ == count)
+      mismatch_instance_ = i;
+    steps_differ = steps_differ || steps_differ_here;
+    checksums_differ = checksums_differ || checksum_differs_here;
+  }
+  if (steps_differ || (everyone && checked && checksums_differ)) {
+    for (std::uint32_t i = 0; i < count; ++i) {
+      const float* t = tails + i * kTail;
+      const std::string who = (i ? ", instance " : "instance ") + std::to_string(i) + ": ";
+      steps_seen += who + std::to_string(get64(t + kSteps));
+      checksums_seen += who + hex(get64(t + kChecksum));
+    }
+  }
+  if (steps_differ) {
+    mismatch_ = "the instances' runs have different step counts (" + steps_seen +
+                "): every instance must call Pipeline::run with the same device_iterations";
+  } else if (everyone && checked && checksums_differ) {
+    mismatch_ = "the weights differ across instances at step " + std::to_string(step) +
+                " (checksums: " + checksums_seen +
+                "): a stage's update() is not deterministic, or the stages did not start "
+                "from the same weights";
+  }
+  return everyone && mismatch_.empty();
+}
+
 void InstanceReduction::exchange_nothing() noexcept {
   served_ = true;
-  if (claim(0)) exchange_step(0, Kind::kNothing);
+  // Step 0's calls, every bucket of it, with only the step count (0) in the tail.
+  for (std::uint64_t n = 0; n < buckets(); ++n) send(n, true);
 }
 
 void InstanceReduction::serve(const StopFlag& stop) noexcept {
@@ -195,21 +250,23 @@ void InstanceReduction::serve(const StopFlag& stop) noexcept {
   if (steps_ == 0) return;
   // Asleep while the devices make the calls.
   host_point_.wait([&] { return finished() || stop.requested(); }, Spin::kYield);
-  // This instance stopped: the step its devices will not finish still gets its call (as
-  // stopped), unless a device has claimed it (then wait for that one and look again).
+  // This instance stopped: the rest of the current step's calls (and, if a device finished
+  // that step meanwhile, the next one's) are made here, as stopped. A call a device is
+  // making is waited for.
+  stopping_.store(true, std::memory_order_seq_cst);
   while (!finished() && !closed_.load(std::memory_order_seq_cst)) {
-    const std::uint64_t k = done_.load(std::memory_order_seq_cst);
-    if (k >= steps_) break;
-    if (claim(k)) {
-      exchange_step(k, Kind::kStopped);
-      break;
+    const std::uint64_t turn = turn_.load(std::memory_order_seq_cst);
+    if (turn & 1) {
+      device_point_.wait(
+          [&] {
+            return turn_.load(std::memory_order_seq_cst) != turn ||
+                   closed_.load(std::memory_order_seq_cst);
+          },
+          Spin::kYield);
+      continue;
     }
-    device_point_.wait(
-        [&] {
-          return done_.load(std::memory_order_seq_cst) > k ||
-                 closed_.load(std::memory_order_seq_cst);
-        },
-        Spin::kYield);
+    if (turn / 2 / buckets() >= steps_) break;
+    pump(true);
   }
   closed_.store(true, std::memory_order_seq_cst);
   device_point_.notify();

@@ -75,6 +75,7 @@ void Pipeline::Impl::join_instances(Instance& inst) {
   shape.add("precision.loss_scaling (bits)",
             std::bit_cast<std::uint32_t>(config.precision.loss_scaling));
   shape.add("offload_optimizer", config.offload_optimizer ? 1 : 0);
+  shape.add("exchange_bucket_bytes", config.exchange_bucket_bytes);
   for (std::uint32_t s = 0; s < stages; ++s) {
     StageRun& sr = run_of(0, s);
     const std::string of = " of stage " + std::to_string(s);
@@ -139,7 +140,8 @@ void Pipeline::Impl::join_instances(Instance& inst) {
   }
   instance = &inst;
   across = std::make_unique<detail::InstanceReduction>(
-      inst, std::move(sizes), config.weight_check_interval.value_or(kDefaultWeightCheck));
+      inst, std::move(sizes), config.weight_check_interval.value_or(kDefaultWeightCheck),
+      config.exchange_bucket_bytes);
 }
 
 PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exception_ptr failure,

@@ -95,6 +95,9 @@ PipelineConfig training(std::uint32_t local_replicas, ExecutionStrategy strategy
   cfg.replicas = local_replicas;
   cfg.distributed = true;
   cfg.weight_check_interval = 1;
+  // A bucket per device slot: the most calls per step, each made as soon as its slot posts
+  // (the default's 25 MiB would put these small models in one bucket).
+  cfg.exchange_bucket_bytes = 0;
   return cfg;
 }
 
@@ -107,11 +110,21 @@ TEST_CASE(
   Instance& me = Instance::current();
   const std::uint32_t n = me.count();
   constexpr std::uint64_t kSteps = 4;
-  for (const auto& [local, strategy] :
-       {std::pair{1u, ExecutionStrategy::kPipelined}, std::pair{2u, ExecutionStrategy::kSingle}}) {
+  struct Case {
+    std::uint32_t local;
+    ExecutionStrategy strategy;
+    std::size_t bucket_bytes;
+  };
+  for (const Case& c :
+       {Case{1, ExecutionStrategy::kPipelined, 0},
+        Case{1, ExecutionStrategy::kPipelined, PipelineConfig{}.exchange_bucket_bytes},
+        Case{2, ExecutionStrategy::kSingle, 0}}) {
+    const std::uint32_t local = c.local;
     CAPTURE(local);
+    CAPTURE(c.bucket_bytes);
     const InstanceLayout layout = me.layout(local * n);
-    PipelineConfig cfg = training(local, strategy);
+    PipelineConfig cfg = training(local, c.strategy);
+    cfg.exchange_bucket_bytes = c.bucket_bytes;
     DeviceGroup devices(cfg.devices_needed(2), kSmall);
     // Seeded by instance: the constructor must broadcast instance 0's weights.
     Pipeline pipe(devices, cfg,
@@ -261,40 +274,49 @@ TEST_CASE(
     "weights") {
   Instance& me = Instance::current();
   const std::uint32_t n = me.count();
-  PipelineConfig cfg = training(2, ExecutionStrategy::kSingle);  // two local replicas
-  cfg.gradient_accumulation = 2;
-  DeviceGroup devices(cfg.devices_needed(2), kSmall);
-  Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(0.0f); });
-  std::mt19937 rng(11);
-  std::uniform_int_distribution<int> delay_us(0, 4000);
-  int cancelled = 0;
-  for (int trial = 0; trial < 20; ++trial) {
-    CAPTURE(trial);
-    const int wait = delay_us(rng);  // the same sequence everywhere; only instance 0 uses it
-    InfeedQueue<Batch> infeed(lanes(2));
-    feed(infeed, 2, 2 * me.index(), 40 * cfg.gradient_accumulation);
-    std::jthread canceller;
-    if (me.index() == 0) {
-      canceller = std::jthread([&] {
-        std::this_thread::sleep_for(std::chrono::microseconds(wait));
-        pipe.cancel();
-      });
+  // Two local replicas on one device each, then one replica over two devices whose buckets
+  // are called as each device posts (a cancel may land between them).
+  for (const bool pipelined : {false, true}) {
+    CAPTURE(pipelined);
+    const std::uint32_t local = pipelined ? 1 : 2;
+    PipelineConfig cfg =
+        training(local, pipelined ? ExecutionStrategy::kPipelined : ExecutionStrategy::kSingle);
+    cfg.gradient_accumulation = pipelined ? 3 : 2;
+    DeviceGroup devices(cfg.devices_needed(2), kSmall);
+    Pipeline pipe(devices, cfg, [](std::uint32_t) { return make_model(0.0f); });
+    std::mt19937 rng(11);
+    std::uniform_int_distribution<int> delay_us(0, 4000);
+    int cancelled = 0;
+    for (int trial = 0; trial < 20; ++trial) {
+      CAPTURE(trial);
+      const int wait = delay_us(rng);  // the same sequence everywhere; only instance 0 uses it
+      InfeedQueue<Batch> infeed(lanes(local));
+      feed(infeed, local, local * me.index(), 40 * cfg.gradient_accumulation);
+      std::jthread canceller;
+      if (me.index() == 0) {
+        canceller = std::jthread([&] {
+          std::this_thread::sleep_for(std::chrono::microseconds(wait));
+          pipe.cancel();
+        });
+      }
+      const PipelineResult r = pipe.run(infeed, 40);
+      canceller = {};
+      cancelled += r.status == RunStatus::kCancelled;
+      CHECK((r.status == RunStatus::kCancelled || r.completed()));
+      // The same status and step count everywhere.
+      std::vector<double> mine{static_cast<double>(r.iterations), r.completed() ? 1.0 : 0.0};
+      std::vector<double> all = mine;
+      me.allreduce_sum(all);
+      CHECK(all[0] == n * mine[0]);
+      CHECK(all[1] == n * mine[1]);
+      if (local == 2) {
+        CHECK(weights_of(pipe, 0) ==
+              weights_of(pipe, 1));  // both local replicas applied the same steps
+      }
+      CHECK(same_as_instance_zero(pipe));
     }
-    const PipelineResult r = pipe.run(infeed, 40);
-    canceller = {};
-    cancelled += r.status == RunStatus::kCancelled;
-    CHECK((r.status == RunStatus::kCancelled || r.completed()));
-    // The same status and step count everywhere.
-    std::vector<double> mine{static_cast<double>(r.iterations), r.completed() ? 1.0 : 0.0};
-    std::vector<double> all = mine;
-    me.allreduce_sum(all);
-    CHECK(all[0] == n * mine[0]);
-    CHECK(all[1] == n * mine[1]);
-    CHECK(weights_of(pipe, 0) ==
-          weights_of(pipe, 1));  // both local replicas applied the same steps
-    CHECK(same_as_instance_zero(pipe));
+    MESSAGE("cancelled in " << cancelled << " of 20 trials");
   }
-  MESSAGE("cancelled in " << cancelled << " of 20 trials");
 }
 
 TEST_CASE("what must match across instances: the pipeline, the step count, the weights") {
@@ -320,6 +342,20 @@ TEST_CASE("what must match across instances: the pipeline, the step count, the w
       if (me.index() + 1 == n)
         CHECK(what.find("gradient_elements() of stage 0 is 42 here, 36 in instance 0") !=
               std::string::npos);
+    }
+  }
+  {
+    // A different bucket size in the last instance: the calls would not match; refused.
+    PipelineConfig other = cfg;
+    if (me.index() + 1 == n) other.exchange_bucket_bytes = 1 << 20;
+    DeviceGroup devices(cfg.devices_needed(2), kSmall);
+    try {
+      Pipeline pipe(devices, other, [](std::uint32_t) { return make_model(0.0f); });
+      FAIL("a different bucket size was accepted");
+    } catch (const Error& e) {
+      if (me.index() + 1 == n)
+        CHECK(std::string(e.what()).find(
+                  "exchange_bucket_bytes is 1048576 here, 0 in instance 0") != std::string::npos);
     }
   }
   {

@@ -263,6 +263,15 @@ struct PipelineConfig : HostIO {
   // otherwise (the checksum rides on the step's all-reduce; its cost is one pass over the
   // weights).
   std::optional<std::uint32_t> weight_check_interval;
+  // distributed training: the gradients cross instances in buckets, one MPI_Allreduce each,
+  // made in the order the backward pass frees them (the last stage's device slot first), so
+  // a bucket is reduced while the earlier stages still compute (PyTorch DDP's bucketing).
+  // Consecutive device slots share a bucket until it holds at least this many bytes; slot
+  // 0's closes the last one. 0: a bucket per slot. Default 25 MiB (DDP's bucket_cap_mb): each
+  // extra bucket costs a call (about 80 us over TCP on loopback here), which pays only when
+  // the earlier stages' remaining backward pass is long enough to hide a bucket (see
+  // runtime/README.md). Must be the same in every instance.
+  std::size_t exchange_bucket_bytes = std::size_t{25} << 20;
 
   // The old spelling of options.pipeline_config(); kept so older code compiles.
   static PipelineConfig from(const Options& options);
