@@ -192,11 +192,12 @@ void InstanceReduction::send(std::uint64_t n, bool nothing) noexcept {
     turn_.store(kClosed, std::memory_order_seq_cst);
     closed_.store(true, std::memory_order_seq_cst);
     if (cancel_) cancel_();
-  } else {
-    turn_.store(2 * (n + 1), std::memory_order_seq_cst);
   }
   if (over) finished_.store(true, std::memory_order_seq_cst);
   done_.store(step + 1, std::memory_order_seq_cst);
+  // The turn moves on last: whoever claims the next step's buckets (a device, or the host
+  // if this instance stops) finds this step's result published, so done_ only grows.
+  if (applied) turn_.store(2 * (n + 1), std::memory_order_seq_cst);
   device_point_.notify();
   if (over) host_point_.notify();
 }

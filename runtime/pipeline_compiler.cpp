@@ -33,11 +33,12 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
   if (replicated) steps.emplace_back(program::Sync(group));
   if (across) {
     // Distributed: replica 0's device of each slot sums the local replicas' gradients into
-    // its segment and exchanges it across the instances (one MPI call per slot, last slot
-    // first, each made as soon as it is posted and its turn has come, so it overlaps the
-    // earlier slots' backward pass); the other local replicas wait for the result. A step is
-    // applied in every instance or in none (a stop before its last call makes it none), and
-    // every local replica does the same.
+    // its segment and exchanges it across the instances (one MPI call per bucket of slots,
+    // last slot first, each made as soon as its slots have posted and its turn has come, so
+    // it overlaps the earlier slots' backward pass; at the default bucket size small
+    // gradients make one call per step); the other local replicas wait for the result. A
+    // step is applied in every instance or in none (a stop the host sees before the last
+    // bucket's call makes it none), and every local replica does the same.
     const std::uint32_t slot = slot_of(*on_device.front());
     steps.emplace_back(
         codelet("all-reduce across instances", [this, on_device, slot](const ComputeContext& ctx) {
