@@ -99,6 +99,37 @@ class ReduceOnly final : public Stage {
   std::vector<float> w_;
 };
 
+// Times distributed pipeline steps: pushes the one synthetic batch, meets the other instances
+// at a barrier, runs `steps` steps; microseconds per step.
+class StepTimer {
+ public:
+  StepTimer() : infeed_(InfeedConfig{1, 4, 1}), producer_(infeed_.make_producer()) {}
+  double us(Pipeline& p, std::uint64_t steps) {
+    producer_.push(Batch(one_));
+    Instance::current().barrier();
+    const PipelineResult r = p.run(infeed_, steps);
+    if (!r.completed()) std::fprintf(stderr, "pipeline: %s\n", r.message.c_str());
+    return 1e6 * std::chrono::duration<double>(r.elapsed).count() / static_cast<double>(steps);
+  }
+
+ private:
+  InfeedQueue<Batch> infeed_;
+  InfeedQueue<Batch>::Producer producer_;
+  Batch one_ = synthetic_batch();
+};
+
+// Microseconds per bare MPI_Allreduce (sum, in place) of `values`, `steps` of them after a
+// barrier: the reference for what a step's exchange costs.
+double bare_allreduce_us(std::vector<float>& values, std::uint64_t steps) {
+  Instance::current().barrier();
+  const auto t0 = bench::Clock::now();
+  for (std::uint64_t i = 0; i < steps; ++i) {
+    MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_FLOAT, MPI_SUM,
+                  MPI_COMM_WORLD);
+  }
+  return 1e6 * bench::seconds_since(t0) / static_cast<double>(steps);
+}
+
 // Worker: for `n` gradients, a step of the reduce-only pipeline distributed and not (each
 // instance runs its own, at the same time), and a bare MPI_Allreduce of the same bytes.
 void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps, int rounds,
@@ -121,16 +152,8 @@ void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps,
   Pipeline pipe(devices, cfg, reduce_only);
   cfg.weight_check_interval = 1;
   Pipeline checked(devices, cfg, reduce_only);
-  InfeedQueue<Batch> infeed(InfeedConfig{1, 4, 1});
-  auto producer = infeed.make_producer();
-  const Batch one = synthetic_batch();
-  auto step_us = [&](Pipeline& p) {
-    producer.push(Batch(one));
-    me.barrier();
-    const PipelineResult r = p.run(infeed, steps);
-    if (!r.completed()) std::fprintf(stderr, "pipeline: %s\n", r.message.c_str());
-    return 1e6 * std::chrono::duration<double>(r.elapsed).count() / static_cast<double>(steps);
-  };
+  StepTimer timer;
+  auto step_us = [&](Pipeline& p) { return timer.us(p, steps); };
   // What one step's exchange carries: the gradients and 8 floats per instance.
   std::vector<float> bare(n + 8 * me.count(), 1.0f);
   std::vector<double> ours, theirs, steps_local, steps_distributed, check_costs;
@@ -138,13 +161,7 @@ void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps,
     const double plain = step_us(local);
     const double distributed = step_us(pipe);
     const double every_step = step_us(checked);
-    me.barrier();
-    const auto t0 = bench::Clock::now();
-    for (std::uint64_t i = 0; i < steps; ++i) {
-      MPI_Allreduce(MPI_IN_PLACE, bare.data(), static_cast<int>(bare.size()), MPI_FLOAT, MPI_SUM,
-                    MPI_COMM_WORLD);
-    }
-    const double theirs_us = 1e6 * bench::seconds_since(t0) / static_cast<double>(steps);
+    const double theirs_us = bare_allreduce_us(bare, steps);
     if (round >= 0) {
       ours.push_back(distributed - plain);  // what distributing adds to a step
       theirs.push_back(theirs_us);
@@ -223,16 +240,8 @@ void buckets_worker(bench::Report& report, const std::string& size, std::size_t 
   Pipeline by_default(devices, cfg, make);
   cfg.exchange_bucket_bytes = other_bucket_bytes;
   Pipeline other(devices, cfg, make);
-  InfeedQueue<Batch> infeed(InfeedConfig{1, 4, 1});
-  auto producer = infeed.make_producer();
-  const Batch one = synthetic_batch();
-  auto step_us = [&](Pipeline& p) {
-    producer.push(Batch(one));
-    me.barrier();
-    const PipelineResult r = p.run(infeed, steps);
-    if (!r.completed()) std::fprintf(stderr, "pipeline: %s\n", r.message.c_str());
-    return 1e6 * std::chrono::duration<double>(r.elapsed).count() / static_cast<double>(steps);
-  };
+  StepTimer timer;
+  auto step_us = [&](Pipeline& p) { return timer.us(p, steps); };
   std::vector<float> bare(2 * n + 8 * me.count(), 1.0f);
   std::vector<double> mine, theirs, bare_us;
   for (int round = -1; round < rounds; ++round) {  // round -1: warm-up
@@ -246,13 +255,7 @@ void buckets_worker(bench::Report& report, const std::string& size, std::size_t 
       b = step_us(other);
       a = step_us(by_default);
     }
-    me.barrier();
-    const auto t0 = bench::Clock::now();
-    for (std::uint64_t i = 0; i < steps; ++i) {
-      MPI_Allreduce(MPI_IN_PLACE, bare.data(), static_cast<int>(bare.size()), MPI_FLOAT, MPI_SUM,
-                    MPI_COMM_WORLD);
-    }
-    const double bare_one = 1e6 * bench::seconds_since(t0) / static_cast<double>(steps);
+    const double bare_one = bare_allreduce_us(bare, steps);
     if (round >= 0) {
       mine.push_back(a - plain);
       theirs.push_back(b - plain);
