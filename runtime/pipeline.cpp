@@ -88,7 +88,7 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config,
       sr->grads.assign(g, 0.0f);
       sr->accum.assign(g, 0.0f);
       sr->reduced.assign(g, 0.0f);
-      sr->batches = &im.batches[r];
+      sr->batches = im.batches[r];
       sr->wait = sr->device->placement().wait_policy(sr->wait);
       sr->link = HostLinkTimeline(HostLinkTimeline::Shape{
           config, sr->device->config().bytes_per_tile, sr->device->id(),

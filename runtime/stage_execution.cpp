@@ -51,14 +51,14 @@ bool Pipeline::Impl::pop_input(StageRun& sr, Batch& slot, bool block, const deta
                                bool& waited) {
   waited = false;
   if (config.synthetic_data && sr.synthetic_ready) return true;  // already in every slot
-  Batch& into = config.synthetic_data ? (*sr.batches)[0] : slot;
+  Batch& into = config.synthetic_data ? sr.batches[0] : slot;
   if (!sr.reader->try_pop(into)) {
     if (!block || !sr.reader->pop(into, stop)) return false;
     waited = true;
   }
   if (config.synthetic_data) {
     // Synthetic data: this one micro-batch stands for every micro-batch of the run.
-    for (Batch& b : *sr.batches) {
+    for (Batch& b : sr.batches) {
       if (&b != &into) b = into;
     }
     sr.synthetic_ready = true;
@@ -201,7 +201,7 @@ void Pipeline::Impl::finish_reduce(StageRun& sr, std::uint64_t step) {
 
 bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const float> input,
                              std::span<float> output, const detail::StopFlag* stop) {
-  std::vector<Batch>& batches_of = *sr.batches;
+  const std::span<Batch> batches_of = sr.batches;
   if (sr.s == 0 && config.training) {  // inference: take() already put it in the ring
     Batch& slot = batches_of[i % batches_of.size()];
     bool waited = false;
@@ -246,7 +246,7 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
 
 Pipeline::Impl::Take Pipeline::Impl::take(StageRun& sr, const detail::StopFlag* stop, bool block) {
   if (sr.taken >= plan.micro_batches) return Take::kEnd;
-  Batch& slot = (*sr.batches)[sr.taken % sr.batches->size()];
+  Batch& slot = sr.batches[sr.taken % sr.batches.size()];
   // Whether the lane was found empty since the last take: then this micro-batch arrived
   // after that, and its copy cannot have started earlier (host_in's `waited`).
   bool waited = sr.polled_empty;
@@ -279,7 +279,7 @@ void Pipeline::Impl::backward(StageRun& sr, std::uint64_t i, std::span<const flo
                 std::to_string(i) + " (internal schedule error)");
   }
   Stashed& e = sr.fifo.front();
-  const Batch& batch = (*sr.batches)[i % sr.batches->size()];
+  const Batch& batch = sr.batches[i % sr.batches.size()];
   const StageContext ctx = context(sr, i);
   if (config.recompute) {  // the forward pass again, from the stashed input
     ForwardArgs again{batch, e.input, sr.scratch, e.saved};

@@ -146,7 +146,10 @@ struct Pipeline::Impl {
     // stage 0 / last stage (the reader on a line of its own: it changes with every take)
     alignas(tunables::kCacheLine) std::optional<InfeedQueue<Batch>::Reader> reader;
     OutfeedQueue<std::vector<float>>::Writer* writer = nullptr;
-    std::vector<Batch>* batches = nullptr;  // the replica's ring, micro-batch i in slot i % size
+    // The replica's ring, micro-batch i in slot i % size. Its pointer and size are held here,
+    // on the stage's own line: read through the ring's vector (a header in a separate small
+    // heap block), that read stalled stage 0 with every micro-batch (measured with rdtscp).
+    std::span<Batch> batches;
   };
 
   PipelineConfig config;
