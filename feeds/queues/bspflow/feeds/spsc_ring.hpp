@@ -4,7 +4,9 @@
 // Capacity is fixed at construction (slots are default-constructed once, so pushing and
 // popping never allocate). Each side keeps its own copy of the other's index and re-reads
 // the shared one only when its copy says the ring is full (producer) or empty (consumer), so
-// a busy ring moves about one cache line per element, the element itself. Indices are
+// a busy ring moves about one cache line per element, the element itself. A consumer waiting
+// on an empty ring asks for the next element's line each time it looks at the index, so the
+// element arrives with the index rather than after it. Indices are
 // published with release stores and a light fence (WaitPoint::notify_light); a waiter
 // waits as its WaitPolicy says, parking with the matching heavy fence.
 //
@@ -141,6 +143,9 @@ class SpscRing {
     detail::wait_with(
         not_empty_, policy,
         [&] {
+          // Ask for the next element's line with every look at the index: when the index
+          // moves, the element is already on its way (two transfers overlap, not follow).
+          __builtin_prefetch(&slots_[h & mask_], 0, 3);
           consumer_.tail_seen = tail_.load(std::memory_order_seq_cst);
           return consumer_.tail_seen > h || closed_.load(std::memory_order_seq_cst) ||
                  stop.requested();
