@@ -315,7 +315,7 @@ Program Pipeline::Impl::compile_inference(const std::vector<StageRun*>& on_devic
                 // The id and the activations both come from the previous device's core:
                 // ask for the activations' line first, so the two misses overlap instead of
                 // following each other (the copy would read it next).
-                __builtin_prefetch(src->raw().data(), 0, 3);
+                detail::prefetch_for_read(src->raw().data());
                 st->in_id = prev->out_id[parity];
                 return st->in_id >= 0;
               },

@@ -143,9 +143,8 @@ class SpscRing {
     detail::wait_with(
         not_empty_, policy,
         [&] {
-          // Ask for the next element's line with every look at the index: when the index
-          // moves, the element is already on its way (two transfers overlap, not follow).
-          __builtin_prefetch(&slots_[h & mask_], 0, 3);
+          // The element, with each look at the index (see prefetch_for_read).
+          detail::prefetch_for_read(&slots_[h & mask_]);
           consumer_.tail_seen = tail_.load(std::memory_order_seq_cst);
           return consumer_.tail_seen > h || closed_.load(std::memory_order_seq_cst) ||
                  stop.requested();

@@ -57,6 +57,14 @@ inline void prefetch_for_write(const void* p) noexcept {
 #endif
 }
 
+// Asks for the cache line at `p` to read it soon. A waiter that looks at an index calls it
+// for the data the index guards, so when the index moves the data's line is already on its
+// way (the two transfers overlap instead of following each other). A hint: never faults,
+// never changes what the program computes.
+inline void prefetch_for_read(const void* p) noexcept {
+  __builtin_prefetch(p, 0, 3);
+}
+
 using bspflow::Spin;      // (public, bspflow/base/spin.hpp; kept so older code compiles)
 using bspflow::StopFlag;  // (public, bspflow/base/stop_flag.hpp; likewise)
 

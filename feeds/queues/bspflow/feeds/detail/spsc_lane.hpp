@@ -147,9 +147,8 @@ class SpscLane {
       wait_with(
           *readable_, policy ? *policy : WaitPolicy{},
           [&] {
-            // Ask for the next element's line with every look at the index: when the index
-            // moves, the element is already on its way (two transfers overlap, not follow).
-            __builtin_prefetch(&slots_[h & mask_], 0, 3);
+            // The element, with each look at the index (see prefetch_for_read).
+            prefetch_for_read(&slots_[h & mask_]);
             return tail_.load(std::memory_order_seq_cst) != h ||
                    sealed_.load(std::memory_order_seq_cst) || stopped(stop);
           },
