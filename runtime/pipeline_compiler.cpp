@@ -270,9 +270,9 @@ Program Pipeline::Impl::compile_inference(const std::vector<StageRun*>& on_devic
   const std::uint32_t n = stages;
   std::vector<Program> body;
   for (StageRun* st : on_device) {
-    const bool first = st->s == 0, last = st->s + 1 == n;
-    body.push_back(codelet(
-        st->stage->name() + " forward", [this, st, first, last, n](const ComputeContext& ctx) {
+    const bool first = st->s == 0;
+    body.push_back(
+        codelet(st->stage->name() + " forward", [this, st, first, n](const ComputeContext& ctx) {
           const std::uint64_t c = st->cycle;
           std::int64_t id = -1;
           if (first) {
