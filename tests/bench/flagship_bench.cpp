@@ -89,17 +89,16 @@ class Sequential {
   std::uint64_t first_ = 0;
 };
 
-// The machine's floor for 2 cores: two plain loops at once (bench::on_placed_threads, pinned
-// like 2 devices), `steps` steps each; samples per second of both together.
+// The machine's floor for 2 cores: two plain loops at once, pinned like 2 devices
+// (bench::train_plainly_on_threads), `steps` steps each; samples per second of both together.
 double two_plain_rate(const std::vector<Batch>& batches, std::uint64_t steps) {
-  std::array<double, 2> seconds{};
-  bench::on_placed_threads(2, [&](std::uint32_t t) {
-    StageList model = kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{});
-    seconds[t] = bench::train_plainly(
-        model, steps, kAccumulation,
-        [&](std::uint64_t m) -> const Batch& { return batches[(m + t * 100) % batches.size()]; });
-  });
-  return static_cast<double>(2 * steps * kAccumulation * kBatch) / std::max(seconds[0], seconds[1]);
+  const double slowest = bench::train_plainly_on_threads(
+      2, steps, kAccumulation,
+      [] { return kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{}); },
+      [&](std::uint32_t t, std::uint64_t m) -> const Batch& {
+        return batches[(m + t * 100) % batches.size()];
+      });
+  return static_cast<double>(2 * steps * kAccumulation * kBatch) / slowest;
 }
 
 // The pipelined training: host calls of kIterations device iterations, each after pushing

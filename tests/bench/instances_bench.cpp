@@ -312,13 +312,10 @@ void train_worker(bench::Report& report, std::uint64_t calls) {
 // threads together.
 double plain_rate(std::uint32_t threads, std::uint64_t steps) {
   const Batch one = synthetic_batch();
-  std::vector<double> seconds(threads);
-  bench::on_placed_threads(threads, [&](std::uint32_t t) {
-    StageList model = kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{});
-    seconds[t] = bench::train_plainly(model, steps, kAccumulation,
-                                      [&](std::uint64_t) -> const Batch& { return one; });
-  });
-  const double slowest = *std::max_element(seconds.begin(), seconds.end());
+  const double slowest = bench::train_plainly_on_threads(
+      threads, steps, kAccumulation,
+      [] { return kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{}); },
+      [&](std::uint32_t, std::uint64_t) -> const Batch& { return one; });
   return static_cast<double>(threads * steps * kAccumulation * kBatch) / slowest;
 }
 

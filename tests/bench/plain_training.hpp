@@ -63,4 +63,22 @@ double train_plainly(bspflow::StageList& model, std::uint64_t steps, std::uint32
   return seconds_since(t0);
 }
 
+// The machine's floor for `threads` cores: train_plainly on `threads` threads at once, placed
+// and pinned like that many devices (on_placed_threads), each on a model of its own that
+// make_model() builds on that thread; batch_of(t, m) is micro-batch m of thread t. Returns the
+// slowest thread's seconds.
+template <class MakeModel, class BatchOf>
+double train_plainly_on_threads(std::uint32_t threads, std::uint64_t steps,
+                                std::uint32_t accumulation, MakeModel&& make_model,
+                                BatchOf&& batch_of) {
+  std::vector<double> seconds(threads);
+  on_placed_threads(threads, [&](std::uint32_t t) {
+    bspflow::StageList model = make_model();
+    seconds[t] =
+        train_plainly(model, steps, accumulation,
+                      [&](std::uint64_t m) -> const bspflow::Batch& { return batch_of(t, m); });
+  });
+  return *std::max_element(seconds.begin(), seconds.end());
+}
+
 }  // namespace bench
