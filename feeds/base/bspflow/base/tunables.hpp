@@ -31,10 +31,10 @@ inline constexpr std::size_t kDefaultOutfeedCapacity = 0;
 // device stages its entries instead of enqueueing them, and hands staged entries over in one
 // bulk enqueue when kOutfeedCombine are staged, when iterations get slower, when its infeed
 // has nothing ready (before it would wait), and when the loop ends. Fast loops then touch
-// the host-shared queue once per batch instead of once per entry. The device reads the
-// clock once per kOutfeedClockEvery entries while fast, once per entry otherwise, so an
-// entry is held back by at most kOutfeedClockEvery iterations (none while the device waits
-// for input).
+// the host-shared queue once per batch instead of once per entry. The device reads a clock
+// (the tick clock, detail/tick_clock.hpp) once per kOutfeedClockEvery entries while fast,
+// once per entry otherwise, so an entry is held back by at most kOutfeedClockEvery
+// iterations (none while the device waits for input).
 inline constexpr std::size_t kOutfeedCombine = 32;
 inline constexpr std::chrono::nanoseconds kOutfeedCombineBelow{2'000};
 inline constexpr std::uint32_t kOutfeedClockEvery = 8;

@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include "bspflow/base/detail/tick_clock.hpp"
 #include "bspflow/base/detail/wait_note.hpp"
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/stop_flag.hpp"
@@ -239,8 +240,9 @@ class OutfeedQueue {
     Writer(Writer&& o) noexcept
         : q_(std::exchange(o.q_, nullptr)), replica_(o.replica_), lane_(o.lane_),
           token_(std::move(o.token_)), staged_(std::move(o.staged_)), dropped_(o.dropped_),
-          last_check_(o.last_check_), since_check_(o.since_check_), check_every_(o.check_every_),
-          held_(std::move(o.held_)), graveyard_(o.graveyard_) {}
+          rate_(o.rate_), below_ticks_(o.below_ticks_), last_check_(o.last_check_),
+          since_check_(o.since_check_), check_every_(o.check_every_), held_(std::move(o.held_)),
+          graveyard_(o.graveyard_) {}
     Writer& operator=(Writer&&) = delete;
     ~Writer() {
       if (q_ != nullptr) finish(false);
@@ -256,10 +258,11 @@ class OutfeedQueue {
         staged_.push_back(Entry{replica_, i, std::move(value)});
         if (staged_.size() >= tunables::kOutfeedCombine) return flush(stop);
         // The clock is read every kOutfeedClockEvery entries while iterations are fast (it
-        // costs as much as a fast iteration), and every entry once they are not.
+        // costs as much as a fast iteration), and every entry once they are not. It is the
+        // tick clock (detail/tick_clock.hpp): a third of steady_clock's cost here.
         if (++since_check_ < check_every_) return true;
-        const auto now = std::chrono::steady_clock::now();
-        const bool fast = now - last_check_ < since_check_ * tunables::kOutfeedCombineBelow;
+        const std::uint64_t now = detail::ticks_now(*rate_);
+        const bool fast = now - last_check_ < since_check_ * below_ticks_;
         last_check_ = now;
         since_check_ = 0;
         check_every_ = fast ? tunables::kOutfeedClockEvery : 1;
@@ -379,7 +382,10 @@ class OutfeedQueue {
     std::optional<typename Queue::Token> token_;  // kMulti: its sub-queue of the shared queue
     std::vector<Entry> staged_;                   // write-combining: entries not yet handed over
     std::uint64_t dropped_ = 0;                   // staged entries a stop kept from the host
-    std::chrono::steady_clock::time_point last_check_{};
+    const detail::TickRate* rate_ = &detail::tick_rate();
+    // kOutfeedCombineBelow in ticks; last_check_: when the clock was last read (0: never).
+    std::uint64_t below_ticks_ = detail::ticks_in(*rate_, tunables::kOutfeedCombineBelow);
+    std::uint64_t last_check_ = 0;
     std::uint32_t since_check_ = 0;  // entries staged since the clock was last read
     std::uint32_t check_every_ = 1;
     std::optional<Entry> held_;
