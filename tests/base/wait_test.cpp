@@ -1,15 +1,12 @@
 // The base room's waiting: spin_until's budget, a WaitPoint that parks and is woken, a
 // timed wait that gives up, and one that is woken before its deadline
-// (bspflow/base/detail/wait.hpp), and the tick clock that times the outfeed's write-combining
-// (bspflow/base/detail/tick_clock.hpp).
+// (bspflow/base/detail/wait.hpp).
 #include <doctest/doctest.h>
 
 #include <atomic>
 #include <chrono>
-#include <cstdint>
 #include <thread>
 
-#include <bspflow/base/detail/tick_clock.hpp>
 #include <bspflow/base/detail/wait.hpp>
 
 using namespace bspflow::detail;
@@ -77,26 +74,6 @@ TEST_CASE("a stop flag is seen once set") {
   CHECK_FALSE(stop.requested());
   stop.set();
   CHECK(stop.requested());
-}
-
-TEST_CASE("the tick clock advances at its measured rate") {
-  const TickRate& rate = tick_rate();
-  CHECK(&rate == &tick_rate());  // measured once
-  REQUIRE(rate.per_ns > 0);
-  // Both clocks over the same interval: their ratio is the rate, whatever the sleep took
-  // (a tick clock at the wrong rate would make the outfeed combine slow iterations' entries).
-  const auto t0 = std::chrono::steady_clock::now();
-  const std::uint64_t c0 = ticks_now(rate);
-  std::this_thread::sleep_for(20ms);
-  const std::uint64_t c1 = ticks_now(rate);
-  const auto ns = static_cast<double>((std::chrono::steady_clock::now() - t0).count());
-  REQUIRE(c1 > c0);
-  const double measured = static_cast<double>(c1 - c0) / ns;
-  CHECK(measured == doctest::Approx(rate.per_ns).epsilon(0.1));
-  CHECK(ticks_in(rate, 0ns) == 0);
-  CHECK(ticks_in(rate, 1ns) >= 1);
-  CHECK(static_cast<double>(ticks_in(rate, 2us)) ==
-        doctest::Approx(2000 * rate.per_ns).epsilon(0.01));
 }
 
 TEST_SUITE_END();

@@ -1,7 +1,8 @@
 // feeds/: OutfeedQueue (bspflow/feeds/outfeed_queue.hpp): what each output mode lets the host
 // see per replica, sum() needing a summable type, runs (one at a time, reading outside one),
 // and a reader on another thread while the writers run; all of these also with one reader
-// (ConsumerType::kSingle: a ring per replica), plus its bound and its one-reader check.
+// (ConsumerType::kSingle: a ring per replica), plus its bound and its one-reader check, and
+// write-combining handing a slow writer's entries over at once.
 #include <doctest/doctest.h>
 
 #include <array>
@@ -34,6 +35,24 @@ std::vector<OutfeedEntry<T>> run_writers(OutfeedQueue<T>& q, std::uint64_t n, Ma
   std::vector<OutfeedEntry<T>> out;
   for (auto& e : q) out.push_back(e);
   return out;
+}
+
+TEST_CASE("write-combining hands a slow writer's entries over as they are written") {
+  // Entries written slower than tunables::kOutfeedCombineBelow apart must not wait in the
+  // writer's staging for kOutfeedCombine more: only the writer's clock (the tick clock,
+  // bspflow/base/detail/tick_clock.hpp) tells it they are slow. One thread, no timing
+  // bound: each wait is at least 3 ms, far above the threshold.
+  OutfeedQueue<int> q;
+  auto writers = q.begin_run();
+  for (int i = 0; i < 6; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));
+    CHECK(writers[0].write(static_cast<std::uint64_t>(i), int{i}));
+    const std::optional<OutfeedEntry<int>> e = q.try_pop();
+    REQUIRE_MESSAGE(e.has_value(), "entry " << i << " of a slow writer was held back");
+    CHECK(e->value == i);
+  }
+  writers[0].finish(true);
+  CHECK_FALSE(q.try_pop().has_value());
 }
 
 TEST_CASE("outfeed modes shape what the host sees, per replica") {

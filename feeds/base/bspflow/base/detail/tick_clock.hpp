@@ -3,23 +3,19 @@
 // sees, and not for deadlines: use std::chrono::steady_clock for those.
 //
 // On x86 with an invariant TSC (it ticks at a constant rate in every power state, CPUID
-// 0x80000007 EDX bit 8) the ticks are the CPU's time-stamp counter: rdtsc costs 12 ns on this
-// project's 2-core VM where steady_clock::now() costs 32 ns (the vDSO reads the same counter,
-// then scales it). Elsewhere the ticks are steady_clock's nanoseconds. The rate is measured
-// once per process against steady_clock, so a duration converts to ticks without knowing the
-// CPU's frequency.
+// 0x80000007 EDX bit 8) the ticks are the CPU's time-stamp counter: rdtsc costs a third of
+// steady_clock::now() on this project's 2-core VM (the vDSO reads the same counter, then
+// scales it). Elsewhere the ticks are steady_clock's nanoseconds. The rate is measured once
+// per process against steady_clock, so a duration converts to ticks without knowing the CPU's
+// frequency.
 //
-// A thread that moves between cores whose counters disagree sees an odd interval now and
-// then; a heuristic built on these ticks must stay correct then (the outfeed just hands its
-// entries over sooner).
+// A thread that moves between cores whose counters disagree may see one odd interval: a
+// heuristic built on these ticks must stay correct then (the outfeed hands its entries over
+// sooner, or combines one more batch of at most tunables::kOutfeedCombine entries).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <x86intrin.h>
-#endif
 
 namespace bspflow::detail {
 
@@ -28,14 +24,15 @@ struct TickRate {
   double per_ns = 1.0;  // ticks per nanosecond
 };
 
-// Once per process (the first call measures the counter against steady_clock for about 20 us;
-// later calls return the same rate). Thread-safe.
+// Once per process: the first call measures the counter against steady_clock (a few 100 us
+// windows, each counter read bracketed by two clock reads, retried when a bracket shows the
+// thread was held up); later calls return the same rate. Thread-safe.
 const TickRate& tick_rate() noexcept;
 
 // Now, in ticks of `rate` (from tick_rate()). Never blocks, never allocates, never throws.
-inline std::uint64_t ticks_now(const TickRate& rate) noexcept {
+inline std::uint64_t ticks_now([[maybe_unused]] const TickRate& rate) noexcept {
 #if defined(__x86_64__) || defined(__i386__)
-  if (rate.cycles) return __rdtsc();
+  if (rate.cycles) return __builtin_ia32_rdtsc();
 #endif
   return static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch() /
                                     std::chrono::nanoseconds(1));
