@@ -140,6 +140,13 @@ class Report {
     json_[key + "_target"] = target;
     json_[key + "_met"] = met;
   }
+  // The spread of a ratio taken in rounds: key_min and key_max over the rounds' values
+  // (the ratio itself is reported apart, usually as their median). Needs a value.
+  void spread(const std::string& key, const std::vector<double>& rounds) {
+    const auto [lo, hi] = std::minmax_element(rounds.begin(), rounds.end());
+    figure(key + "_min", *lo);
+    figure(key + "_max", *hi);
+  }
   bool write(const std::string& path) const {
     if (path.empty()) return true;
     std::ofstream f(path);

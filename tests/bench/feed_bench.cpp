@@ -22,7 +22,6 @@
 //
 //   feed_bench [--json FILE] [--quick]
 #include <CLI/CLI.hpp>
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <thread>
@@ -309,10 +308,7 @@ int main(int argc, char** argv) {
   report.figure("moodycamel_bulk_same_shape_vs_single_hop", bench::median(r_shape_hop));
   const double shape = bench::median(r_shape);
   report.ratio("feed_bulk_throughput_vs_moodycamel_same_shape", shape, ">= 1.0", shape >= 1.0);
-  report.figure("feed_bulk_throughput_vs_moodycamel_same_shape_min",
-                *std::min_element(r_shape.begin(), r_shape.end()));
-  report.figure("feed_bulk_throughput_vs_moodycamel_same_shape_max",
-                *std::max_element(r_shape.begin(), r_shape.end()));
+  report.spread("feed_bulk_throughput_vs_moodycamel_same_shape", r_shape);
   report.figure("feed_bulk_multi_reader_elements_per_s", bench::median(bulk_multi));
   report.ratio("feed_bulk_multi_reader_vs_moodycamel_same_shape", bench::median(r_bulk_multi),
                "(no target)", true);
@@ -338,8 +334,7 @@ int main(int argc, char** argv) {
   report.figure("roundtrip_p99_ns", bench::median(rt99));
   const double trip = bench::median(r_rt50);
   report.ratio("roundtrip_p50_vs_pingpong", trip, "<= 1.1", trip <= 1.1);
-  report.figure("roundtrip_p50_vs_pingpong_min", *std::min_element(r_rt50.begin(), r_rt50.end()));
-  report.figure("roundtrip_p50_vs_pingpong_max", *std::max_element(r_rt50.begin(), r_rt50.end()));
+  report.spread("roundtrip_p50_vs_pingpong", r_rt50);
   report.ratio("roundtrip_p99_vs_pingpong", bench::median(r_rt99), "(no target)", true);
   report.figure("roundtrip_multi_p50_ns", bench::median(rtm50));
   report.ratio("roundtrip_multi_p50_vs_pingpong", bench::median(r_rtm50), "(no target)", true);

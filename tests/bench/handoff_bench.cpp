@@ -12,7 +12,6 @@
 //
 //   handoff_bench [--json FILE] [--quick]
 #include <CLI/CLI.hpp>
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
@@ -232,10 +231,7 @@ int main(int argc, char** argv) {
   const double p50 = bench::median(ring_vs_rwq50);
   const double p99 = bench::median(ring_vs_rwq99);
   const double rate = bench::median(ring_vs_rwq_rate);
-  report.figure("handoff_rtt_p50_spsc_ring_vs_rwq_min",
-                *std::min_element(ring_vs_rwq50.begin(), ring_vs_rwq50.end()));
-  report.figure("handoff_rtt_p50_spsc_ring_vs_rwq_max",
-                *std::max_element(ring_vs_rwq50.begin(), ring_vs_rwq50.end()));
+  report.spread("handoff_rtt_p50_spsc_ring_vs_rwq", ring_vs_rwq50);
   report.ratio("handoff_rtt_p50_spsc_ring_vs_rwq", p50, "<= 1 (keep SpscRing)", p50 <= 1.0);
   report.ratio("handoff_rtt_p99_spsc_ring_vs_rwq", p99, "(no target)", true);
   report.ratio("handoff_throughput_spsc_ring_vs_rwq", rate, ">= 1 (keep SpscRing)", rate >= 1.0);

@@ -445,10 +445,7 @@ int main(int argc, char** argv) {
     const double s = bench::median(scaling), v = bench::median(vs_machine);
     report.ratio("instances_2_vs_1_throughput", s, ">= 1.7", s >= 1.7);
     report.ratio("instances_2_vs_1_vs_machine", v, ">= 0.95", v >= 0.95);
-    report.figure("instances_2_vs_1_vs_machine_min",
-                  *std::min_element(vs_machine.begin(), vs_machine.end()));
-    report.figure("instances_2_vs_1_vs_machine_max",
-                  *std::max_element(vs_machine.begin(), vs_machine.end()));
+    report.spread("instances_2_vs_1_vs_machine", vs_machine);
   } else {
     report.note("instances_2_vs_1_vs_machine",
                 "skipped: a training worker did not report (is mpirun installed?)");
