@@ -7,6 +7,7 @@
 
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/log.hpp"
+#include "detail/run_monitor.hpp"
 
 namespace bspflow::detail {
 
@@ -455,13 +456,13 @@ bool DeviceRun::copy_out_to_io_tiles(OutLink& link, DeviceBuffer& buf) {
 }
 
 void DeviceRun::finish(bool deliver) {
-  for (const program::FusedRepeat* f : fused_) f->finish(deliver);
+  if (fused_ != nullptr) fused_->finish(deliver);
   for (auto& [q, link] : outs_) link.modeled.finish_out(clock_);
   const Clock::time_point t0 = Clock::now();
   for (auto& [q, link] : ins_) link.closing.store(true, std::memory_order_release);
   auto drained = [&] { return in_flight_.load(std::memory_order_seq_cst) == 0; };
   if (!drained()) {
-    const WaitMark mark(&drain_site_);
+    const WaitMark mark(&io_drain_site());
     point_.wait(drained);
   }
   if (track_ && Clock::now() - t0 > std::chrono::microseconds(1))

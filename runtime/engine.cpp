@@ -276,7 +276,8 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
                                        TraceTrack::Kind::kIo, d);
     }
   }
-  auto shared = std::make_shared<RunShared>(n, uses.front().outer_count.value_or(1));
+  auto shared = std::allocate_shared<RunShared>(detail::CacheLineAllocator<RunShared>{}, n,
+                                                uses.front().outer_count.value_or(1));
   RunShared& rs = *shared;
   detail::RunControl& control = rs.control;
   rs.programs = programs;

@@ -27,7 +27,9 @@ namespace detail {
 
 RunControl::RunControl(std::uint32_t replicas, std::uint64_t requested)
     : requested_(requested), ends_(replicas), remaining_(replicas),
-      started_(std::chrono::steady_clock::now()), notes_(std::make_unique<WaitNote[]>(replicas)) {
+      started_(std::chrono::steady_clock::now()),
+      more_notes_(replicas > 1 ? std::make_unique<WaitNote[]>(replicas) : nullptr),
+      notes_(replicas > 1 ? more_notes_.get() : &note0_) {
   // Until its device starts the replica, it waits for its turn there.
   for (std::uint32_t r = 0; r < replicas; ++r) {
     notes_[r].site.store(&not_started_site(), std::memory_order_relaxed);  // before any thread

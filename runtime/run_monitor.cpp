@@ -190,6 +190,14 @@ const WaitSite& ended_site() noexcept {
   return site;
 }
 
+const WaitSite& io_drain_site() noexcept {
+  static const WaitSite site{
+      WaitKind::kOutfeed,
+      "the I/O engine's last transfers (its outputs wait for room in the outfeed)",
+      {}};
+  return site;
+}
+
 std::string describe_duration(std::chrono::nanoseconds d) {
   const std::int64_t ns = d.count();
   char text[48];

@@ -92,7 +92,7 @@ class DeviceRun {
     labels_[node] = track_ ? track_->add_label(name) : 0;
   }
   void add_fused(const program::FusedRepeat& f) {
-    fused_.push_back(&f);
+    fused_ = &f;  // (gather() allows a FusedRepeat only as the whole program: one at most)
     fused_label_ = track_ ? track_->add_label(f.name) : 0;
   }
 
@@ -248,19 +248,13 @@ class DeviceRun {
   std::map<const InfeedQueue<Tensor>*, InLink> ins_;
   std::map<const OutfeedQueue<Tensor>*, OutLink> outs_;
   std::map<const void*, std::uint32_t> labels_;  // by program node
-  std::vector<const program::FusedRepeat*> fused_;
+  const program::FusedRepeat* fused_ = nullptr;
   std::uint32_t fused_label_ = 0;
   std::set<const DeviceBuffer*> synthesized_;
   std::atomic<std::uint32_t> in_flight_{0};
   std::atomic<std::uint32_t> lost_{0};
   detail::WaitPoint point_;
   std::weak_ptr<void> owner_;
-  // finish(): the device waits for the I/O engine's last transfers (which may wait for room
-  // in an outfeed).
-  WaitSite drain_site_{WaitKind::kOutfeed,
-                       "the I/O engine's last transfers (its outputs wait for room in the "
-                       "outfeed)",
-                       {}};
 };
 
 }  // namespace bspflow::detail

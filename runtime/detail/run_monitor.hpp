@@ -37,6 +37,8 @@ void unwatch_run(StallWatch* watch) noexcept;
 // after it ended. Any thread; never throws.
 const WaitSite& not_started_site() noexcept;
 const WaitSite& ended_site() noexcept;
+// Where a device waits at the end of an Engine run for the I/O engine's last transfers.
+const WaitSite& io_drain_site() noexcept;
 
 // "30 s", "20 ms", "1.5 s", "-1 ns": a duration as a person reads it. Allocates.
 std::string describe_duration(std::chrono::nanoseconds d);

@@ -4,6 +4,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <new>
 #include <optional>
 #include <stop_token>
 #include <thread>
@@ -107,6 +111,42 @@ TEST_CASE("a std::jthread running a loop stops it when it is destroyed (its stop
   const RepeatResult<int> done = run.get();
   CHECK(done.completed());
   CHECK(done.state() == 3);
+}
+
+TEST_CASE("a run's shared state sits on whole cache lines, without aligned operator new") {
+  // detail::CacheLineAllocator: what loops::repeat and Engine::run allocate their run state
+  // with (glibc's aligned path is slow; this one aligns a plain block by hand).
+  struct alignas(64) Padded {
+    std::uint64_t word[3];
+  };
+  detail::CacheLineAllocator<Padded> alloc;
+  for (std::size_t n : {std::size_t{1}, std::size_t{2}, std::size_t{7}, std::size_t{100}}) {
+    Padded* p = alloc.allocate(n);
+    CHECK(reinterpret_cast<std::uintptr_t>(p) % 64 == 0);
+    for (std::size_t i = 0; i < n; ++i) p[i].word[0] = p[i].word[2] = i;  // all of it is ours
+    CHECK(p[n - 1].word[2] == n - 1);
+    alloc.deallocate(p, n);
+  }
+  CHECK_THROWS_AS(alloc.allocate(std::numeric_limits<std::size_t>::max() / 32), std::bad_alloc);
+  // allocate_shared rebinds it to its control block, over-aligned with the object inside.
+  auto shared = std::allocate_shared<Padded>(detail::CacheLineAllocator<Padded>{});
+  CHECK(reinterpret_cast<std::uintptr_t>(shared.get()) % 64 == 0);
+  // A loop of one replica and one of three still record their ends and wait notes apart.
+  for (std::uint32_t replicas : {1u, 3u}) {
+    DeviceGroup group(replicas, kSmall);
+    const RepeatResult<int> r = loops::repeat(
+        group, 5, [](int& s) { ++s; }, 0);
+    CHECK(r.completed());
+    CHECK(r.states.size() == replicas);
+    for (int s : r.states) CHECK(s == 5);
+  }
+}
+
+TEST_CASE("the prefetch buffer's name is built for any replica number") {
+  using Side = loops::detail::InfeedSide<InfeedQueue<int>>;
+  CHECK(Side::buffer_name(0).view() == "infeed prefetch buffer (replica 0)");
+  CHECK(Side::buffer_name(12).view() == "infeed prefetch buffer (replica 12)");
+  CHECK(Side::buffer_name(4294967295u).view() == "infeed prefetch buffer (replica 4294967295)");
 }
 
 TEST_SUITE_END();

@@ -36,26 +36,31 @@ using bspflow::detail::RunState;
 // The replica's program: a FusedRepeat that runs the trips and, at the end, delivers the
 // outfeed's held results (after a full run or end of data: a partial final()/sum() would be
 // mistaken for the real one), releases the feeds and hands the state over.
+// Both callables capture pointers only (at most 16 bytes, trivially copyable), so their
+// std::function keeps them in place instead of on the heap.
 template <class State, class Body, class InQ, class OutQ>
 Program replica_program(RunState<State>& run, Replica<State, Body, InQ, OutQ>& rep,
                         std::uint32_t device, std::uint32_t replica, std::uint64_t n) {
-  auto loop = [&rep, device, replica, n](const program::LoopFrame& frame) {
-    return rep.link ? run_trips<true>(rep, frame, device, replica, n)
-                    : run_trips<false>(rep, frame, device, replica, n);
+  rep.device_id = device;
+  rep.replica = replica;
+  rep.n = n;
+  auto loop = [r = &rep](const program::LoopFrame& frame) {
+    return r->link ? run_trips<true>(*r, frame, r->device_id, r->replica, r->n)
+                   : run_trips<false>(*r, frame, r->device_id, r->replica, r->n);
   };
-  auto finish = [&run, &rep, replica](bool deliver) {
-    auto release = [&] {
-      rep.outfeed.reset();
-      rep.infeed.reset();  // releases the lane and the arena buffer
-      if (rep.link) {
-        const HostLinkTimeline& t = rep.link->timeline;
-        run.links[replica] = {t.bytes_in(), t.bytes_out(), t.waited()};
-        rep.link.reset();  // releases the I/O tiles
+  auto finish = [shared = &run, r = &rep](bool deliver) {
+    auto release = [shared, r] {
+      r->outfeed.reset();
+      r->infeed.reset();  // releases the lane and the arena buffer
+      if (r->link) {
+        const HostLinkTimeline& t = r->link->timeline;
+        shared->links[r->replica] = {t.bytes_in(), t.bytes_out(), t.waited()};
+        r->link.reset();  // releases the I/O tiles
       }
-      run.states[replica].emplace(std::move(rep.state));
+      shared->states[r->replica].emplace(std::move(r->state));
     };
     try {
-      rep.outfeed->finish(deliver, &run.control.stop());
+      r->outfeed->finish(deliver, &shared->control.stop());
     } catch (...) {
       release();
       throw;
@@ -95,7 +100,8 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
     }
   }
 
-  auto run = std::make_shared<RunState<State>>(replicas, n);
+  auto run = std::allocate_shared<RunState<State>>(
+      bspflow::detail::CacheLineAllocator<RunState<State>>{}, replicas, n);
   if (std::string path = bspflow::detail::trace_path_from_env(); !path.empty()) {
     run->trace = std::make_unique<Trace>();
     for (std::uint32_t r = 0; r < replicas; ++r) {
@@ -169,7 +175,9 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
             const Program program = replica_program(*run, *rep, device.id(), r, n);
             bspflow::detail::run_on_device(device, r, program, run->control, run->track(r));
           },
-          [run] { run->control.cancel(); },
+          // A raw pointer (no shared_ptr copy, no heap block): the device calls a job's cancel
+          // only under its lock while the job, whose run callable holds the state, exists.
+          [control = &run->control] { control->cancel(); },
       });
     } catch (...) {
       // This device refused the job: stop the replicas already submitted, and finish this
@@ -338,7 +346,8 @@ Q* find_feed(Fs&... fs) noexcept {
 
 // loops::repeat_async's body: checks the element types a HostIO measures, then launches.
 template <class State, class Body, class... Fs>
-Run<State> launch_with(DeviceList devices, std::uint64_t n, Body body, State init, Fs&... fs) {
+Run<State> launch_with(const DeviceList& devices, std::uint64_t n, Body body, State init,
+                       Fs&... fs) {
   using F = Feeds<Fs&...>;
   using InQ = typename F::In;
   using OutQ = typename F::Out;

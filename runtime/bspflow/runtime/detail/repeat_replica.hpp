@@ -3,6 +3,7 @@
 // bspflow/runtime/repeat.hpp); installed because repeat's templates include it.
 #pragma once
 
+#include <charconv>
 #include <chrono>
 #include <concepts>
 #include <cstdint>
@@ -11,6 +12,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -108,7 +110,7 @@ decltype(auto) call_body(Body& body, State& state, In* input, const Iteration& i
 template <class T>
 class ArenaBuffer {
  public:
-  ArenaBuffer(Arena& arena, std::size_t n, const std::string& name) : arena_(&arena), n_(n) {
+  ArenaBuffer(Arena& arena, std::size_t n, std::string_view name) : arena_(&arena), n_(n) {
     void* raw = arena.allocate(n * sizeof(T) + alignof(T), name);
     auto addr = reinterpret_cast<std::uintptr_t>(raw);
     addr = (addr + alignof(T) - 1) / alignof(T) * alignof(T);
@@ -156,10 +158,25 @@ template <class T>
 struct InfeedSide<InfeedQueue<T>> {
   using Value = T;
   InfeedSide(InfeedQueue<T>* q, Device& device, std::uint32_t replica)
-      : buffer(std::make_unique<ArenaBuffer<T>>(
-            device.arena(), q->prefetch_depth(),
-            "infeed prefetch buffer (replica " + std::to_string(replica) + ")")),
+      : buffer(std::make_unique<ArenaBuffer<T>>(device.arena(), q->prefetch_depth(),
+                                                buffer_name(replica).view())),
         reader(q->reader(replica, buffer->span())) {}
+  // "infeed prefetch buffer (replica 3)", built without the heap.
+  struct Name {
+    char text[64];
+    std::size_t size;
+    std::string_view view() const noexcept { return {text, size}; }
+  };
+  static Name buffer_name(std::uint32_t replica) noexcept {
+    constexpr std::string_view kHead = "infeed prefetch buffer (replica ";
+    Name name{};
+    kHead.copy(name.text, kHead.size());
+    char* end =
+        std::to_chars(name.text + kHead.size(), name.text + sizeof(name.text) - 1, replica).ptr;
+    *end++ = ')';
+    name.size = static_cast<std::size_t>(end - name.text);
+    return name;
+  }
   template <bool kMayReuse = false>
   bool try_pop(T*& out) {
     out = &value;
@@ -226,6 +243,10 @@ struct Replica {
   std::unique_ptr<ReplicaLink> link;  // null: no HostIO, elements move at memory speed
   // The body's modeled time per trip (ns); < 0: it declared no cost (loops::repeat's Work).
   double body_ns = -1;
+  // Where it runs and how far: set by replica_program before the device runs it.
+  std::uint32_t device_id = 0;
+  std::uint32_t replica = 0;
+  std::uint64_t n = 0;
 };
 
 // A trip's body in modeled time: its declared cost (body_ns >= 0), or one undeclared step.

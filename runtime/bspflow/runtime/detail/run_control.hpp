@@ -8,8 +8,10 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <stop_token>
 #include <string>
@@ -18,6 +20,7 @@
 #include "bspflow/base/detail/wait.hpp"
 #include "bspflow/base/detail/wait_note.hpp"
 #include "bspflow/base/stop_flag.hpp"
+#include "bspflow/base/tunables.hpp"
 #include "bspflow/runtime/run_result.hpp"
 #include "bspflow/runtime/stall.hpp"
 #include "bspflow/runtime/trace.hpp"
@@ -30,6 +33,38 @@ class Run;
 namespace detail {
 
 struct StallWatch;  // detail/run_monitor.hpp (in the library)
+
+// An allocator for over-aligned run state (members on cache lines of their own), built on
+// plain operator new: aligned operator new goes through glibc's memalign, which bypasses its
+// per-thread cache and takes the arena lock (a few hundred ns on each launch of a loop). The
+// block is over-allocated by a cache line and aligned by hand; the raw pointer sits just
+// below the aligned one. For std::allocate_shared.
+template <class T>
+struct CacheLineAllocator {
+  using value_type = T;
+  static constexpr std::size_t kAlign = tunables::kCacheLine;
+  static_assert(alignof(T) <= kAlign);
+  CacheLineAllocator() noexcept = default;
+  template <class U>
+  CacheLineAllocator(const CacheLineAllocator<U>&) noexcept {}  // NOLINT: rebinding
+  T* allocate(std::size_t n) {
+    if (n > (std::numeric_limits<std::size_t>::max() - 2 * kAlign) / sizeof(T)) {
+      throw std::bad_array_new_length();
+    }
+    void* raw = ::operator new(n * sizeof(T) + kAlign + sizeof(void*));
+    const auto at = (reinterpret_cast<std::uintptr_t>(raw) + sizeof(void*) + kAlign - 1) &
+                    ~std::uintptr_t{kAlign - 1};
+    reinterpret_cast<void**>(at)[-1] = raw;
+    return reinterpret_cast<T*>(at);
+  }
+  void deallocate(T* p, std::size_t) noexcept {
+    ::operator delete(reinterpret_cast<void**>(p)[-1]);
+  }
+  template <class U>
+  bool operator==(const CacheLineAllocator<U>&) const noexcept {
+    return true;
+  }
+};
 
 // A device of a watched run, as the stall report names it: "device 3 (replica 1)".
 struct WatchedDevice {
@@ -152,7 +187,11 @@ class RunControl {
   std::optional<Failure> failure_;
   std::uint32_t more_failures_ = 0;
   std::optional<StallError> stalled_;  // under mutex_: a stall that ended the run
-  std::unique_ptr<WaitNote[]> notes_;  // one per replica, each on its own cache line
+  // One wait record per replica, each on its own cache line: note0_ for a run of one replica
+  // (no allocation), more_notes_ for more.
+  WaitNote note0_;
+  std::unique_ptr<WaitNote[]> more_notes_;
+  WaitNote* notes_;
   std::unique_ptr<StallWatch> watch_;  // while the monitor watches the run
   // Stops watching (waits for a look at the run in progress). Idempotent. Never throws.
   void unwatch() noexcept;
