@@ -89,7 +89,11 @@ std::string look(StallWatch& w, Clock::time_point now) {
                        advice(kinds);
   if (w.check.on_stall == OnStall::kFail) {
     report += " (OnStall::kFail: the run ends with StallError)";
-    w.control->stall(report, std::move(waits));
+    // Ended once the report is logged (see Monitor::loop), so a caller that catches the
+    // StallError finds the report in its log.
+    w.fail_report = report;
+    w.fail_waits = std::move(waits);
+    w.fail_pending = true;
   }
   return report;
 }
@@ -152,6 +156,14 @@ class Monitor {
       lock.unlock();  // the log handler is the application's: not under the monitor's lock
       for (const std::string& r : reports) log(LogLevel::kWarning, r);
       lock.lock();
+      // Then the OnStall::kFail runs among them end. Only those still watched: one that
+      // ended meanwhile was removed (its control may be gone), and one that moved since the
+      // look is ended all the same (it was stalled for the whole limit).
+      for (StallWatch* w : watches_) {
+        if (!w->fail_pending) continue;
+        w->fail_pending = false;
+        w->control->stall(std::move(w->fail_report), std::move(w->fail_waits));
+      }
     }
   }
 

@@ -24,6 +24,10 @@ struct StallWatch {
   std::vector<std::uint64_t> moves;             // each note's moves at the last look
   std::chrono::steady_clock::time_point since;  // when a device last moved or computed
   bool reported = false;
+  // OnStall::kFail: the report and waits the run ends with, once the report is logged.
+  bool fail_pending = false;
+  std::string fail_report;
+  std::vector<StallError::Wait> fail_waits;
 };
 
 // Host thread: the monitor starts looking at `watch` (the thread starts with the first one).
