@@ -72,48 +72,23 @@ install_deps() {
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends $missing
 }
 
-# setup DIR [meson options...]: set up DIR once (a later run keeps its options).
+# setup DIR [meson options...]: set up DIR once; a later run applies the options given here
+# to it again (an older directory takes up what this script now asks for).
 setup() {
   dir=$1
   shift
   if [ ! -f "$dir/build.ninja" ]; then
     # shellcheck disable=SC2086  # MESON_ARGS is a list of options
     meson setup "$dir" "$@" ${MESON_ARGS:-}
+  elif [ $# -gt 0 ]; then
+    meson configure "$dir" "$@"
   fi
 }
 
-# configure DIR [meson options...]: set up DIR once, then build everything in it.
+# configure DIR [meson options...]: set up DIR, then build everything in it.
 configure() {
   setup "$@"
   meson compile -C "$1"
-}
-
-# run_suites DIR SUITE...: builds only what those suites' tests run (a sanitizer build has no
-# use for the benchmarks, the soak suite or the MPI tests: most of its compile time), then
-# runs the suites. Extra `meson test` arguments come from $SUITE_ARGS.
-run_suites() {
-  dir=$1
-  shift
-  targets=$(meson introspect "$dir" --tests --targets | python3 -c '
-import json, os, sys
-info = json.load(sys.stdin)
-suites = set(sys.argv[2:])
-files = {t["id"]: t["filename"] for t in info["targets"]}
-root = os.path.abspath(sys.argv[1])
-wanted = set()
-for t in info["tests"]:
-    if suites & {s.split(":")[-1] for s in t["suite"]}:
-        for dep in t["depends"]:
-            wanted.update(os.path.relpath(f, root) for f in files.get(dep, []))
-print(" ".join(sorted(wanted)))
-' "$dir" "$@")
-  [ -n "$targets" ] || { echo "dev.sh: no test in suites $* of $dir" >&2; exit 1; }
-  # shellcheck disable=SC2086  # one argument per target
-  ninja -C "$dir" $targets
-  suite_args=""
-  for s in "$@"; do suite_args="$suite_args --suite $s"; done
-  # shellcheck disable=SC2086  # lists meant to split
-  meson test -C "$dir" --no-rebuild --print-errorlogs $suite_args ${SUITE_ARGS:-}
 }
 
 build=${BUILD_DIR:-build}
@@ -150,18 +125,23 @@ case "$what" in
   tsan)
     install_deps
     # Line tables only (-g1): reports still name file and line, at half the compile time.
+    # No `meson compile` first: `meson test` builds only what the chosen suites run (not the
+    # benchmarks, the soak suite or the MPI tests).
     setup "${BUILD_DIR:-build-tsan}" -Db_sanitize=thread -Db_lundef=false -Dexamples=false \
       -Dcpp_args=-g1
-    SUITE_ARGS="$*" run_suites "${BUILD_DIR:-build-tsan}" base feeds data devices runtime
+    meson test -C "${BUILD_DIR:-build-tsan}" --print-errorlogs \
+      --suite base --suite feeds --suite data --suite devices --suite runtime "$@"
     ;;
   asan)
     install_deps
     # -O1 and line tables only (-g1): AddressSanitizer's advice for its builds, and a third of
-    # the compile time of -O2 -g here; reports still name file and line.
+    # the compile time of -O2 -g here; reports still name file and line. As for tsan, only
+    # what the suites run is built.
     setup "${BUILD_DIR:-build-asan}" -Db_sanitize=address,undefined -Db_lundef=false \
       -Dexamples=false -Doptimization=1 -Dcpp_args=-g1
-    UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 SUITE_ARGS="$*" \
-      run_suites "${BUILD_DIR:-build-asan}" base feeds data devices runtime fuzz_corpus
+    UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 meson test -C "${BUILD_DIR:-build-asan}" \
+      --print-errorlogs --suite base --suite feeds --suite data --suite devices --suite runtime \
+      --suite fuzz_corpus "$@"
     ;;
   fuzz)
     install_deps
