@@ -27,6 +27,9 @@ Arena::~Arena() {
   Topology::get().release(base_, capacity_);
 }
 
+// free_ holds, besides the free blocks, one entry of 0 bytes at the offset of each live
+// allocation: release() turns that entry into the free block, so giving memory back never
+// allocates (it runs in destructors and on the way out of failed runs, and must not throw).
 void* Arena::allocate(std::size_t bytes, std::string_view what) {
   const std::size_t need = round_up(std::max<std::size_t>(bytes, 1));
   std::lock_guard lock(mutex_);
@@ -34,9 +37,17 @@ void* Arena::allocate(std::size_t bytes, std::string_view what) {
     if (it->second < need) continue;
     const std::size_t offset = it->first;
     const std::size_t rest = it->second - need;
-    free_.erase(it);
-    if (rest > 0) free_.emplace(offset + need, rest);
-    allocations_.emplace(offset, Allocation{std::string(what), offset, need});
+    // What can throw (the two new entries) comes before anything changes.
+    auto a = allocations_.emplace(offset, Allocation{std::string(what), offset, need}).first;
+    if (rest > 0) {
+      try {
+        free_.emplace_hint(std::next(it), offset + need, rest);
+      } catch (...) {
+        allocations_.erase(a);
+        throw;
+      }
+    }
+    it->second = 0;  // the allocation's entry
     used_ += need;
     return base_ + offset;
   }
@@ -61,26 +72,23 @@ void Arena::release(void* ptr) noexcept {
   std::lock_guard lock(mutex_);
   auto a = allocations_.find(offset);
   if (a == allocations_.end()) return;
-  std::size_t start = offset;
-  std::size_t size = a->second.bytes;
+  const std::size_t size = a->second.bytes;
   used_ -= size;
   allocations_.erase(a);
-  // Coalesce with the free neighbours on either side.
-  auto next = free_.lower_bound(start);
-  if (next != free_.begin()) {
-    auto prev = std::prev(next);
-    if (prev->first + prev->second == start) {
-      start = prev->first;
-      size += prev->second;
-      free_.erase(prev);
-    }
-  }
-  next = free_.lower_bound(start);
-  if (next != free_.end() && start + size == next->first) {
-    size += next->second;
+  auto self = free_.find(offset);  // the allocation's entry (allocate() made it)
+  self->second = size;
+  // Coalesce with the free neighbours on either side (an entry of 0 bytes is an allocation).
+  if (auto next = std::next(self);
+      next != free_.end() && next->second > 0 && offset + size == next->first) {
+    self->second += next->second;
     free_.erase(next);
   }
-  free_.emplace(start, size);
+  if (self != free_.begin()) {
+    if (auto prev = std::prev(self); prev->second > 0 && prev->first + prev->second == offset) {
+      prev->second += self->second;
+      free_.erase(self);
+    }
+  }
 }
 
 std::size_t Arena::used() const {

@@ -58,7 +58,9 @@ class Arena {
   std::size_t capacity_;
   std::byte* base_;
   mutable std::mutex mutex_;
-  std::map<std::size_t, std::size_t> free_;        // offset -> bytes, coalesced
+  // offset -> bytes: the free blocks, coalesced, and an entry of 0 bytes at each allocation
+  // (release() reuses it, so giving memory back never allocates).
+  std::map<std::size_t, std::size_t> free_;
   std::map<std::size_t, Allocation> allocations_;  // offset -> allocation
   std::size_t used_ = 0;
 };
