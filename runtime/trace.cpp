@@ -94,39 +94,95 @@ std::int64_t Trace::run_ns() const noexcept {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(end_ - origin_).count();
 }
 
+namespace {
+// Chrome trace-event JSON, written event by event instead of built as one nlohmann::json
+// document first: such a document costs many times the trace's own memory, and nlohmann's
+// destructor of a value with children allocates (it unrolls the tree onto a vector), so a
+// document dropped while memory runs out ends the process. nlohmann still writes every
+// string and number (escaping, round-trip doubles); keys here are plain literals.
+class EventWriter {
+ public:
+  explicit EventWriter(std::string& out) : out_(out) {}
+  EventWriter& event() {
+    out_ += events_++ == 0 ? "\n{" : ",\n{";
+    comma_ = false;
+    return *this;
+  }
+  EventWriter& end() {
+    out_ += '}';
+    comma_ = true;
+    return *this;
+  }
+  EventWriter& key(const char* k) {
+    if (comma_) out_ += ',';
+    comma_ = true;
+    out_ += '"';
+    out_ += k;
+    out_ += "\":";
+    return *this;
+  }
+  EventWriter& object(const char* k) {  // key("args"), then the object's fields, then end()
+    key(k);
+    out_ += '{';
+    comma_ = false;
+    return *this;
+  }
+  EventWriter& str(const char* k, const std::string& v) {
+    key(k);
+    out_ += nlohmann::json(v).dump();
+    return *this;
+  }
+  EventWriter& str(const char* k, const char* v) { return str(k, std::string(v)); }
+  EventWriter& num(const char* k, std::uint64_t v) {
+    key(k);
+    out_ += std::to_string(v);
+    return *this;
+  }
+  EventWriter& num(const char* k, double v) {
+    key(k);
+    out_ += nlohmann::json(v).dump();
+    return *this;
+  }
+
+ private:
+  std::string& out_;
+  std::size_t events_ = 0;
+  bool comma_ = false;
+};
+
+double us(std::int64_t ns) {
+  return static_cast<double>(ns) / 1e3;
+}
+}  // namespace
+
 std::string Trace::chrome_json() const {
-  using nlohmann::json;
-  json events = json::array();
-  events.push_back(
-      {{"ph", "M"}, {"pid", 1}, {"name", "process_name"}, {"args", {{"name", "bspflow"}}}});
+  std::string out = "{\"traceEvents\":[";
+  EventWriter w(out);
+  auto meta = [&](std::uint64_t pid, std::uint64_t tid, const char* name) -> EventWriter& {
+    w.event().str("ph", "M").num("pid", pid);
+    if (tid != 0) w.num("tid", tid);
+    return w.str("name", name);
+  };
+  meta(1, 0, "process_name").object("args").str("name", "bspflow").end().end();
   std::uint32_t tid = 0;
   for (const TraceTrack& track : tracks_) {
     ++tid;
-    events.push_back({{"ph", "M"},
-                      {"pid", 1},
-                      {"tid", tid},
-                      {"name", "thread_name"},
-                      {"args", {{"name", track.name()}}}});
-    events.push_back({{"ph", "M"},
-                      {"pid", 1},
-                      {"tid", tid},
-                      {"name", "thread_sort_index"},
-                      {"args", {{"sort_index", tid}}}});
+    meta(1, tid, "thread_name").object("args").str("name", track.name()).end().end();
+    meta(1, tid, "thread_sort_index").object("args").num("sort_index", std::uint64_t{tid});
+    w.end().end();
     for (const TraceEvent& e : track.events()) {
       const std::string& label = track.label(e);
-      json args = json::object();
-      if (e.bytes != 0) args["bytes"] = e.bytes;
+      w.event().str("ph", "X").num("pid", std::uint64_t{1}).num("tid", std::uint64_t{tid});
+      w.str("name", label.empty() ? std::string(to_string(e.phase)) : label);
+      w.str("cat", to_string(e.phase))
+          .num("ts", us(e.begin_ns))
+          .num("dur", us(e.end_ns - e.begin_ns));
+      w.object("args");
+      if (e.bytes != 0) w.num("bytes", std::uint64_t{e.bytes});
       if (e.phase == Phase::kTransfer || e.phase == Phase::kStreamCopyMid) {
-        args["direction"] = e.to_host ? "to host" : "to device";
+        w.str("direction", e.to_host ? "to host" : "to device");
       }
-      events.push_back({{"ph", "X"},
-                        {"pid", 1},
-                        {"tid", tid},
-                        {"name", label.empty() ? to_string(e.phase) : label},
-                        {"cat", to_string(e.phase)},
-                        {"ts", static_cast<double>(e.begin_ns) / 1e3},
-                        {"dur", static_cast<double>(e.end_ns - e.begin_ns) / 1e3},
-                        {"args", std::move(args)}});
+      w.end().end();
     }
   }
   // The modeled IPU timeline: a process of its own (its own time axis), its threads numbered
@@ -138,33 +194,24 @@ std::string Trace::chrome_json() const {
     ++tid;
     if (track.modeled_events().empty()) continue;
     if (!modeled) {
-      events.push_back({{"ph", "M"},
-                        {"pid", 2},
-                        {"name", "process_name"},
-                        {"args", {{"name", "modeled IPU time"}}}});
+      meta(2, 0, "process_name").object("args").str("name", "modeled IPU time").end().end();
       modeled = true;
     }
-    events.push_back({{"ph", "M"},
-                      {"pid", 2},
-                      {"tid", tid},
-                      {"name", "thread_name"},
-                      {"args", {{"name", track.name() + " (modeled)"}}}});
+    meta(2, tid, "thread_name").object("args").str("name", track.name() + " (modeled)");
+    w.end().end();
     for (const TraceEvent& e : track.modeled_events()) {
       const std::string& label = track.label(e);
       const char* name = e.phase == Phase::kIdle ? "host call" : to_string(e.phase);
-      events.push_back({{"ph", "X"},
-                        {"pid", 2},
-                        {"tid", tid},
-                        {"name", label.empty() ? std::string(name) : label},
-                        {"cat", std::string("modeled ") + to_string(e.phase)},
-                        {"ts", static_cast<double>(e.begin_ns) / 1e3},
-                        {"dur", static_cast<double>(e.end_ns - e.begin_ns) / 1e3}});
+      w.event().str("ph", "X").num("pid", std::uint64_t{2}).num("tid", std::uint64_t{tid});
+      w.str("name", label.empty() ? std::string(name) : label);
+      w.str("cat", std::string("modeled ") + to_string(e.phase));
+      w.num("ts", us(e.begin_ns)).num("dur", us(e.end_ns - e.begin_ns)).end();
     }
   }
-  json doc = {{"traceEvents", std::move(events)},
-              {"displayTimeUnit", "ns"},
-              {"otherData", {{"run_us", static_cast<double>(run_ns()) / 1e3}}}};
-  return doc.dump();
+  out += "\n],\"displayTimeUnit\":\"ns\",\"otherData\":{\"run_us\":";
+  out += nlohmann::json(us(run_ns())).dump();
+  out += "}}\n";
+  return out;
 }
 
 void Trace::write_chrome_json(const std::string& path) const {
