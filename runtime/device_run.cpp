@@ -39,10 +39,9 @@ void DeviceRun::add_infeed(InfeedQueue<Tensor>& q, const DeviceBuffer& dst) {
   link.reader.emplace(q.reader(index_));
   if (eng_.config.io_tiles > 0) {
     for (std::uint32_t k = 0; k < eng_.config.prefetch_depth; ++k) {
-      auto slot = std::make_unique<Slot>();
-      slot->mem = static_cast<std::byte*>(device_.arena().allocate(
+      Slot& slot = *link.slots.emplace_back(std::make_unique<Slot>());  // listed, then filled:
+      slot.mem = static_cast<std::byte*>(device_.arena().allocate(      // release_slots() frees
           link.bytes, "I/O tiles: prefetch " + std::to_string(k) + " of " + dst.name()));
-      link.slots.push_back(std::move(slot));
     }
   }
 }
@@ -344,41 +343,38 @@ bool DeviceRun::copy_in_from_io_tiles(InLink& link, DeviceBuffer& buf) {
 }
 
 void DeviceRun::submit_fill(InLink& link, Slot& slot) {
-  slot.state.store(kFilling, std::memory_order_relaxed);  // relaxed: published by the post
-  ++in_flight_;
   const auto modeled = eng_.config.host_link.duration(link.bytes);
-  eng_.io->submit(
-      index_,
-      IoEngine::Transfer{
-          link.bytes, modeled,
-          [this, &link, &slot] {  // engine thread: the reader's consumer while the run lasts
-            if (stop_.requested() || link.closing.load(std::memory_order_acquire)) {
-              slot.state.store(kSkipped, std::memory_order_relaxed);  // relaxed: done() publishes
-              return IoEngine::Start::kSkip;
-            }
-            if (!link.reader->try_pop(slot.tensor)) {
-              if (!link.reader->at_end()) return IoEngine::Start::kWait;
-              slot.state.store(kEnd, std::memory_order_relaxed);
-              return IoEngine::Start::kSkip;
-            }
-            slot.error = tensor_mismatch(link, slot.tensor);
-            if (!slot.error.empty()) {
-              slot.state.store(kFailed, std::memory_order_relaxed);
-              return IoEngine::Start::kSkip;
-            }
-            std::memcpy(slot.mem, slot.tensor.raw().data(), link.bytes);
-            return IoEngine::Start::kGo;
-          },
-          [this, keep = owner_.lock(), &link, &slot](const IoEngine::Times& t, bool cancelled) {
-            int s = slot.state.load(std::memory_order_relaxed);
-            if (s == kFilling) {
-              if (!cancelled) record_io(t, link.bytes, false);
-              s = cancelled ? kSkipped : kReady;
-            }
-            slot.state.store(s, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
-            in_flight_.fetch_sub(1, std::memory_order_seq_cst);
-            point_.notify();
-          }});
+  post(slot,
+       IoEngine::Transfer{
+           link.bytes, modeled,
+           [this, &link, &slot] {  // engine thread: the reader's consumer while the run lasts
+             if (stop_.requested() || link.closing.load(std::memory_order_acquire)) {
+               slot.state.store(kSkipped, std::memory_order_relaxed);  // relaxed: done() publishes
+               return IoEngine::Start::kSkip;
+             }
+             if (!link.reader->try_pop(slot.tensor)) {
+               if (!link.reader->at_end()) return IoEngine::Start::kWait;
+               slot.state.store(kEnd, std::memory_order_relaxed);
+               return IoEngine::Start::kSkip;
+             }
+             slot.error = tensor_mismatch(link, slot.tensor);
+             if (!slot.error.empty()) {
+               slot.state.store(kFailed, std::memory_order_relaxed);
+               return IoEngine::Start::kSkip;
+             }
+             std::memcpy(slot.mem, slot.tensor.raw().data(), link.bytes);
+             return IoEngine::Start::kGo;
+           },
+           [this, keep = owner_.lock(), &link, &slot](const IoEngine::Times& t, bool cancelled) {
+             int s = slot.state.load(std::memory_order_relaxed);
+             if (s == kFilling) {
+               if (!cancelled) record_io(t, link.bytes, false);
+               s = cancelled ? kSkipped : kReady;
+             }
+             slot.state.store(s, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
+             in_flight_.fetch_sub(1, std::memory_order_seq_cst);
+             point_.notify();
+           }});
 }
 
 bool DeviceRun::copy_out(OutLink& link, DeviceBuffer& buf) {
@@ -418,39 +414,36 @@ bool DeviceRun::copy_out_to_io_tiles(OutLink& link, DeviceBuffer& buf) {
   std::memcpy(slot.mem, buf.raw().data(), bytes);  // compute tiles -> I/O tiles
   link.modeled.copy_out(clock_, host_link_ns(bytes), handover_ns(bytes));
   slot.iteration = ctx_.iteration;
-  slot.state.store(kFilling, std::memory_order_relaxed);  // relaxed: published by the post
-  ++link.next_use;
-  ++in_flight_;
   const DType dtype = buf.dtype();
   const std::size_t elements = buf.elements();
-  eng_.io->submit(index_,
-                  IoEngine::Transfer{
-                      bytes, eng_.config.host_link.duration(bytes),
-                      [&slot, dtype, elements, bytes] {
-                        slot.tensor = Tensor(dtype, {elements}, Tensor::Init::kNone);
-                        std::memcpy(slot.tensor.raw().data(), slot.mem, bytes);
-                        return IoEngine::Start::kGo;
-                      },
-                      [this, keep = owner_.lock(), &link, &slot, bytes](const IoEngine::Times& t,
-                                                                        bool cancelled) {
-                        if (!cancelled) {
-                          record_io(t, bytes, true);
-                          // The engine thread writes while the device computes on; the device
-                          // flushes and finishes the writer only after every outbound transfer has
-                          // ended.
-                          try {
-                            if (!link.writer->write(slot.iteration, std::move(slot.tensor), &stop_))
-                              lost_.fetch_add(1);
-                          } catch (...) {
-                            lost_.fetch_add(1);
-                          }
-                        }
-                        slot.tensor = Tensor();
-                        slot.state.store(
-                            kFree, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
-                        in_flight_.fetch_sub(1, std::memory_order_seq_cst);
-                        point_.notify();
-                      }});
+  post(slot, IoEngine::Transfer{
+                 bytes, eng_.config.host_link.duration(bytes),
+                 [&slot, dtype, elements, bytes] {
+                   slot.tensor = Tensor(dtype, {elements}, Tensor::Init::kNone);
+                   std::memcpy(slot.tensor.raw().data(), slot.mem, bytes);
+                   return IoEngine::Start::kGo;
+                 },
+                 [this, keep = owner_.lock(), &link, &slot, bytes](const IoEngine::Times& t,
+                                                                   bool cancelled) {
+                   if (!cancelled) {
+                     record_io(t, bytes, true);
+                     // The engine thread writes while the device computes on; the device
+                     // flushes and finishes the writer only after every outbound transfer has
+                     // ended.
+                     try {
+                       if (!link.writer->write(slot.iteration, std::move(slot.tensor), &stop_))
+                         lost_.fetch_add(1);
+                     } catch (...) {
+                       lost_.fetch_add(1);
+                     }
+                   }
+                   slot.tensor = Tensor();
+                   slot.state.store(kFree,
+                                    std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
+                   in_flight_.fetch_sub(1, std::memory_order_seq_cst);
+                   point_.notify();
+                 }});
+  ++link.next_use;
   if (track_) track_->record(Phase::kStreamCopyEnd, t1, Clock::now(), bytes, 0, true);
   return true;
 }

@@ -216,6 +216,21 @@ class DeviceRun {
   // Device thread: asks the engine to move the next micro-batch into `slot`.
   void submit_fill(InLink& link, Slot& slot);
 
+  // Device thread: hands the engine a transfer of `slot`, which is in flight until the
+  // transfer's end. If the engine cannot take it (out of memory), the slot is free again and
+  // the error propagates: finish() would otherwise wait for a transfer that never ends.
+  void post(Slot& slot, IoEngine::Transfer transfer) {
+    slot.state.store(kFilling, std::memory_order_relaxed);  // relaxed: published by the post
+    ++in_flight_;
+    try {
+      eng_.io->submit(index_, std::move(transfer));
+    } catch (...) {
+      slot.state.store(kFree, std::memory_order_relaxed);
+      in_flight_.fetch_sub(1, std::memory_order_relaxed);
+      throw;
+    }
+  }
+
   // io_tiles = 0: move the result over the modeled link, then into the outfeed.
   bool copy_out(OutLink& link, DeviceBuffer& buf);
 
