@@ -402,12 +402,34 @@ struct LoneRun {
   EngineState state;
   std::optional<DeviceRun> run;
 };
+
+// A replica whose run could not be set up: its FusedRepeat finishes without delivering (the
+// feeds are released; a second error is dropped, the first is the one reported) and the run
+// hears its end.
+void end_unrun(Device& device, std::uint32_t replica, const Program& program,
+               RunControl& control) noexcept {
+  if (const auto* fused = std::get_if<program::FusedRepeat>(&program.node())) {
+    try {
+      fused->finish(false);
+    } catch (...) {
+    }
+  }
+  control.replica_done(replica,
+                       RunControl::ReplicaEnd{device.id(), 0, RunStatus::kCancelled, true});
+}
 }  // namespace
 
 void run_on_device(Device& device, std::uint32_t replica, const Program& program,
-                   RunControl& control, TraceTrack* track) {
-  LoneRun lone(device, replica, program, control, track);
-  lone.run->run(program);
+                   RunControl& control, TraceTrack* track) noexcept {
+  std::optional<LoneRun> lone;
+  try {
+    lone.emplace(device, replica, program, control, track);
+  } catch (...) {  // (out of memory for its trace labels; a program that is no FusedRepeat)
+    control.fail(RunControl::Failure{device.id(), replica, 0, std::current_exception()});
+    end_unrun(device, replica, program, control);
+    return;
+  }
+  lone->run->run(program);
 }
 
 void name_runs(Engine& engine, std::string name, std::vector<WatchedDevice> devices) {
@@ -417,13 +439,14 @@ void name_runs(Engine& engine, std::string name, std::vector<WatchedDevice> devi
 
 void abandon_on_device(Device& device, std::uint32_t replica, const Program& program,
                        RunControl& control) noexcept {
+  std::optional<LoneRun> lone;
   try {
-    LoneRun lone(device, replica, program, control, nullptr);
-    lone.run->abandon();
-  } catch (...) {  // not a FusedRepeat: nothing to finish
-    control.replica_done(replica,
-                         RunControl::ReplicaEnd{device.id(), 0, RunStatus::kCancelled, true});
+    lone.emplace(device, replica, program, control, nullptr);
+  } catch (...) {  // the refusal is the error reported
+    end_unrun(device, replica, program, control);
+    return;
   }
+  lone->run->abandon();
 }
 }  // namespace detail
 

@@ -191,23 +191,28 @@ void unwatch_run(StallWatch* watch) noexcept {
   monitor().remove(watch);
 }
 
+// Made when the library loads, not at first use: these are handed out by noexcept functions
+// on a run's setup path, and a first use could fail to allocate their text.
+namespace {
+const WaitSite g_not_started_site{
+    WaitKind::kTurn, "its turn on the device (an earlier job still runs there)", {}};
+const WaitSite g_ended_site{WaitKind::kEnded, "has ended", {}};
+const WaitSite g_io_drain_site{
+    WaitKind::kOutfeed,
+    "the I/O engine's last transfers (its outputs wait for room in the outfeed)",
+    {}};
+}  // namespace
+
 const WaitSite& not_started_site() noexcept {
-  static const WaitSite site{
-      WaitKind::kTurn, "its turn on the device (an earlier job still runs there)", {}};
-  return site;
+  return g_not_started_site;
 }
 
 const WaitSite& ended_site() noexcept {
-  static const WaitSite site{WaitKind::kEnded, "has ended", {}};
-  return site;
+  return g_ended_site;
 }
 
 const WaitSite& io_drain_site() noexcept {
-  static const WaitSite site{
-      WaitKind::kOutfeed,
-      "the I/O engine's last transfers (its outputs wait for room in the outfeed)",
-      {}};
-  return site;
+  return g_io_drain_site;
 }
 
 std::string describe_duration(std::chrono::nanoseconds d) {

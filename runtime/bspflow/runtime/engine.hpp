@@ -147,9 +147,10 @@ namespace detail {
 // Device thread: runs `program` (a FusedRepeat) as replica `replica` of a run that
 // `control` tracks, through the same interpreter as Engine::run, for loops built elsewhere
 // (loops::repeat). Records into `track` if it is not null. A failure goes to
-// control.fail(); the end is reported through control.replica_done().
+// control.fail(), also one in setting the run up; the end is always reported through
+// control.replica_done(). Never throws.
 void run_on_device(Device& device, std::uint32_t replica, const Program& program,
-                   RunControl& control, TraceTrack* track);
+                   RunControl& control, TraceTrack* track) noexcept;
 // Host thread, instead of run_on_device when the device refused the job: finishes the
 // program's loops without delivering and reports the replica's end.
 void abandon_on_device(Device& device, std::uint32_t replica, const Program& program,

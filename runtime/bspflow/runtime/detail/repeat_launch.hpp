@@ -38,15 +38,12 @@ using bspflow::detail::RunState;
 // mistaken for the real one), releases the feeds and hands the state over.
 // Both callables capture pointers only (at most 16 bytes, trivially copyable), so their
 // std::function keeps them in place instead of on the heap.
+// Built on the host thread by launch(), before any device runs: a failure here (it allocates)
+// reaches the caller of loops::repeat, not a device thread.
 template <class State, class Body, class InQ, class OutQ>
-Program replica_program(RunState<State>& run, Replica<State, Body, InQ, OutQ>& rep,
-                        std::uint32_t device, std::uint32_t replica, std::uint64_t n) {
-  rep.device_id = device;
-  rep.replica = replica;
-  rep.n = n;
+Program replica_program(RunState<State>& run, Replica<State, Body, InQ, OutQ>& rep) {
   auto loop = [r = &rep](const program::LoopFrame& frame) {
-    return r->link ? run_trips<true>(*r, frame, r->device_id, r->replica, r->n)
-                   : run_trips<false>(*r, frame, r->device_id, r->replica, r->n);
+    return r->link ? run_trips<true>(*r, frame) : run_trips<false>(*r, frame);
   };
   auto finish = [shared = &run, r = &rep](bool deliver) {
     auto release = [shared, r] {
@@ -67,7 +64,7 @@ Program replica_program(RunState<State>& run, Replica<State, Body, InQ, OutQ>& r
     }
     release();
   };
-  return program::FusedRepeat("loop body", n, std::move(loop), std::move(finish));
+  return program::FusedRepeat("loop body", rep.n, std::move(loop), std::move(finish));
 }
 
 template <class State, class Body, class InQ, class OutQ>
@@ -137,7 +134,7 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
     }
     for (std::uint32_t r = 0; r < replicas; ++r) {
       reps.push_back(std::make_shared<Rep>(body, init, std::move(*ins[r]), std::move(outs[r]),
-                                           std::move(links[r])));
+                                           std::move(links[r]), devices[r].id(), r, n));
       // The body's modeled time per trip, on the tiles the I/O tiles leave for compute.
       const DeviceModel& model = devices[r].config().model;
       const std::uint32_t tiles = devices[r].config().tiles - (config ? config->io_tiles : 0);
@@ -147,6 +144,11 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
       if (reps.back()->link) reps.back()->link->timeline.attach(&devices[r].clock(), model);
     }
   }
+  // Each replica's program, built here so nothing the device thread does before its run can
+  // fail for want of memory (a run whose replica never starts would never end).
+  std::vector<Program> programs;
+  programs.reserve(replicas);
+  for (std::uint32_t r = 0; r < replicas; ++r) programs.push_back(replica_program(*run, *reps[r]));
   run->control.set_waker([infeed, outfeed] {
     (void)infeed;  // (one of them is an unused NoFeed* in a loop without that feed)
     (void)outfeed;
@@ -168,11 +170,10 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
 
   for (std::uint32_t r = 0; r < replicas; ++r) {
     Device& device = devices[r];
-    std::shared_ptr<Rep> rep = reps[r];
     try {
       device.submit(DeviceJob{
-          [run, rep, &device, r, n] {
-            const Program program = replica_program(*run, *rep, device.id(), r, n);
+          // The job owns the run's state and its replica; the program points into both.
+          [run, rep = reps[r], program = programs[r], &device, r] {
             bspflow::detail::run_on_device(device, r, program, run->control, run->track(r));
           },
           // A raw pointer (no shared_ptr copy, no heap block): the device calls a job's cancel
@@ -184,8 +185,7 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
       // one and the rest here so the run still completes.
       run->control.fail(RunControl::Failure{device.id(), r, 0, std::current_exception()});
       for (std::uint32_t k = r; k < replicas; ++k) {
-        const Program program = replica_program(*run, *reps[k], devices[k].id(), k, n);
-        bspflow::detail::abandon_on_device(devices[k], k, program, run->control);
+        bspflow::detail::abandon_on_device(devices[k], k, programs[k], run->control);
       }
       break;
     }

@@ -233,9 +233,10 @@ struct OutfeedSide<OutfeedQueue<T>> {
 template <class State, class Body, class InQ, class OutQ>
 struct Replica {
   Replica(Body b, State s, InfeedSide<InQ> in, OutfeedSide<OutQ> out,
-          std::unique_ptr<ReplicaLink> l)
+          std::unique_ptr<ReplicaLink> l, std::uint32_t device, std::uint32_t index,
+          std::uint64_t trips)
       : body(std::move(b)), state(std::move(s)), infeed(std::move(in)), outfeed(std::move(out)),
-        link(std::move(l)) {}
+        link(std::move(l)), device_id(device), replica(index), n(trips) {}
   Body body;
   State state;
   std::optional<InfeedSide<InQ>> infeed;
@@ -243,10 +244,10 @@ struct Replica {
   std::unique_ptr<ReplicaLink> link;  // null: no HostIO, elements move at memory speed
   // The body's modeled time per trip (ns); < 0: it declared no cost (loops::repeat's Work).
   double body_ns = -1;
-  // Where it runs and how far: set by replica_program before the device runs it.
-  std::uint32_t device_id = 0;
-  std::uint32_t replica = 0;
-  std::uint64_t n = 0;
+  // Where it runs and how far.
+  const std::uint32_t device_id;  // Device::id()
+  const std::uint32_t replica;    // its index in the run
+  const std::uint64_t n;          // the trips it runs (the loop's count)
 };
 
 // A trip's body in modeled time: its declared cost (body_ns >= 0), or one undeclared step.
@@ -267,8 +268,10 @@ inline void charge_body(double body_ns, ModeledClock* clock) noexcept {
 // kLink: the loop has a HostIO (compiled apart, so a loop without one runs exactly the
 // code it ran before the host link was modeled).
 template <bool kLink, class State, class Body, class InQ, class OutQ>
-RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFrame& frame,
-                    std::uint32_t device, std::uint32_t replica, std::uint64_t n) {
+RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFrame& frame) {
+  const std::uint32_t device = rep.device_id;
+  const std::uint32_t replica = rep.replica;
+  const std::uint64_t n = rep.n;
   using In = typename InfeedSide<InQ>::Value;
   using Clock = std::chrono::steady_clock;
   constexpr bool kHasInfeed = !std::is_same_v<InQ, NoFeed>;

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <exception>
 #include <functional>
 #include <limits>
@@ -54,11 +55,15 @@ struct CacheLineAllocator {
     void* raw = ::operator new(n * sizeof(T) + kAlign + sizeof(void*));
     const auto at = (reinterpret_cast<std::uintptr_t>(raw) + sizeof(void*) + kAlign - 1) &
                     ~std::uintptr_t{kAlign - 1};
-    reinterpret_cast<void**>(at)[-1] = raw;
+    // The raw pointer is kept in the bytes just below the object, copied in and out as bytes
+    // (no void* object lives there).
+    std::memcpy(reinterpret_cast<unsigned char*>(at) - sizeof(void*), &raw, sizeof(void*));
     return reinterpret_cast<T*>(at);
   }
   void deallocate(T* p, std::size_t) noexcept {
-    ::operator delete(reinterpret_cast<void**>(p)[-1]);
+    void* raw = nullptr;
+    std::memcpy(&raw, reinterpret_cast<unsigned char*>(p) - sizeof(void*), sizeof(void*));
+    ::operator delete(raw);
   }
   template <class U>
   bool operator==(const CacheLineAllocator<U>&) const noexcept {
