@@ -1,0 +1,328 @@
+// runtime/: a loop that runs out of memory at any one allocation of its call, on the host or
+// on its device's thread, ends with an error and never hangs; the device and the feeds stay
+// usable and its device memory is given back. An executable of its own: it replaces the global
+// operator new so that one chosen allocation of one chosen thread throws std::bad_alloc.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <bspflow/bspflow.hpp>
+
+#include "runtime_test_util.hpp"
+
+using namespace bspflow;
+using namespace std::chrono_literals;
+using test::kSmall;
+
+namespace {
+// Armed: allocations left on the target thread before the one that fails; < 0: disarmed.
+std::atomic<long> g_countdown{-1};
+std::atomic<std::thread::id> g_target{};
+std::atomic<bool> g_injected{false};
+
+bool fail_this_one() noexcept {
+  if (g_countdown.load(std::memory_order_relaxed) < 0) return false;
+  if (std::this_thread::get_id() != g_target.load(std::memory_order_relaxed)) return false;
+  if (g_countdown.fetch_sub(1, std::memory_order_relaxed) != 0) return false;
+  g_injected.store(true, std::memory_order_relaxed);
+  return true;
+}
+
+void arm(std::thread::id thread, long allocations_before) {
+  g_injected = false;
+  g_target = thread;
+  g_countdown = allocations_before;
+}
+// Disarms; says whether the failure was injected (the call made more than k allocations).
+bool disarm() {
+  g_countdown = -1;
+  return g_injected.load();
+}
+
+std::size_t rounded(std::size_t n, std::size_t align) {
+  return (n == 0 ? align : n + align - 1) / align * align;
+}
+}  // namespace
+
+void* operator new(std::size_t n) {
+  if (fail_this_one()) throw std::bad_alloc();
+  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(std::size_t n, std::align_val_t a) {
+  if (fail_this_one()) throw std::bad_alloc();
+  const auto align = static_cast<std::size_t>(a);
+  if (void* p = std::aligned_alloc(align, rounded(n, align))) return p;
+  throw std::bad_alloc();
+}
+// (GCC sees free() after the operator new above and warns; that new is malloc's.)
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+void operator delete(void* p) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::align_val_t) noexcept {
+  std::free(p);
+}
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept {
+  std::free(p);
+}
+
+namespace {
+constexpr std::uint64_t kTrips = 8;
+constexpr long kMaxAllocations = 20000;  // a call making more than this is a bug of its own
+
+auto square = [](int& sum, int& x) {
+  sum += x;
+  return x * x;
+};
+
+// Ends the process if it is not destroyed within a minute: for a call that blocks (Engine::run).
+class Watchdog {
+ public:
+  explicit Watchdog(long k)
+      : thread_([this, k] {
+          std::unique_lock lock(mutex_);
+          if (!done_cv_.wait_for(lock, 60s, [this] { return done_; })) {
+            std::fprintf(
+                stderr, "alloc_failure_test: the run with allocation %ld failing never ended\n", k);
+            std::_Exit(2);
+          }
+        }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard lock(mutex_);
+      done_ = true;
+    }
+    done_cv_.notify_one();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+struct Outcome {
+  bool threw = false;     // std::bad_alloc, or a DeviceError it caused
+  bool injected = false;  // the call made more than k allocations on the target
+};
+
+// Runs call() with allocation k of `target` failing (armed for the whole call), under a
+// watchdog. The call either throws std::bad_alloc (itself, or as a DeviceError's cause) or
+// returns; it throws only if the failure was injected.
+template <class Call>
+Outcome armed(std::thread::id target, long k, Call&& call) {
+  Outcome o;
+  std::exception_ptr cause;
+  {
+    Watchdog watchdog(k);
+    arm(target, k);
+    try {
+      call();
+    } catch (const std::bad_alloc&) {
+      o.threw = true;
+    } catch (const DeviceError& e) {
+      o.threw = true;
+      cause = e.cause();
+    }
+  }
+  o.injected = disarm();
+  INFO("allocation ", k, " failing");
+  if (cause) CHECK_THROWS_AS(std::rethrow_exception(cause), std::bad_alloc);
+  CHECK_FALSE((o.threw && !o.injected));
+  return o;
+}
+
+// One call of loops::repeat with allocation k of `target` failing (launch, run and get()).
+// Returns whether the failure was injected.
+bool attempt(Device& device, std::thread::id target, long k) {
+  InfeedQueue<int> in;
+  OutfeedQueue<int> out;
+  auto producer = in.make_producer();
+  for (int i = 0; i < static_cast<int>(kTrips); ++i) producer.push(i);
+  bool completed = false;
+  int state = -1;
+  const Outcome o = armed(target, k, [&] {
+    auto r = loops::repeat(device, kTrips, square, 0, in, out);
+    completed = r.completed();
+    state = r.state();
+  });
+  INFO("allocation ", k, " failing (injected: ", o.injected, ")");
+  if (!o.threw) {
+    // Absorbed (or not reached): then nothing may be missing.
+    CHECK(completed);
+    CHECK(state == 0 + 1 + 2 + 3 + 4 + 5 + 6 + 7);
+    CHECK(out.drain().size() == kTrips);
+  }
+  // Whatever happened, the device memory the call took is given back.
+  CHECK(device.arena().used() == 0);
+  return o.injected;
+}
+
+// After the sweep, the same device runs a whole loop again.
+void check_device_still_runs(Device& device) {
+  InfeedQueue<int> in;
+  OutfeedQueue<int> out;
+  auto producer = in.make_producer();
+  for (int i = 0; i < static_cast<int>(kTrips); ++i) producer.push(i);
+  auto r = loops::repeat(device, kTrips, square, 0, in, out);
+  CHECK(r.completed());
+  CHECK(r.state() == 28);
+  CHECK(out.drain().size() == kTrips);
+}
+
+std::thread::id device_thread(Device& device) {
+  std::thread::id id;
+  loops::repeat(
+      device, 1, [&](int&) { id = std::this_thread::get_id(); }, 0);
+  return id;
+}
+
+// Sets BSPFLOW_TRACE for its lifetime (a traced run allocates on the device thread before its
+// first trip: its trace labels).
+struct TracedRuns {
+  TracedRuns() : path(std::filesystem::temp_directory_path() / "bspflow_alloc_failure.json") {
+    ::setenv("BSPFLOW_TRACE", path.c_str(), 1);
+  }
+  ~TracedRuns() {
+    ::unsetenv("BSPFLOW_TRACE");
+    std::error_code ec;
+    std::filesystem::remove(path, ec);
+  }
+  std::filesystem::path path;
+};
+
+// An Engine program on 2 devices, as examples/03_engine_program.cpp: each trip takes a tensor
+// from the host, computes on the tiles, syncs, copies the other device's tensor, syncs again
+// and sends it to the host.
+struct EngineCase {
+  explicit EngineCase(EngineConfig config) : engine(devices, config) {
+    for (std::uint32_t d = 0; d < 2; ++d) {
+      x.push_back(make_buffer(devices[d], "x", DType::kFloat32, kElements));
+      y.push_back(make_buffer(devices[d], "y", DType::kFloat32, kElements));
+      baseline[d] = devices[d].arena().used();
+    }
+  }
+  // One run with allocation k of `target` failing, as attempt() for loops.
+  bool attempt(std::thread::id target, long k) {
+    using namespace program;
+    InfeedQueue<Tensor> in(InfeedConfig{2});
+    OutfeedQueue<Tensor> out(OutfeedConfig{2});
+    std::vector<Program> programs;
+    for (std::uint32_t d = 0; d < 2; ++d) {
+      Buffer mine = x[d];
+      programs.push_back(Repeat(
+          kTrips, Sequence{StreamCopy(in, mine),
+                           Execute("double", kElements,
+                                   [mine](const ComputeContext&, const TileWork& w) {
+                                     for (std::size_t i = w.begin; i < w.end; ++i)
+                                       mine->as<float>()[i] *= 2;
+                                   }),
+                           Sync(sync), Copy(x[1 - d], y[d]), Sync(sync), StreamCopy(y[d], out)}));
+    }
+    auto producer = in.make_producer();
+    for (std::uint64_t t = 0; t < kTrips; ++t) {
+      for (std::uint32_t d = 0; d < 2; ++d)
+        producer.push_to(d, Tensor(DType::kFloat32, {kElements}));
+    }
+    bool completed = false;
+    const Outcome o = armed(target, k, [&] { completed = engine.run(programs).completed(); });
+    INFO("allocation ", k, " failing (injected: ", o.injected, ")");
+    if (!o.threw) {
+      CHECK(completed);
+      CHECK(out.drain().size() == 2 * kTrips);
+    }
+    for (std::uint32_t d = 0; d < 2; ++d) CHECK(devices[d].arena().used() == baseline[d]);
+    return o.injected;
+  }
+  void sweep(std::thread::id target) {
+    long k = 0;
+    while (k < kMaxAllocations && attempt(target, k)) ++k;
+    CHECK(k < kMaxAllocations);
+    MESSAGE("allocations swept: ", k);
+    CHECK(attempt(std::thread::id{}, 0) == false);  // and a whole run again
+  }
+  static constexpr std::size_t kElements = 64;
+  DeviceGroup devices{2, kSmall};
+  Engine engine;
+  std::shared_ptr<SyncGroup> sync = std::make_shared<SyncGroup>(2);
+  std::vector<Buffer> x, y;
+  std::size_t baseline[2] = {};
+};
+
+void sweep(Device& device, std::thread::id target) {
+  long k = 0;
+  while (k < kMaxAllocations && attempt(device, target, k)) ++k;
+  CHECK(k < kMaxAllocations);
+  MESSAGE("allocations swept: ", k);
+  check_device_still_runs(device);
+}
+}  // namespace
+
+TEST_SUITE_BEGIN("alloc_failure");
+
+TEST_CASE("out of memory at any allocation of the host's call: an error, never a hang") {
+  Device device(0, kSmall);
+  SUBCASE("untraced") {
+    sweep(device, std::this_thread::get_id());
+  }
+  SUBCASE("traced") {
+    TracedRuns traced;
+    sweep(device, std::this_thread::get_id());
+  }
+}
+
+TEST_CASE("out of memory at any allocation of the device thread: the run fails, never hangs") {
+  // Before the run is set up there (a traced run's labels) as well as during its trips.
+  Device device(0, kSmall);
+  const std::thread::id target = device_thread(device);
+  SUBCASE("untraced") {
+    sweep(device, target);
+  }
+  SUBCASE("traced") {
+    TracedRuns traced;
+    sweep(device, target);
+  }
+}
+
+TEST_CASE("out of memory at any allocation of an Engine run: an error, never a hang") {
+  EngineConfig config;
+  SUBCASE("host thread") {
+    EngineCase c(config);
+    c.sweep(std::this_thread::get_id());
+  }
+  SUBCASE("host thread, traced, with I/O tiles") {
+    config.trace = true;
+    config.io_tiles = 2;
+    EngineCase c(config);
+    c.sweep(std::this_thread::get_id());
+  }
+  SUBCASE("a device thread, traced, with I/O tiles") {
+    config.trace = true;
+    config.io_tiles = 2;
+    EngineCase c(config);
+    c.sweep(device_thread(c.devices[1]));
+  }
+}
+
+TEST_SUITE_END();
