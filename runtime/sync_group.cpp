@@ -10,7 +10,9 @@
 
 namespace bspflow {
 
-SyncGroup::SyncGroup(std::uint32_t participants) : participants_(participants) {
+SyncGroup::SyncGroup(std::uint32_t participants)
+    : participants_(participants),
+      shift_(std::has_single_bit(participants) ? std::countr_zero(participants) : -1) {
   if (participants < 1 || participants > tunables::kMaxReplicas) {
     detail::throw_bad_value("sync group participants", participants,
                             "must be in 1.." + std::to_string(tunables::kMaxReplicas));
@@ -28,37 +30,34 @@ void SyncGroup::abort() noexcept {
 }
 
 bool SyncGroup::arrive_and_wait(const StopFlag& stop, Spin spin, double* modeled) {
-  // Every arrival reads state_'s line (aborted_, the generation), then writes it (the
-  // modeled slot, the count), and the line was last written by another participant: asked
-  // for writing first, it comes over once, not once to read and again to write. On this
-  // 2-core VM that is one cross-core transfer less on the critical path of every superstep.
-  detail::prefetch_for_write(&state_);
+  // Every arrival reads arrivals_' line (aborted_, the count), then writes it (the modeled
+  // slot, the count), and the line was last written by another participant: asked for
+  // writing first, it comes over once, not once to read and again to write. On this 2-core
+  // VM that is one cross-core transfer less on the critical path of every superstep.
+  detail::prefetch_for_write(&arrivals_);
   if (aborted_.load(std::memory_order_acquire)) return false;
+  // The round this arrival joins: nobody can finish it without this arrival, so the count
+  // read now is in it. relaxed: the RMW below orders.
+  const std::uint64_t round = round_of(arrivals_.load(std::memory_order_relaxed));
   if (modeled != nullptr) {
-    // Before arriving: nobody can open this generation without this arrival, so the one
-    // read now is the one joined. relaxed loads and CAS: the arrival's acq_rel RMW publishes
-    // the slot to the last arrival, whose seq_cst store publishes it to the waiters.
-    const std::uint64_t g = generation(state_.load(std::memory_order_relaxed));
-    std::atomic<std::int64_t>& slot = modeled_[g & 1];
+    // relaxed loads and CAS: published to the last arrival and the waiters by this arrival's
+    // RMW (the RMWs of a round form one release sequence). The slot of a round's parity is
+    // not emptied for its next use: the clocks only grow in a run, so every arrival two
+    // rounds later brings a clock at least as late as what the slot holds.
+    std::atomic<std::int64_t>& slot = modeled_[round & 1];
     const std::int64_t mine = std::bit_cast<std::int64_t>(std::max(*modeled, 0.0));
     std::int64_t seen = slot.load(std::memory_order_relaxed);
     while (seen < mine && !slot.compare_exchange_weak(seen, mine, std::memory_order_relaxed)) {
     }
   }
-  const std::uint64_t before = state_.fetch_add(1, std::memory_order_acq_rel);
-  const std::uint64_t gen = generation(before);
-  if ((before & kCountMask) + 1 == participants_) {
+  // The last arrival's RMW opens the round itself (the count reaches the round's end): no
+  // second write follows it, which a spinning waiter's read could take the line away from
+  // and make cross the cores twice more. seq_cst: see WaitPoint::notify().
+  const std::uint64_t end = (round + 1) * participants_;
+  if (arrivals_.fetch_add(1, std::memory_order_seq_cst) + 1 == end) {
     if (modeled != nullptr) {
-      *modeled = std::bit_cast<double>(modeled_[gen & 1].load(std::memory_order_relaxed));
+      *modeled = std::bit_cast<double>(modeled_[round & 1].load(std::memory_order_relaxed));
     }
-    // The other parity's slot served the round before this one, which everybody has left
-    // (they all arrived here): it starts the next round empty. relaxed: published below.
-    modeled_[(gen + 1) & 1].store(0, std::memory_order_relaxed);
-    // Last to arrive: the next generation with no arrivals, in one store. Nobody arrives for
-    // the next round before seeing it, so no arrival can be lost. seq_cst: see
-    // WaitPoint::notify(). The generation wraps after 2^32 rounds; waiters compare for
-    // inequality, so that is harmless.
-    state_.store(((gen + 1) & kCountMask) << 32, std::memory_order_seq_cst);
     point_.notify();
     // Sharing a core: let a participant just woken on it run now, instead of at the end of
     // our time slice (a scheduler tick, milliseconds) while we compute the next superstep.
@@ -68,14 +67,14 @@ bool SyncGroup::arrive_and_wait(const StopFlag& stop, Spin spin, double* modeled
   const detail::WaitMark mark(&site_);  // the stall check's record, while this device waits
   point_.wait(
       [&] {
-        return generation(state_.load(std::memory_order_seq_cst)) != gen || stop.requested() ||
+        return arrivals_.load(std::memory_order_seq_cst) >= end || stop.requested() ||
                aborted_.load(std::memory_order_seq_cst);
       },
       spin, detail::Fence::kSymmetric,
       spin == detail::Spin::kYield ? tunables::kSpinBudget : tunables::kSyncSpinBudget);
-  const bool opened = generation(state_.load(std::memory_order_acquire)) != gen;
+  const bool opened = arrivals_.load(std::memory_order_acquire) >= end;
   if (opened && modeled != nullptr) {
-    *modeled = std::bit_cast<double>(modeled_[gen & 1].load(std::memory_order_relaxed));
+    *modeled = std::bit_cast<double>(modeled_[round & 1].load(std::memory_order_relaxed));
   }
   return opened;
 }

@@ -1,5 +1,6 @@
 // runtime/: SyncGroup (bspflow/runtime/sync_group.hpp) on plain threads: nobody leaves a round
-// before everyone has arrived (2 threads, and 4 on 2 cores), a stop or an abort releases the
+// before everyone has arrived (2 threads, and 3 and 4 on 2 cores), each round hands out its
+// latest modeled clock, a stop or an abort releases the
 // waiters with false, wake() alone does not, reset() forgets a stopped run's arrivals and
 // the abort.
 #include <doctest/doctest.h>
@@ -69,7 +70,7 @@ TEST_CASE("nobody leaves a round before all have arrived (2 threads, and 4 on 2 
     std::uint32_t threads;
     Spin spin;
   };
-  for (const Case c : {Case{2, Spin::kTight}, Case{4, Spin::kYield}}) {
+  for (const Case c : {Case{2, Spin::kTight}, Case{3, Spin::kYield}, Case{4, Spin::kYield}}) {
     CAPTURE(c.threads);
     SyncGroup group(c.threads);
     StopFlag stop;
@@ -91,6 +92,35 @@ TEST_CASE("nobody leaves a round before all have arrived (2 threads, and 4 on 2 
     CHECK(early.load() == 0);
     CHECK(refused.load() == 0);
     CHECK(arrivals.load() == rounds * c.threads);
+  }
+}
+
+TEST_CASE("each round hands every participant the latest modeled clock of that round") {
+  // Participant t brings (what the last round handed it) + t + 1, so round r hands out
+  // (r + 1) x participants: a clock of another round (too early, or a participant already in
+  // the next one) would show. 3 participants: a count that is no power of two.
+  for (const std::uint32_t n : {2u, 3u}) {
+    CAPTURE(n);
+    SyncGroup group(n);
+    StopFlag stop;
+    const std::uint64_t rounds = test::scaled(2000, 100);
+    std::atomic<std::uint64_t> wrong{0};
+    std::vector<std::thread> threads;
+    for (std::uint32_t t = 0; t < n; ++t) {
+      threads.emplace_back([&, t] {
+        double clock = 0;
+        for (std::uint64_t r = 0; r < rounds; ++r) {
+          clock += t + 1;
+          if (!group.arrive_and_wait(stop, n > 2 ? Spin::kYield : Spin::kTight, &clock) ||
+              clock != static_cast<double>((r + 1) * n)) {
+            wrong.fetch_add(1);
+          }
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    CHECK(wrong.load() == 0);
+    CHECK(group.arrived() == 0);
   }
 }
 

@@ -12,10 +12,11 @@
 
 namespace bspflow {
 
-// A barrier across `participants` devices. The arrival count and the generation share one
-// atomic word, so the last arrival opens the barrier on the cache line it already holds
-// (one line moves between cores per arrival, asked for writing from the start, and one per
-// release, the least a barrier can do). Waiting spins briefly (tunables::kSpinBudget), then parks,
+// A barrier across `participants` devices. One atomic word counts every arrival of the run,
+// and the last arrival's own increment opens the round (it ends when the count reaches the
+// round's end), so no second write follows on the line the waiters spin on: one line moves
+// between cores per arrival, asked for writing from the start, and one per release, the
+// least a barrier can do. Waiting spins briefly (tunables::kSpinBudget), then parks,
 // so it is live with more devices than cores.
 class SyncGroup {
  public:
@@ -38,7 +39,7 @@ class SyncGroup {
   // Between runs only (nobody waiting): forgets arrivals of a run that was stopped midway,
   // and an abort.
   void reset() noexcept {
-    state_.store(0, std::memory_order_relaxed);  // relaxed: no waiters
+    arrivals_.store(0, std::memory_order_relaxed);  // relaxed: no waiters
     modeled_[0].store(0, std::memory_order_relaxed);
     modeled_[1].store(0, std::memory_order_relaxed);
     aborted_.store(false, std::memory_order_relaxed);
@@ -48,19 +49,24 @@ class SyncGroup {
   // Never blocks, never throws.
   std::uint32_t arrived() const noexcept {
     // relaxed: a moment's view, for reports.
-    return static_cast<std::uint32_t>(state_.load(std::memory_order_relaxed) & kCountMask);
+    return static_cast<std::uint32_t>(arrivals_.load(std::memory_order_relaxed) % participants_);
   }
 
  private:
-  static constexpr std::uint64_t kCountMask = 0xffff'ffffu;  // low half: arrivals this round
-  static std::uint64_t generation(std::uint64_t state) noexcept { return state >> 32; }
+  // The round a count of arrivals is in: a shift for 2, 4, 8... participants (no division
+  // on the arrival's path).
+  std::uint64_t round_of(std::uint64_t count) const noexcept {
+    return shift_ >= 0 ? count >> shift_ : count / participants_;
+  }
 
   const std::uint32_t participants_;
-  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> state_{
-      0};                             // generation << 32 | arrivals
-  std::atomic<bool> aborted_{false};  // on state_'s line: read at every arrival
-  // The latest modeled clock of the arrivals, by generation parity (a non-negative double's
-  // bits order as the double), on state_'s line: written just before each arrival.
+  const int shift_;  // log2(participants_) when a power of two, else -1
+  // Every arrival this run (64 bits: never wraps): round r ends when it reaches
+  // (r + 1) x participants, by the last arrival's own increment.
+  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> arrivals_{0};
+  std::atomic<bool> aborted_{false};  // on arrivals_' line: read at every arrival
+  // The latest modeled clock of the arrivals, by round parity (a non-negative double's bits
+  // order as the double), on arrivals_' line: written just before each arrival.
   std::atomic<std::int64_t> modeled_[2] = {};
   detail::WaitPoint point_;
   detail::WaitSite site_;  // what a device waiting here waits for (a run's stall check)
