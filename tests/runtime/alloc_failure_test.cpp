@@ -15,6 +15,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
@@ -270,6 +271,48 @@ struct EngineCase {
   std::size_t baseline[2] = {};
 };
 
+// A stage that does next to nothing: trainable (one weight), so that a training step has a
+// backward pass, gradients and an optimizer step to set up.
+class TinyStage final : public Stage {
+ public:
+  std::string name() const override { return "tiny"; }
+  std::size_t output_elements() const override { return 1; }
+  std::size_t gradient_elements() const override { return 1; }
+  std::span<float> weights() override { return w_; }
+  void forward(const StageContext&, ForwardArgs& a) override {
+    a.output[0] = a.input.empty() ? w_[0] : a.input[0] + w_[0];
+  }
+  void backward(const StageContext&, BackwardArgs& a) override { a.gradients[0] = 0.0f; }
+
+ private:
+  float w_[1] = {1.0f};
+};
+
+// A Pipeline of 2 stages on 2 devices, `steps` steps of 4 micro-batches each, with allocation
+// k of `target` failing (the pipeline itself is built first: only its run is swept).
+bool pipeline_attempt(DeviceGroup& devices, bool training, std::thread::id target, long k) {
+  PipelineConfig cfg;
+  cfg.training = training;
+  cfg.gradient_accumulation = 4;
+  Pipeline pipe(devices, cfg, [](std::uint32_t) {
+    StageList l;
+    l.push_back(std::make_unique<TinyStage>());
+    l.push_back(std::make_unique<TinyStage>());
+    return l;
+  });
+  constexpr std::uint64_t kSteps = 2;
+  InfeedQueue<Batch> infeed(InfeedConfig{1, kSteps * 4, 1});
+  auto producer = infeed.make_producer();
+  for (std::uint64_t i = 0; i < kSteps * 4; ++i) producer.push(Batch{});
+  const std::size_t used[2] = {devices[0].arena().used(), devices[1].arena().used()};
+  bool completed = false;
+  const Outcome o = armed(target, k, [&] { completed = pipe.run(infeed, kSteps).completed(); });
+  INFO("allocation ", k, " failing (injected: ", o.injected, ")");
+  if (!o.threw) CHECK(completed);
+  for (std::uint32_t d = 0; d < 2; ++d) CHECK(devices[d].arena().used() == used[d]);
+  return o.injected;
+}
+
 void sweep(Device& device, std::thread::id target) {
   long k = 0;
   while (k < kMaxAllocations && attempt(device, target, k)) ++k;
@@ -322,6 +365,23 @@ TEST_CASE("out of memory at any allocation of an Engine run: an error, never a h
     config.io_tiles = 2;
     EngineCase c(config);
     c.sweep(device_thread(c.devices[1]));
+  }
+}
+
+TEST_CASE("out of memory at any allocation of a Pipeline run: an error, never a hang") {
+  DeviceGroup devices(2, kSmall);
+  const std::thread::id host = std::this_thread::get_id();
+  const std::thread::id device = device_thread(devices[1]);
+  for (const bool training : {false, true}) {
+    for (const std::thread::id target : {host, device}) {
+      CAPTURE(training);
+      CAPTURE(target == host);
+      long k = 0;
+      while (k < kMaxAllocations && pipeline_attempt(devices, training, target, k)) ++k;
+      CHECK(k < kMaxAllocations);
+      MESSAGE("allocations swept: ", k, std::string(training ? " (training, " : " (inference, "),
+              std::string(target == host ? "host)" : "device thread)"));
+    }
   }
 }
 
