@@ -112,8 +112,10 @@ class Monitor {
     std::lock_guard lock(mutex_);
     w->moves.assign(w->replicas, ~std::uint64_t{0});  // the first look counts as a move
     w->since = Clock::now();
-    watches_.push_back(w);
     if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    // Last: if anything above threw (out of memory), the monitor holds nothing of the watch,
+    // which its owner then frees.
+    watches_.push_back(w);
     // Wake the thread only if it sleeps for longer than this run needs (a syscall per run
     // otherwise).
     if (idle_ || period_of(w->check.limit) < period_) cv_.notify_one();
