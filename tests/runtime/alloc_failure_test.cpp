@@ -35,7 +35,8 @@ std::atomic<std::thread::id> g_target{};
 std::atomic<bool> g_injected{false};
 
 bool fail_this_one() noexcept {
-  if (g_countdown.load(std::memory_order_relaxed) < 0) return false;
+  // acquire: pairs with arm(), which stores the countdown after the target.
+  if (g_countdown.load(std::memory_order_acquire) < 0) return false;
   if (std::this_thread::get_id() != g_target.load(std::memory_order_relaxed)) return false;
   if (g_countdown.fetch_sub(1, std::memory_order_relaxed) != 0) return false;
   g_injected.store(true, std::memory_order_relaxed);
