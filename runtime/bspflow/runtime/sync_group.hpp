@@ -37,7 +37,9 @@ class SyncGroup {
   // Any thread: wakes parked participants so they re-check their stop flag.
   void wake() noexcept { point_.notify(); }
   // Between runs only (nobody waiting): forgets arrivals of a run that was stopped midway,
-  // and an abort.
+  // an abort, and the run's modeled clocks. Every run must start with it (Engine::run does):
+  // the modeled slots are not emptied between rounds, so a group reused without a reset
+  // would hand the next run the last run's latest clock.
   void reset() noexcept {
     arrivals_.store(0, std::memory_order_relaxed);  // relaxed: no waiters
     modeled_[0].store(0, std::memory_order_relaxed);
