@@ -266,6 +266,16 @@ struct TracedRuns {
   std::filesystem::path path;
 };
 
+// Calls attempt(k) for k = 0, 1, 2, ... until the failure is no longer injected (the call
+// made fewer than k allocations); returns that k.
+template <class Attempt>
+long sweep_allocations(Attempt&& attempt) {
+  long k = 0;
+  while (k < kMaxAllocations && attempt(k)) ++k;
+  CHECK(k < kMaxAllocations);
+  return k;
+}
+
 // An Engine program on 2 devices, as examples/03_engine_program.cpp: each trip takes a tensor
 // from the host, computes on the tiles, syncs, copies the other device's tensor, syncs again
 // and sends it to the host.
@@ -310,10 +320,7 @@ struct EngineCase {
     return o.injected;
   }
   void sweep(std::thread::id target) {
-    long k = 0;
-    while (k < kMaxAllocations && attempt(target, k)) ++k;
-    CHECK(k < kMaxAllocations);
-    MESSAGE("allocations swept: ", k);
+    MESSAGE("allocations swept: ", sweep_allocations([&](long k) { return attempt(target, k); }));
     CHECK(attempt(std::thread::id{}, 0) == false);  // and a whole run again
   }
   static constexpr std::size_t kElements = 64;
@@ -367,10 +374,8 @@ bool pipeline_attempt(DeviceGroup& devices, bool training, std::thread::id targe
 }
 
 void sweep(Device& device, std::thread::id target) {
-  long k = 0;
-  while (k < kMaxAllocations && attempt(device, target, k)) ++k;
-  CHECK(k < kMaxAllocations);
-  MESSAGE("allocations swept: ", k);
+  MESSAGE("allocations swept: ",
+          sweep_allocations([&](long k) { return attempt(device, target, k); }));
   check_device_still_runs(device);
 }
 }  // namespace
@@ -429,9 +434,8 @@ TEST_CASE("out of memory at any allocation of a Pipeline run: an error, never a 
     for (const std::thread::id target : {host, device}) {
       CAPTURE(training);
       CAPTURE(target == host);
-      long k = 0;
-      while (k < kMaxAllocations && pipeline_attempt(devices, training, target, k)) ++k;
-      CHECK(k < kMaxAllocations);
+      const long k =
+          sweep_allocations([&](long i) { return pipeline_attempt(devices, training, target, i); });
       MESSAGE("allocations swept: ", k, std::string(training ? " (training, " : " (inference, "),
               std::string(target == host ? "host)" : "device thread)"));
     }
