@@ -2,6 +2,7 @@
 
 #include <sstream>
 
+#include "bspflow/base/detail/thread_name.hpp"
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/log.hpp"
 #include "bspflow/devices/device_error.hpp"
@@ -104,6 +105,7 @@ bool Device::pinned() const {
 }
 
 void Device::thread_main() {
+  detail::name_this_thread("bspflow-dev", id_);
   bool pinned = false;
   if (config_.pin && placement_.core) pinned = Topology::get().pin_current_thread(*placement_.core);
   pin_state_.store(pinned ? 1 : 2);  // seq_cst: see WaitPoint::notify()

@@ -4,7 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
-#include <deque>
+#include <list>
 #include <thread>
 #include <vector>
 
@@ -17,6 +17,7 @@
 #include <sys/prctl.h>
 #endif
 
+#include "bspflow/base/detail/thread_name.hpp"
 #include "bspflow/base/detail/wait.hpp"
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/tunables.hpp"
@@ -64,8 +65,10 @@ bool wait_until_deadline(std::chrono::steady_clock::time_point deadline, const S
 struct IoEngine::Impl {
   struct Channel {
     explicit Channel(asio::io_context& ctx) : timer(ctx) {}
-    std::deque<Transfer> queue;  // engine thread only
-    bool busy = false;           // the front transfer has started (or is being retried)
+    // Engine thread only. A list: submit() makes the node on the caller's thread, and the engine
+    // thread splices it in, so queueing never allocates there.
+    std::list<Transfer> queue;
+    bool busy = false;  // the front transfer has started (or is being retried)
     std::chrono::nanoseconds poll = tunables::kIoPollFirst;
     bool waited = false;          // the front transfer's data was not there at first
     Clock::time_point free_at{};  // when the previous transfer ended
@@ -83,6 +86,7 @@ struct IoEngine::Impl {
     for (std::uint32_t i = 0; i < n; ++i) channels.push_back(std::make_unique<Channel>(ctx));
     thread = std::thread([this, core] {
       if (core) Topology::get().pin_current_thread(*core);
+      detail::name_this_thread("bspflow-io");
       slack_lowered.store(lower_timer_slack(), std::memory_order_relaxed);  // a diagnostic
       serve();
     });
@@ -199,7 +203,13 @@ struct IoEngine::Impl {
     // after a wait for data, when the data was found.
     const Clock::time_point begin =
         ch.waited ? now : std::min(now, std::max(t.submitted, ch.free_at));
-    const Start what = t.start();
+    Start what = Start::kSkip;
+    try {
+      what = t.start();
+    } catch (...) {
+      fail_front(ch, std::current_exception());
+      return;
+    }
     if (what == Start::kSkip) {
       finish_front(ch, Times{begin, begin});
       return;
@@ -208,9 +218,13 @@ struct IoEngine::Impl {
       ch.waited = true;
       ch.timer.expires_after(ch.poll);
       ch.poll = std::min(ch.poll * 2, std::chrono::nanoseconds(tunables::kIoPollMax));
-      ch.timer.async_wait([this, &ch](const boost::system::error_code& ec) {
-        if (!ec) start_front(ch);
-      });
+      try {
+        ch.timer.async_wait([this, &ch](const boost::system::error_code& ec) {
+          if (!ec) start_front(ch);
+        });
+      } catch (...) {  // out of memory for the timer's handler: nothing was taken, so it fails
+        fail_front(ch, std::current_exception());
+      }
       return;
     }
     ch.poll = tunables::kIoPollFirst;
@@ -223,22 +237,33 @@ struct IoEngine::Impl {
       return;
     }
     ch.timer.expires_at(wake);
-    ch.timer.async_wait([this, &ch, wake](const boost::system::error_code& ec) {
-      if (ec) return;  // cancelled at stop: finished below
-      timer_fired(wake);
+    try {
+      ch.timer.async_wait([this, &ch, wake](const boost::system::error_code& ec) {
+        if (ec) return;  // cancelled at stop: finished below
+        timer_fired(wake);
+        make_due(ch);
+      });
+    } catch (...) {  // out of memory for the timer's handler: spin toward the end instead
       make_due(ch);
-    });
+    }
   }
 
   // Engine thread. The front transfer has ended: report it, start the next.
-  void finish_front(Channel& ch, const Times& times) {
+  void finish_front(Channel& ch, const Times& times, bool cancelled = false) {
     Transfer t = std::move(ch.queue.front());
     ch.queue.pop_front();
     ch.busy = false;
     ch.waited = false;
-    ch.free_at = times.end;
-    t.done(times, false);
+    if (!cancelled) ch.free_at = times.end;
+    t.done(times, cancelled);
     start_front(ch);
+  }
+  // Engine thread. The front transfer failed (`error`): it ends cancelled, the next starts.
+  void fail_front(Channel& ch, std::exception_ptr error) {
+    ch.poll = tunables::kIoPollFirst;
+    Times times;
+    times.error = std::move(error);
+    finish_front(ch, times, true);
   }
 
   std::string name;
@@ -308,13 +333,15 @@ void IoEngine::submit(std::uint32_t channel, Transfer t) {
   }
   Impl& im = *impl_;
   t.submitted = Clock::now();
-  asio::post(im.ctx, [&im, channel, t = std::move(t)]() mutable {
+  std::list<Transfer> node;  // made here: the engine thread only splices it in
+  node.push_back(std::move(t));
+  asio::post(im.ctx, [&im, channel, node = std::move(node)]() mutable {
     if (im.stopping.load(std::memory_order_relaxed)) {  // relaxed: engine thread only
-      if (t.done) t.done(Times{}, true);
+      if (node.front().done) node.front().done(Times{}, true);
       return;
     }
     Impl::Channel& ch = *im.channels[channel];
-    ch.queue.push_back(std::move(t));
+    ch.queue.splice(ch.queue.end(), node);
     if (!ch.busy) im.start_front(ch);
   });
   im.posted.fetch_add(1, std::memory_order_release);  // after the post: a spinning engine polls

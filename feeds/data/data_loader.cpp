@@ -18,6 +18,7 @@
 #include <limits>
 #include <string>
 
+#include "bspflow/base/detail/thread_name.hpp"
 #include "bspflow/base/log.hpp"
 #include "bspflow/base/tunables.hpp"
 
@@ -206,6 +207,7 @@ void to_background() noexcept {
 }  // namespace
 
 void LoaderCore::worker_main() noexcept {
+  detail::name_this_thread("bspflow-load");
   if (config_.mode == LoaderMode::kAsync && config_.background_workers) to_background();
   Task task;
   while (claim(task, true)) run_task(task);

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <optional>
@@ -31,6 +32,7 @@ struct Slot {
   Tensor tensor;  // to device: the host tensor (given back if unused); to host: the entry
   std::uint64_t iteration = 0;
   std::string error;
+  std::exception_ptr failure;  // to device: the transfer failed (the engine ran out of memory)
 };
 
 struct InLink {  // one infeed, seen from one device
@@ -203,8 +205,22 @@ class DeviceRun {
   void transfer_and_wait(Clock::time_point start, std::size_t bytes, bool to_host,
                          std::function<void()> copy);
 
-  void record_io(const IoEngine::Times& t, std::size_t bytes, bool to_host) {
-    if (io_track_) io_track_->record(Phase::kTransfer, t.begin, t.end, bytes, 0, to_host);
+  // Engine thread (in a transfer's done(), which must not throw): a trace event that cannot be
+  // recorded (out of memory) fails the run, as it would on the device thread.
+  void record_io(const IoEngine::Times& t, std::size_t bytes, bool to_host) noexcept {
+    if (!io_track_) return;
+    try {
+      io_track_->record(Phase::kTransfer, t.begin, t.end, bytes, 0, to_host);
+    } catch (...) {
+      io_failed(std::current_exception());
+    }
+  }
+  // Engine thread: the first failure of the engine's side of this run (a transfer that failed,
+  // a trace event it could not record), thrown by finish(), which reads it once every transfer
+  // has ended. Set before the transfer's in-flight count drops (or its done flag is set), which
+  // publishes it.
+  void io_failed(std::exception_ptr e) noexcept {
+    if (!io_failure_) io_failure_ = std::move(e);
   }
 
   // io_tiles = 0: wait for the host's element, move it over the modeled link, hand it over.
@@ -268,6 +284,7 @@ class DeviceRun {
   std::set<const DeviceBuffer*> synthesized_;
   std::atomic<std::uint32_t> in_flight_{0};
   std::atomic<std::uint32_t> lost_{0};
+  std::exception_ptr io_failure_;  // see io_failed()
   detail::WaitPoint point_;
   std::weak_ptr<void> owner_;
 };

@@ -6,8 +6,15 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <exception>
+#include <new>
+#include <string>
 #include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <pthread.h>
+#endif
 
 #include <bspflow/devices/io_engine.hpp>
 
@@ -97,5 +104,43 @@ TEST_CASE("I/O engine: shutdown with transfers near their end accounts for each"
     CHECK(ended.load() == 4);
   }
 }
+
+TEST_CASE(
+    "I/O engine: a transfer whose start() throws ends cancelled with the error; the next runs") {
+  IoEngine io(1);
+  std::atomic<int> failed{0}, finished{0};
+  std::exception_ptr error;
+  io.submit(0, IoEngine::Transfer{8, 10us, []() -> IoEngine::Start { throw std::bad_alloc(); },
+                                  [&](const IoEngine::Times& t, bool cancelled) {
+                                    if (cancelled && t.error) {
+                                      error = t.error;
+                                      failed.store(1);
+                                    }
+                                  }});
+  io.submit(0, IoEngine::Transfer{8, 10us, [] { return IoEngine::Start::kGo; },
+                                  [&](const IoEngine::Times& t, bool cancelled) {
+                                    finished.store(!cancelled && !t.error ? 1 : 2);
+                                  }});
+  while (finished.load() == 0) std::this_thread::sleep_for(50us);
+  CHECK(failed.load() == 1);
+  CHECK(finished.load() == 1);
+  CHECK_THROWS_AS(std::rethrow_exception(error), std::bad_alloc);
+}
+
+#if defined(__linux__)
+TEST_CASE("I/O engine: its thread is named bspflow-io") {
+  IoEngine io(1);
+  std::atomic<bool> done{false};
+  char name[16] = {};
+  io.submit(0, IoEngine::Transfer{0, 0ns,
+                                  [&] {
+                                    pthread_getname_np(pthread_self(), name, sizeof name);
+                                    return IoEngine::Start::kGo;
+                                  },
+                                  [&](const IoEngine::Times&, bool) { done.store(true); }});
+  while (!done.load()) std::this_thread::sleep_for(50us);
+  CHECK(std::string(name) == "bspflow-io");
+}
+#endif
 
 TEST_SUITE_END();

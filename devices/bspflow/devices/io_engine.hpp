@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -38,6 +39,9 @@ class IoEngine {
   struct Times {
     Clock::time_point begin;  // start() succeeded: the transfer began
     Clock::time_point end;    // the modeled duration had passed (or the copy, if longer)
+    // Set when the transfer failed (done() then reports it cancelled): start() threw, or the
+    // engine thread ran out of memory to arm the transfer's timer. Null otherwise.
+    std::exception_ptr error{};
   };
 
   // What a transfer's start() found.
@@ -50,10 +54,12 @@ class IoEngine {
   struct Transfer {
     std::size_t bytes = 0;
     std::chrono::nanoseconds modeled{0};
-    // Engine thread: the real copy (see Start). Must not throw.
+    // Engine thread: the real copy (see Start). If it throws, the transfer fails: done() is
+    // called at once, cancelled, with the exception in Times::error.
     std::function<Start()> start;
-    // Engine thread: the transfer ended (cancelled = the engine stopped first; `times` is
-    // then meaningless). Must not throw.
+    // Engine thread: the transfer ended (cancelled = the engine stopped first, or the transfer
+    // failed (Times::error says why); begin and end are then meaningless). Must not throw.
+    // Every transfer submit() accepted gets exactly one call.
     std::function<void(const Times& times, bool cancelled)> done;
     // Set by submit(). The link model starts a transfer when it was asked for or when the
     // link came free, whichever is later (not when the engine thread got round to it), so
@@ -79,7 +85,10 @@ class IoEngine {
   IoEngine& operator=(const IoEngine&) = delete;
 
   // Any thread. Queues `t` on `channel` (allocates; takes Asio's queue lock). Throws
-  // bspflow::Error for a channel out of range.
+  // bspflow::Error for a channel out of range, std::bad_alloc if out of memory; a transfer
+  // it did not accept gets no done() call. The engine thread's own work for an accepted
+  // transfer allocates only to arm a timer, and a failure there ends that transfer (see
+  // Times::error), never the engine.
   void submit(std::uint32_t channel, Transfer t);
 
   // Any thread. If the engine thread sleeps, wakes it and waits (at most kIoWakeWaitMax)
