@@ -11,6 +11,7 @@
 #include <set>
 #include <thread>
 
+#include "bspflow/base/detail/thread_name.hpp"
 #include "bspflow/base/log.hpp"
 
 namespace bspflow {
@@ -112,7 +113,11 @@ class Monitor {
     std::lock_guard lock(mutex_);
     w->moves.assign(w->replicas, ~std::uint64_t{0});  // the first look counts as a move
     w->since = Clock::now();
-    if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
+    if (!thread_.joinable())
+      thread_ = std::thread([this] {
+        name_this_thread("bspflow-stall");
+        loop();
+      });
     // Last: if anything above threw (out of memory), the monitor holds nothing of the watch,
     // which its owner then frees.
     watches_.push_back(w);
@@ -151,12 +156,23 @@ class Monitor {
       cv_.wait_for(lock, period_);
       std::vector<std::string> reports;
       const Clock::time_point now = Clock::now();
-      for (StallWatch* w : watches_) {
-        if (std::string r = look(*w, now); !r.empty()) reports.push_back(std::move(r));
+      try {
+        for (StallWatch* w : watches_) {
+          if (std::string r = look(*w, now); !r.empty()) reports.push_back(std::move(r));
+        }
+      } catch (...) {
+        // Out of memory while making a report: this thread goes on (an exception leaving it
+        // would end the process). look() marks a watch reported only once its report is
+        // made, so the rest are looked at again next period.
       }
       if (reports.empty()) continue;
       lock.unlock();  // the log handler is the application's: not under the monitor's lock
-      for (const std::string& r : reports) log(LogLevel::kWarning, r);
+      for (const std::string& r : reports) {
+        try {
+          log(LogLevel::kWarning, r);
+        } catch (...) {  // a handler that throws (or runs out of memory) loses only its line
+        }
+      }
       lock.lock();
       // Then the OnStall::kFail runs among them end. Only those still watched: one that
       // ended meanwhile was removed (its control may be gone), and one that moved since the

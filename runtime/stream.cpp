@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <string>
 
+#include "bspflow/base/detail/thread_name.hpp"
 #include "bspflow/base/log.hpp"
 
 namespace bspflow {
@@ -311,6 +312,20 @@ void StreamCore::close_run() noexcept {
   scope_.reset();
 }
 
+namespace {
+// Ends a stream's stall monitor thread, if it runs (its members, passed by StreamCore).
+void stop_monitor(std::thread& monitor, std::mutex& mutex, std::condition_variable& cv,
+                  bool& stop) noexcept {
+  if (!monitor.joinable()) return;
+  {
+    std::lock_guard lock(mutex);
+    stop = true;
+  }
+  cv.notify_all();
+  monitor.join();
+}
+}  // namespace
+
 void StreamCore::start(ServeMode mode, std::function<void()> wake_feeds) {
   for (auto& reset : ring_resets) reset();
   for (auto& m : replica_meters) {
@@ -325,6 +340,17 @@ void StreamCore::start(ServeMode mode, std::function<void()> wake_feeds) {
   });
   // The run's stop, watched from here (after the waker, before any segment starts).
   if (scope_) on_stop_.emplace(scope_->token(), CancelStream{state_});
+  // The stall monitor before any device starts: if its thread cannot start (out of memory, no
+  // threads left), start() throws with nothing running. (Started last, it left a run going.)
+  if (timing() && config.stall_limit > std::chrono::nanoseconds::zero()) {
+    monitor_stop_ = false;
+    try {
+      monitor_ = std::thread([this, limit = config.stall_limit] { monitor_loop(limit); });
+    } catch (...) {
+      on_stop_.reset();
+      throw;
+    }
+  }
   started_ = std::chrono::steady_clock::now();
   running_ = true;
   // Every device's modeled clock starts with the one host call that launches the serving loop
@@ -338,10 +364,10 @@ void StreamCore::start(ServeMode mode, std::function<void()> wake_feeds) {
     if (BatchHeadBase* b = seg->batch_head()) b->origin = started_;
     seg->answerer = mode == ServeMode::kInfeed ? nullptr : answerer;
     Device& device = devices[seg->device_index];
-    const WaitPolicy policy = policy_for(seg->device_index);
     auto state = state_;
     const OnError on_error = config.on_error;
     try {
+      const WaitPolicy policy = policy_for(seg->device_index);
       device.submit(DeviceJob{[seg, policy, on_error, state] {
                                 seg->run(policy, on_error, *state);
                                 state->segment_done();
@@ -352,20 +378,26 @@ void StreamCore::start(ServeMode mode, std::function<void()> wake_feeds) {
       state_->cancel();
       for (std::size_t k = i; k < segments.size(); ++k) state_->segment_done();
       state_->wait_done();
+      stop_monitor(monitor_, monitor_mutex_, monitor_cv_, monitor_stop_);
       on_stop_.reset();
       running_ = false;
       throw;
     }
   }
-  if (timing() && config.stall_limit > std::chrono::nanoseconds::zero()) {
-    monitor_stop_ = false;
-    monitor_ = std::thread([this, limit = config.stall_limit] { monitor_loop(limit); });
-  }
 }
 
 void StreamCore::monitor_loop(std::chrono::nanoseconds limit) {
+  detail::name_this_thread("bspflow-smon");
+  // Out of memory here must not end the process (an exception leaving a thread does): without
+  // room for its bookkeeping the monitor stops for this run; a report it cannot write is
+  // skipped (the stall is still counted and its replica still marked).
+  std::vector<std::int64_t> reported;  // the call reported, by start
+  try {
+    reported.assign(stage_meters.size(), 0);
+  } catch (...) {
+    return;
+  }
   const auto stages = static_cast<std::uint32_t>(stage_names.size());
-  std::vector<std::int64_t> reported(stage_meters.size(), 0);  // the call reported, by start
   const auto period = std::clamp<std::chrono::nanoseconds>(limit / 4, std::chrono::milliseconds(1),
                                                            std::chrono::milliseconds(100));
   std::unique_lock lock(monitor_mutex_);
@@ -383,14 +415,19 @@ void StreamCore::monitor_loop(std::chrono::nanoseconds limit) {
         reported[i] = since;
         bump(m.stalls);
         const std::uint32_t device = devices[device_of(r, stage_devices[s])].id();
-        log(LogLevel::kWarning,
-            "stream stall: stage '" + stage_names[s] + "' (" + std::to_string(s) + ") on device " +
-                std::to_string(device) + " of replica " + std::to_string(r) + " has held request " +
-                std::to_string(m.busy_sequence.load(std::memory_order_relaxed)) + " of producer " +
-                std::to_string(m.busy_producer.load(std::memory_order_relaxed)) + " for " +
-                std::to_string((now - since) / 1'000'000) + " ms (StreamConfig::stall_limit " +
-                std::to_string(limit.count() / 1'000'000) +
-                " ms); its replica takes no new requests until it moves");
+        try {
+          log(LogLevel::kWarning,
+              "stream stall: stage '" + stage_names[s] + "' (" + std::to_string(s) +
+                  ") on device " + std::to_string(device) + " of replica " + std::to_string(r) +
+                  " has held request " +
+                  std::to_string(m.busy_sequence.load(std::memory_order_relaxed)) +
+                  " of producer " +
+                  std::to_string(m.busy_producer.load(std::memory_order_relaxed)) + " for " +
+                  std::to_string((now - since) / 1'000'000) + " ms (StreamConfig::stall_limit " +
+                  std::to_string(limit.count() / 1'000'000) +
+                  " ms); its replica takes no new requests until it moves");
+        } catch (...) {
+        }
       }
       replica_meters[r]->stalled.store(stalled, std::memory_order_relaxed);
     }
@@ -400,14 +437,7 @@ void StreamCore::monitor_loop(std::chrono::nanoseconds limit) {
 void StreamCore::wait_segments() {
   if (!running_) return;
   state_->wait_done();
-  if (monitor_.joinable()) {
-    {
-      std::lock_guard lock(monitor_mutex_);
-      monitor_stop_ = true;
-    }
-    monitor_cv_.notify_all();
-    monitor_.join();
-  }
+  stop_monitor(monitor_, monitor_mutex_, monitor_cv_, monitor_stop_);
   if (mode_ != ServeMode::kInfeed) {
     intake->close();
     if (state_->stop.requested()) {

@@ -1,7 +1,9 @@
-// runtime/: a loop that runs out of memory at any one allocation of its call, on the host or
-// on its device's thread, ends with an error and never hangs; the device and the feeds stay
-// usable and its device memory is given back. An executable of its own: it replaces the global
-// operator new so that one chosen allocation of one chosen thread throws std::bad_alloc.
+// runtime/: a loop, an Engine run or a Pipeline run that runs out of memory at any one
+// allocation of its call, on the host, on a device's thread or on the I/O engine's, ends with an
+// error and never hangs; the devices and the feeds stay usable and the device memory is given
+// back. A served Stream likewise answers every request it accepted. An executable of its own: it
+// replaces the global operator new so that one chosen allocation of one chosen thread (by id,
+// or by name for a thread the library starts) throws std::bad_alloc.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -10,6 +12,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <exception>
 #include <filesystem>
 #include <memory>
@@ -19,6 +22,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <pthread.h>
 
 #include <bspflow/bspflow.hpp>
 
@@ -32,12 +37,23 @@ namespace {
 // Armed: allocations left on the target thread before the one that fails; < 0: disarmed.
 std::atomic<long> g_countdown{-1};
 std::atomic<std::thread::id> g_target{};
+// Set: the target is the thread of this name instead ("bspflow-io"), whatever g_target says.
+std::atomic<const char*> g_target_name{nullptr};
 std::atomic<bool> g_injected{false};
+
+bool on_target() noexcept {
+  if (const char* name = g_target_name.load(std::memory_order_relaxed)) {
+    char mine[16] = {};
+    pthread_getname_np(pthread_self(), mine, sizeof mine);  // the calling thread: no allocation
+    return std::strcmp(mine, name) == 0;
+  }
+  return std::this_thread::get_id() == g_target.load(std::memory_order_relaxed);
+}
 
 bool fail_this_one() noexcept {
   // acquire: pairs with arm(), which stores the countdown after the target.
   if (g_countdown.load(std::memory_order_acquire) < 0) return false;
-  if (std::this_thread::get_id() != g_target.load(std::memory_order_relaxed)) return false;
+  if (!on_target()) return false;
   if (g_countdown.fetch_sub(1, std::memory_order_relaxed) != 0) return false;
   g_injected.store(true, std::memory_order_relaxed);
   return true;
@@ -276,6 +292,17 @@ long sweep_allocations(Attempt&& attempt) {
   return k;
 }
 
+// sweep_allocations() of attempt(target, k), with the thread named `thread_name` as the target
+// instead if given; then one whole run with nothing failing.
+template <class Attempt>
+void sweep_then_rerun(Attempt&& attempt, std::thread::id target, const char* thread_name) {
+  g_target_name = thread_name;
+  const long k = sweep_allocations([&](long i) { return attempt(target, i); });
+  g_target_name = nullptr;
+  MESSAGE("allocations swept: ", k);
+  CHECK(attempt(std::thread::id{}, 0) == false);  // and a whole run again
+}
+
 // An Engine program on 2 devices, as examples/03_engine_program.cpp: each trip takes a tensor
 // from the host, computes on the tiles, syncs, copies the other device's tensor, syncs again
 // and sends it to the host.
@@ -319,9 +346,8 @@ struct EngineCase {
     for (std::uint32_t d = 0; d < 2; ++d) CHECK(devices[d].arena().used() == baseline[d]);
     return o.injected;
   }
-  void sweep(std::thread::id target) {
-    MESSAGE("allocations swept: ", sweep_allocations([&](long k) { return attempt(target, k); }));
-    CHECK(attempt(std::thread::id{}, 0) == false);  // and a whole run again
+  void sweep(std::thread::id target, const char* thread_name = nullptr) {
+    sweep_then_rerun([&](std::thread::id t, long k) { return attempt(t, k); }, target, thread_name);
   }
   static constexpr std::size_t kElements = 64;
   DeviceGroup devices{2, kSmall};
@@ -372,6 +398,93 @@ bool pipeline_attempt(DeviceGroup& devices, bool training, std::thread::id targe
   for (std::uint32_t d = 0; d < 2; ++d) CHECK(devices[d].arena().used() == used[d]);
   return o.injected;
 }
+
+// A served Stream (2 stages on 2 devices, StreamClients), one run with allocation k of `target`
+// failing: start(), a client, kRequests pushes, close(), every response popped, wait(). Each
+// call either throws std::bad_alloc or does its work; every request the stream accepted is
+// answered exactly once, the result accounts for every one, and the stream serves again.
+struct StreamCase {
+  static constexpr int kRequests = 8;
+  static Stream<int, int> build(DeviceGroup& devices, bool batch) {
+    auto b = StreamBuilder<int>(devices).stage(
+        "a", [](int x) { return x + 1; }, 0);
+    if (batch) {
+      return std::move(b)
+          .batch_stage(
+              "b",
+              [](std::span<const int> xs) {
+                std::vector<int> out;
+                for (int x : xs) out.push_back(x * 2);
+                return out;
+              },
+              BatchConfig{.max_batch = 4, .max_delay = 200us}, 1)
+          .build();
+    }
+    return std::move(b)
+        .stage(
+            "b", [](int x) { return x * 2; }, 1)
+        .build();
+  }
+  explicit StreamCase(bool batch) : stream(build(devices, batch)) {}
+
+  // One run; returns whether the failure was injected.
+  bool attempt(std::thread::id target, long k) {
+    int accepted = 0, answered = 0, wrong = 0, lost = 0;
+    // The accepted requests, in push order: their sequence numbers and values.
+    std::uint64_t sent[kRequests] = {};
+    int value[kRequests] = {};
+    bool started = false, waited = false;
+    StreamResult result;
+    const Outcome o = armed(target, k, [&] {
+      stream.start();
+      started = true;
+      auto client = stream.client();
+      for (int i = 0; i < kRequests; ++i) {
+        if (const Submission sub = client.push(i)) {
+          sent[accepted] = sub.id.sequence;
+          value[accepted++] = i;
+        }
+      }
+      stream.close();
+      for (int i = 0; i < accepted; ++i) {
+        const auto r = client.pop_until(StreamClock::now() + 20s);
+        if (!r) {
+          ++lost;
+          continue;
+        }
+        ++answered;
+        // In push order: the i-th response answers the i-th accepted request.
+        if (r->id.sequence != sent[i] || (r->ok() && *r->value != (value[i] + 1) * 2)) ++wrong;
+      }
+      result = stream.wait();
+      waited = true;
+    });
+    INFO("allocation ", k, " failing (injected: ", o.injected, ")");
+    if (started && !waited) {  // a call threw between start() and wait(): end the run
+      Watchdog watchdog(k);
+      stream.close();
+      result = stream.wait();
+    }
+    if (started) {
+      CHECK(lost == 0);  // every request the stream accepted was answered
+      CHECK(wrong == 0);
+      CHECK(result.accepted == static_cast<std::uint64_t>(accepted));
+      CHECK(result.answered + result.unanswered == result.accepted);
+      if (!o.threw) {
+        CHECK(accepted == kRequests);
+        CHECK(answered == kRequests);
+        CHECK(result.drained());
+        CHECK(result.answered == static_cast<std::uint64_t>(kRequests));
+      }
+    }
+    return o.injected;
+  }
+  void sweep(std::thread::id target, const char* thread_name = nullptr) {
+    sweep_then_rerun([&](std::thread::id t, long k) { return attempt(t, k); }, target, thread_name);
+  }
+  DeviceGroup devices{2, kSmall};
+  Stream<int, int> stream;
+};
 
 void sweep(Device& device, std::thread::id target) {
   MESSAGE("allocations swept: ",
@@ -426,6 +539,29 @@ TEST_CASE("out of memory at any allocation of an Engine run: an error, never a h
   }
 }
 
+TEST_CASE(
+    "out of memory at any allocation of the I/O engine's thread: the run fails, never hangs") {
+  // The engine thread copies and times the stream copies; its allocations (a timer's handler,
+  // an output tensor for the host, the I/O track's events) end the transfer, not the process.
+  EngineConfig config;
+  SUBCASE("direct copies, traced") {
+    config.trace = true;
+    EngineCase c(config);
+    c.sweep(std::thread::id{}, "bspflow-io");
+  }
+  SUBCASE("I/O tiles") {
+    config.io_tiles = 2;
+    EngineCase c(config);
+    c.sweep(std::thread::id{}, "bspflow-io");
+  }
+  SUBCASE("I/O tiles, traced") {
+    config.trace = true;
+    config.io_tiles = 2;
+    EngineCase c(config);
+    c.sweep(std::thread::id{}, "bspflow-io");
+  }
+}
+
 TEST_CASE("out of memory at any allocation of a Pipeline run: an error, never a hang") {
   DeviceGroup devices(2, kSmall);
   const std::thread::id host = std::this_thread::get_id();
@@ -438,6 +574,26 @@ TEST_CASE("out of memory at any allocation of a Pipeline run: an error, never a 
           sweep_allocations([&](long i) { return pipeline_attempt(devices, training, target, i); });
       MESSAGE("allocations swept: ", k, std::string(training ? " (training, " : " (inference, "),
               std::string(target == host ? "host)" : "device thread)"));
+    }
+  }
+}
+
+TEST_CASE("out of memory at any allocation of a served Stream: never a hang or a lost request") {
+  // Each thread of a served run: the host's (start, the client, close, wait), each stage's
+  // device thread and the stream's stall monitor; with a plain second stage and a batch one.
+  struct Target {
+    const char* what;
+    const char* thread_name;  // null: the host thread
+  };
+  for (const Target t :
+       {Target{"host", nullptr}, Target{"first stage", "bspflow-dev0"},
+        Target{"second stage", "bspflow-dev1"}, Target{"stall monitor", "bspflow-smon"}}) {
+    for (const bool batch : {false, true}) {
+      const std::string target = t.what;
+      CAPTURE(target);
+      CAPTURE(batch);
+      StreamCase c(batch);
+      c.sweep(t.thread_name ? std::thread::id{} : std::this_thread::get_id(), t.thread_name);
     }
   }
 }
