@@ -106,6 +106,50 @@ inline std::vector<double> pingpong(std::uint64_t n, std::uint32_t host, std::ui
   return rtt;
 }
 
+// The floor of a hand-off that carries data, as every queue does: each way, a payload written
+// to one cache line and then a flag to another (the queue's slot and its index), the reader
+// spinning on the flag and asking for the payload's line as it does (as the queues' waits do),
+// then reading the payload. n round trips (ns each), pinned as pingpong().
+inline std::vector<double> pingpong_2line(std::uint64_t n, std::uint32_t host, std::uint32_t peer) {
+  struct alignas(64) Line {
+    std::atomic<std::uint64_t> flag{0};
+  };
+  struct alignas(64) Payload {
+    std::atomic<std::uint64_t> value{0};  // relaxed: ordered by the flag's release/acquire
+  };
+  Line ping, pong;
+  Payload there, back;
+  bool wrong = false;
+  std::thread peer_thread([&] {
+    pin(peer);
+    for (std::uint64_t i = 1; i <= n; ++i) {
+      while (ping.flag.load(std::memory_order_acquire) != i) {
+        __builtin_prefetch(&there, 0, 3);
+        bspflow::detail::cpu_relax();
+      }
+      back.value.store(there.value.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+      pong.flag.store(i, std::memory_order_release);
+    }
+  });
+  pin(host);
+  std::vector<double> rtt;
+  rtt.reserve(n);
+  for (std::uint64_t i = 1; i <= n; ++i) {
+    const auto t0 = Clock::now();
+    there.value.store(i, std::memory_order_relaxed);
+    ping.flag.store(i, std::memory_order_release);
+    while (pong.flag.load(std::memory_order_acquire) != i) {
+      __builtin_prefetch(&back, 0, 3);
+      bspflow::detail::cpu_relax();
+    }
+    wrong = wrong || back.value.load(std::memory_order_relaxed) != i + 1;
+    rtt.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
+  }
+  peer_thread.join();
+  if (wrong) std::fprintf(stderr, "pingpong_2line: a payload arrived wrong\n");
+  return rtt;
+}
+
 // Value at quantile q (0..1) of `v` (sorted in place).
 inline double quantile(std::vector<double>& v, double q) {
   if (v.empty()) return 0.0;

@@ -15,6 +15,9 @@
 //    own single hop moodycamel lands in that shape on this machine: the bound of the key above.
 //  - roundtrip_p50/p99_vs_pingpong: one element host -> device -> host, against an atomic
 //    ping-pong between two threads pinned to the same two cores; target p50 <= 1.1.
+//    pingpong_2line_vs_pingpong is the same ping-pong carrying a payload in a second cache line
+//    each way, as a queue's slot and index are: the floor of any data-carrying hand-off here;
+//    roundtrip_p50_vs_pingpong_2line is the round trip against that floor.
 // The infeeds have one producer and say so (ProducerType::kSingle: single-producer lanes);
 // feed_multi_throughput_vs_moodycamel is the element-wise figure with ProducerType::kMulti.
 // The round trip's outfeed has one reader and says so (ConsumerType::kSingle: a ring per
@@ -314,9 +317,10 @@ int main(int argc, char** argv) {
                "(no target)", true);
 
   // Round trips: short rounds, the ping-pong and the two trips back to back in each.
-  std::vector<double> pp50, pp99, rt50, rt99, rtm50, r_rt50, r_rt99, r_rtm50;
+  std::vector<double> pp50, pp99, rt50, rt99, rtm50, r_rt50, r_rt99, r_rtm50, r_pp2, r_rt_pp2;
   for (int r = 0; r < trip_rounds; ++r) {
     std::vector<double> pp = bench::pingpong(trips, cores.host, cores.device);
+    std::vector<double> pp2 = bench::pingpong_2line(trips, cores.host, cores.device);
     std::vector<double> rt = roundtrip(trips, cores, device, bspflow::ConsumerType::kSingle);
     std::vector<double> rtm = roundtrip(trips, cores, device, bspflow::ConsumerType::kMulti);
     pp50.push_back(bench::quantile(pp, 0.5));
@@ -327,6 +331,9 @@ int main(int argc, char** argv) {
     r_rt50.push_back(rt50.back() / pp50.back());
     r_rt99.push_back(rt99.back() / pp99.back());
     r_rtm50.push_back(rtm50.back() / pp50.back());
+    const double pp2_50 = bench::quantile(pp2, 0.5);
+    r_pp2.push_back(pp2_50 / pp50.back());
+    r_rt_pp2.push_back(rt50.back() / pp2_50);
   }
   report.figure("pingpong_p50_ns", bench::median(pp50));
   report.figure("pingpong_p99_ns", bench::median(pp99));
@@ -336,6 +343,8 @@ int main(int argc, char** argv) {
   report.ratio("roundtrip_p50_vs_pingpong", trip, "<= 1.1", trip <= 1.1);
   report.spread("roundtrip_p50_vs_pingpong", r_rt50);
   report.ratio("roundtrip_p99_vs_pingpong", bench::median(r_rt99), "(no target)", true);
+  report.figure("pingpong_2line_vs_pingpong", bench::median(r_pp2));
+  report.ratio("roundtrip_p50_vs_pingpong_2line", bench::median(r_rt_pp2), "(no target)", true);
   report.figure("roundtrip_multi_p50_ns", bench::median(rtm50));
   report.ratio("roundtrip_multi_p50_vs_pingpong", bench::median(r_rtm50), "(no target)", true);
 
