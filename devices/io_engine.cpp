@@ -195,7 +195,7 @@ struct IoEngine::Impl {
   // Engine thread. Starts the channel's front transfer, or schedules a retry.
   void start_front(Channel& ch) {
     if (ch.queue.empty() || stopping.load(std::memory_order_relaxed))
-      return;  // relaxed: re-checked at stop
+      return;  // relaxed: ordered by the io_context's stop and the join
     ch.busy = true;
     Transfer& t = ch.queue.front();
     const Clock::time_point now = Clock::now();
@@ -306,16 +306,18 @@ std::optional<std::uint32_t> IoEngine::pick_core(const std::vector<std::uint32_t
 
 IoEngine::~IoEngine() {
   Impl& im = *impl_;
-  // On the engine thread: stop starting transfers, cancel timers, then let run() return.
-  asio::post(im.ctx, [&im] {
-    im.stopping.store(true, std::memory_order_relaxed);  // relaxed: engine thread only reads it
-    for (auto& ch : im.channels) ch->timer.cancel();
-    im.work.reset();
-  });
-  im.posted.fetch_add(1, std::memory_order_release);
+  // Stops the engine thread without allocating (posting a stop handler would, and a destructor
+  // cannot throw): no transfer starts from here on, and the thread returns from its next look
+  // at the io_context.
+  im.stopping.store(true, std::memory_order_release);
+  im.ctx.stop();
+  im.posted.fetch_add(1, std::memory_order_release);  // a spinning engine polls, and sees it
   im.thread.join();
-  // A transfer submitted after the engine stopped (by a callback, or racing the stop) is
-  // still in the io_context: run those handlers here, which cancel it (stopping is set).
+  // The engine thread is gone: cancel the timers here, then run what is left in the
+  // io_context (timer handlers, which see their cancellation; transfers submitted late, by a
+  // callback or racing the stop, which end cancelled since stopping is set).
+  for (auto& ch : im.channels) ch->timer.cancel();
+  im.work.reset();
   im.ctx.restart();
   im.ctx.poll();
   for (auto& ch : im.channels) {
@@ -336,7 +338,7 @@ void IoEngine::submit(std::uint32_t channel, Transfer t) {
   std::list<Transfer> node;  // made here: the engine thread only splices it in
   node.push_back(std::move(t));
   asio::post(im.ctx, [&im, channel, node = std::move(node)]() mutable {
-    if (im.stopping.load(std::memory_order_relaxed)) {  // relaxed: engine thread only
+    if (im.stopping.load(std::memory_order_relaxed)) {  // relaxed: as in start_front
       if (node.front().done) node.front().done(Times{}, true);
       return;
     }

@@ -18,6 +18,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <span>
 #include <string>
 #include <thread>
@@ -307,7 +308,7 @@ void sweep_then_rerun(Attempt&& attempt, std::thread::id target, const char* thr
 // from the host, computes on the tiles, syncs, copies the other device's tensor, syncs again
 // and sends it to the host.
 struct EngineCase {
-  explicit EngineCase(EngineConfig config) : engine(devices, config) {
+  explicit EngineCase(EngineConfig config) : engine(std::in_place, devices, config) {
     for (std::uint32_t d = 0; d < 2; ++d) {
       x.push_back(make_buffer(devices[d], "x", DType::kFloat32, kElements));
       y.push_back(make_buffer(devices[d], "y", DType::kFloat32, kElements));
@@ -337,7 +338,7 @@ struct EngineCase {
         producer.push_to(d, Tensor(DType::kFloat32, {kElements}));
     }
     bool completed = false;
-    const Outcome o = armed(target, k, [&] { completed = engine.run(programs).completed(); });
+    const Outcome o = armed(target, k, [&] { completed = engine->run(programs).completed(); });
     INFO("allocation ", k, " failing (injected: ", o.injected, ")");
     if (!o.threw) {
       CHECK(completed);
@@ -351,7 +352,7 @@ struct EngineCase {
   }
   static constexpr std::size_t kElements = 64;
   DeviceGroup devices{2, kSmall};
-  Engine engine;
+  std::optional<Engine> engine;  // (optional: a test destroys it alone)
   std::shared_ptr<SyncGroup> sync = std::make_shared<SyncGroup>(2);
   std::vector<Buffer> x, y;
   std::size_t baseline[2] = {};
@@ -536,6 +537,23 @@ TEST_CASE("out of memory at any allocation of an Engine run: an error, never a h
     config.io_tiles = 2;
     EngineCase c(config);
     c.sweep(device_thread(c.devices[1]));
+  }
+}
+
+TEST_CASE(
+    "destroying an Engine after a run allocates nothing, so running out of memory cannot end it") {
+  // A destructor cannot throw: an allocation that failed in it would end the process. The I/O
+  // engine used to post its stop to its own thread (an allocation); it now stops the io_context.
+  for (const std::uint32_t io_tiles : {0u, 2u}) {
+    CAPTURE(io_tiles);
+    EngineConfig config;
+    config.trace = true;
+    config.io_tiles = io_tiles;
+    EngineCase c(config);
+    CHECK(c.attempt(std::thread::id{}, 0) == false);  // a whole run: the engine thread has worked
+    arm(std::this_thread::get_id(), 0);               // the host's next allocation fails
+    c.engine.reset();
+    CHECK_FALSE(disarm());
   }
 }
 
