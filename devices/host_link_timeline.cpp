@@ -4,6 +4,7 @@
 #include <string>
 
 #include "bspflow/base/error.hpp"
+#include "bspflow/devices/device_tunables.hpp"
 #include "bspflow/devices/io_engine.hpp"
 
 namespace bspflow {
@@ -34,7 +35,11 @@ ModeledLink& HostLinkTimeline::modeled_link() noexcept {
 
 bool HostLinkTimeline::wait(Clock::time_point now, Clock::time_point until, const StopFlag* stop,
                             Clock::time_point& after) noexcept {
-  if (until <= now) return true;
+  // A wait shorter than tunables::kShortestRealWait is not made: it would end before the clock
+  // reads that time it (two more), so the real time would land further from the model. The
+  // link's timeline still holds the copy, so short copies add up: once their backlog reaches
+  // that length, the device waits it out.
+  if (until - now < tunables::kShortestRealWait) return true;
   const bool ok = wait_until_deadline(until, stop, shape_.shares_core);
   after = Clock::now();
   waited_ += after - now;

@@ -174,6 +174,31 @@ TEST_CASE("a copy that costs nothing is counted without waiting") {
   CHECK(link.waited() == 0ns);
 }
 
+TEST_CASE(
+    "copies shorter than the clock reads that would time them are not waited for one by one") {
+  // 4 bytes at 1e15 B/s: 1 ns each, far less than this device takes to ask for the next, so
+  // the link never backs up by kShortestRealWait and no copy is waited for (each wait would
+  // have read the clock twice more: 20-40 ns each on a VM, for a 1 ns copy).
+  for (const std::uint32_t io_tiles : {0u, 2u}) {
+    CAPTURE(io_tiles);
+    HostLinkTimeline::Shape s;
+    s.host_io.host_link = LinkModel{1e15, 0ns};
+    s.host_io.io_tiles = io_tiles;
+    s.host_io.prefetch_depth = 2;
+    s.bytes_per_tile = 1024;
+    HostLinkTimeline link(s);
+    link.start(Clock::now());
+    for (int i = 0; i < 10'000; ++i) {
+      CHECK(link.copy_in(4, false, nullptr));
+      CHECK(link.copy_out(4, nullptr));
+    }
+    CHECK(link.copies_in() == 10'000);
+    CHECK(link.copies_out() == 10'000);
+    CHECK(link.bytes_out() == 40'000);
+    CHECK(link.waited() == 0ns);
+  }
+}
+
 TEST_CASE("start() zeroes the counters and empties the link and its I/O-tile buffers") {
   HostLinkTimeline link(shape(50ms, 1000, 2, 2));  // 500 bytes: 25 ms
   link.start(Clock::now());
