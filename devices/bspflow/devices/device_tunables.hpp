@@ -31,8 +31,9 @@ inline constexpr std::chrono::nanoseconds kModeledWaitSlice{1'000'000};
 // an AllReduce) in real time only when it lasts at least this long: a shorter one ends sooner
 // than the two clock reads that would time it (about 20 ns each on a VM), so waiting would
 // put the real time further from the model than not waiting. The modeled clock counts every
-// transfer in full either way. (Host stream copies keep a timeline of the link, where short
-// copies add up, so they are always timed.)
+// transfer in full either way. Host stream copies (HostLinkTimeline) keep a timeline of the
+// link, where short copies add up: a device waits there only once the link's backlog reaches
+// this long.
 inline constexpr std::chrono::nanoseconds kShortestRealWait{20};
 
 // The I/O engine stops relying on its timer and spins toward a transfer's end this long
