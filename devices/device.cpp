@@ -80,8 +80,8 @@ Device::~Device() {
     std::lock_guard lock(mutex_);
     stopping_ = true;
     if (running_ != nullptr && running_->cancel) running_->cancel();
-    for (DeviceJob& job : jobs_) {
-      if (job.cancel) job.cancel();
+    for (std::size_t k = next_job_; k < jobs_.size(); ++k) {
+      if (jobs_[k].cancel) jobs_[k].cancel();
     }
   }
   submitted_.fetch_add(1, std::memory_order_seq_cst);  // seq_cst: see WaitPoint::notify()
@@ -118,14 +118,19 @@ void Device::thread_main() {
   for (;;) {
     mailbox_.wait([&] { return submitted_.load() != seen; });
     seen = submitted_.load();
+    // One lock per job: taking the next job and letting go of the last one share it. The
+    // host submits its next job just as a job ends (a loop called in a loop), so a second
+    // lock there found the host holding the mutex often enough to park both threads.
+    std::unique_lock lock(mutex_);
     for (;;) {
-      std::unique_lock lock(mutex_);
-      if (jobs_.empty()) {
+      if (next_job_ == jobs_.size()) {
+        jobs_.clear();  // keeps the room
+        next_job_ = 0;
         if (stopping_) return;
         break;
       }
-      DeviceJob job = std::move(jobs_.front());
-      jobs_.pop_front();
+      DeviceJob job = std::move(jobs_[next_job_]);
+      jobs_[next_job_++] = DeviceJob{};  // (what was moved from holds nothing now)
       running_ = &job;
       lock.unlock();
       // A job's own errors are its business (a loop records them for its host caller);
@@ -137,6 +142,7 @@ void Device::thread_main() {
       } catch (...) {
         log(LogLevel::kError, "device " + std::to_string(id_) + ": job threw a non-exception");
       }
+      job.run = nullptr;  // what it holds goes now, outside the lock (cancel may still be called)
       lock.lock();
       running_ = nullptr;
     }

@@ -18,6 +18,9 @@
 //    pingpong_2line_vs_pingpong is the same ping-pong carrying a payload in a second cache line
 //    each way, as a queue's slot and index are: the floor of any data-carrying hand-off here;
 //    roundtrip_p50_vs_pingpong_2line is the round trip against that floor.
+//  - host_call_p50_ns / host_call_mean_ns: one host call of a one-iteration loop (launch, one
+//    element in, its output out, get()): the cost device iterations amortize. Its mean over
+//    the round trip's p50 is host_call_mean_vs_roundtrip_p50 (no target).
 // The infeeds have one producer and say so (ProducerType::kSingle: single-producer lanes);
 // feed_multi_throughput_vs_moodycamel is the element-wise figure with ProducerType::kMulti.
 // The round trip's outfeed has one reader and says so (ConsumerType::kSingle: a ring per
@@ -25,8 +28,10 @@
 //
 //   feed_bench [--json FILE] [--quick]
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <numeric>
 #include <thread>
 #include <vector>
 
@@ -248,6 +253,36 @@ std::vector<double> roundtrip(std::uint64_t n, const Cores& cores, bspflow::Devi
   return rtt;
 }
 
+// One host call of a one-iteration loop, `calls` times: launch (repeat_async), one element
+// in, its output out, get(). What device iterations amortize (ns per call, each).
+std::vector<double> host_calls(std::uint64_t calls, const Cores& cores, bspflow::Device& device) {
+  bspflow::InfeedConfig config;
+  config.producer_type = bspflow::ProducerType::kSingle;
+  bspflow::InfeedQueue<std::uint64_t> infeed(config);
+  bspflow::OutfeedConfig out_config;
+  out_config.consumer_type = bspflow::ConsumerType::kSingle;
+  out_config.capacity = 1024;
+  bspflow::OutfeedQueue<std::uint64_t> outfeed(out_config);
+  auto producer = infeed.make_producer();
+  pin(cores.host);
+  std::vector<double> ns;
+  ns.reserve(calls);
+  for (std::uint64_t i = 0; i < calls; ++i) {
+    const auto t0 = Clock::now();
+    auto run = bspflow::loops::repeat_async(
+        device, 1, [](int&, std::uint64_t& x) { return x; }, 0, infeed, outfeed);
+    producer.push(i);
+    const auto e = outfeed.pop();
+    const auto r = run.get();
+    ns.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
+    if (!e || e->value != i || r.status != bspflow::RunStatus::kCompleted) {
+      std::fprintf(stderr, "host call %llu lost its element\n", static_cast<unsigned long long>(i));
+      break;
+    }
+  }
+  return ns;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -318,6 +353,7 @@ int main(int argc, char** argv) {
 
   // Round trips: short rounds, the ping-pong and the two trips back to back in each.
   std::vector<double> pp50, pp99, rt50, rt99, rtm50, r_rt50, r_rt99, r_rtm50, r_pp2, r_rt_pp2;
+  std::vector<double> call50, call_mean, r_call;
   for (int r = 0; r < trip_rounds; ++r) {
     std::vector<double> pp = bench::pingpong(trips, cores.host, cores.device);
     std::vector<double> pp2 = bench::pingpong_2line(trips, cores.host, cores.device);
@@ -334,6 +370,11 @@ int main(int argc, char** argv) {
     const double pp2_50 = bench::quantile(pp2, 0.5);
     r_pp2.push_back(pp2_50 / pp50.back());
     r_rt_pp2.push_back(rt50.back() / pp2_50);
+    std::vector<double> calls = host_calls(trips / 5, cores, device);
+    call50.push_back(bench::quantile(calls, 0.5));
+    call_mean.push_back(std::accumulate(calls.begin(), calls.end(), 0.0) /
+                        static_cast<double>(std::max<std::size_t>(calls.size(), 1)));
+    r_call.push_back(call_mean.back() / rt50.back());
   }
   report.figure("pingpong_p50_ns", bench::median(pp50));
   report.figure("pingpong_p99_ns", bench::median(pp99));
@@ -347,6 +388,9 @@ int main(int argc, char** argv) {
   report.ratio("roundtrip_p50_vs_pingpong_2line", bench::median(r_rt_pp2), "(no target)", true);
   report.figure("roundtrip_multi_p50_ns", bench::median(rtm50));
   report.ratio("roundtrip_multi_p50_vs_pingpong", bench::median(r_rtm50), "(no target)", true);
+  report.figure("host_call_p50_ns", bench::median(call50));
+  report.figure("host_call_mean_ns", bench::median(call_mean));
+  report.ratio("host_call_mean_vs_roundtrip_p50", bench::median(r_call), "(no target)", true);
 
   if (!report.write(args.json_path)) {
     std::fprintf(stderr, "could not write %s\n", args.json_path.c_str());

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include <bspflow/base/detail/wait.hpp>
+#include <bspflow/base/tunables.hpp>
 #include <bspflow/feeds/infeed_queue.hpp>
 #include <bspflow/feeds/outfeed_queue.hpp>  // the replica-count check covers OutfeedConfig too
 #include <bspflow/feeds/push_result.hpp>
@@ -372,6 +373,73 @@ TEST_CASE("push_bulk keeps order and respects the bound") {
   }
   producer.join();
   CHECK(expect == 100);
+}
+
+namespace {
+// An 8-byte element whose move into the queue can be held: moving element kHoldAt (by
+// assignment into a single-producer lane's slot, by construction into moodycamel's) waits
+// (at most 10 s) until the reader has taken element 0.
+std::atomic<bool> g_first_taken{false};
+std::atomic<bool> g_held_too_long{false};
+struct Gated {
+  std::uint64_t v = 0;
+  static constexpr std::uint64_t kHoldAt = 600;
+  static void hold(std::uint64_t x) {
+    if (x != kHoldAt) return;
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (!g_first_taken.load()) {
+      if (std::chrono::steady_clock::now() > until) {
+        g_held_too_long.store(true);
+        return;
+      }
+      std::this_thread::yield();
+    }
+  }
+  Gated() = default;
+  explicit Gated(std::uint64_t x) : v(x) {}
+  Gated(const Gated&) = default;
+  Gated(Gated&& o) noexcept : v(o.v) { hold(v); }
+  Gated& operator=(Gated&& o) noexcept {
+    hold(o.v);
+    v = o.v;
+    return *this;
+  }
+  Gated& operator=(const Gated&) = default;
+};
+}  // namespace
+
+TEST_CASE("push_bulk publishes as it copies: the reader starts before the batch is in") {
+  // tunables::kBulkPublishBytes (1 KiB: 128 of these): the first elements reach the reader
+  // while the producer is still copying element 600. Publishing once at the end would keep
+  // element 0 back until the hold gives up (and the test fails).
+  static_assert(sizeof(Gated) == 8 && Gated::kHoldAt * sizeof(Gated) > tunables::kBulkPublishBytes);
+  for (const ProducerType type : {ProducerType::kSingle, ProducerType::kMulti}) {
+    const std::string kind = type == ProducerType::kSingle ? "single producer" : "multi producer";
+    CAPTURE(kind);
+    g_first_taken = false;
+    g_held_too_long = false;
+    InfeedConfig config{1, 1024, 1};
+    config.producer_type = type;
+    InfeedQueue<Gated> q(config);
+    std::vector<Gated> values;
+    values.reserve(1000);  // (no moves before the push)
+    for (std::uint64_t i = 0; i < 1000; ++i) values.emplace_back(i);
+    std::thread producer([&] {
+      auto p = q.make_producer();
+      CHECK(p.push_bulk(0, values) == 1000);
+      q.close();
+    });
+    auto reader = q.reader(0);
+    Gated g;
+    std::uint64_t expect = 0;
+    while (reader.pop(g)) {
+      CHECK(g.v == expect++);
+      g_first_taken = true;
+    }
+    producer.join();
+    CHECK(expect == 1000);
+    CHECK_FALSE(g_held_too_long.load());
+  }
 }
 
 TEST_CASE("a stop request wakes a reader parked on an empty lane") {

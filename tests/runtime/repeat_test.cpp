@@ -794,3 +794,38 @@ TEST_CASE("LoopConfig: from Options, and bad settings named with what is allowed
 }
 
 TEST_SUITE_END();
+
+namespace {
+// A loop body that is slow to destroy: a copy still being destroyed after the caller's get()
+// returned would still hold its token.
+struct SlowToDestroy {
+  std::shared_ptr<int> token;
+  void operator()(int& s) const { s += *token; }
+  SlowToDestroy(std::shared_ptr<int> t) : token(std::move(t)) {}  // NOLINT: implicit
+  SlowToDestroy(const SlowToDestroy&) = default;
+  SlowToDestroy(SlowToDestroy&&) noexcept = default;
+  ~SlowToDestroy() {
+    if (token) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+};
+}  // namespace
+
+TEST_CASE("a loop's copies of its body are gone when get() returns") {
+  // The host thread frees them with the run's state in get() (the device threads freed them
+  // after the run's end, so get() could return while a copy was still alive).
+  DeviceGroup group(2, kSmall);
+  auto token = std::make_shared<int>(1);
+  for (int k = 0; k < 10; ++k) {
+    auto run = loops::repeat_async(group, 10, SlowToDestroy(token), 0);
+    const auto result = run.get();
+    REQUIRE(result.status == RunStatus::kCompleted);
+    CHECK(result.states == std::vector<int>{10, 10});
+    CHECK(token.use_count() == 1);
+  }
+  {  // a handle dropped without get(): gone when its destructor returns
+    InfeedQueue<int> infeed(InfeedConfig{2});
+    auto run = loops::repeat_async(
+        group, 10, [body = SlowToDestroy(token)](int& s, int&) { body(s); }, 0, infeed);
+  }
+  CHECK(token.use_count() == 1);
+}

@@ -9,7 +9,6 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -92,11 +91,16 @@ class Device {
   Arena arena_;
   ModeledClock clock_;
 
-  // The mailbox: jobs under a mutex (submitted once per host call, never contended on a hot
-  // path), plus a seq_cst count the device thread waits on with spin-then-park, so a host
-  // that launches loop after loop finds the device still spinning, not asleep.
+  // The mailbox: jobs under a mutex (taken once per host call by the host and once per job
+  // by the device thread), plus a seq_cst count the device thread waits on with spin-then-park, so
+  // a host that launches loop after loop finds the device still spinning, not asleep.
   mutable std::mutex mutex_;
-  std::deque<DeviceJob> jobs_;
+  // Queued jobs: jobs_[next_job_..] (under mutex_). A vector whose room is kept (cleared once
+  // every job was taken): the device thread never frees a block the submitting thread
+  // allocated (a std::deque did, every few jobs, and the two threads met on the
+  // allocator's lock).
+  std::vector<DeviceJob> jobs_;
+  std::size_t next_job_ = 0;
   DeviceJob* running_ = nullptr;
   bool stopping_ = false;
   std::atomic<std::uint64_t> submitted_{0};  // jobs submitted, or stop requests

@@ -23,7 +23,8 @@
 // optionally with a trailing `const Iteration&`. With an outfeed its return value is the
 // iteration's output (converted to Out), shaped by the outfeed's OutputMode; without one,
 // what it returns is discarded. Each replica gets its own copy of the body and of the
-// initial state.
+// initial state; the host thread destroys the body's copies by the time Run::get() (or the
+// Run handle's destructor) returns, and each replica's final state moves into the result.
 //
 // Ending: after n iterations (kCompleted); when a replica reads past a closed, drained
 // infeed (kEndOfData — TF-IPU aborts the process here, bspflow ends the loop and says so);

@@ -39,6 +39,13 @@ inline constexpr std::size_t kOutfeedCombine = 32;
 inline constexpr std::chrono::nanoseconds kOutfeedCombineBelow{2'000};
 inline constexpr std::uint32_t kOutfeedClockEvery = 8;
 
+// A bulk push into a single-producer lane (an infeed's push_bulk, an outfeed's staged
+// entries) publishes its elements at least every kBulkPublishBytes of them (at least one
+// element at a time), so the reader starts on the first ones while the rest are still being
+// copied, instead of waiting for the whole batch. 1 KiB: 128 eight-byte elements, about
+// 0.3 us of copying here; the reader sees one index move per 16 cache lines of data.
+inline constexpr std::size_t kBulkPublishBytes = 1024;
+
 // Streams: hand-off ring slots between the devices of a stream (requests in flight between
 // two neighbouring stages), default and limit.
 inline constexpr std::size_t kDefaultStreamCapacity = 64;

@@ -108,7 +108,21 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
     run->trace_path = std::move(path);
   }
   using Rep = Replica<State, Body, InQ, OutQ>;
-  std::vector<std::shared_ptr<Rep>> reps;
+  // What the device jobs run: kept by the run's state, so the host thread frees it with the
+  // state (Run::get() or the handle's end), and a device thread frees nothing once its
+  // replica has ended. (Each job owned its replica and program before: the device thread
+  // freed them just as the host allocated its next launch, and the two threads met on the
+  // allocator's lock often enough to park each other, a loop called in a loop.) A job holds
+  // only a pointer to it (stored in the std::function itself, no heap block), so the run
+  // counts the device threads still touching it (RunControl::attach/detach) instead.
+  struct Jobs {
+    RunState<State>* run;
+    std::vector<std::shared_ptr<Rep>> reps;
+    std::vector<Program> programs;
+  };
+  auto jobs = std::make_shared<Jobs>();
+  jobs->run = run.get();
+  std::vector<std::shared_ptr<Rep>>& reps = jobs->reps;
   reps.reserve(replicas);
   {
     // The links (I/O tiles checked and taken from the arenas) first, then readers (which
@@ -134,7 +148,7 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
     }
     for (std::uint32_t r = 0; r < replicas; ++r) {
       reps.push_back(std::make_shared<Rep>(body, init, std::move(*ins[r]), std::move(outs[r]),
-                                           std::move(links[r]), devices[r].id(), r, n));
+                                           std::move(links[r]), devices[r], r, n));
       // The body's modeled time per trip, on the tiles the I/O tiles leave for compute.
       const DeviceModel& model = devices[r].config().model;
       const std::uint32_t tiles = devices[r].config().tiles - (config ? config->io_tiles : 0);
@@ -146,9 +160,10 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
   }
   // Each replica's program, built here so nothing the device thread does before its run can
   // fail for want of memory (a run whose replica never starts would never end).
-  std::vector<Program> programs;
+  std::vector<Program>& programs = jobs->programs;
   programs.reserve(replicas);
   for (std::uint32_t r = 0; r < replicas; ++r) programs.push_back(replica_program(*run, *reps[r]));
+  run->jobs = jobs;
   run->control.set_waker([infeed, outfeed] {
     (void)infeed;  // (one of them is an unused NoFeed* in a loop without that feed)
     (void)outfeed;
@@ -170,17 +185,23 @@ Run<State> launch(const DeviceList& devices, std::uint64_t n, Body body, State i
 
   for (std::uint32_t r = 0; r < replicas; ++r) {
     Device& device = devices[r];
+    run->control.attach();  // the run's memory stays until this job's detach()
     try {
       device.submit(DeviceJob{
-          // The job owns the run's state and its replica; the program points into both.
-          [run, rep = reps[r], program = programs[r], &device, r] {
-            bspflow::detail::run_on_device(device, r, program, run->control, run->track(r));
+          // Raw pointers (no heap block): the run's state, which keeps what the job runs,
+          // outlives the job's detach() (~RunState waits for it; the Run handle waits for the
+          // run's end before it lets go of the state).
+          [j = jobs.get(), r] {
+            const Rep& rep = *j->reps[r];
+            bspflow::detail::run_on_device(rep.device, r, j->programs[r], j->run->control,
+                                           j->run->track(r));
+            j->run->control.detach();  // the job's last touch of the run
           },
-          // A raw pointer (no shared_ptr copy, no heap block): the device calls a job's cancel
-          // only under its lock while the job, whose run callable holds the state, exists.
+          // The device calls a job's cancel only under its lock while the job exists.
           [control = &run->control] { control->cancel(); },
       });
     } catch (...) {
+      run->control.detach();  // (the job was not queued: it never runs)
       // This device refused the job: stop the replicas already submitted, and finish this
       // one and the rest here so the run still completes.
       run->control.fail(RunControl::Failure{device.id(), r, 0, std::current_exception()});

@@ -233,10 +233,9 @@ struct OutfeedSide<OutfeedQueue<T>> {
 template <class State, class Body, class InQ, class OutQ>
 struct Replica {
   Replica(Body b, State s, InfeedSide<InQ> in, OutfeedSide<OutQ> out,
-          std::unique_ptr<ReplicaLink> l, std::uint32_t device, std::uint32_t index,
-          std::uint64_t trips)
+          std::unique_ptr<ReplicaLink> l, Device& dev, std::uint32_t index, std::uint64_t trips)
       : body(std::move(b)), state(std::move(s)), infeed(std::move(in)), outfeed(std::move(out)),
-        link(std::move(l)), device_id(device), replica(index), n(trips) {}
+        link(std::move(l)), device(dev), device_id(dev.id()), replica(index), n(trips) {}
   Body body;
   State state;
   std::optional<InfeedSide<InQ>> infeed;
@@ -245,6 +244,7 @@ struct Replica {
   // The body's modeled time per trip (ns); < 0: it declared no cost (loops::repeat's Work).
   double body_ns = -1;
   // Where it runs and how far.
+  Device& device;
   const std::uint32_t device_id;  // Device::id()
   const std::uint32_t replica;    // its index in the run
   const std::uint64_t n;          // the trips it runs (the loop's count)

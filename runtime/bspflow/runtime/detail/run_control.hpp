@@ -131,6 +131,16 @@ class RunControl {
   // long, never allocates, never throws.
   void replica_done(std::uint32_t replica, ReplicaEnd end) noexcept;
 
+  // A device thread that touches the run without owning it (a loop's job holds a pointer):
+  // the host calls attach() before it hands the job over, and the job calls detach() as its
+  // last touch of the run (the host calls it for a job the device refused). Whoever frees the
+  // run calls wait_detached() first: it waits (spin, then yield) until every attached thread
+  // has detached, which they do just after the run's end, so it is nanoseconds unless one of
+  // them was descheduled in between. Never allocate, never throw.
+  void attach() noexcept { attached_.fetch_add(1, std::memory_order_relaxed); }
+  void detach() noexcept { attached_.fetch_sub(1, std::memory_order_release); }
+  void wait_detached() const noexcept;
+
   // Any thread. Never blocks, never allocates, never throws.
   const StopFlag& stop() const noexcept { return stop_; }
   std::uint64_t requested() const noexcept { return requested_; }
@@ -185,6 +195,7 @@ class RunControl {
   std::uint64_t requested_;
   std::vector<ReplicaEnd> ends_;
   std::atomic<std::uint32_t> remaining_;
+  std::atomic<std::uint32_t> attached_{0};  // see attach()
   std::atomic<bool> done_{false};
   WaitPoint done_point_;
   std::chrono::steady_clock::time_point started_, ended_;
@@ -221,6 +232,10 @@ template <class State>
 struct RunState {
   RunState(std::uint32_t replicas, std::uint64_t requested)
       : control(replicas, requested), states(replicas), links(replicas) {}
+  // The host thread (the Run handle's last copy): after every device job has detached.
+  ~RunState() { control.wait_detached(); }
+  RunState(const RunState&) = delete;
+  RunState& operator=(const RunState&) = delete;
   RunControl control;
   std::vector<std::optional<State>> states;  // written by replica r's device thread only
   struct LinkTotals {
@@ -233,6 +248,9 @@ struct RunState {
   std::unique_ptr<Trace> trace;
   std::vector<TraceTrack*> tracks;
   std::string trace_path;
+  // What the device jobs run (loops::repeat's replicas and their programs), freed with the
+  // state on the host thread.
+  std::shared_ptr<void> jobs;
   // Any thread. Replica `replica`'s track, or nullptr when not tracing. Never blocks, never
   // allocates, never throws.
   TraceTrack* track(std::uint32_t replica) const noexcept {

@@ -17,6 +17,7 @@
 // Ordering: FIFO per producer token (moodycamel's guarantee); no order across producers.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
@@ -91,9 +92,12 @@ class BoundedQueue {
   template <class It>
   std::size_t push_bulk(Token& token, It first, std::size_t n, const StopFlag* stop = nullptr,
                         const WaitSite* site = nullptr) {
+    // Published a part at a time (tunables::kBulkPublishBytes), so the reader starts early.
+    constexpr std::size_t kPublishEvery =
+        std::max<std::size_t>(1, tunables::kBulkPublishBytes / sizeof(T));
     std::size_t done = 0;
     while (done < n) {
-      std::size_t want = n - done;
+      std::size_t want = std::min(n - done, kPublishEvery);
       if (capacity_ != 0 && want > capacity_) want = capacity_;
       PushResult r = try_reserve(token, want);
       if (r == PushResult::kFull) {

@@ -21,6 +21,7 @@
 // "something to read": the consumer then waits once for all of them (readable()).
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <cstddef>
@@ -40,6 +41,10 @@ namespace bspflow::detail {
 
 template <class T>
 class SpscLane {
+  // push_bulk publishes this many elements at a time (at least one).
+  static constexpr std::size_t kPublishEvery =
+      std::max<std::size_t>(1, tunables::kBulkPublishBytes / sizeof(T));
+
  public:
   // Setup path: room for `capacity` elements (>= 1; the caller validates the range).
   // `readable`: the WaitPoint publishes and close() notify, shared by lanes with one consumer
@@ -78,18 +83,24 @@ class SpscLane {
   }
 
   // Moves n elements from `first`, in order, as many as fit at a time. Blocks while full.
-  // Returns how many were pushed: n, or fewer once closed or stopped.
+  // Returns how many were pushed: n, or fewer once closed or stopped. Publishes every
+  // kPublishEvery elements (tunables::kBulkPublishBytes), so the reader starts early.
   template <class It>
   std::size_t push_bulk(It first, std::size_t n, const StopFlag* stop = nullptr,
                         const WaitSite* site = nullptr) {
     std::size_t done = 0;
     while (done < n) {
       if (!enter()) return done;
-      std::size_t fit = room_for(n - done);
-      for (std::size_t i = 0; i < fit; ++i, ++first) {
-        slots_[(producer_.tail + i) & mask_] = std::move(*first);
+      const std::size_t fit = room_for(n - done);
+      for (std::size_t i = 0; i < fit;) {
+        const std::size_t part = std::min(fit - i, kPublishEvery);
+        const std::uint64_t tail = producer_.tail;
+        for (std::size_t k = 0; k < part; ++k, ++first) {
+          slots_[(tail + k) & mask_] = std::move(*first);
+        }
+        publish(tail + part);
+        i += part;
       }
-      if (fit != 0) publish(producer_.tail + fit);
       leave();
       done += fit;
       if (done < n && fit == 0 && !wait_for_room(stop, site)) return done;
