@@ -223,16 +223,31 @@ double bspflow_rate(std::uint64_t steps, bool bulk, std::uint32_t prefetch, cons
   return static_cast<double>(n) / t;
 }
 
+// The feeds of the one-element trips: a one-producer infeed and an outfeed with `readers`
+// (a ring of 1024 per replica when kSingle).
+struct TripFeeds {
+  static bspflow::InfeedConfig in_config() {
+    bspflow::InfeedConfig config;
+    config.producer_type = bspflow::ProducerType::kSingle;
+    return config;
+  }
+  static bspflow::OutfeedConfig out_config(bspflow::ConsumerType readers) {
+    bspflow::OutfeedConfig config;
+    config.consumer_type = readers;
+    if (readers == bspflow::ConsumerType::kSingle) config.capacity = 1024;
+    return config;
+  }
+  explicit TripFeeds(bspflow::ConsumerType readers)
+      : infeed(in_config()), outfeed(out_config(readers)) {}
+  bspflow::InfeedQueue<std::uint64_t> infeed;
+  bspflow::OutfeedQueue<std::uint64_t> outfeed;
+};
+
 // One element host -> device -> host through infeed, a running loop and outfeed (ns each).
 std::vector<double> roundtrip(std::uint64_t n, const Cores& cores, bspflow::Device& device,
                               bspflow::ConsumerType readers) {
-  bspflow::InfeedConfig config;
-  config.producer_type = bspflow::ProducerType::kSingle;
-  bspflow::InfeedQueue<std::uint64_t> infeed(config);
-  bspflow::OutfeedConfig out_config;
-  out_config.consumer_type = readers;
-  if (readers == bspflow::ConsumerType::kSingle) out_config.capacity = 1024;
-  bspflow::OutfeedQueue<std::uint64_t> outfeed(out_config);
+  TripFeeds feeds(readers);
+  auto& [infeed, outfeed] = feeds;
   auto run = bspflow::loops::repeat_async(
       device, n, [](int&, std::uint64_t& x) { return x; }, 0, infeed, outfeed);
   auto producer = infeed.make_producer();
@@ -256,13 +271,8 @@ std::vector<double> roundtrip(std::uint64_t n, const Cores& cores, bspflow::Devi
 // One host call of a one-iteration loop, `calls` times: launch (repeat_async), one element
 // in, its output out, get(). What device iterations amortize (ns per call, each).
 std::vector<double> host_calls(std::uint64_t calls, const Cores& cores, bspflow::Device& device) {
-  bspflow::InfeedConfig config;
-  config.producer_type = bspflow::ProducerType::kSingle;
-  bspflow::InfeedQueue<std::uint64_t> infeed(config);
-  bspflow::OutfeedConfig out_config;
-  out_config.consumer_type = bspflow::ConsumerType::kSingle;
-  out_config.capacity = 1024;
-  bspflow::OutfeedQueue<std::uint64_t> outfeed(out_config);
+  TripFeeds feeds(bspflow::ConsumerType::kSingle);
+  auto& [infeed, outfeed] = feeds;
   auto producer = infeed.make_producer();
   pin(cores.host);
   std::vector<double> ns;

@@ -793,8 +793,6 @@ TEST_CASE("LoopConfig: from Options, and bad settings named with what is allowed
   CHECK(device.arena().used() == 0);
 }
 
-TEST_SUITE_END();
-
 namespace {
 // A loop body that is slow to destroy: a copy still being destroyed after the caller's get()
 // returned would still hold its token.
@@ -829,3 +827,5 @@ TEST_CASE("a loop's copies of its body are gone when get() returns") {
   }
   CHECK(token.use_count() == 1);
 }
+
+TEST_SUITE_END();

@@ -235,7 +235,7 @@ struct Replica {
   Replica(Body b, State s, InfeedSide<InQ> in, OutfeedSide<OutQ> out,
           std::unique_ptr<ReplicaLink> l, Device& dev, std::uint32_t index, std::uint64_t trips)
       : body(std::move(b)), state(std::move(s)), infeed(std::move(in)), outfeed(std::move(out)),
-        link(std::move(l)), device(dev), device_id(dev.id()), replica(index), n(trips) {}
+        link(std::move(l)), device(dev), replica(index), n(trips) {}
   Body body;
   State state;
   std::optional<InfeedSide<InQ>> infeed;
@@ -245,9 +245,8 @@ struct Replica {
   double body_ns = -1;
   // Where it runs and how far.
   Device& device;
-  const std::uint32_t device_id;  // Device::id()
-  const std::uint32_t replica;    // its index in the run
-  const std::uint64_t n;          // the trips it runs (the loop's count)
+  const std::uint32_t replica;  // its index in the run
+  const std::uint64_t n;        // the trips it runs (the loop's count)
 };
 
 // A trip's body in modeled time: its declared cost (body_ns >= 0), or one undeclared step.
@@ -269,7 +268,7 @@ inline void charge_body(double body_ns, ModeledClock* clock) noexcept {
 // code it ran before the host link was modeled).
 template <bool kLink, class State, class Body, class InQ, class OutQ>
 RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFrame& frame) {
-  const std::uint32_t device = rep.device_id;
+  const std::uint32_t device = rep.device.id();
   const std::uint32_t replica = rep.replica;
   const std::uint64_t n = rep.n;
   using In = typename InfeedSide<InQ>::Value;
