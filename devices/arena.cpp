@@ -37,14 +37,36 @@ void* Arena::allocate(std::size_t bytes, std::string_view what) {
     if (it->second < need) continue;
     const std::size_t offset = it->first;
     const std::size_t rest = it->second - need;
-    // What can throw (the two new entries) comes before anything changes.
-    auto a = allocations_.emplace(offset, Allocation{std::string(what), offset, need}).first;
-    if (rest > 0) {
+    // What can throw (the two new entries) comes before anything changes. Each reuses a
+    // node an earlier release() kept, if there is one.
+    std::map<std::size_t, Allocation>::iterator a;
+    if (auto node = take_node(spare_allocations_, spare_allocations_count_)) {
+      node.key() = offset;
+      Allocation& entry = node.mapped();
       try {
-        free_.emplace_hint(std::next(it), offset + need, rest);
+        entry.name.assign(what);  // in the room the last name left, if it fits
       } catch (...) {
-        allocations_.erase(a);
+        keep_node(std::move(node), spare_allocations_, spare_allocations_count_);
         throw;
+      }
+      entry.offset = offset;
+      entry.bytes = need;
+      a = allocations_.insert(std::move(node)).position;
+    } else {
+      a = allocations_.emplace(offset, Allocation{std::string(what), offset, need}).first;
+    }
+    if (rest > 0) {
+      if (auto node = take_node(spare_free_, spare_free_count_)) {
+        node.key() = offset + need;
+        node.mapped() = rest;
+        free_.insert(std::next(it), std::move(node));
+      } else {
+        try {
+          free_.emplace_hint(std::next(it), offset + need, rest);
+        } catch (...) {
+          keep_node(allocations_.extract(a), spare_allocations_, spare_allocations_count_);
+          throw;
+        }
       }
     }
     it->second = 0;  // the allocation's entry
@@ -74,19 +96,19 @@ void Arena::release(void* ptr) noexcept {
   if (a == allocations_.end()) return;
   const std::size_t size = a->second.bytes;
   used_ -= size;
-  allocations_.erase(a);
+  keep_node(allocations_.extract(a), spare_allocations_, spare_allocations_count_);
   auto self = free_.find(offset);  // the allocation's entry (allocate() made it)
   self->second = size;
   // Coalesce with the free neighbours on either side (an entry of 0 bytes is an allocation).
   if (auto next = std::next(self);
       next != free_.end() && next->second > 0 && offset + size == next->first) {
     self->second += next->second;
-    free_.erase(next);
+    keep_node(free_.extract(next), spare_free_, spare_free_count_);
   }
   if (self != free_.begin()) {
     if (auto prev = std::prev(self); prev->second > 0 && prev->first + prev->second == offset) {
       prev->second += self->second;
-      free_.erase(self);
+      keep_node(free_.extract(self), spare_free_, spare_free_count_);
     }
   }
 }

@@ -33,6 +33,10 @@
 //   pipeline_bsp_1us_vs_floor, pipeline_bsp_10us_vs_floor, pipeline_dataflow_1us_vs_floor
 //                       the pipeline over its floor: the share of the attainable it gets
 //                       (targets >= 0.95 bsp 1 us, >= 0.98 dataflow 1 us; 10 us: none)
+//   bsp_exchange_floor_1us_vs_floor  the bsp floor that also moves one activation (one
+//                       cache line, thread 0 to thread 1) per cycle, over the bare floor:
+//                       what the least exchange a pipeline has costs on this machine
+//   pipeline_bsp_1us_vs_exchange_floor  the pipeline over that floor (figures, no targets)
 //
 // The stages are inference stages (forward passes only), the device and host links cost
 // nothing (LinkModel with no latency) except in the pipeline_io keys, and the infeed is
@@ -158,6 +162,34 @@ double bsp_floor_rate(std::chrono::nanoseconds work, std::uint64_t cycles) {
       while (arrivals.load(std::memory_order_acquire) < round_end) detail::cpu_relax();
     }
   });
+  return static_cast<double>(cycles) / s;
+}
+
+// Cycles per second of the bsp floor with an exchange: the same, and each cycle thread 0
+// writes one activation (a float, in a cache line of its own, by cycle parity as the
+// pipeline's exchange buffers are) before the barrier, which thread 1 reads after it. The
+// least any bsp runtime moves between two stages: one line from one core to the other per
+// cycle, on top of the barrier's own.
+double bsp_exchange_floor_rate(std::chrono::nanoseconds work, std::uint64_t cycles) {
+  struct alignas(64) Activation {
+    float value = 0;
+  };
+  alignas(64) std::atomic<std::uint64_t> arrivals{0};
+  Activation out[2];
+  std::uint64_t wrong = 0;  // activations thread 1 read from the wrong cycle
+  const double s = bench::on_placed_threads(2, [&](std::uint32_t side) {
+    for (std::uint64_t c = 0; c < cycles; ++c) {
+      spin_for(work);
+      if (side == 0) out[c % 2].value = static_cast<float>(c);
+      const std::uint64_t round_end = 2 * (c + 1);
+      arrivals.fetch_add(1);
+      while (arrivals.load(std::memory_order_acquire) < round_end) detail::cpu_relax();
+      if (side == 1 && out[c % 2].value != static_cast<float>(c)) ++wrong;  // exact < 2^24
+    }
+  });
+  if (wrong != 0)
+    std::fprintf(stderr, "bsp exchange floor: %llu wrong activations\n",
+                 static_cast<unsigned long long>(wrong));
   return static_cast<double>(cycles) / s;
 }
 
@@ -334,11 +366,16 @@ int main(int argc, char** argv) {
     }
   };
   {
-    const auto [p1, f1] =
-        paired([&] { return pipeline_rate(devices, SyncMode::kBsp, 1us, 200'000 / scale); },
-               [&] { return bsp_floor_rate(1us, 200'000 / scale); });
+    double p1 = 0, f1 = 0, x1 = 0;  // best of reps each, alternating (see paired)
+    for (int i = 0; i < reps; ++i) {
+      f1 = std::max(f1, bsp_floor_rate(1us, 200'000 / scale));
+      x1 = std::max(x1, bsp_exchange_floor_rate(1us, 200'000 / scale));
+      p1 = std::max(p1, pipeline_rate(devices, SyncMode::kBsp, 1us, 200'000 / scale));
+    }
     report_against("pipeline_bsp_1us", p1, f1, 1e-6, ">= 0.8", 0.8, "bsp_floor_1us_vs_ideal",
                    ">= 0.95", 0.95);
+    report.figure("bsp_exchange_floor_1us_vs_floor", x1 / f1);
+    report.figure("pipeline_bsp_1us_vs_exchange_floor", p1 / x1);
     const auto [p10, f10] =
         paired([&] { return pipeline_rate(devices, SyncMode::kBsp, 10us, 40'000 / scale); },
                [&] { return bsp_floor_rate(10us, 40'000 / scale); });

@@ -42,6 +42,31 @@ TEST_CASE("arena: named allocations, release, coalescing") {
   arena.release(&not_ours);  // ignored
 }
 
+TEST_CASE("arena: released bookkeeping is used again, with the right names and blocks") {
+  // release() keeps the map nodes it takes out and allocate() uses them again (a buffer made
+  // and freed with every run costs no heap allocation): names of any length, sizes and
+  // coalescing must come out as with fresh nodes, through more cycles than nodes kept.
+  Arena arena(64 * 1024, 0, "device 1");
+  const std::string long_name(100, 'x');  // longer than the room any earlier name left
+  for (int round = 0; round < 12; ++round) {
+    const std::string name = round % 3 == 2 ? long_name : "buffer " + std::to_string(round);
+    std::vector<void*> held;
+    for (int i = 0; i < 1 + round % 6; ++i) {
+      held.push_back(arena.allocate(64 * static_cast<std::size_t>(1 + i), name));
+    }
+    const auto allocs = arena.allocations();
+    REQUIRE(allocs.size() == held.size());
+    for (const auto& a : allocs) CHECK(a.name == name);
+    CHECK(arena.used() == 64 * held.size() * (held.size() + 1) / 2);
+    // Released out of order: the free blocks must coalesce back into one.
+    for (std::size_t i = 0; i < held.size(); i += 2) arena.release(held[i]);
+    for (std::size_t i = 1; i < held.size(); i += 2) arena.release(held[i]);
+    CHECK(arena.used() == 0);
+    CHECK(arena.largest_free_block() == arena.capacity());
+    CHECK(arena.allocations().empty());
+  }
+}
+
 TEST_CASE("arena out of memory says what was asked, what is free and who holds the rest") {
   Arena arena(16 * 1024, 0, "device 3");
   arena.allocate(8 * 1024, "weights");

@@ -496,6 +496,50 @@ void sweep(Device& device, std::thread::id target) {
 
 TEST_SUITE_BEGIN("alloc_failure");
 
+TEST_CASE("a loop called in a loop: a call allocates no more than its budget on the host") {
+  // With the same hook, armed far off: how many allocations the calling thread makes in one
+  // call of a loop with an infeed and an outfeed, once earlier calls have left what later
+  // ones reuse (the outfeed writer's staging vector, the device arena's bookkeeping of the
+  // prefetch buffer). A budget, not a timing: each allocation is a malloc on the host call's
+  // path and a free in get(); the budget says when one is added.
+  constexpr long kBudget = 22;
+  Device device(0, kSmall);
+  InfeedConfig in_config{1, 64, 4};
+  in_config.producer_type = ProducerType::kSingle;
+  InfeedQueue<std::uint64_t> infeed(in_config);
+  OutfeedConfig out_config;
+  out_config.consumer_type = ConsumerType::kSingle;
+  out_config.capacity = 64;
+  OutfeedQueue<std::uint64_t> outfeed(out_config);
+  auto producer = infeed.make_producer();
+  constexpr std::uint64_t kTrips = 8;
+  auto call = [&] {
+    auto run = loops::repeat_async(
+        device, kTrips, [](int&, std::uint64_t& x) { return x; }, 0, infeed, outfeed);
+    for (std::uint64_t i = 0; i < kTrips; ++i) producer.push(i);
+    std::uint64_t read = 0;
+    for (auto& e : outfeed) read += e.value == read ? 1 : 0;
+    return run.get().completed() && read == kTrips;
+  };
+  auto allocations_of_call = [&](bool& ok) {
+    constexpr long kFar = 1'000'000;
+    arm(std::this_thread::get_id(), kFar);
+    ok = call();
+    const long left = g_countdown.load();
+    CHECK_FALSE(disarm());
+    return kFar - left;
+  };
+  bool ok = false;
+  const long first = allocations_of_call(ok);
+  CHECK(ok);
+  (void)allocations_of_call(ok);
+  const long later = allocations_of_call(ok);
+  CHECK(ok);
+  MESSAGE("host allocations: first call ", first, ", a later call ", later);
+  CHECK(later <= kBudget);
+  CHECK(later < first);
+}
+
 TEST_CASE("out of memory at any allocation of the host's call: an error, never a hang") {
   Device device(0, kSmall);
   SUBCASE("untraced") {

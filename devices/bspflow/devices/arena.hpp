@@ -8,6 +8,7 @@
 // Thread-safety: any thread; allocate/release take a lock (setup paths, not the hot loop).
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -63,6 +64,22 @@ class Arena {
   std::map<std::size_t, std::size_t> free_;
   std::map<std::size_t, Allocation> allocations_;  // offset -> allocation
   std::size_t used_ = 0;
+  // Map nodes release() took out, for allocate() to use again: a buffer allocated and
+  // released with every run (a loop's prefetch buffer) costs no heap allocation after the
+  // first (its name's string keeps its room too). A few of each, for a run's several.
+  static constexpr std::size_t kSpareNodes = 4;
+  std::array<decltype(free_)::node_type, kSpareNodes> spare_free_{};
+  std::array<decltype(allocations_)::node_type, kSpareNodes> spare_allocations_{};
+  std::size_t spare_free_count_ = 0, spare_allocations_count_ = 0;
+  // Give back / take a node (the spare array full: the node is freed; empty: none).
+  template <class Node, class Spares>
+  static void keep_node(Node&& node, Spares& spares, std::size_t& count) noexcept {
+    if (count < spares.size()) spares[count++] = std::move(node);
+  }
+  template <class Spares>
+  static auto take_node(Spares& spares, std::size_t& count) noexcept {
+    return count > 0 ? std::move(spares[--count]) : typename Spares::value_type{};
+  }
 };
 
 }  // namespace bspflow

@@ -18,7 +18,7 @@
 // promises one reading thread at a time: each replica then writes into a ring of its own
 // (SpscLane), a cache line or two per entry instead of several, and two threads caught
 // reading at once get an Error. A ring has a bound, so kSingle needs capacity > 0 (per
-// replica).
+// replica). Writers' staging vectors are kept between runs (a loop's later calls make none).
 #pragma once
 
 #include <atomic>
@@ -102,10 +102,9 @@ class OutfeedQueue {
   using Lane = detail::SpscLane<OutfeedEntry<T>>;
   // A run stopped while a bounded outfeed is full still hands over what its devices wrote:
   // past the capacity. With one reader (kSingle) each replica's ring keeps room for this
-  // many more entries (one write-combining batch and a final()/sum() value; the ring's slot
-  // count is a power of two, so this may double a ring whose capacity is one; rings above
-  // 2^20 entries keep only the power-of-two slack); a shared queue (kMulti) takes them
-  // whatever its capacity.
+  // many more entries (one write-combining batch and a final()/sum() value; slot counts are
+  // powers of two, so this may double a ring of capacity one; rings above 2^20 entries keep
+  // only the power-of-two slack); a shared queue (kMulti) takes them whatever its capacity.
   static constexpr std::size_t kStoppedSpare = tunables::kOutfeedCombine + 1;
   static constexpr std::size_t spare_slots(std::size_t capacity) noexcept {
     return capacity <= (std::size_t{1} << 20) ? kStoppedSpare : 0;
@@ -135,6 +134,7 @@ class OutfeedQueue {
                                       std::to_string(capacity()) + " entries";
                              }});
     }
+    spare_staging_.resize(config_.replicas);
     // No run attached yet: reading now ends at once instead of hanging.
     if (single()) {
       lanes_.reserve(config_.replicas);
@@ -322,6 +322,8 @@ class OutfeedQueue {
       if (deliver_held && held_) deliver(std::move(*held_), stop);
       held_.reset();
       OutfeedQueue* q = std::exchange(q_, nullptr);
+      staged_.clear();  // kept for the next run (before the countdown begin_run() waits on)
+      q->spare_staging_[replica_] = std::move(staged_);
       // The last writer ends the run for the readers, after the count reached 0: a reader
       // that saw the end also sees running() false (and may attach the next run at once).
       // No other writer pushes any more (each one's countdown released its last push to us), so
@@ -340,6 +342,7 @@ class OutfeedQueue {
       } else {
         lane_ = q.lanes_[replica].get();
       }
+      staged_ = std::move(q.spare_staging_[replica]);  // the last run's, its room kept
       staged_.reserve(tunables::kOutfeedCombine);
     }
     // The stopped path of flush() and deliver(), out of line (the write path stays small
@@ -354,8 +357,7 @@ class OutfeedQueue {
                                      : q_->queue_->push_bulk_past_bound(*token_, rest, n - pushed));
       dropped_ += n - kept;
       if (graveyard_ != nullptr) {
-        // (insert, not push_back: one more caller of staged_'s push_back made GCC stop
-        // inlining it into write(), which cost the feed benchmark 15%.)
+        // (insert: one more push_back caller stopped GCC inlining it in write(): -15%.)
         graveyard_->insert(
             graveyard_->end(),
             std::make_move_iterator(staged_.begin() + static_cast<std::ptrdiff_t>(kept)),
@@ -364,8 +366,7 @@ class OutfeedQueue {
       staged_.clear();
       return kept;
     }
-    // (Not through flush(): a third caller made GCC stop inlining flush() into write(), which
-    // cost the feed benchmark 15%.)
+    // (Not through flush(): a third caller stopped GCC inlining flush() in write(): -15%.)
     bool deliver(Entry&& e, const StopFlag* stop) {
       const detail::WaitSite* site = &q_->room_sites_[replica_];
       if (lane_ != nullptr ? lane_->push(std::move(e), stop, site)
@@ -485,9 +486,10 @@ class OutfeedQueue {
   };
 
   OutfeedConfig config_;
-  std::vector<detail::WaitSite> room_sites_;  // what a writer waiting for room waits for
-  std::optional<Queue> queue_;                // kMulti: one queue shared by every replica
-  std::vector<std::unique_ptr<Lane>> lanes_;  // kSingle: a ring per replica
+  std::vector<detail::WaitSite> room_sites_;       // what a writer waiting for room waits for
+  std::optional<Queue> queue_;                     // kMulti: one queue shared by every replica
+  std::vector<std::unique_ptr<Lane>> lanes_;       // kSingle: a ring per replica
+  std::vector<std::vector<Entry>> spare_staging_;  // per replica: staged_ between runs
   std::atomic<std::uint32_t> active_writers_{0};
   // kSingle reader state: written by the one reading thread only.
   alignas(tunables::kCacheLine) std::atomic<bool> reading_{false};
