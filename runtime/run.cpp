@@ -1,8 +1,6 @@
 #include "bspflow/runtime/run.hpp"
 
-#include <algorithm>
 #include <charconv>
-#include <cstdio>
 #include <cstdlib>
 #include <sstream>
 #include <string>

@@ -151,26 +151,14 @@ std::vector<double> allreduce_errors(DeviceGroup& devices, std::uint64_t steps) 
   return errors;
 }
 
-// Cycles per second of the bsp floor: busy work, then a barrier of one atomic word.
+// Cycles per second of the bsp floor: busy work, then a barrier of one atomic word. With
+// kExchange, each cycle thread 0 also writes one activation (a float, in a cache line of its
+// own, by cycle parity as the pipeline's exchange buffers are) before the barrier, which
+// thread 1 reads after it: the least any bsp runtime moves between two stages, one line from
+// one core to the other per cycle on top of the barrier's own. (A template parameter, so the
+// bare floor's loop stays bare.)
+template <bool kExchange = false>
 double bsp_floor_rate(std::chrono::nanoseconds work, std::uint64_t cycles) {
-  alignas(64) std::atomic<std::uint64_t> arrivals{0};
-  const double s = bench::on_placed_threads(2, [&](std::uint32_t) {
-    for (std::uint64_t c = 0; c < cycles; ++c) {
-      spin_for(work);
-      const std::uint64_t round_end = 2 * (c + 1);
-      arrivals.fetch_add(1);
-      while (arrivals.load(std::memory_order_acquire) < round_end) detail::cpu_relax();
-    }
-  });
-  return static_cast<double>(cycles) / s;
-}
-
-// Cycles per second of the bsp floor with an exchange: the same, and each cycle thread 0
-// writes one activation (a float, in a cache line of its own, by cycle parity as the
-// pipeline's exchange buffers are) before the barrier, which thread 1 reads after it. The
-// least any bsp runtime moves between two stages: one line from one core to the other per
-// cycle, on top of the barrier's own.
-double bsp_exchange_floor_rate(std::chrono::nanoseconds work, std::uint64_t cycles) {
   struct alignas(64) Activation {
     float value = 0;
   };
@@ -180,11 +168,15 @@ double bsp_exchange_floor_rate(std::chrono::nanoseconds work, std::uint64_t cycl
   const double s = bench::on_placed_threads(2, [&](std::uint32_t side) {
     for (std::uint64_t c = 0; c < cycles; ++c) {
       spin_for(work);
-      if (side == 0) out[c % 2].value = static_cast<float>(c);
+      if constexpr (kExchange) {
+        if (side == 0) out[c % 2].value = static_cast<float>(c);
+      }
       const std::uint64_t round_end = 2 * (c + 1);
       arrivals.fetch_add(1);
       while (arrivals.load(std::memory_order_acquire) < round_end) detail::cpu_relax();
-      if (side == 1 && out[c % 2].value != static_cast<float>(c)) ++wrong;  // exact < 2^24
+      if constexpr (kExchange) {
+        if (side == 1 && out[c % 2].value != static_cast<float>(c)) ++wrong;  // exact < 2^24
+      }
     }
   });
   if (wrong != 0)
@@ -369,7 +361,7 @@ int main(int argc, char** argv) {
     double p1 = 0, f1 = 0, x1 = 0;  // best of reps each, alternating (see paired)
     for (int i = 0; i < reps; ++i) {
       f1 = std::max(f1, bsp_floor_rate(1us, 200'000 / scale));
-      x1 = std::max(x1, bsp_exchange_floor_rate(1us, 200'000 / scale));
+      x1 = std::max(x1, bsp_floor_rate<true>(1us, 200'000 / scale));
       p1 = std::max(p1, pipeline_rate(devices, SyncMode::kBsp, 1us, 200'000 / scale));
     }
     report_against("pipeline_bsp_1us", p1, f1, 1e-6, ">= 0.8", 0.8, "bsp_floor_1us_vs_ideal",
