@@ -45,6 +45,11 @@ inline constexpr std::uint32_t kOutfeedClockEvery = 8;
 // copied, instead of waiting for the whole batch. 1 KiB: 128 eight-byte elements, about
 // 0.3 us of copying here; the reader sees one index move per 16 cache lines of data.
 inline constexpr std::size_t kBulkPublishBytes = 1024;
+// How many elements of T that is: the part a bulk push publishes at a time (at least one).
+template <class T>
+inline constexpr std::size_t kBulkPublishElements = kBulkPublishBytes / sizeof(T) > 0
+                                                        ? kBulkPublishBytes / sizeof(T)
+                                                        : 1;
 
 // Streams: hand-off ring slots between the devices of a stream (requests in flight between
 // two neighbouring stages), default and limit.

@@ -93,8 +93,7 @@ class BoundedQueue {
   std::size_t push_bulk(Token& token, It first, std::size_t n, const StopFlag* stop = nullptr,
                         const WaitSite* site = nullptr) {
     // Published a part at a time (tunables::kBulkPublishBytes), so the reader starts early.
-    constexpr std::size_t kPublishEvery =
-        std::max<std::size_t>(1, tunables::kBulkPublishBytes / sizeof(T));
+    constexpr std::size_t kPublishEvery = tunables::kBulkPublishElements<T>;
     std::size_t done = 0;
     while (done < n) {
       std::size_t want = std::min(n - done, kPublishEvery);

@@ -41,9 +41,8 @@ namespace bspflow::detail {
 
 template <class T>
 class SpscLane {
-  // push_bulk publishes this many elements at a time (at least one).
-  static constexpr std::size_t kPublishEvery =
-      std::max<std::size_t>(1, tunables::kBulkPublishBytes / sizeof(T));
+  // push_bulk publishes this many elements at a time.
+  static constexpr std::size_t kPublishEvery = tunables::kBulkPublishElements<T>;
 
  public:
   // Setup path: room for `capacity` elements (>= 1; the caller validates the range).
