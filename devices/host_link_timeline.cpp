@@ -22,15 +22,12 @@ void HostLinkTimeline::start(Clock::time_point now) noexcept {
   modeled_pending_ = clock_ != nullptr;  // started at the first copy (see modeled_link())
 }
 
-ModeledLink& HostLinkTimeline::modeled_link() noexcept {
+void HostLinkTimeline::start_modeled() noexcept {
   // The device thread's clock is reset when its program starts, which may be after start()
   // (a Pipeline starts its links on the host thread): the modeled link starts then, when the
   // program did.
-  if (modeled_pending_) {
-    modeled_.start(clock_->launched(), shape_.host_io.io_tiles, shape_.host_io.prefetch_depth);
-    modeled_pending_ = false;
-  }
-  return modeled_;
+  modeled_.start(clock_->launched(), shape_.host_io.io_tiles, shape_.host_io.prefetch_depth);
+  modeled_pending_ = false;
 }
 
 bool HostLinkTimeline::wait(Clock::time_point now, Clock::time_point until, const StopFlag* stop,
@@ -47,7 +44,7 @@ bool HostLinkTimeline::wait(Clock::time_point now, Clock::time_point until, cons
 }
 
 bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const StopFlag* stop) {
-  if (shape_.host_io.io_tiles > 0) {
+  if (shape_.host_io.io_tiles > 0 && bytes != in_cost_.bytes) {  // a size seen fitted
     const std::size_t room = std::size_t{shape_.host_io.io_tiles} * shape_.bytes_per_tile;
     if (bytes * shape_.host_io.prefetch_depth > room) {
       throw Error("the I/O tiles of device " + std::to_string(shape_.device) + " (" +
@@ -58,9 +55,10 @@ bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const StopFlag* s
                   ": raise io_tiles or lower prefetch_depth");
     }
   }
-  const std::chrono::nanoseconds duration = shape_.host_io.host_link.duration(bytes);
+  const Cost& cost = cost_of(in_cost_, bytes);
+  const std::chrono::nanoseconds duration = cost.duration;
   if (clock_ != nullptr) {
-    modeled_link().copy_in(*clock_, static_cast<double>(duration.count()), handover_ns(bytes));
+    modeled_link().copy_in(*clock_, static_cast<double>(duration.count()), cost.handover_ns);
   }
   if (duration.count() == 0) {  // a link that costs nothing: no clock to read
     bytes_in_ += bytes;
@@ -87,9 +85,10 @@ bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const StopFlag* s
 }
 
 bool HostLinkTimeline::copy_out(std::size_t bytes, const StopFlag* stop) noexcept {
-  const std::chrono::nanoseconds duration = shape_.host_io.host_link.duration(bytes);
+  const Cost& cost = cost_of(out_cost_, bytes);
+  const std::chrono::nanoseconds duration = cost.duration;
   if (clock_ != nullptr) {
-    modeled_link().copy_out(*clock_, static_cast<double>(duration.count()), handover_ns(bytes));
+    modeled_link().copy_out(*clock_, static_cast<double>(duration.count()), cost.handover_ns);
   }
   if (duration.count() == 0) {
     bytes_out_ += bytes;

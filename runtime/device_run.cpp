@@ -223,18 +223,35 @@ bool DeviceRun::exec_node(const program::Sync& s) {
 }
 
 bool DeviceRun::exec_node(const program::Copy& c) {
-  // Between devices the copy takes the device link's modeled time (none on one device).
-  const std::chrono::nanoseconds link = &c.src->device() != &c.dst->device()
-                                            ? eng_.config.device_link.duration(c.dst->bytes())
-                                            : std::chrono::nanoseconds{0};
+  const std::size_t bytes = c.dst->bytes();
+  const bool between = &c.src->device() != &c.dst->device();
+  // The copy's modeled cost, worked out once per size: between devices the device link's
+  // time (none on one device), on one device the exchange's. A few sizes are kept (a
+  // pipeline's forward and backward exchanges alternate), the oldest replaced first.
+  CopyCost* cost = nullptr;
+  for (CopyCost& k : copy_costs_) {
+    if (k.bytes == bytes && k.between == between) {
+      cost = &k;
+      break;
+    }
+  }
+  if (cost == nullptr) {
+    cost = &copy_costs_[next_copy_cost_++ % copy_costs_.size()];
+    cost->link = between ? eng_.config.device_link.duration(bytes) : std::chrono::nanoseconds{0};
+    cost->modeled_ns =
+        cost->link.count() > 0
+            ? static_cast<double>(cost->link.count())
+            : model_.ns(model_.exchange_cycles(static_cast<double>(bytes), ctx_.compute_tiles));
+    cost->bytes = bytes;
+    cost->between = between;
+  }
+  const std::chrono::nanoseconds link = cost->link;
   // Read the clock only for a trace or a wait (take_modeled_time reads t0 only then).
   const Clock::time_point t0 = track_ || waits_for(link) ? Clock::now() : Clock::time_point{};
-  std::memcpy(c.dst->raw().data(), c.src->raw().data(), c.dst->bytes());
-  clock_.exchange(link.count() > 0 ? static_cast<double>(link.count())
-                                   : model_.ns(model_.exchange_cycles(
-                                         static_cast<double>(c.dst->bytes()), ctx_.compute_tiles)));
+  std::memcpy(c.dst->raw().data(), c.src->raw().data(), bytes);
+  clock_.exchange(cost->modeled_ns);
   const bool ok = take_modeled_time(t0, link);
-  if (track_) track_->record(Phase::kExchange, t0, Clock::now(), c.dst->bytes());
+  if (track_) track_->record(Phase::kExchange, t0, Clock::now(), bytes);
   return ok;
 }
 

@@ -34,14 +34,13 @@ void narrow(const Buffer& b, std::span<const float> wide) {
 }
 }  // namespace
 
-void Pipeline::Impl::check_saved(const StageRun& sr, std::uint64_t i,
-                                 const std::vector<float>& saved) const {
-  if (saved.size() <= sr.saved_limit) return;
+void Pipeline::Impl::throw_saved_over(const StageRun& sr, std::uint64_t i,
+                                      std::size_t saved) const {
   const std::string message =
       "stage " + std::to_string(sr.s) + " '" + sr.stage->name() + "' (device " +
       std::to_string(sr.device->id()) + ", replica " + std::to_string(sr.r) + ") saved " +
-      std::to_string(saved.size()) + " values in its forward pass at step " +
-      std::to_string(sr.step) + ", micro-batch " + std::to_string(i) + " but memory() declared " +
+      std::to_string(saved) + " values in its forward pass at step " + std::to_string(sr.step) +
+      ", micro-batch " + std::to_string(i) + " but memory() declared " +
       std::to_string(sr.saved_limit) + " (StageMemory::saved): the memory plan would be wrong";
   throw StageError(message, sr.s, sr.device->id(), sr.r, sr.step, i,
                    std::make_exception_ptr(Error(message)));
@@ -211,21 +210,24 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
     }
     if (!host_in(sr, slot, waited, stop)) return false;
   }
+  // Training stashes what the pass saves with its input (a recycled entry); inference keeps
+  // nothing, so the pass saves into a vector the stage keeps (no allocation per micro-batch).
   Stashed entry;
-  if (!sr.spare.empty()) {
+  if (config.training && !sr.spare.empty()) {
     entry = std::move(sr.spare.back());
     sr.spare.pop_back();
   }
   entry.micro_batch = i;
-  entry.saved.clear();
-  ForwardArgs args{batches_of[i % batches_of.size()], input, output, entry.saved};
+  std::vector<float>& saved = config.training ? entry.saved : sr.unstashed;
+  saved.clear();
+  ForwardArgs args{batches_of[i % batches_of.size()], input, output, saved};
   const StageContext ctx = context(sr, i);
   guarded(sr, i, "forward", [&] { sr.stage->forward(ctx, args); });
   charge(sr, sr.forward_ns);
-  check_saved(sr, i, entry.saved);
+  check_saved(sr, i, saved);
   if (half_storage()) {
     round_to_half(output);
-    round_to_half(entry.saved);
+    round_to_half(saved);
   }
   ++sr.forwards;
   if (config.training) {

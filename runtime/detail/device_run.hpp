@@ -4,6 +4,7 @@
 // records the trace.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -282,6 +283,14 @@ class DeviceRun {
   const program::FusedRepeat* fused_ = nullptr;
   std::uint32_t fused_label_ = 0;
   std::set<const DeviceBuffer*> synthesized_;
+  struct CopyCost {  // exec_node(Copy)'s modeled cost of a size
+    std::size_t bytes = ~std::size_t{0};
+    bool between = false;  // between devices (the device link's time)
+    std::chrono::nanoseconds link{0};
+    double modeled_ns = 0;
+  };
+  std::array<CopyCost, 4> copy_costs_{};
+  std::uint32_t next_copy_cost_ = 0;  // the one replaced next
   std::atomic<std::uint32_t> in_flight_{0};
   std::atomic<std::uint32_t> lost_{0};
   std::exception_ptr io_failure_;  // see io_failed()

@@ -95,6 +95,9 @@ struct Pipeline::Impl {
         false;  // inference, stage 0: the lane was empty at a take since the last one
     std::deque<Stashed> fifo;
     std::vector<Stashed> spare;  // recycled FIFO entries (no allocation in steady state)
+    // Inference: what a forward pass saves (nothing is stashed), its room kept from one
+    // micro-batch to the next.
+    std::vector<float> unstashed;
     std::vector<float> grads, accum, reduced;
     std::vector<float> host_state;  // offloaded optimiser state, between updates
 
@@ -196,7 +199,10 @@ struct Pipeline::Impl {
   }
   bool half_storage() const noexcept { return config.precision.storage == DType::kFloat16; }
   // Throws StageError if a forward pass saved more than the stage's memory() declared.
-  void check_saved(const StageRun& sr, std::uint64_t i, const std::vector<float>& saved) const;
+  void check_saved(const StageRun& sr, std::uint64_t i, const std::vector<float>& saved) const {
+    if (saved.size() > sr.saved_limit) throw_saved_over(sr, i, saved.size());
+  }
+  [[noreturn]] void throw_saved_over(const StageRun& sr, std::uint64_t i, std::size_t saved) const;
 
   // bsp: one cycle's forward (backward) pass of `sr`, reading and writing its exchange
   // buffers by parity; in half precision through fp32 copies.

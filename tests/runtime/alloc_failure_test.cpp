@@ -540,6 +540,59 @@ TEST_CASE("a loop called in a loop: a call allocates no more than its budget on 
   CHECK(later < first);
 }
 
+// An inference stage that saves values in its forward pass, as a stage written for training
+// does: inference stashes nothing, so what it saves is dropped after each micro-batch.
+class SavingStage final : public Stage {
+ public:
+  std::string name() const override { return "saving"; }
+  std::size_t output_elements() const override { return 1; }
+  void forward(const StageContext&, ForwardArgs& a) override {
+    a.saved.assign(16, 1.0f);  // room for 16 values: an allocation unless kept
+    a.output[0] = a.input.empty() ? 1.0f : a.input[0] + 1.0f;
+  }
+};
+
+TEST_CASE("inference: a stage that saves values allocates nothing per micro-batch") {
+  // With the same hook, armed far off on each device thread in turn: a run of many
+  // micro-batches makes as many allocations there as a run of few (the old code freed what
+  // the pass saved after each micro-batch, and allocated it again with the next one).
+  DeviceGroup devices(2, kSmall);
+  PipelineConfig cfg;
+  cfg.training = false;
+  cfg.gradient_accumulation = 4;
+  Pipeline pipe(devices, cfg, [](std::uint32_t) {
+    StageList l;
+    l.push_back(std::make_unique<SavingStage>());
+    l.push_back(std::make_unique<SavingStage>());
+    return l;
+  });
+  auto allocations_of_run = [&](std::thread::id target, std::uint64_t steps) {
+    InfeedQueue<Batch> infeed(InfeedConfig{1, steps * 4, 4});
+    {
+      auto producer = infeed.make_producer();
+      for (std::uint64_t i = 0; i < steps * 4; ++i) producer.push(Batch{});
+    }
+    constexpr long kFar = 1'000'000;
+    arm(target, kFar);
+    const PipelineResult r = pipe.run(infeed, steps);
+    const long left = g_countdown.load();
+    CHECK_FALSE(disarm());
+    CHECK(r.completed());
+    CHECK(r.micro_batches == steps * 4);
+    return kFar - left;
+  };
+  for (std::uint32_t d = 0; d < 2; ++d) {
+    CAPTURE(d);
+    const std::thread::id target = device_thread(devices[d]);
+    (void)allocations_of_run(target, 2);  // the first run leaves what later ones reuse
+    const long few = allocations_of_run(target, 2);
+    const long many = allocations_of_run(target, 32);
+    MESSAGE("device ", d, " thread allocations: 8 micro-batches ", few, ", 128 micro-batches ",
+            many);
+    CHECK(many == few);
+  }
+}
+
 TEST_CASE("out of memory at any allocation of the host's call: an error, never a hang") {
   Device device(0, kSmall);
   SUBCASE("untraced") {

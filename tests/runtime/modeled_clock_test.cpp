@@ -130,6 +130,31 @@ TEST_CASE("a Copy between devices takes the device link's time; on one device, t
   CHECK(ns(r.modeled_by_device[0].exchange) == doctest::Approx(2 * 16));
 }
 
+TEST_CASE("Copies of many sizes, alternating, each take their own size's modeled time") {
+  // More sizes than a device keeps worked out (4), and a copy on the device itself of the same
+  // size as the one before it (the exchange's time, not the link's), every trip in this order.
+  DeviceGroup devices(2, round_device());
+  EngineConfig config;
+  config.device_link = LinkModel::taking(2us, 4096);  // 2 us per 4096 bytes
+  Engine engine(devices, config);
+  std::vector<Program> steps;
+  double per_trip_ns = 0;
+  for (const std::size_t elements : {1024, 512, 256, 2048, 128, 768}) {
+    Buffer src = make_buffer(devices[0], "src", DType::kFloat32, elements);
+    Buffer dst = make_buffer(devices[1], "dst", DType::kFloat32, elements);
+    steps.emplace_back(Copy(src, dst));
+    per_trip_ns += 2000.0 * static_cast<double>(elements) / 1024.0;
+    if (elements == 1024) {
+      Buffer here = make_buffer(devices[1], "here", DType::kFloat32, elements);
+      steps.emplace_back(Copy(dst, here));
+      per_trip_ns += 16;  // 4096 bytes over 64 tiles at 4 bytes per tile-cycle, 1 GHz
+    }
+  }
+  const EngineResult r = engine.run({Sequence{}, Repeat(3, Sequence(std::move(steps)))});
+  CHECK(r.completed());
+  CHECK(ns(r.modeled_by_device[1].exchange) == doctest::Approx(3 * per_trip_ns));
+}
+
 TEST_CASE(
     "a Copy between devices counts in full in modeled time, short or long; a long one "
     "is also waited out in real time") {

@@ -57,6 +57,7 @@ class HostLinkTimeline {
     handover_per_byte_ns_ = model.ns(1.0 / (model.exchange_bytes_per_tile_cycle *
                                             std::max<std::uint32_t>(shape_.host_io.io_tiles, 1)));
     handover_fixed_ns_ = model.ns(model.sync_cycles_on_chip);
+    in_cost_ = out_cost_ = Cost{};
     modeled_.start(0, shape_.host_io.io_tiles, shape_.host_io.prefetch_depth);
   }
 
@@ -96,23 +97,40 @@ class HostLinkTimeline {
   bool wait(Clock::time_point now, Clock::time_point until, const StopFlag* stop,
             Clock::time_point& after) noexcept;
 
-  // Modeled time: the copies' own schedule on the attached clock.
-  double modeled_ns(std::size_t bytes) const noexcept {
-    return static_cast<double>(shape_.host_io.host_link.duration(bytes).count());
-  }
   double handover_ns(std::size_t bytes) const noexcept {
     return shape_.host_io.io_tiles > 0
                ? static_cast<double>(bytes) * handover_per_byte_ns_ + handover_fixed_ns_
                : 0.0;
   }
+  // One direction's copy of `bytes`: its link time and its hand-over to the compute tiles.
+  // Kept for the last size seen (a run's copies are one size): the link's division and
+  // rounding and the hand-over are worked out once, not with every micro-batch.
+  struct Cost {
+    std::size_t bytes = ~std::size_t{0};
+    std::chrono::nanoseconds duration{0};
+    double handover_ns = 0;
+  };
+  const Cost& cost_of(Cost& memo, std::size_t bytes) const noexcept {
+    if (memo.bytes != bytes) {
+      memo.duration = shape_.host_io.host_link.duration(bytes);
+      memo.handover_ns = handover_ns(bytes);
+      memo.bytes = bytes;
+    }
+    return memo;
+  }
 
-  ModeledLink& modeled_link() noexcept;
+  ModeledLink& modeled_link() noexcept {
+    if (modeled_pending_) start_modeled();
+    return modeled_;
+  }
+  void start_modeled() noexcept;
 
   Shape shape_;
   ModeledClock* clock_ = nullptr;
   ModeledLink modeled_;
   bool modeled_pending_ = false;
   double handover_per_byte_ns_ = 0, handover_fixed_ns_ = 0;
+  Cost in_cost_, out_cost_;  // cost_of's memos (reset by attach: the hand-over changes)
   Clock::time_point in_link_free_{}, out_link_free_{};
   std::vector<Clock::time_point> in_buffer_free_, out_buffer_free_;
   std::uint64_t copies_in_ = 0, copies_out_ = 0;
