@@ -225,9 +225,10 @@ bool DeviceRun::exec_node(const program::Sync& s) {
 bool DeviceRun::exec_node(const program::Copy& c) {
   const std::size_t bytes = c.dst->bytes();
   const bool between = &c.src->device() != &c.dst->device();
-  // The copy's modeled cost, worked out once per size: between devices the device link's
-  // time (none on one device), on one device the exchange's. A few sizes are kept (a
-  // pipeline's forward and backward exchanges alternate), the oldest replaced first.
+  // The copy's modeled cost: between devices the device link's time (none on one device), on
+  // one device the exchange's. This run keeps it for the last 4 (size, between devices) pairs
+  // its Copies needed (a pipeline's forward and backward exchanges alternate sizes), the one
+  // kept longest replaced first.
   CopyCost* cost = nullptr;
   for (CopyCost& k : copy_costs_) {
     if (k.bytes == bytes && k.between == between) {

@@ -283,9 +283,9 @@ class DeviceRun {
   const program::FusedRepeat* fused_ = nullptr;
   std::uint32_t fused_label_ = 0;
   std::set<const DeviceBuffer*> synthesized_;
-  struct CopyCost {  // exec_node(Copy)'s modeled cost of a size
-    std::size_t bytes = ~std::size_t{0};
-    bool between = false;  // between devices (the device link's time)
+  struct CopyCost {                       // exec_node(Copy)'s modeled cost of a size
+    std::size_t bytes = ~std::size_t{0};  // none yet (no buffer is that large)
+    bool between = false;                 // between devices (the device link's time)
     std::chrono::nanoseconds link{0};
     double modeled_ns = 0;
   };

@@ -541,7 +541,7 @@ TEST_CASE("a loop called in a loop: a call allocates no more than its budget on 
 }
 
 // An inference stage that saves values in its forward pass, as a stage written for training
-// does: inference stashes nothing, so what it saves is dropped after each micro-batch.
+// does: inference stashes nothing, so nothing it saves is kept for a later pass.
 class SavingStage final : public Stage {
  public:
   std::string name() const override { return "saving"; }

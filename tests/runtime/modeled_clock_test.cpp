@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <span>
 #include <string>
@@ -131,23 +132,29 @@ TEST_CASE("a Copy between devices takes the device link's time; on one device, t
 }
 
 TEST_CASE("Copies of many sizes, alternating, each take their own size's modeled time") {
-  // More sizes than a device keeps worked out (4), and a copy on the device itself of the same
+  // More sizes than a device's run keeps worked out (4), some copied again soon after (found
+  // kept) and some after others pushed them out, and a copy on the device itself of the same
   // size as the one before it (the exchange's time, not the link's), every trip in this order.
   DeviceGroup devices(2, round_device());
   EngineConfig config;
   config.device_link = LinkModel::taking(2us, 4096);  // 2 us per 4096 bytes
   Engine engine(devices, config);
+  std::map<std::size_t, Program> from_device0;  // by elements: a copy from device 0
+  for (const std::size_t elements : {1024, 512, 256, 2048, 128, 768}) {
+    from_device0.emplace(elements, Copy(make_buffer(devices[0], "src", DType::kFloat32, elements),
+                                        make_buffer(devices[1], "dst", DType::kFloat32, elements)));
+  }
+  Buffer here = make_buffer(devices[1], "here", DType::kFloat32, 1024);
+  Buffer there = make_buffer(devices[1], "there", DType::kFloat32, 1024);
   std::vector<Program> steps;
   double per_trip_ns = 0;
-  for (const std::size_t elements : {1024, 512, 256, 2048, 128, 768}) {
-    Buffer src = make_buffer(devices[0], "src", DType::kFloat32, elements);
-    Buffer dst = make_buffer(devices[1], "dst", DType::kFloat32, elements);
-    steps.emplace_back(Copy(src, dst));
-    per_trip_ns += 2000.0 * static_cast<double>(elements) / 1024.0;
-    if (elements == 1024) {
-      Buffer here = make_buffer(devices[1], "here", DType::kFloat32, elements);
-      steps.emplace_back(Copy(dst, here));
-      per_trip_ns += 16;  // 4096 bytes over 64 tiles at 4 bytes per tile-cycle, 1 GHz
+  for (const std::size_t elements : {1024, 0, 512, 1024, 256, 2048, 128, 768, 1024, 768, 512}) {
+    if (elements == 0) {  // 4096 bytes on device 1: 64 tiles at 4 bytes per tile-cycle, 1 GHz
+      steps.emplace_back(Copy(here, there));
+      per_trip_ns += 16;
+    } else {
+      steps.push_back(from_device0.at(elements));
+      per_trip_ns += 2000.0 * static_cast<double>(elements) / 1024.0;
     }
   }
   const EngineResult r = engine.run({Sequence{}, Repeat(3, Sequence(std::move(steps)))});

@@ -103,14 +103,15 @@ class HostLinkTimeline {
                : 0.0;
   }
   // One direction's copy of `bytes`: its link time and its hand-over to the compute tiles.
-  // Kept for the last size seen (a run's copies are one size): the link's division and
-  // rounding and the hand-over are worked out once, not with every micro-batch.
+  // Kept for the last size seen (usually a run's only one: a Pipeline's copies are all of one
+  // size): the link's division and rounding and the hand-over are worked out once, not with
+  // every micro-batch.
   struct Cost {
-    std::size_t bytes = ~std::size_t{0};
+    std::size_t bytes = ~std::size_t{0};  // none yet (no copy is that large)
     std::chrono::nanoseconds duration{0};
     double handover_ns = 0;
   };
-  const Cost& cost_of(Cost& memo, std::size_t bytes) const noexcept {
+  const Cost& cost_of(Cost& memo, std::size_t bytes) noexcept {
     if (memo.bytes != bytes) {
       memo.duration = shape_.host_io.host_link.duration(bytes);
       memo.handover_ns = handover_ns(bytes);

@@ -101,7 +101,10 @@ struct ForwardArgs {
   const Batch& batch;            // the micro-batch: data (stage 0's input), labels, valid
   std::span<const float> input;  // the previous stage's output (empty for stage 0)
   std::span<float> output;       // this stage's output: output_elements() values
-  std::vector<float>& saved;     // what backward will need; kept in the activation FIFO
+  // What backward will need: kept in the activation FIFO (training). In inference nothing is
+  // kept: it is a vector of the stage's own, cleared before each pass (filled with assign or
+  // push_back, its room serves the next pass).
+  std::vector<float>& saved;
 };
 struct BackwardArgs {
   const Batch& batch;
