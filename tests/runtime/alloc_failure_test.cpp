@@ -71,6 +71,18 @@ bool disarm() {
   return g_injected.load();
 }
 
+// How many allocations `thread` makes while f() runs: the hook armed far off, so nothing
+// fails; counted as the countdown moves.
+template <class F>
+long allocations_of(std::thread::id thread, F&& f) {
+  constexpr long kFar = 1'000'000;
+  arm(thread, kFar);
+  f();
+  const long left = g_countdown.load();
+  CHECK_FALSE(disarm());
+  return kFar - left;
+}
+
 std::size_t rounded(std::size_t n, std::size_t align) {
   return (n == 0 ? align : n + align - 1) / align * align;
 }
@@ -375,18 +387,22 @@ class TinyStage final : public Stage {
   float w_[1] = {1.0f};
 };
 
+// Two stages of S, as a Pipeline's stage factory.
+template <class S>
+StageList two_stages(std::uint32_t) {
+  StageList l;
+  l.push_back(std::make_unique<S>());
+  l.push_back(std::make_unique<S>());
+  return l;
+}
+
 // A Pipeline of 2 stages on 2 devices, `steps` steps of 4 micro-batches each, with allocation
 // k of `target` failing (the pipeline itself is built first: only its run is swept).
 bool pipeline_attempt(DeviceGroup& devices, bool training, std::thread::id target, long k) {
   PipelineConfig cfg;
   cfg.training = training;
   cfg.gradient_accumulation = 4;
-  Pipeline pipe(devices, cfg, [](std::uint32_t) {
-    StageList l;
-    l.push_back(std::make_unique<TinyStage>());
-    l.push_back(std::make_unique<TinyStage>());
-    return l;
-  });
+  Pipeline pipe(devices, cfg, two_stages<TinyStage>);
   constexpr std::uint64_t kSteps = 2;
   InfeedQueue<Batch> infeed(InfeedConfig{1, kSteps * 4, 1});
   auto producer = infeed.make_producer();
@@ -522,12 +538,7 @@ TEST_CASE("a loop called in a loop: a call allocates no more than its budget on 
     return run.get().completed() && read == kTrips;
   };
   auto allocations_of_call = [&](bool& ok) {
-    constexpr long kFar = 1'000'000;
-    arm(std::this_thread::get_id(), kFar);
-    ok = call();
-    const long left = g_countdown.load();
-    CHECK_FALSE(disarm());
-    return kFar - left;
+    return allocations_of(std::this_thread::get_id(), [&] { ok = call(); });
   };
   bool ok = false;
   const long first = allocations_of_call(ok);
@@ -560,26 +571,18 @@ TEST_CASE("inference: a stage that saves values allocates nothing per micro-batc
   PipelineConfig cfg;
   cfg.training = false;
   cfg.gradient_accumulation = 4;
-  Pipeline pipe(devices, cfg, [](std::uint32_t) {
-    StageList l;
-    l.push_back(std::make_unique<SavingStage>());
-    l.push_back(std::make_unique<SavingStage>());
-    return l;
-  });
+  Pipeline pipe(devices, cfg, two_stages<SavingStage>);
   auto allocations_of_run = [&](std::thread::id target, std::uint64_t steps) {
     InfeedQueue<Batch> infeed(InfeedConfig{1, steps * 4, 4});
     {
       auto producer = infeed.make_producer();
       for (std::uint64_t i = 0; i < steps * 4; ++i) producer.push(Batch{});
     }
-    constexpr long kFar = 1'000'000;
-    arm(target, kFar);
-    const PipelineResult r = pipe.run(infeed, steps);
-    const long left = g_countdown.load();
-    CHECK_FALSE(disarm());
+    PipelineResult r;
+    const long n = allocations_of(target, [&] { r = pipe.run(infeed, steps); });
     CHECK(r.completed());
     CHECK(r.micro_batches == steps * 4);
-    return kFar - left;
+    return n;
   };
   for (std::uint32_t d = 0; d < 2; ++d) {
     CAPTURE(d);
