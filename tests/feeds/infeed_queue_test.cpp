@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <utility>
@@ -562,6 +563,40 @@ TEST_CASE("single producer: exactly once and in order through a small lane, bulk
     CHECK(in_order);
     CHECK(got == n);
     CHECK(reader.end_of_data());
+  }
+}
+
+TEST_CASE("single producer: marks left in the slots from earlier laps are not read as new ones") {
+  // Each push, and each part of a push_bulk, is marked in its first slot with where it ends.
+  // One lap later the reader's head is at those slots again with nothing new pushed: a whole
+  // lap pushed as one part leaves a mark equal to the head, single pushes leave marks below
+  // it. Both must read as "nothing yet", and what is pushed next must read once, in order.
+  InfeedQueue<int> q(single(1, 8, 8));
+  auto p = q.make_producer();
+  auto reader = q.reader(0);
+  int v = -1;
+  int next = 0;
+  for (int lap = 0; lap < 4; ++lap) {
+    CAPTURE(lap);
+    std::vector<int> all(8);
+    std::iota(all.begin(), all.end(), next);
+    REQUIRE(p.push_bulk(0, all) == 8);  // one part of 8: every slot
+    for (int i = 0; i < 8; ++i) {
+      REQUIRE(reader.try_pop(v));
+      CHECK(v == next++);
+    }
+    CHECK_FALSE(reader.try_pop(v));
+    for (int i = 0; i < 8; ++i) {  // eight parts of one
+      REQUIRE(p.push(int{next}));
+      REQUIRE(reader.try_pop(v));
+      CHECK(v == next++);
+    }
+    CHECK_FALSE(reader.try_pop(v));
+    CHECK(q.size_approx(0) == 0);
+    REQUIRE(p.push(int{next}));  // the next lap's parts start one slot on
+    REQUIRE(reader.try_pop(v));
+    CHECK(v == next++);
+    CHECK_FALSE(reader.try_pop(v));
   }
 }
 

@@ -1,10 +1,17 @@
 // SpscLane<T>: an infeed lane with one producer (InfeedConfig::producer_type = kSingle), and
 // one replica's share of an outfeed with one reader (OutfeedConfig::consumer_type = kSingle).
 //
-// A bounded ring like SpscRing (each side caches the other's index and re-reads the shared
-// one only when its copy says full or empty; a power-of-two slot count), plus what an
-// infeed lane needs on top: close() from any thread, bulk push and pop, stop flags and the
-// lane's wait policy.
+// A bounded ring (a power-of-two slot count) with what an infeed lane needs on top: close()
+// from any thread, bulk push and pop, stop flags and the lane's wait policy.
+//
+// The producer publishes in parts (one element for push, up to kPublishEvery for push_bulk),
+// and marks each part in its first slot, beside the element: where the part ends (a mark per
+// slot, as in rigtorp's SPSCQueue or Vyukov's queue, but one per part). The consumer reads the
+// mark, not the producer's index, so a waiting consumer sees the next element arrive with one
+// cache line: the element's own. (An index and then the element cost a second transfer each
+// way wherever prefetching the element's line while watching the index does not hide it.) The
+// producer still publishes its index (tail_), for size queries, drained() and a reader of
+// several lanes, and reads the consumer's index only when its cached copy says full.
 //
 // close() and a push racing it: the producer marks itself busy (a plain store and a light
 // fence) before it checks the closed flag and clears the mark after publishing; close()
@@ -82,8 +89,9 @@ class SpscLane {
   }
 
   // Moves n elements from `first`, in order, as many as fit at a time. Blocks while full.
-  // Returns how many were pushed: n, or fewer once closed or stopped. Publishes every
-  // kPublishEvery elements (tunables::kBulkPublishBytes), so the reader starts early.
+  // Returns how many were pushed: n, or fewer once closed or stopped. Each element can be
+  // read once it is written; the index is published, and a parked reader woken, every
+  // kPublishEvery elements (tunables::kBulkPublishBytes).
   template <class It>
   std::size_t push_bulk(It first, std::size_t n, const StopFlag* stop = nullptr,
                         const WaitSite* site = nullptr) {
@@ -94,9 +102,8 @@ class SpscLane {
       for (std::size_t i = 0; i < fit;) {
         const std::size_t part = std::min(fit - i, kPublishEvery);
         const std::uint64_t tail = producer_.tail;
-        for (std::size_t k = 0; k < part; ++k, ++first) {
-          slots_[(tail + k) & mask_] = std::move(*first);
-        }
+        for (std::size_t k = 0; k < part; ++k, ++first) slot(tail + k).value = std::move(*first);
+        mark_readable(tail, part);
         publish(tail + part);
         i += part;
       }
@@ -118,7 +125,8 @@ class SpscLane {
     const std::size_t fit =
         static_cast<std::size_t>(std::min<std::uint64_t>(slots_.size() - used, n));
     for (std::size_t i = 0; i < fit; ++i, ++first)
-      slots_[(producer_.tail + i) & mask_] = std::move(*first);
+      slot(producer_.tail + i).value = std::move(*first);
+    mark_readable(producer_.tail, fit);
     if (fit != 0) publish(producer_.tail + fit);
     leave();
     return fit;
@@ -129,10 +137,15 @@ class SpscLane {
   // Never blocks. Moves up to `max` elements into out[0..); returns the count.
   std::size_t try_pop_bulk(T* out, std::size_t max) {
     const std::uint64_t h = consumer_.head;
-    if (consumer_.tail_seen == h) consumer_.tail_seen = tail_.load(std::memory_order_acquire);
+    if (consumer_.readable_end <= h) {
+      // The next part's mark, in its first slot: the element's own line (see Slot).
+      const std::uint64_t end = slot(h).end.load(std::memory_order_acquire);
+      if (end <= h) return 0;
+      consumer_.readable_end = end;
+    }
     const std::size_t n =
-        static_cast<std::size_t>(std::min<std::uint64_t>(consumer_.tail_seen - h, max));
-    for (std::size_t i = 0; i < n; ++i) out[i] = std::move(slots_[(h + i) & mask_]);
+        static_cast<std::size_t>(std::min<std::uint64_t>(consumer_.readable_end - h, max));
+    for (std::size_t i = 0; i < n; ++i) out[i] = std::move(slot(h + i).value);
     if (n != 0) {
       consumer_.head = h + n;
       head_.store(consumer_.head, std::memory_order_release);  // done with the slots
@@ -157,9 +170,7 @@ class SpscLane {
       wait_with(
           *readable_, policy ? *policy : WaitPolicy{},
           [&] {
-            // The element, with each look at the index (see prefetch_for_read).
-            prefetch_for_read(&slots_[h & mask_]);
-            return tail_.load(std::memory_order_seq_cst) != h ||
+            return slot(h).end.load(std::memory_order_seq_cst) > h ||
                    sealed_.load(std::memory_order_seq_cst) || stopped(stop);
           },
           Fence::kAsymmetric);
@@ -248,8 +259,18 @@ class SpscLane {
   }
   bool has_room(std::size_t n) noexcept { return room_for(n) == n; }
   void put(T&& value) {
-    slots_[producer_.tail & mask_] = std::move(value);
+    slot(producer_.tail).value = std::move(value);
+    mark_readable(producer_.tail, 1);
     publish(producer_.tail + 1);
+  }
+  struct Slot;
+  Slot& slot(std::uint64_t index) noexcept { return slots_[index & mask_]; }
+  // Makes the elements [from, from + n), already in their slots, readable as one part: its
+  // end in its first slot (a release store, after the elements). The consumer reads a part's
+  // lines once they are all filled, never while the producer still fills them (a line pulled
+  // back and forth between the two), and reads one mark per part.
+  void mark_readable(std::uint64_t from, std::size_t n) noexcept {
+    if (n != 0) slot(from).end.store(from + n, std::memory_order_release);
   }
   void publish(std::uint64_t tail) noexcept {
     producer_.tail = tail;
@@ -276,9 +297,19 @@ class SpscLane {
   };
   struct alignas(tunables::kCacheLine) ConsumerSide {
     std::uint64_t head = 0;
-    std::uint64_t tail_seen = 0;
+    std::uint64_t readable_end = 0;  // the end of the last part whose mark it read
   };
-  std::vector<T> slots_;
+  // end: in the first slot of each published part, the index after the part's last element
+  // (0 before any). Parts are contiguous, so the consumer looks for a mark only where a part
+  // begins: at its head, once it has taken everything the last mark announced. A mark left
+  // from an earlier lap is at most this slot's index now (a part holds at most the slot
+  // count, and a slot is refilled only after the consumer moved past it), so `end > head`
+  // is only ever true of a part published for this lap.
+  struct Slot {
+    std::atomic<std::uint64_t> end{0};
+    T value{};
+  };
+  std::vector<Slot> slots_;
   const std::uint64_t capacity_;
   const std::uint64_t mask_;
   ProducerSide producer_;
