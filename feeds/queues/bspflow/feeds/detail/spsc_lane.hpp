@@ -89,9 +89,9 @@ class SpscLane {
   }
 
   // Moves n elements from `first`, in order, as many as fit at a time. Blocks while full.
-  // Returns how many were pushed: n, or fewer once closed or stopped. Each element can be
-  // read once it is written; the index is published, and a parked reader woken, every
-  // kPublishEvery elements (tunables::kBulkPublishBytes).
+  // Returns how many were pushed: n, or fewer once closed or stopped. Publishes a part every
+  // kPublishEvery elements (tunables::kBulkPublishBytes), so the reader starts early; a
+  // part can be read once it is all written.
   template <class It>
   std::size_t push_bulk(It first, std::size_t n, const StopFlag* stop = nullptr,
                         const WaitSite* site = nullptr) {
@@ -103,8 +103,7 @@ class SpscLane {
         const std::size_t part = std::min(fit - i, kPublishEvery);
         const std::uint64_t tail = producer_.tail;
         for (std::size_t k = 0; k < part; ++k, ++first) slot(tail + k).value = std::move(*first);
-        mark_readable(tail, part);
-        publish(tail + part);
+        publish(part);
         i += part;
       }
       leave();
@@ -126,8 +125,7 @@ class SpscLane {
         static_cast<std::size_t>(std::min<std::uint64_t>(slots_.size() - used, n));
     for (std::size_t i = 0; i < fit; ++i, ++first)
       slot(producer_.tail + i).value = std::move(*first);
-    mark_readable(producer_.tail, fit);
-    if (fit != 0) publish(producer_.tail + fit);
+    if (fit != 0) publish(fit);
     leave();
     return fit;
   }
@@ -260,21 +258,19 @@ class SpscLane {
   bool has_room(std::size_t n) noexcept { return room_for(n) == n; }
   void put(T&& value) {
     slot(producer_.tail).value = std::move(value);
-    mark_readable(producer_.tail, 1);
-    publish(producer_.tail + 1);
+    publish(1);
   }
   struct Slot;
   Slot& slot(std::uint64_t index) noexcept { return slots_[index & mask_]; }
-  // Makes the elements [from, from + n), already in their slots, readable as one part: its
-  // end in its first slot (a release store, after the elements). The consumer reads a part's
-  // lines once they are all filled, never while the producer still fills them (a line pulled
-  // back and forth between the two), and reads one mark per part.
-  void mark_readable(std::uint64_t from, std::size_t n) noexcept {
-    if (n != 0) slot(from).end.store(from + n, std::memory_order_release);
-  }
-  void publish(std::uint64_t tail) noexcept {
-    producer_.tail = tail;
-    tail_.store(tail, std::memory_order_release);  // the elements, then their index
+  // Publishes the n (>= 1) elements already in the slots from producer_.tail on as one part:
+  // its end in its first slot (a release store, after the elements), then the index. The
+  // consumer reads a part's lines once they are all filled, never while the producer still
+  // fills them (a line pulled back and forth between the two), and reads one mark per part.
+  void publish(std::size_t n) noexcept {
+    const std::uint64_t end = producer_.tail + n;
+    slot(producer_.tail).end.store(end, std::memory_order_release);
+    producer_.tail = end;
+    tail_.store(end, std::memory_order_release);  // for sizes, drained(), has_entries()
     readable_->notify_light();
   }
   // false once closed or stopped; true when there may be room now.
