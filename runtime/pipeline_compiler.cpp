@@ -294,7 +294,7 @@ Program Pipeline::Impl::compile_inference(const std::vector<StageRun*>& on_devic
           } else {
             id = st->in_id;
           }
-          st->out_id[c % 2] = id;
+          st->out_id[c % 2].id = id;
           if (id < 0) return;  // a bubble
           const auto i = static_cast<std::uint64_t>(id);
           forward_exchanged(*st, i, c, ctx.stop);
@@ -316,7 +316,7 @@ Program Pipeline::Impl::compile_inference(const std::vector<StageRun*>& on_devic
                 // ask for the activations' line first, so the two misses overlap instead of
                 // following each other (the copy would read it next).
                 detail::prefetch_for_read(src->raw().data());
-                st->in_id = prev->out_id[parity];
+                st->in_id = prev->out_id[parity].id;
                 return st->in_id >= 0;
               },
               program::Copy(prev->out_fwd[parity], st->in_fwd)));

@@ -48,7 +48,7 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
       sr.forwards = 0;
       sr.taken = sr.last_take = 0;
       sr.ended = sr.done = sr.got = false;
-      sr.out_id[0] = sr.out_id[1] = sr.in_id = -1;
+      sr.out_id[0].id = sr.out_id[1].id = sr.in_id = -1;
       sr.end_cycle.store(Impl::StageRun::kNever,
                          std::memory_order_relaxed);  // relaxed: no device runs yet
       sr.accumulated = 0;

@@ -137,14 +137,18 @@ struct Pipeline::Impl {
     // bubble), read by the next stage's exchange after the cycle's sync; and the one its
     // own exchange brought for the next cycle. The sync orders the writes and the reads.
     // Each on a cache line of its own: neighbours read them every cycle, and the stage's
-    // other fields change every cycle.
+    // other fields change every cycle. The two parities too: a stage writes the next
+    // cycle's id as soon as the sync opens, while its neighbour reads this cycle's; on one
+    // line the write took the line away from under the read.
     std::int64_t in_id = -1;
-    alignas(tunables::kCacheLine) std::int64_t out_id[2] = {-1, -1};
+    struct alignas(tunables::kCacheLine) OutId {
+      std::int64_t id = -1;
+    };
+    OutId out_id[2];
     // bsp, stage 0: the first cycle in which it took nothing and will take nothing more.
     // Written before that cycle's sync and read by every stage's loop condition; relaxed:
     // the sync orders it for the cycles whose exit depends on it (see compile_inference).
     alignas(tunables::kCacheLine) std::atomic<std::uint64_t> end_cycle{kNever};
-    static_assert(tunables::kCacheLine >= 2 * sizeof(std::int64_t));
     static constexpr std::uint64_t kNever = ~std::uint64_t{0};
     // stage 0 / last stage (the reader on a line of its own: it changes with every take)
     alignas(tunables::kCacheLine) std::optional<InfeedQueue<Batch>::Reader> reader;
