@@ -13,6 +13,22 @@
 //                                (no target; its Grouped schedule idles stages while it
 //                                fills and drains at every weight update)
 //
+// What the schedule allows, from each stage's forward, backward and update times measured in
+// the plain loop's rounds (the keys' own runs: two clock reads per pass) and the devices'
+// cores (figures, no targets):
+//   flagship_schedule_bound      the speedup over the plain loop of a runtime that costs
+//                                nothing: per cycle of the Grouped schedule (PipelinePlan,
+//                                K = 10, N = 4) the busiest core's work (the stages of the
+//                                devices on it, which share it), plus the updates; each
+//                                core at one core's speed
+//   flagship_attainable_vs_sequential  the same with a cycle that keeps both cores busy
+//                                run at the 2-core speed of that round (machine_2_vs_1 / 2,
+//                                at most 1): the most flagship_vs_sequential can be on
+//                                this machine in that round; median over the rounds
+//   flagship_vs_attainable       flagship_vs_sequential over it, per round; median
+//   flagship_attainable_vs_sequential_k20, _k40  the attainable with gradient accumulation
+//                                20 and 40 (same stage times): what a larger K would allow
+//
 // One epoch of each (15 host calls, 150 steps) in 5 rounds, each a third of an epoch of
 // all three back to back, the order reversed every other round; ratios are taken within
 // a round and the keys are the rounds' medians (_min, _max: the spread of
@@ -74,20 +90,78 @@ class Sequential {
  public:
   explicit Sequential(const std::vector<Batch>& batches)
       : batches_(batches), model_(kit::make_model(kit::Model::kConv, 4, kBatch, kit::AdamW{})) {}
-  // Trains `steps` steps; returns samples per second.
+  // Trains `steps` steps; returns samples per second. Adds each stage's time to stage_seconds().
   double rate(std::uint64_t steps) {
     const double seconds = bench::train_plainly(
         model_, steps, kAccumulation,
-        [&](std::uint64_t m) -> const Batch& { return batches_[(first_ + m) % batches_.size()]; });
+        [&](std::uint64_t m) -> const Batch& { return batches_[(first_ + m) % batches_.size()]; },
+        &per_stage_);
     first_ += steps * kAccumulation;
+    steps_ += steps;
     return static_cast<double>(steps * kAccumulation * kBatch) / seconds;
   }
+  const bench::StageSeconds& stage_seconds() const { return per_stage_; }
+  std::uint64_t steps() const { return steps_; }
 
  private:
   const std::vector<Batch>& batches_;
   StageList model_;
-  std::uint64_t first_ = 0;
+  std::uint64_t first_ = 0, steps_ = 0;
+  bench::StageSeconds per_stage_;
 };
+
+// The pipelined step's time if the runtime cost nothing, over the plain loop's step time:
+// each stage's passes take what they took in the plain loop (`t`, over `steps` steps of
+// kAccumulation micro-batches); per cycle of the Grouped schedule over `k` micro-batches,
+// the devices on one core share it, so the cycle lasts as long as the busiest core's work;
+// a cycle in which more than one core works runs at `two_core_speed` (1: one core's speed).
+// The updates follow the last cycle, also per core. `core_of[s]`: the core of stage s's device.
+double schedule_speedup(const bench::StageSeconds& t, std::uint64_t steps,
+                        const std::vector<std::uint32_t>& core_of, std::uint64_t k,
+                        double two_core_speed) {
+  const auto n = static_cast<std::uint32_t>(t.forward.size());
+  const double micro_batches = static_cast<double>(steps * kAccumulation);
+  std::vector<double> fwd(n), bwd(n), upd(n);
+  double plain_step = 0;
+  for (std::uint32_t s = 0; s < n; ++s) {
+    fwd[s] = t.forward[s] / micro_batches;
+    bwd[s] = t.backward[s] / micro_batches;
+    upd[s] = t.update[s] / static_cast<double>(steps);
+    plain_step += static_cast<double>(k) * (fwd[s] + bwd[s]) + upd[s];
+  }
+  const std::uint32_t cores = *std::max_element(core_of.begin(), core_of.end()) + 1;
+  auto busiest = [&](auto&& work_of) {  // the cycle's time: work_of(s) is stage s's work
+    std::vector<double> load(cores, 0.0);
+    for (std::uint32_t s = 0; s < n; ++s) load[core_of[s]] += work_of(s);
+    const auto busy = std::count_if(load.begin(), load.end(), [](double w) { return w > 0; });
+    const double most = *std::max_element(load.begin(), load.end());
+    return busy > 1 ? most / two_core_speed : most;
+  };
+  const PipelinePlan plan{PipelineSchedule::kGrouped, n, k, true};
+  double pipelined_step = busiest([&](std::uint32_t s) { return upd[s]; });
+  for (std::uint64_t c = 0; c < plan.cycles(); ++c) {
+    pipelined_step += busiest([&](std::uint32_t s) {
+      const CycleWork w = plan.at(s, c);
+      return (w.forward >= 0 ? fwd[s] : 0.0) + (w.backward >= 0 ? bwd[s] : 0.0);
+    });
+  }
+  return plain_step / pipelined_step;
+}
+
+// Stage s runs on device s: the core it is pinned to (unpinned: a core of its own).
+std::vector<std::uint32_t> stage_cores(const DeviceGroup& devices) {
+  std::vector<std::uint32_t> out;
+  for (std::uint32_t d = 0; d < devices.size(); ++d)
+    out.push_back(devices[d].placement().core.value_or(d));
+  // Numbered 0.. in order of first use, so that the count of cores is the largest + 1.
+  std::vector<std::uint32_t> seen;
+  for (std::uint32_t& c : out) {
+    const auto it = std::find(seen.begin(), seen.end(), c);
+    if (it == seen.end()) seen.push_back(c);
+    c = static_cast<std::uint32_t>(std::find(seen.begin(), seen.end(), c) - seen.begin());
+  }
+  return out;
+}
 
 // The machine's floor for 2 cores: two plain loops at once, pinned like 2 devices
 // (bench::train_plainly_on_threads), `steps` steps each; samples per second of both together.
@@ -233,12 +307,32 @@ int main(int argc, char** argv) {
                    round, seq.back(), two.back(), pip.back(), ratio.back());
     }
     const double r = bench::median(ratio);
+    // What the schedule allows, from the stage times of all the plain loop's rounds.
+    const std::vector<std::uint32_t> cores = stage_cores(devices);
+    const bench::StageSeconds& st = sequential.stage_seconds();
+    auto attainable = [&](std::uint64_t k, double machine_2_vs_1) {
+      return schedule_speedup(st, sequential.steps(), cores, k,
+                              std::min(1.0, machine_2_vs_1 / 2.0));
+    };
+    std::vector<double> att, att20, att40, vs_att;
+    for (std::size_t i = 0; i < ratio.size(); ++i) {
+      att.push_back(attainable(kAccumulation, machine[i]));
+      att20.push_back(attainable(20, machine[i]));
+      att40.push_back(attainable(40, machine[i]));
+      vs_att.push_back(ratio[i] / att.back());
+    }
     report.figure("sequential_samples_per_s", bench::median(seq));
     report.figure("flagship_samples_per_s", bench::median(pip));
     report.ratio("flagship_vs_sequential", r, ">= 1.6", r >= 1.6);
     report.spread("flagship_vs_sequential", ratio);
     report.figure("machine_2_vs_1_throughput", bench::median(machine));
     report.figure("flagship_vs_machine_2_threads", bench::median(vs_machine));
+    report.figure("flagship_schedule_bound",
+                  schedule_speedup(st, sequential.steps(), cores, kAccumulation, 1.0));
+    report.figure("flagship_attainable_vs_sequential", bench::median(att));
+    report.figure("flagship_vs_attainable", bench::median(vs_att));
+    report.figure("flagship_attainable_vs_sequential_k20", bench::median(att20));
+    report.figure("flagship_attainable_vs_sequential_k40", bench::median(att40));
   }
   report_shares(report, traced_shares(devices, batches, args.quick ? 1 : 3));
   return report.write(args.json_path) ? 0 : 1;

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <span>
 #include <vector>
@@ -14,12 +15,20 @@
 
 namespace bench {
 
+// Seconds each stage's passes took, summed (train_plainly adds to it when given one): a
+// stage's forward and backward passes (its gradients' summing included) over all
+// micro-batches, and its updates.
+struct StageSeconds {
+  std::vector<double> forward, backward, update;
+};
+
 // Trains `model` for `steps` steps of `accumulation` micro-batches; batch_of(m) is
 // micro-batch m of the run (m counts from 0). Returns the seconds the steps took (the
-// buffers are set up before the clock starts).
+// buffers are set up before the clock starts). With `per_stage`, also adds each stage's
+// share to it (two clock reads per pass: microseconds per step of milliseconds).
 template <class BatchOf>
 double train_plainly(bspflow::StageList& model, std::uint64_t steps, std::uint32_t accumulation,
-                     BatchOf&& batch_of) {
+                     BatchOf&& batch_of, StageSeconds* per_stage = nullptr) {
   using namespace bspflow;
   const auto n = static_cast<std::uint32_t>(model.size());
   std::vector<std::vector<float>> sum(n), outs(n), saved(n), grad_in(n);
@@ -29,7 +38,21 @@ double train_plainly(bspflow::StageList& model, std::uint64_t steps, std::uint32
     grad_in[s].assign(s == 0 ? 0 : outs[s - 1].size(), 0.0f);
   }
   std::vector<float> g;
+  if (per_stage != nullptr) {
+    per_stage->forward.resize(n, 0.0);
+    per_stage->backward.resize(n, 0.0);
+    per_stage->update.resize(n, 0.0);
+  }
+  // With per_stage: adds the seconds since the last lap to (per_stage->*pass)[s].
+  Clock::time_point last;
+  auto lap = [&](std::vector<double> StageSeconds::*pass, std::uint32_t s) {
+    if (per_stage == nullptr) return;
+    const auto now = Clock::now();
+    (per_stage->*pass)[s] += std::chrono::duration<double>(now - last).count();
+    last = now;
+  };
   const auto t0 = Clock::now();
+  last = t0;
   std::uint64_t m = 0;
   for (std::uint64_t step = 0; step < steps; ++step) {
     for (auto& v : sum) std::fill(v.begin(), v.end(), 0.0f);
@@ -40,6 +63,7 @@ double train_plainly(bspflow::StageList& model, std::uint64_t steps, std::uint32
                       s == 0 ? std::span<const float>{} : std::span<const float>(outs[s - 1]),
                       outs[s], saved[s]};
         model[s]->forward(StageContext{s, 0, 0, step, i}, a);
+        lap(&StageSeconds::forward, s);
       }
       for (std::uint32_t s = n; s-- > 0;) {
         g.assign(model[s]->gradient_elements(), 0.0f);
@@ -53,11 +77,13 @@ double train_plainly(bspflow::StageList& model, std::uint64_t steps, std::uint32
             g};
         model[s]->backward(StageContext{s, 0, 0, step, i}, a);
         for (std::size_t j = 0; j < g.size(); ++j) sum[s][j] += g[j];
+        lap(&StageSeconds::backward, s);
       }
     }
     for (std::uint32_t s = 0; s < n; ++s) {
       for (float& x : sum[s]) x /= static_cast<float>(accumulation);
       model[s]->update(StageContext{}, sum[s]);
+      lap(&StageSeconds::update, s);
     }
   }
   return seconds_since(t0);
