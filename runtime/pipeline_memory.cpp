@@ -63,14 +63,17 @@ MemoryReport plan_memory(const MemoryInputs& in) {
       // schedule's FIFO depth plus the one in flight (never more than a step's K).
       const std::uint64_t slots = std::min<std::uint64_t>(
           std::uint64_t{in.plan.fifo_depth(st.s)} + 1, c.gradient_accumulation);
-      const std::size_t entry = st.in + (c.recompute ? 0 : saved);
+      const bool inputs = c.recompute || st.stash_input;
+      const std::size_t entry = (inputs ? st.in : 0) + (c.recompute ? 0 : saved);
       if (entry > 0) {
         std::ostringstream what;
         what << "activation stash (" << slots << " x " << detail::format_bytes(entry * store)
              << ": "
-             << (c.recompute      ? "inputs only"
-                 : saved_declared ? "inputs and saved"
-                                  : "inputs; saved not declared")
+             << (c.recompute       ? "inputs only"
+                 : !saved_declared ? "inputs; saved not declared"
+                 : st.in == 0      ? "saved"
+                 : inputs          ? "inputs and saved"
+                                   : "saved only: backward reads no input")
              << ")";
         add(st, dev, what.str(), MemoryCategory::kActivationStash, Liveness::kCompute,
             slots * entry * store);

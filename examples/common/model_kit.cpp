@@ -351,6 +351,7 @@ bspflow::StageMemory LayerStage::memory() const {
   m.parameters = params_.size();
   m.optimizer_state = adam_state_.size();
   m.saved = saved_at_.back() + batch_ * layers_.back()->out_size();
+  m.backward_reads_input = false;  // forward keeps its input in saved (every layer's input)
   std::size_t scratch = 0, widest = 0;
   for (const auto& layer : layers_) {
     scratch = std::max(scratch, layer->scratch_per_sample());

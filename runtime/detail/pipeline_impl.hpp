@@ -43,6 +43,7 @@ struct StageShape {
   std::string name;
   std::size_t in = 0, out = 0, gradients = 0, parameters = 0, optimizer = 0, working = 0;
   std::size_t saved = StageMemory::kAuto;
+  bool stash_input = true;  // StageMemory::backward_reads_input
 };
 struct MemoryInputs {
   PipelineConfig config;
@@ -88,6 +89,9 @@ struct Pipeline::Impl {
     // exchange buffer.
     std::vector<float> wide_in, wide_out;
     std::size_t saved_limit = StageMemory::kAuto;  // what memory() declared forward saves
+    // Training: each forward pass's input goes into its stash entry (backward reads it, or
+    // recomputation runs the pass again from it).
+    bool stash_input = true;
     // The host link (stage 0: micro-batches in; the last stage: outputs out).
     HostLinkTimeline link;
     bool synthetic_ready = false;  // synthetic data: the ring holds the run's micro-batch

@@ -25,8 +25,10 @@ const DeviceConfig kRoomy{64, 64 * 1024};  // 4 MiB
 struct Probe final : Stage {
   std::size_t out = 8, params = 16, state = 32, saved = 24, working = 10;
   bool declare = true;
+  bool reads_input = true;  // StageMemory::backward_reads_input
   float value = 1.0f, grad = 0.5f;
   std::vector<float> seen_input, seen_gradients;
+  std::vector<std::vector<float>> backward_inputs;  // BackwardArgs::input of each backward
   std::vector<float> state_values;
   std::size_t save_extra = 0;
 
@@ -40,6 +42,7 @@ struct Probe final : Stage {
     m.optimizer_state = state;
     m.saved = saved;
     m.working = working;
+    m.backward_reads_input = reads_input;
     return m;
   }
   std::span<float> optimizer_state() override {
@@ -52,6 +55,7 @@ struct Probe final : Stage {
     a.saved.assign(saved + save_extra, 1.0f);
   }
   void backward(const StageContext&, BackwardArgs& a) override {
+    backward_inputs.emplace_back(a.input.begin(), a.input.end());
     const float g = a.grad_output.empty() ? 1.0f : a.grad_output[0];
     for (float& v : a.grad_input) v = g;
     for (float& v : a.gradients) v = grad * g;
@@ -179,6 +183,72 @@ TEST_CASE(
       CHECK(r.fifo_depth[s] == pipe.plan().fifo_depth(s));
     }
   }
+}
+
+TEST_CASE(
+    "a stage whose backward reads no input: the stash keeps no input, backward gets none, and "
+    "recomputation still keeps them") {
+  for (const bool recompute : {false, true}) {
+    CAPTURE(recompute);
+    DeviceGroup devices(3, kRoomy);
+    PipelineConfig cfg;
+    cfg.gradient_accumulation = 6;
+    cfg.recompute = recompute;
+    std::vector<Probe*> stages;  // replica 0's, owned by the pipeline
+    Pipeline pipe(devices, cfg, [&](std::uint32_t) {
+      StageList list = probes(3, [](Probe& p) { p.reads_input = false; })(0);
+      for (auto& st : list) stages.push_back(static_cast<Probe*>(st.get()));
+      return list;
+    });
+    // Stage s > 0 gets the previous stage's 8 outputs (value 1): without recomputation the
+    // stash holds the 24 saved values only; with it, the inputs only (as for any stage).
+    for (std::uint32_t s = 0; s < 3; ++s) {
+      CAPTURE(s);
+      const std::size_t slots = pipe.plan().fifo_depth(s) + 1;
+      const std::size_t in = s == 0 ? 0 : 8;
+      const DeviceMemory& d = pipe.memory().devices[s];
+      CHECK(d.category(MemoryCategory::kActivationStash) ==
+            (recompute ? slots * in * 4 + (24 + 8) * 4 : slots * 24 * 4));
+      if (!recompute && s > 0) {
+        const TensorMemory* stash = find(d, "activation stash");
+        REQUIRE(stash != nullptr);
+        CHECK(stash->name.find("saved only") != std::string::npos);
+      }
+    }
+    InfeedQueue<Batch> infeed(InfeedConfig{1, 6, 1});
+    feed(infeed, 6);
+    const PipelineResult r = pipe.run(infeed, 1);
+    REQUIRE(r.completed());
+    REQUIRE(stages.size() == 3);
+    for (std::uint32_t s = 0; s < 3; ++s) {
+      CAPTURE(s);
+      REQUIRE(stages[s]->backward_inputs.size() == 6);
+      for (const std::vector<float>& in : stages[s]->backward_inputs) {
+        if (s == 0 || !recompute) {
+          CHECK(in.empty());
+        } else {
+          CHECK(in == std::vector<float>(8, 1.0f));
+        }
+      }
+    }
+  }
+  // The default (backward reads its input): every stage after the first gets what its
+  // forward pass saw.
+  DeviceGroup devices(2, kRoomy);
+  PipelineConfig cfg;
+  cfg.gradient_accumulation = 4;
+  std::vector<Probe*> stages;
+  Pipeline pipe(devices, cfg, [&](std::uint32_t) {
+    StageList list = probes(2)(0);
+    for (auto& st : list) stages.push_back(static_cast<Probe*>(st.get()));
+    return list;
+  });
+  InfeedQueue<Batch> infeed(InfeedConfig{1, 4, 1});
+  feed(infeed, 4);
+  REQUIRE(pipe.run(infeed, 1).completed());
+  REQUIRE(stages[1]->backward_inputs.size() == 4);
+  for (const std::vector<float>& in : stages[1]->backward_inputs)
+    CHECK(in == std::vector<float>(8, 1.0f));
 }
 
 TEST_CASE("memory report: recomputation and half precision lower the peak by what they save") {

@@ -108,7 +108,9 @@ struct ForwardArgs {
 };
 struct BackwardArgs {
   const Batch& batch;
-  std::span<const float> input;        // as the forward pass saw it (empty for stage 0)
+  // As the forward pass saw it. Empty for stage 0, and for a stage whose memory() says
+  // backward_reads_input = false (unless PipelineConfig::recompute, which keeps inputs).
+  std::span<const float> input;
   const std::vector<float>& saved;     // as the forward pass left it (recomputed if asked)
   std::span<const float> grad_output;  // d loss / d output (empty for the last stage)
   std::span<float> grad_input;         // to fill: d loss / d input (empty for stage 0)
@@ -131,6 +133,13 @@ struct StageMemory {
   std::size_t saved = kAuto;
   // Scratch a pass needs while it runs (not always live).
   std::size_t working = 0;
+  // Whether backward reads BackwardArgs::input. A stage that keeps what it needs of its
+  // input in `saved` (or needs none of it) says false: the activation stash then holds no
+  // copy of its input per micro-batch in flight (saving that memory and a copy of every
+  // input on the stage's device), and backward gets an empty input. With
+  // PipelineConfig::recompute the stash keeps inputs regardless (the forward pass runs again
+  // from them) and backward gets them.
+  bool backward_reads_input = true;
 };
 
 // What a real IPU does for one stage, for the modeled clock (see
