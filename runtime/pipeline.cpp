@@ -154,8 +154,8 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config,
       shape.saved = declared.saved;
       shape.working = declared.working;
       sr->saved_limit = declared.saved;
-      shape.stash_input = declared.backward_reads_input;
       sr->stash_input = declared.backward_reads_input || config.recompute;
+      shape.stash_input = sr->stash_input;
       mi.shapes.push_back(std::move(shape));
     }
     im.memory = plan_memory_with_advice(mi);

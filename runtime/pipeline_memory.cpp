@@ -63,7 +63,7 @@ MemoryReport plan_memory(const MemoryInputs& in) {
       // schedule's FIFO depth plus the one in flight (never more than a step's K).
       const std::uint64_t slots = std::min<std::uint64_t>(
           std::uint64_t{in.plan.fifo_depth(st.s)} + 1, c.gradient_accumulation);
-      const bool inputs = c.recompute || st.stash_input;
+      const bool inputs = st.stash_input;
       const std::size_t entry = (inputs ? st.in : 0) + (c.recompute ? 0 : saved);
       if (entry > 0) {
         std::ostringstream what;

@@ -232,11 +232,7 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
   ++sr.forwards;
   if (config.training) {
     sr.max_fifo = std::max<std::uint32_t>(sr.max_fifo, static_cast<std::uint32_t>(sr.fifo.size()));
-    if (sr.stash_input) {
-      entry.input.assign(input.begin(), input.end());
-    } else {
-      entry.input.clear();
-    }
+    if (sr.stash_input) entry.input.assign(input.begin(), input.end());
     if (config.recompute) entry.saved.clear();
     sr.fifo.push_back(std::move(entry));
   }

@@ -43,7 +43,7 @@ struct StageShape {
   std::string name;
   std::size_t in = 0, out = 0, gradients = 0, parameters = 0, optimizer = 0, working = 0;
   std::size_t saved = StageMemory::kAuto;
-  bool stash_input = true;  // StageMemory::backward_reads_input
+  bool stash_input = true;  // StageRun::stash_input
 };
 struct MemoryInputs {
   PipelineConfig config;

@@ -97,16 +97,16 @@ class Sequential {
         [&](std::uint64_t m) -> const Batch& { return batches_[(first_ + m) % batches_.size()]; },
         &per_stage_);
     first_ += steps * kAccumulation;
-    steps_ += steps;
     return static_cast<double>(steps * kAccumulation * kBatch) / seconds;
   }
   const bench::StageSeconds& stage_seconds() const { return per_stage_; }
-  std::uint64_t steps() const { return steps_; }
+  // Steps trained so far (by rate()).
+  std::uint64_t steps() const { return first_ / kAccumulation; }
 
  private:
   const std::vector<Batch>& batches_;
   StageList model_;
-  std::uint64_t first_ = 0, steps_ = 0;
+  std::uint64_t first_ = 0;
   bench::StageSeconds per_stage_;
 };
 
@@ -156,9 +156,9 @@ std::vector<std::uint32_t> stage_cores(const DeviceGroup& devices) {
   // Numbered 0.. in order of first use, so that the count of cores is the largest + 1.
   std::vector<std::uint32_t> seen;
   for (std::uint32_t& c : out) {
-    const auto it = std::find(seen.begin(), seen.end(), c);
-    if (it == seen.end()) seen.push_back(c);
-    c = static_cast<std::uint32_t>(std::find(seen.begin(), seen.end(), c) - seen.begin());
+    auto it = std::find(seen.begin(), seen.end(), c);
+    if (it == seen.end()) it = seen.insert(it, c);
+    c = static_cast<std::uint32_t>(it - seen.begin());
   }
   return out;
 }

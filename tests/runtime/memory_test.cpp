@@ -194,12 +194,7 @@ TEST_CASE(
     PipelineConfig cfg;
     cfg.gradient_accumulation = 6;
     cfg.recompute = recompute;
-    std::vector<Probe*> stages;  // replica 0's, owned by the pipeline
-    Pipeline pipe(devices, cfg, [&](std::uint32_t) {
-      StageList list = probes(3, [](Probe& p) { p.reads_input = false; })(0);
-      for (auto& st : list) stages.push_back(static_cast<Probe*>(st.get()));
-      return list;
-    });
+    Pipeline pipe(devices, cfg, probes(3, [](Probe& p) { p.reads_input = false; }));
     // Stage s > 0 gets the previous stage's 8 outputs (value 1): without recomputation the
     // stash holds the 24 saved values only; with it, the inputs only (as for any stage).
     for (std::uint32_t s = 0; s < 3; ++s) {
@@ -219,11 +214,11 @@ TEST_CASE(
     feed(infeed, 6);
     const PipelineResult r = pipe.run(infeed, 1);
     REQUIRE(r.completed());
-    REQUIRE(stages.size() == 3);
     for (std::uint32_t s = 0; s < 3; ++s) {
       CAPTURE(s);
-      REQUIRE(stages[s]->backward_inputs.size() == 6);
-      for (const std::vector<float>& in : stages[s]->backward_inputs) {
+      const auto& stage = static_cast<const Probe&>(pipe.stage(0, s));
+      REQUIRE(stage.backward_inputs.size() == 6);
+      for (const std::vector<float>& in : stage.backward_inputs) {
         if (s == 0 || !recompute) {
           CHECK(in.empty());
         } else {
@@ -237,17 +232,13 @@ TEST_CASE(
   DeviceGroup devices(2, kRoomy);
   PipelineConfig cfg;
   cfg.gradient_accumulation = 4;
-  std::vector<Probe*> stages;
-  Pipeline pipe(devices, cfg, [&](std::uint32_t) {
-    StageList list = probes(2)(0);
-    for (auto& st : list) stages.push_back(static_cast<Probe*>(st.get()));
-    return list;
-  });
+  Pipeline pipe(devices, cfg, probes(2));
   InfeedQueue<Batch> infeed(InfeedConfig{1, 4, 1});
   feed(infeed, 4);
   REQUIRE(pipe.run(infeed, 1).completed());
-  REQUIRE(stages[1]->backward_inputs.size() == 4);
-  for (const std::vector<float>& in : stages[1]->backward_inputs)
+  const auto& second = static_cast<const Probe&>(pipe.stage(0, 1));
+  REQUIRE(second.backward_inputs.size() == 4);
+  for (const std::vector<float>& in : second.backward_inputs)
     CHECK(in == std::vector<float>(8, 1.0f));
 }
 
