@@ -164,7 +164,12 @@ inline double median(std::vector<double> v) {
 
 class Report {
  public:
-  explicit Report(std::string name) { json_["benchmark"] = std::move(name); }
+  // The JSON also names the CPU (runs on this VM land on different hosts, and a figure from
+  // one is not comparable with another's).
+  explicit Report(std::string name) {
+    json_["benchmark"] = std::move(name);
+    json_["cpu"] = cpu_model();
+  }
   void note(const std::string& key, const std::string& text) {
     std::printf("%s: %s\n", key.c_str(), text.c_str());
     json_[key] = text;
@@ -190,6 +195,16 @@ class Report {
     const auto [lo, hi] = std::minmax_element(rounds.begin(), rounds.end());
     figure(key + "_min", *lo);
     figure(key + "_max", *hi);
+  }
+  // The first "model name" of /proc/cpuinfo, or "unknown" where there is none.
+  static std::string cpu_model() {
+    std::ifstream f("/proc/cpuinfo");
+    for (std::string line; std::getline(f, line);) {
+      if (line.rfind("model name", 0) != 0) continue;
+      const auto colon = line.find(':');
+      if (colon != std::string::npos && colon + 2 <= line.size()) return line.substr(colon + 2);
+    }
+    return "unknown";
   }
   bool write(const std::string& path) const {
     if (path.empty()) return true;
