@@ -37,6 +37,15 @@
 //                       cache line, thread 0 to thread 1) per cycle, over the bare floor:
 //                       what the least exchange a pipeline has costs on this machine
 //   pipeline_bsp_1us_vs_exchange_floor  the pipeline over that floor (figures, no targets)
+//   bsp_take_floor_1us_vs_floor, dataflow_take_floor_1us_vs_floor  the exchange floor (bsp)
+//                       and the SPSC floor (dataflow) where thread 0 also takes each cycle's
+//                       micro-batch off an infeed built and filled as the pipeline's is
+//                       (Reader::try_pop into a ring of 64 Batches): what reading the input
+//                       and moving one activation cost together, with no runtime around
+//                       them, over the bare floor. A pipeline's stage 0 must do both, so this
+//                       is the most any runtime on this infeed can get of the bare floor
+//   pipeline_bsp_1us_vs_take_floor, pipeline_dataflow_1us_vs_take_floor  the pipeline over
+//                       that floor (figures, no targets)
 //
 // The stages are inference stages (forward passes only), the device and host links cost
 // nothing (LinkModel with no latency) except in the pipeline_io keys, and the infeed is
@@ -151,13 +160,41 @@ std::vector<double> allreduce_errors(DeviceGroup& devices, std::uint64_t steps) 
   return errors;
 }
 
+// The take a pipeline's stage 0 makes, alone: an infeed built and filled as pipeline_time's
+// is (one lane, prefetch depth 4, every micro-batch pushed before the clock starts), read
+// with Reader::try_pop into a ring of 64 Batches (the micro-batch ring of K = 64). n == 0:
+// no infeed at all (the floors without a take).
+class TakeFloor {
+ public:
+  explicit TakeFloor(std::uint64_t n)
+      : infeed_(InfeedConfig{1, std::max<std::uint64_t>(n, 4), 4}), reader_(infeed_.reader(0)),
+        ring_(n == 0 ? 0 : 64) {
+    auto p = infeed_.make_producer();
+    for (std::uint64_t i = 0; i < n; ++i) p.push(Batch{});
+  }
+  void take(std::uint64_t i) {
+    if (!reader_.try_pop(ring_[i % ring_.size()])) ++missed_;
+  }
+  void check(const char* floor) const {
+    if (missed_ != 0)
+      std::fprintf(stderr, "%s: %llu takes found the infeed empty\n", floor,
+                   static_cast<unsigned long long>(missed_));
+  }
+
+ private:
+  InfeedQueue<Batch> infeed_;
+  InfeedQueue<Batch>::Reader reader_;
+  std::vector<Batch> ring_;
+  std::uint64_t missed_ = 0;
+};
+
 // Cycles per second of the bsp floor: busy work, then a barrier of one atomic word. With
 // kExchange, each cycle thread 0 also writes one activation (a float, in a cache line of its
 // own, by cycle parity as the pipeline's exchange buffers are) before the barrier, which
 // thread 1 reads after it: the least any bsp runtime moves between two stages, one line from
 // one core to the other per cycle on top of the barrier's own. (A template parameter, so the
 // bare floor's loop stays bare.)
-template <bool kExchange = false>
+template <bool kExchange = false, bool kTake = false>
 double bsp_floor_rate(std::chrono::nanoseconds work, std::uint64_t cycles) {
   struct alignas(64) Activation {
     float value = 0;
@@ -165,8 +202,12 @@ double bsp_floor_rate(std::chrono::nanoseconds work, std::uint64_t cycles) {
   alignas(64) std::atomic<std::uint64_t> arrivals{0};
   Activation out[2];
   std::uint64_t wrong = 0;  // activations thread 1 read from the wrong cycle
+  TakeFloor take(kTake ? cycles : 0);
   const double s = bench::on_placed_threads(2, [&](std::uint32_t side) {
     for (std::uint64_t c = 0; c < cycles; ++c) {
+      if constexpr (kTake) {
+        if (side == 0) take.take(c);
+      }
       spin_for(work);
       if constexpr (kExchange) {
         if (side == 0) out[c % 2].value = static_cast<float>(c);
@@ -182,19 +223,24 @@ double bsp_floor_rate(std::chrono::nanoseconds work, std::uint64_t cycles) {
   if (wrong != 0)
     std::fprintf(stderr, "bsp exchange floor: %llu wrong activations\n",
                  static_cast<unsigned long long>(wrong));
+  take.check("bsp take floor");
   return static_cast<double>(cycles) / s;
 }
 
 // Items per second of the dataflow floor: busy work on both sides of a bare SPSC ring.
+// kTake: thread 0 first takes each item's micro-batch off an infeed (see TakeFloor).
+template <bool kTake = false>
 double dataflow_floor_rate(std::chrono::nanoseconds work, std::uint64_t items) {
   constexpr std::uint64_t kSlots = 64;
   alignas(64) std::atomic<std::uint64_t> head{0};
   alignas(64) std::atomic<std::uint64_t> tail{0};
   std::vector<float> ring(kSlots);
   float sink = 0;
+  TakeFloor take(kTake ? items : 0);
   const double s = bench::on_placed_threads(2, [&](std::uint32_t side) {
     for (std::uint64_t i = 0; i < items; ++i) {
       if (side == 0) {
+        if constexpr (kTake) take.take(i);
         spin_for(work);
         while (i - head.load(std::memory_order_acquire) >= kSlots) detail::cpu_relax();
         ring[i % kSlots] = 1.0f;
@@ -208,6 +254,7 @@ double dataflow_floor_rate(std::chrono::nanoseconds work, std::uint64_t items) {
     }
   });
   if (sink != static_cast<float>(items)) std::fprintf(stderr, "dataflow floor lost items\n");
+  take.check("dataflow take floor");
   return static_cast<double>(items) / s;
 }
 
@@ -358,27 +405,35 @@ int main(int argc, char** argv) {
     }
   };
   {
-    double p1 = 0, f1 = 0, x1 = 0;  // best of reps each, alternating (see paired)
+    double p1 = 0, f1 = 0, x1 = 0, t1 = 0;  // best of reps each, alternating (see paired)
     for (int i = 0; i < reps; ++i) {
       f1 = std::max(f1, bsp_floor_rate(1us, 200'000 / scale));
       x1 = std::max(x1, bsp_floor_rate<true>(1us, 200'000 / scale));
+      t1 = std::max(t1, bsp_floor_rate<true, true>(1us, 200'000 / scale));
       p1 = std::max(p1, pipeline_rate(devices, SyncMode::kBsp, 1us, 200'000 / scale));
     }
     report_against("pipeline_bsp_1us", p1, f1, 1e-6, ">= 0.8", 0.8, "bsp_floor_1us_vs_ideal",
                    ">= 0.95", 0.95);
     report.figure("bsp_exchange_floor_1us_vs_floor", x1 / f1);
     report.figure("pipeline_bsp_1us_vs_exchange_floor", p1 / x1);
+    report.figure("bsp_take_floor_1us_vs_floor", t1 / f1);
+    report.figure("pipeline_bsp_1us_vs_take_floor", p1 / t1);
     const auto [p10, f10] =
         paired([&] { return pipeline_rate(devices, SyncMode::kBsp, 10us, 40'000 / scale); },
                [&] { return bsp_floor_rate(10us, 40'000 / scale); });
     report_against("pipeline_bsp_10us", p10, f10, 1e-5, ">= 0.97", 0.97, "bsp_floor_10us_vs_ideal");
   }
   {
-    const auto [pd, fd] =
-        paired([&] { return pipeline_rate(devices, SyncMode::kDataflow, 1us, 200'000 / scale); },
-               [&] { return dataflow_floor_rate(1us, 200'000 / scale); });
+    double pd = 0, fd = 0, td = 0;  // best of reps each, alternating (see paired)
+    for (int i = 0; i < reps; ++i) {
+      fd = std::max(fd, dataflow_floor_rate(1us, 200'000 / scale));
+      td = std::max(td, dataflow_floor_rate<true>(1us, 200'000 / scale));
+      pd = std::max(pd, pipeline_rate(devices, SyncMode::kDataflow, 1us, 200'000 / scale));
+    }
     report_against("pipeline_dataflow_1us", pd, fd, 1e-6, ">= 0.9", 0.9,
                    "dataflow_floor_1us_vs_ideal", ">= 0.98", 0.98);
+    report.figure("dataflow_take_floor_1us_vs_floor", td / fd);
+    report.figure("pipeline_dataflow_1us_vs_take_floor", pd / td);
 #if BSPFLOW_HAVE_TBB
     double rt = 0;
     for (int i = 0; i < reps; ++i) rt = std::max(rt, tbb_rate(1us, 200'000 / scale));
