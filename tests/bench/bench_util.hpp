@@ -165,8 +165,9 @@ inline double median(std::vector<double> v) {
 class Report {
  public:
   // The JSON also names the CPU (runs on this VM land on different hosts, and a figure from
-  // one is not comparable with another's).
-  explicit Report(std::string name) {
+  // one is not comparable with another's), and write() adds the hypervisor's steal over the
+  // run (see steal_share).
+  explicit Report(std::string name) : start_(cpu_times()) {
     json_["benchmark"] = std::move(name);
     json_["cpu"] = cpu_model();
   }
@@ -206,7 +207,18 @@ class Report {
     }
     return "unknown";
   }
-  bool write(const std::string& path) const {
+  // Ends the report: prints and records steal_share, then writes the JSON to `path` (none if
+  // empty). steal_share is the share of the machine's CPU time, from the report's creation
+  // to now, that the hypervisor ran something else while this VM wanted the CPU (the `steal`
+  // column of /proc/stat's `cpu` line, over every column's total). On a VM whose speed drifts,
+  // it tells a run the host squeezed from one where the code was slow; left out where
+  // /proc/stat cannot be read.
+  bool write(const std::string& path) {
+    const CpuTimes end = cpu_times();
+    if (start_.total != 0 && end.total > start_.total) {
+      figure("steal_share", static_cast<double>(end.steal - start_.steal) /
+                                static_cast<double>(end.total - start_.total));
+    }
     if (path.empty()) return true;
     std::ofstream f(path);
     f << json_.dump(2) << '\n';
@@ -214,7 +226,29 @@ class Report {
   }
 
  private:
+  struct CpuTimes {
+    std::uint64_t steal = 0;
+    std::uint64_t total = 0;  // 0: not read
+  };
+  // /proc/stat's first line: "cpu" and the machine's time in each state since boot (user,
+  // nice, system, idle, iowait, irq, softirq, steal, guest, guest_nice; USER_HZ ticks).
+  // guest and guest_nice are already counted in user and nice, so the total leaves them out.
+  static CpuTimes cpu_times() {
+    std::ifstream f("/proc/stat");
+    std::string label;
+    std::uint64_t v[8] = {};
+    if (!(f >> label) || label != "cpu") return {};
+    for (std::uint64_t& x : v) {
+      if (!(f >> x)) return {};
+    }
+    CpuTimes t;
+    t.steal = v[7];
+    for (const std::uint64_t x : v) t.total += x;
+    return t;
+  }
+
   nlohmann::json json_;
+  CpuTimes start_;
 };
 
 }  // namespace bench

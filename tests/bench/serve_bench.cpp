@@ -16,6 +16,9 @@
 //   serve_overload_admitted_p99_vs_deadline_130   p99 latency of every admitted request's
 //       answer (value or error; a lost one counts as never) over the deadline, the worse of
 //       the two policies; target <= 1.0
+//   serve_late_send_fraction_<load>, serve_overload_<policy>_late_send_fraction_130   sends
+//       made over 50 us after their scheduled time (the client behind), a share of the sends:
+//       figures that say when the client, not the stream, made requests late
 //   serve_replicas_2_vs_1_throughput_vs_floor   closed-loop requests/s of 2 replicas (2
 //       devices) over 1, over the machine's floor: 2 pinned threads doing the same batches
 //       over 1; target >= 0.9
@@ -294,7 +297,7 @@ struct OpenLoop {
   std::vector<double> admitted_ns;  // latency of each admitted request's answer; lost: inf
   std::uint64_t slow_pushes = 0;    // try_push calls over 20 us (--detail)
   double slowest_push_us = 0;
-  std::uint64_t late_sends = 0;   // sends over 50 us after their scheduled time (--detail)
+  std::uint64_t late_sends = 0;   // sends over 50 us after their scheduled time
   std::uint64_t late_errors = 0;  // answered with an error after the deadline (--detail)
 };
 
@@ -339,12 +342,12 @@ OpenLoop open_loop(Server& stream, const std::vector<std::int64_t>& at, ns deadl
       if (now >= due) {
         if (now > stop_sending) break;  // hopelessly behind: the rest are never sent (lost)
         const Submission s = client.try_push(Req{static_cast<std::uint32_t>(i)}, due + deadline);
+        if (now - due > 50us) ++r.late_sends;  // the client was behind its schedule
         if (g_detail) {
           const auto after = Clock::now();
           const double took = std::chrono::duration<double, std::micro>(after - now).count();
           if (took > 20) ++r.slow_pushes;
           r.slowest_push_us = std::max(r.slowest_push_us, took);
-          if (now - due > 50us) ++r.late_sends;
         }
         ++r.sent;
         if (s.accepted() && !base) base = s.id.sequence;
@@ -697,6 +700,7 @@ int main(int argc, char** argv) {
       std::array<std::array<std::uint64_t, kContenders>, kLoads.size()> on_time{};
       std::array<std::vector<double>, kLoads.size()> ok_lat;             // deadline-aware, by load
       std::array<std::uint64_t, kLoads.size()> da_sent{}, da_refused{};  // deadline-aware
+      std::array<std::uint64_t, kLoads.size()> da_late_sends{};          // deadline-aware
       std::array<std::array<std::uint64_t, 7>, kLoads.size()> da_refused_by{};
       OpenLoop overload[2];  // 130%, deadline-aware: kReject, kShed (pooled over rounds)
       // Each load's contenders run in short segments, round-robin (the order reversed every
@@ -748,6 +752,7 @@ int main(int argc, char** argv) {
             if (c == 0) {
               da_sent[l] += r.sent;
               da_refused[l] += r.refused;
+              da_late_sends[l] += r.late_sends;
               for (std::size_t k = 0; k < 7; ++k) da_refused_by[l][k] += r.refused_by[k];
               ok_lat[l].insert(ok_lat[l].end(), r.ok_ns.begin(), r.ok_ns.end());
               if (kLoads[l] == 130) add_to(overload[0], std::move(r));
@@ -789,6 +794,10 @@ int main(int argc, char** argv) {
                       da_sent[l]
                           ? static_cast<double>(da_refused[l]) / static_cast<double>(da_sent[l])
                           : 0.0);
+        report.figure("serve_late_send_fraction_" + load,
+                      da_sent[l]
+                          ? static_cast<double>(da_late_sends[l]) / static_cast<double>(da_sent[l])
+                          : 0.0);
         const double ratio = fixed > 0 ? da / fixed
                              : da > 0  ? std::numeric_limits<double>::infinity()
                                        : 1.0;  // neither answered anything on time
@@ -815,6 +824,9 @@ int main(int argc, char** argv) {
                         o.sent ? static_cast<double>(o.refused) / static_cast<double>(o.sent) : 0);
           report.figure(key + "_lost_130", static_cast<double>(o.lost));
           report.figure(key + "_admitted_p99_us_130", p99 * deadline_f / 1e3);
+          report.figure(
+              key + "_late_send_fraction_130",
+              o.sent ? static_cast<double>(o.late_sends) / static_cast<double>(o.sent) : 0);
           worst_p99 = std::max(worst_p99, p99);
           lost += o.lost;
         }

@@ -84,6 +84,11 @@ def bench_section(bench, names, runs, only_keys):
         lines.append("No keys with a target." if only_keys is None else "None of the listed keys.")
     others = {k for f in present for k, v in f.items() if is_number(v)} - set(rows)
     lines += ["", f"Other figures: {len(others)} keys (see the JSON files).", ""]
+    # The hypervisor's steal while the benchmark ran (benchmarks built since stop 51 record it).
+    steal = [f"`{n}` {100 * f['steal_share']:.1f}%" for n, f in zip(names, figs)
+             if f is not None and is_number(f.get("steal_share"))]
+    if steal:
+        lines += ["Steal (`steal_share`, the CPU time the hypervisor gave elsewhere): " + ", ".join(steal) + ".", ""]
     return lines
 
 
