@@ -59,6 +59,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -162,13 +163,13 @@ std::vector<double> allreduce_errors(DeviceGroup& devices, std::uint64_t steps) 
 
 // The take a pipeline's stage 0 makes, alone: an infeed built and filled as pipeline_time's
 // is (one lane, prefetch depth 4, every micro-batch pushed before the clock starts), read
-// with Reader::try_pop into a ring of 64 Batches (the micro-batch ring of K = 64). n == 0:
-// no infeed at all (the floors without a take).
+// with Reader::try_pop into a ring of 64 Batches (the micro-batch ring of K = 64). The floors
+// without a take build none (see bsp_floor_rate).
 class TakeFloor {
  public:
   explicit TakeFloor(std::uint64_t n)
       : infeed_(InfeedConfig{1, std::max<std::uint64_t>(n, 4), 4}), reader_(infeed_.reader(0)),
-        ring_(n == 0 ? 0 : 64) {
+        ring_(64) {
     auto p = infeed_.make_producer();
     for (std::uint64_t i = 0; i < n; ++i) p.push(Batch{});
   }
@@ -201,12 +202,13 @@ double bsp_floor_rate(std::chrono::nanoseconds work, std::uint64_t cycles) {
   };
   alignas(64) std::atomic<std::uint64_t> arrivals{0};
   Activation out[2];
-  std::uint64_t wrong = 0;  // activations thread 1 read from the wrong cycle
-  TakeFloor take(kTake ? cycles : 0);
+  std::uint64_t wrong = 0;        // activations thread 1 read from the wrong cycle
+  std::optional<TakeFloor> take;  // only with kTake: the bare floors build no infeed
+  if constexpr (kTake) take.emplace(cycles);
   const double s = bench::on_placed_threads(2, [&](std::uint32_t side) {
     for (std::uint64_t c = 0; c < cycles; ++c) {
       if constexpr (kTake) {
-        if (side == 0) take.take(c);
+        if (side == 0) take->take(c);
       }
       spin_for(work);
       if constexpr (kExchange) {
@@ -223,7 +225,7 @@ double bsp_floor_rate(std::chrono::nanoseconds work, std::uint64_t cycles) {
   if (wrong != 0)
     std::fprintf(stderr, "bsp exchange floor: %llu wrong activations\n",
                  static_cast<unsigned long long>(wrong));
-  take.check("bsp take floor");
+  if (take) take->check("bsp take floor");
   return static_cast<double>(cycles) / s;
 }
 
@@ -236,11 +238,12 @@ double dataflow_floor_rate(std::chrono::nanoseconds work, std::uint64_t items) {
   alignas(64) std::atomic<std::uint64_t> tail{0};
   std::vector<float> ring(kSlots);
   float sink = 0;
-  TakeFloor take(kTake ? items : 0);
+  std::optional<TakeFloor> take;  // only with kTake
+  if constexpr (kTake) take.emplace(items);
   const double s = bench::on_placed_threads(2, [&](std::uint32_t side) {
     for (std::uint64_t i = 0; i < items; ++i) {
       if (side == 0) {
-        if constexpr (kTake) take.take(i);
+        if constexpr (kTake) take->take(i);
         spin_for(work);
         while (i - head.load(std::memory_order_acquire) >= kSlots) detail::cpu_relax();
         ring[i % kSlots] = 1.0f;
@@ -254,7 +257,7 @@ double dataflow_floor_rate(std::chrono::nanoseconds work, std::uint64_t items) {
     }
   });
   if (sink != static_cast<float>(items)) std::fprintf(stderr, "dataflow floor lost items\n");
-  take.check("dataflow take floor");
+  if (take) take->check("dataflow take floor");
   return static_cast<double>(items) / s;
 }
 
