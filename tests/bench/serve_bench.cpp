@@ -98,6 +98,11 @@ struct Req {
 };
 using Server = Stream<Req, Req>;
 
+// part / whole as a figure; 0 when there is no whole (nothing sent, nothing on time).
+double share(std::uint64_t part, std::uint64_t whole) {
+  return whole ? static_cast<double>(part) / static_cast<double>(whole) : 0.0;
+}
+
 // The model: a batch of n costs a + b*n.
 struct Model {
   ns a{20'000};
@@ -779,9 +784,7 @@ int main(int argc, char** argv) {
         for (std::size_t c = 1; c < kContenders; ++c) {
           report.figure("serve_goodput_" + load + "_fixed_" +
                             std::to_string(delays[c - 1].count() / 1000) + "us_vs_deadline_aware",
-                        on_time[l][0] ? static_cast<double>(on_time[l][c]) /
-                                            static_cast<double>(on_time[l][0])
-                                      : 0.0);
+                        share(on_time[l][c], on_time[l][0]));
         }
         report.figure("serve_p99_" + load + "_us", bench::quantile(ok_lat[l], 0.99) / 1e3);
         for (std::size_t k = 1; k < 7; ++k) {  // which refusals, by reason (0 left out)
@@ -790,14 +793,8 @@ int main(int argc, char** argv) {
               "serve_refused_" + std::string(to_string(static_cast<Refusal>(k))) + "_" + load,
               static_cast<double>(da_refused_by[l][k]));
         }
-        report.figure("serve_refused_fraction_" + load,
-                      da_sent[l]
-                          ? static_cast<double>(da_refused[l]) / static_cast<double>(da_sent[l])
-                          : 0.0);
-        report.figure("serve_late_send_fraction_" + load,
-                      da_sent[l]
-                          ? static_cast<double>(da_late_sends[l]) / static_cast<double>(da_sent[l])
-                          : 0.0);
+        report.figure("serve_refused_fraction_" + load, share(da_refused[l], da_sent[l]));
+        report.figure("serve_late_send_fraction_" + load, share(da_late_sends[l], da_sent[l]));
         const double ratio = fixed > 0 ? da / fixed
                              : da > 0  ? std::numeric_limits<double>::infinity()
                                        : 1.0;  // neither answered anything on time
@@ -820,13 +817,10 @@ int main(int argc, char** argv) {
           const std::string key = std::string("serve_overload_") + names[p];
           const double p99 =
               o.admitted_ns.empty() ? 0.0 : bench::quantile(o.admitted_ns, 0.99) / deadline_f;
-          report.figure(key + "_refused_fraction_130",
-                        o.sent ? static_cast<double>(o.refused) / static_cast<double>(o.sent) : 0);
+          report.figure(key + "_refused_fraction_130", share(o.refused, o.sent));
           report.figure(key + "_lost_130", static_cast<double>(o.lost));
           report.figure(key + "_admitted_p99_us_130", p99 * deadline_f / 1e3);
-          report.figure(
-              key + "_late_send_fraction_130",
-              o.sent ? static_cast<double>(o.late_sends) / static_cast<double>(o.sent) : 0);
+          report.figure(key + "_late_send_fraction_130", share(o.late_sends, o.sent));
           worst_p99 = std::max(worst_p99, p99);
           lost += o.lost;
         }
