@@ -39,6 +39,10 @@ FUZZ_PACKAGES="clang libfuzzer-14-dev"
 FORMAT_PACKAGES="clang-format-14"
 AB_PACKAGES="python3"
 
+# The rooms' test suites (meson test --suite ...): what the sanitizer builds run.
+ROOM_SUITES="--suite base --suite feeds --suite data --suite devices --suite run --suite engine \
+--suite loops --suite pipeline --suite stream --suite instance"
+
 # cxx_files: every C++ file git tracks, outside the wrap fallbacks and the fuzz corpus.
 cxx_files() {
   git ls-files '*.cpp' '*.hpp' '*.h' '*.cc' | grep -v -e '^subprojects/' -e '^tests/fuzz/corpus/' \
@@ -130,7 +134,7 @@ case "$what" in
     setup "${BUILD_DIR:-build-tsan}" -Db_sanitize=thread -Db_lundef=false -Dexamples=false \
       -Dcpp_args=-g1
     meson test -C "${BUILD_DIR:-build-tsan}" --print-errorlogs \
-      --suite base --suite feeds --suite data --suite devices --suite runtime "$@"
+      $ROOM_SUITES "$@"
     ;;
   asan)
     install_deps
@@ -140,8 +144,7 @@ case "$what" in
     setup "${BUILD_DIR:-build-asan}" -Db_sanitize=address,undefined -Db_lundef=false \
       -Dexamples=false -Doptimization=1 -Dcpp_args=-g1
     UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1 meson test -C "${BUILD_DIR:-build-asan}" \
-      --print-errorlogs --suite base --suite feeds --suite data --suite devices --suite runtime \
-      --suite fuzz_corpus "$@"
+      --print-errorlogs $ROOM_SUITES --suite fuzz_corpus "$@"
     ;;
   fuzz)
     install_deps

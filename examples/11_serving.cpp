@@ -43,7 +43,7 @@
 #include <vector>
 
 #include <bspflow/bspflow.hpp>
-#include <bspflow/runtime/stream.hpp>
+#include <bspflow/stream/stream.hpp>
 
 namespace {
 

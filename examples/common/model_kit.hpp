@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include <bspflow/runtime/pipeline.hpp>
+#include <bspflow/pipeline/pipeline.hpp>
 
 namespace kit {
 

@@ -86,7 +86,7 @@
 #include <vector>
 
 #include <bspflow/bspflow.hpp>
-#include <bspflow/runtime/stream.hpp>
+#include <bspflow/stream/stream.hpp>
 
 #include "model_kit.hpp"
 #include "weights_file.hpp"

@@ -76,11 +76,11 @@
 #include <bspflow/devices/device.hpp>
 #include <bspflow/devices/topology.hpp>
 #include <bspflow/feeds/outfeed_queue.hpp>
-#include <bspflow/runtime/request.hpp>
-#include <bspflow/runtime/stream.hpp>
-#include <bspflow/runtime/stream_client.hpp>
-#include <bspflow/runtime/stream_config.hpp>
-#include <bspflow/runtime/stream_serving.hpp>
+#include <bspflow/stream/request.hpp>
+#include <bspflow/stream/stream.hpp>
+#include <bspflow/stream/stream_client.hpp>
+#include <bspflow/stream/stream_config.hpp>
+#include <bspflow/stream/stream_serving.hpp>
 
 #include "bench_util.hpp"
 

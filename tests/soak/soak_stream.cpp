@@ -24,9 +24,9 @@
 #include <thread>
 #include <vector>
 
-#include <bspflow/runtime/stream.hpp>
-#include <bspflow/runtime/stream_client.hpp>
-#include <bspflow/runtime/stream_serving.hpp>
+#include <bspflow/stream/stream.hpp>
+#include <bspflow/stream/stream_client.hpp>
+#include <bspflow/stream/stream_serving.hpp>
 
 #include "test_util.hpp"
 

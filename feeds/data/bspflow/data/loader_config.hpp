@@ -39,7 +39,7 @@ struct LoaderConfig {
   // can wait a worker's time slice, a millisecond or more, when workers outnumber cores).
   bool background_workers = true;
   std::optional<DType> output_dtype;  // convert samples to this type (default: keep)
-  // Several processes (Instance, bspflow/runtime/instance.hpp): this loader is instance
+  // Several processes (Instance, bspflow/instance/instance.hpp): this loader is instance
   // `instance` of `instances` and loads its part of every epoch. Every instance shuffles
   // the whole dataset with the same seed, then takes its own contiguous slice of that
   // order, so no sample is seen twice or by no one: with drop_last each instance takes

@@ -1,0 +1,203 @@
+// Internal to streams: what travels with a request through a stream (its meta data), the
+// client-side cancel words the stages check, and the per-stage and per-replica meters the
+// device threads write (one writer each) and Stream::stats() reads.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "bspflow/base/detail/wait.hpp"
+#include "bspflow/devices/modeled_clock.hpp"
+#include "bspflow/stream/histogram.hpp"
+#include "bspflow/stream/request.hpp"
+
+namespace bspflow::detail {
+
+// Nanoseconds on the stream clock, for the meters' atomics.
+inline std::int64_t stream_ns(StreamClock::time_point t) noexcept {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+// The untyped part of a StreamClient: its cancel words and how many of its requests have
+// been answered. Shared by the client and the stream (whichever lives longer frees it).
+class ClientCore {
+ public:
+  static constexpr std::uint64_t kNone = ~std::uint64_t{0};
+  // Setup path. `capacity`: a power of two.
+  explicit ClientCore(std::size_t capacity)
+      : mask_(capacity - 1), cancel_(std::make_unique<std::atomic<std::uint64_t>[]>(capacity)) {
+    for (std::size_t i = 0; i < capacity; ++i) cancel_[i].store(kNone, std::memory_order_relaxed);
+  }
+  virtual ~ClientCore() = default;
+  std::size_t capacity() const noexcept { return mask_ + 1; }
+  // Any thread: whether request `sequence` of this client was cancelled. relaxed: a stage
+  // sees a cancel at its next check; nothing else is published through the word.
+  bool cancelled(std::uint64_t sequence) const noexcept {
+    return cancel_[sequence & mask_].load(std::memory_order_relaxed) == sequence;
+  }
+  // Client thread.
+  void cancel(std::uint64_t sequence) noexcept {
+    cancel_[sequence & mask_].store(sequence, std::memory_order_relaxed);
+  }
+  std::atomic<std::uint64_t> delivered{0};  // responses given to this client (or its route)
+  std::atomic<std::uint64_t> sent{0};       // requests accepted (the client's own count)
+  std::atomic<bool> abandoned{false};       // the StreamClient is gone: drop its responses
+  WaitPoint arrived;                        // a response arrived
+  // Responses whose deliverer is done with this object (delivered, then notified): the
+  // stream frees an abandoned client's core only once settled == sent, so a deliverer never
+  // touches freed memory between counting a response and waking the client.
+  std::atomic<std::uint64_t> settled{0};
+  // Any deliverer, after delivering `n` responses: wakes the client, then lets go.
+  void notify_and_settle(std::uint64_t n) noexcept {
+    arrived.notify();
+    settled.fetch_add(n, std::memory_order_release);  // the last touch of *this
+  }
+
+ protected:
+  std::size_t mask_;
+
+ private:
+  std::unique_ptr<std::atomic<std::uint64_t>[]> cancel_;
+};
+
+// What travels with a request from stage to stage.
+struct RequestMeta {
+  RequestId id{};
+  Deadline deadline = kNoDeadline;
+  StreamClock::time_point arrival{};   // the latency's origin: push, or take off the infeed
+  StreamClock::time_point enqueued{};  // arrival at the current device (queue wait's origin)
+  ClientCore* client = nullptr;        // a StreamClient's request; nullptr on the infeed path
+  std::uint64_t order = 0;             // admission order (the shared outfeed keeps it)
+  double modeled_ns = 0;  // modeled time it left its last device (StreamCore's modeled clocks)
+};
+
+// One stage of one replica in modeled time: its device's clock and its declared cost
+// (StreamBuilder::cost), in ns.
+struct StageModel {
+  ModeledClock* clock = nullptr;
+  double per_item_ns = 0, per_call_ns = 0;
+  bool declared = false;
+};
+
+// A request (or its error) between two devices.
+template <class T>
+struct Envelope {
+  RequestMeta meta{};
+  std::optional<T> value{};
+  std::shared_ptr<const RequestError> error{};
+};
+
+// One writer's relaxed counter: store(load + 1), no read-modify-write.
+inline void bump(std::atomic<std::uint64_t>& c, std::uint64_t by = 1) noexcept {
+  c.store(c.load(std::memory_order_relaxed) + by, std::memory_order_relaxed);
+}
+
+// Exponentially weighted moving average (1/16 per sample) kept in an atomic for readers,
+// robust to outliers: a sample above twice the average counts as twice the average. A call
+// stretched by a preemption (milliseconds on a VM) would otherwise lift the average for
+// dozens of calls and admission would refuse what it could serve; a real slowdown still
+// moves it (doubling within about a dozen calls).
+inline void ewma(std::atomic<std::int64_t>& avg, std::int64_t sample) noexcept {
+  const std::int64_t a = avg.load(std::memory_order_relaxed);
+  if (a == 0) {
+    avg.store(sample, std::memory_order_relaxed);
+    return;
+  }
+  const std::int64_t s = std::min(sample, 2 * a);
+  avg.store(a + (s - a) / 16, std::memory_order_relaxed);
+}
+
+// Admission's feedback (see Intake::admit): the widening of its predicted wait, learnt from
+// how many answers came after their deadline. The prediction is the measured service times;
+// what they leave out (a descheduled device, a slower stretch, a burst) shows as late answers.
+// Over each kWindow answers with a deadline, more than kTarget of them late widens the wait by
+// an eighth (up to kMaxSlack more); under a quarter of kTarget narrows it by a thirty-second
+// (down to the measured figure). Not thread-safe (the admission queue's lock guards it).
+class LateFeedback {
+ public:
+  static constexpr std::uint64_t kWindow = 512;
+  static constexpr double kTarget = 0.0025;
+  static constexpr double kMaxSlack = 4.0;
+  // `timed`, `late`: answers with a deadline, and of those the late ones, so far (counts
+  // that only grow; a smaller `timed` than last time starts over).
+  void update(std::uint64_t timed, std::uint64_t late) noexcept {
+    if (timed < timed_seen_) {
+      timed_seen_ = timed;
+      late_seen_ = late;
+    }
+    if (timed - timed_seen_ < kWindow) return;
+    const double fraction =
+        static_cast<double>(late - late_seen_) / static_cast<double>(timed - timed_seen_);
+    if (fraction > kTarget) {
+      slack_ = std::min(kMaxSlack, slack_ + 0.125);
+    } else if (fraction < kTarget / 4) {
+      slack_ = std::max(0.0, slack_ - 0.03125);
+    }
+    timed_seen_ = timed;
+    late_seen_ = late;
+  }
+  // The predicted wait is multiplied by 1 + slack().
+  double slack() const noexcept { return slack_; }
+
+ private:
+  double slack_ = 0.0;
+  std::uint64_t timed_seen_ = 0, late_seen_ = 0;
+};
+
+inline constexpr std::uint64_t kMeterHighestNs = 3'600'000'000'000ull;  // an hour
+inline constexpr std::uint64_t kMeterHighestBatch = 4096;
+
+// One stage of one replica. Written by the stage's device thread (stalls by the monitor).
+struct StageMeter {
+  StageMeter() : service(kMeterHighestNs), wait(kMeterHighestNs), batch(kMeterHighestBatch) {}
+  Histogram service;
+  Histogram wait;
+  Histogram batch;
+  std::atomic<std::uint64_t> calls{0}, padded{0};
+  std::atomic<std::uint64_t> stalls{0};         // the stall monitor's
+  std::atomic<std::int64_t> busy_since{0};      // stream_ns() at the call's start, 0 idle
+  std::atomic<std::uint32_t> busy_producer{0};  // the request (first of a batch) in the call
+  std::atomic<std::uint64_t> busy_sequence{0};
+  std::atomic<std::int64_t> per_item_ns{0};  // EWMA of a call's time per request
+  std::atomic<std::int64_t> call_ns{0};      // EWMA of a call's time
+  // Time per request while requests queue up (a batch stage: a full batch's per request;
+  // 0: as per_item_ns). What admission control predicts a queue's wait from.
+  std::atomic<std::int64_t> drain_ns{0};
+
+  // Device thread: a call on `id` starts at `t`.
+  void begin(StreamClock::time_point t, const RequestId& id) noexcept {
+    busy_producer.store(id.producer, std::memory_order_relaxed);
+    busy_sequence.store(id.sequence, std::memory_order_relaxed);
+    busy_since.store(stream_ns(t), std::memory_order_relaxed);
+  }
+  // Device thread: the call took `ns` for `items` requests.
+  void end(std::int64_t ns, std::uint64_t items) noexcept {
+    busy_since.store(0, std::memory_order_relaxed);
+    const auto v = static_cast<std::uint64_t>(ns < 0 ? 0 : ns);
+    service.record(v);
+    bump(calls);
+    ewma(call_ns, static_cast<std::int64_t>(v));
+    ewma(per_item_ns, static_cast<std::int64_t>(v / (items == 0 ? 1 : items)));
+  }
+};
+
+// One replica: written by its first segment's device (taken) and its last (the rest).
+struct ReplicaMeter {
+  ReplicaMeter() : latency(kMeterHighestNs) {}
+  Histogram latency;
+  std::atomic<std::uint64_t> taken{0}, answered{0}, ok{0};
+  std::atomic<std::uint64_t> infeed_taken{0};  // of `taken`, off an InfeedQueue
+  std::atomic<std::uint64_t> errors[4] = {};
+  // Answers of requests with a deadline, and of those the ones made after it (admission's
+  // feedback: how often its predictions were wrong).
+  std::atomic<std::uint64_t> timed{0}, late{0};
+  std::atomic<bool> stalled{false};  // the monitor's
+  std::atomic<bool> failed{false};
+};
+
+}  // namespace bspflow::detail

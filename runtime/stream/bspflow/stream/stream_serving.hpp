@@ -1,0 +1,121 @@
+// Serving with a Stream (see stream.hpp and runtime/README.md "Serving"): a batch stage's
+// configuration and per-item results, and what Stream::stats() reports.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <iosfwd>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "bspflow/stream/histogram.hpp"
+#include "bspflow/stream/request.hpp"
+
+namespace bspflow {
+
+// How a batch stage (StreamBuilder::batch_stage) forms its batches from whatever is waiting.
+// A batch is flushed when it holds max_batch requests, or when nothing more is waiting and
+// waiting longer does not pay: past max_delay after its first request arrived, or (with
+// deadline_aware) when the next request is not expected before the oldest deadline would be
+// missed by waiting. Without deadlines and without max_delay, a batch is whatever is
+// waiting when the device is free (greedy).
+struct BatchConfig {
+  std::size_t max_batch = 8;  // 1..4096 requests per call
+  // The longest the first request of a batch waits for others (from its arrival at the
+  // stage's device, not from the end of the last batch); nullopt: no fixed bound.
+  std::optional<std::chrono::nanoseconds> max_delay{};
+  // The batch sizes the model accepts (an IPU graph is compiled for fixed micro-batch
+  // sizes), ascending; a batch is padded up to the next one. Empty: any size 1..max_batch.
+  // Non-empty: max_batch is its last size or smaller. Padding needs a default-constructible
+  // input type; padded outputs are dropped (a caller never sees them).
+  std::vector<std::size_t> allowed_sizes{};
+  // Flush early when waiting longer would make the oldest request miss its deadline (from the
+  // stage's own service time per batch size, measured online).
+  bool deadline_aware = true;
+  // Throws bspflow::Error naming the field, the value and what is allowed.
+  void validate() const;
+  // The size a batch of n requests is padded to (n without allowed_sizes).
+  std::size_t padded(std::size_t n) const noexcept;
+};
+
+// One output of a batch stage that may fail single items: a value, or why this item failed
+// (that request is answered with ErrorKind::kStageFailed; the others go on).
+template <class T>
+class ItemResult {
+ public:
+  ItemResult(T value) : value_(std::move(value)) {}  // NOLINT: implicit, like std::optional
+  static ItemResult failure(std::string why) {
+    ItemResult r;
+    r.error_ = std::move(why);
+    return r;
+  }
+  bool ok() const noexcept { return value_.has_value(); }
+  T& value() { return *value_; }
+  const std::string& error() const noexcept { return error_; }
+
+ private:
+  ItemResult() = default;
+  std::optional<T> value_;
+  std::string error_;
+};
+
+// One stage's figures, over all replicas (Stream::stats()).
+struct StageStats {
+  std::string name;
+  std::uint32_t stage = 0;          // index in the chain
+  std::uint32_t device = 0;         // device index within a replica (StreamBuilder's)
+  bool batched = false;             // a batch stage
+  HistogramSnapshot service_ns;     // per call: one request, or one batch
+  HistogramSnapshot queue_wait_ns;  // per request: arrival at the stage's device to its call
+  HistogramSnapshot batch_size;     // batch stages: requests per call (before padding)
+  std::uint64_t calls = 0;          // calls made (requests, or batches)
+  std::uint64_t padded = 0;         // batch stages: padding items added
+  std::uint64_t stalls = 0;         // times a call outlived StreamConfig::stall_limit
+};
+
+// One replica's state.
+struct ReplicaStats {
+  std::uint32_t replica = 0;
+  std::uint64_t taken = 0;     // requests its first stage took
+  std::uint64_t answered = 0;  // responses it delivered
+  bool stalled = false;        // a stage holds a call past stall_limit now (takes nothing new)
+  bool failed = false;         // its runtime failed (takes nothing new)
+  std::vector<std::size_t> ring_depths;  // requests waiting between its devices, hop by hop
+};
+
+// What a stream has done so far. Stream::stats() reads it at any time from any thread; the
+// histograms are merged from the device threads' own (snapshots: counts may lag by the
+// requests in flight). Counts are since the Stream was built.
+struct StreamStats {
+  std::vector<StageStats> stages;
+  std::vector<ReplicaStats> replicas;
+  HistogramSnapshot latency_ns;           // push (or take off the infeed) to answer, every response
+  std::uint64_t accepted = 0;             // requests admitted (or taken off the InfeedQueue)
+  std::uint64_t answered = 0;             // responses delivered, errors included
+  std::uint64_t ok = 0;                   // of those, with a value
+  std::array<std::uint64_t, 4> errors{};  // by ErrorKind
+  std::array<std::uint64_t, 7> refusals{};  // StreamClient pushes refused, by Refusal
+  std::size_t queued = 0;                   // admitted, not yet taken by a replica
+  std::uint64_t errors_of(ErrorKind k) const noexcept {
+    return errors[static_cast<std::size_t>(k)];
+  }
+  std::uint64_t refused(Refusal r) const noexcept { return refusals[static_cast<std::size_t>(r)]; }
+  std::uint64_t refused() const noexcept;  // every reason
+
+  // Any thread. Writes the stats as OpenMetrics 1.0 text families named `prefix`_...:
+  // counters (requests, responses by kind, refusals by reason), gauges (queued, ring depth,
+  // stalled), and histograms (latency, service, queue wait in seconds; batch size). Labels
+  // `labels` are added to every sample. Does not write "# EOF" (the caller ends the
+  // exposition). Allocates. Throws bspflow::Error on an invalid prefix or label name.
+  void write_openmetrics(std::ostream& out, std::string_view prefix = "bspflow_stream",
+                         const MetricLabels& labels = {}) const;
+  // Any thread. The end-to-end latency as an HdrHistogram .hgrm percentile file in
+  // microseconds. Allocates.
+  void write_latency_hgrm(std::ostream& out) const;
+};
+
+}  // namespace bspflow
