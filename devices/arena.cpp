@@ -75,11 +75,10 @@ void* Arena::allocate(std::size_t bytes, std::string_view what) {
   }
   const std::size_t free_now = capacity_ - used_;
   std::ostringstream os;
-  os << owner_ << ": out of memory allocating " << detail::format_bytes(bytes) << " for '" << what
-     << "': " << detail::format_bytes(free_now) << " free of " << detail::format_bytes(capacity_);
+  os << owner_ << ": out of memory allocating " << format_bytes(bytes) << " for '" << what
+     << "': " << format_bytes(free_now) << " free of " << format_bytes(capacity_);
   if (free_now >= need) {
-    os << " (but fragmented: largest free block " << detail::format_bytes(largest_free_locked())
-       << ")";
+    os << " (but fragmented: largest free block " << format_bytes(largest_free_locked()) << ")";
   }
   os << ". " << report_locked()
      << ". Raise tiles or bytes_per_tile, or shrink what holds the memory.";
@@ -163,13 +162,12 @@ std::string Arena::report_locked() const {
   std::stable_sort(rows.begin(), rows.end(),
                    [](const auto& a, const auto& b) { return a.second.first > b.second.first; });
   std::ostringstream os;
-  os << detail::format_bytes(used_) << " used of " << detail::format_bytes(capacity_);
+  os << format_bytes(used_) << " used of " << format_bytes(capacity_);
   if (rows.empty()) return os.str() + ", nothing allocated";
   os << ", held by:";
   constexpr std::size_t kShown = 8;
   for (std::size_t i = 0; i < rows.size() && i < kShown; ++i) {
-    os << (i == 0 ? " '" : ", '") << rows[i].first << "' "
-       << detail::format_bytes(rows[i].second.first);
+    os << (i == 0 ? " '" : ", '") << rows[i].first << "' " << format_bytes(rows[i].second.first);
     if (rows[i].second.second > 1) os << " (" << rows[i].second.second << " allocations)";
   }
   if (rows.size() > kShown) os << ", and " << rows.size() - kShown << " more names";

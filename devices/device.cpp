@@ -34,8 +34,8 @@ Placement placement_for(std::uint32_t id, const DeviceConfig& config,
   return p;
 }
 std::string budget(const DeviceConfig& c) {
-  return detail::format_bytes(c.memory_bytes()) + " (tiles " + std::to_string(c.tiles) +
-         " x bytes_per_tile " + detail::format_bytes(c.bytes_per_tile) + ")";
+  return format_bytes(c.memory_bytes()) + " (tiles " + std::to_string(c.tiles) +
+         " x bytes_per_tile " + format_bytes(c.bytes_per_tile) + ")";
 }
 // The device's memory, checked against the machine's (and, on a machine with several NUMA
 // nodes, its node's): a device cannot have more than there is.
@@ -44,7 +44,7 @@ std::size_t checked_memory(std::uint32_t id, const DeviceConfig& c, const Placem
   const std::size_t want = c.memory_bytes();
   auto refuse = [&](const std::string& where, std::size_t has) {
     throw OutOfMemoryError("device " + std::to_string(id) + " asks for " + budget(c) +
-                               ", more than " + where + " has (" + detail::format_bytes(has) +
+                               ", more than " + where + " has (" + format_bytes(has) +
                                "): lower tiles or bytes_per_tile",
                            want, has);
   };
@@ -69,7 +69,7 @@ Device::Device(std::uint32_t id, DeviceConfig config, std::optional<Placement> p
   const std::size_t machine = Topology::get().memory_bytes();
   throw OutOfMemoryError(
       "device " + std::to_string(id) + ": the system refused to reserve its memory, " +
-          budget(config) + ", on a machine with " + detail::format_bytes(machine) +
+          budget(config) + ", on a machine with " + format_bytes(machine) +
           " (devices made before it hold theirs too): lower tiles or bytes_per_tile, or "
           "make fewer devices",
       config.memory_bytes(), 0);
@@ -178,9 +178,8 @@ DeviceGroup::DeviceGroup(std::uint32_t count, DeviceConfig config) {
           static_cast<double>(machine)) {
     log(LogLevel::kWarning,
         std::to_string(count) + " devices of " + budget(config) + " each hold " +
-            detail::format_bytes(std::uint64_t{count} * config.memory_bytes()) +
-            " of device memory together, more than this machine's " +
-            detail::format_bytes(machine) +
+            format_bytes(std::uint64_t{count} * config.memory_bytes()) +
+            " of device memory together, more than this machine's " + format_bytes(machine) +
             ": this works while they use less than that (pages are committed as they are used), "
             "but models that fill them will not fit");
   }

@@ -49,9 +49,9 @@ bool HostLinkTimeline::copy_in(std::size_t bytes, bool waited, const StopFlag* s
     if (bytes * shape_.host_io.prefetch_depth > room) {
       throw Error("the I/O tiles of device " + std::to_string(shape_.device) + " (" +
                   std::to_string(shape_.host_io.io_tiles) + " x " +
-                  detail::format_bytes(shape_.bytes_per_tile) + " = " + detail::format_bytes(room) +
+                  format_bytes(shape_.bytes_per_tile) + " = " + format_bytes(room) +
                   ") cannot hold prefetch_depth " + std::to_string(shape_.host_io.prefetch_depth) +
-                  " x " + shape_.element + " of " + detail::format_bytes(bytes) +
+                  " x " + shape_.element + " of " + format_bytes(bytes) +
                   ": raise io_tiles or lower prefetch_depth");
     }
   }

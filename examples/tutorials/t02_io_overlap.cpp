@@ -73,10 +73,6 @@ int main(int argc, char** argv) {
   app.add_option("--link-gbytes-per-s", link_gbytes_per_s,
                  "host link bandwidth, GB/s (5 us latency per copy)")
       ->check(CLI::Range(0.001, 1000.0));
-  app.add_option("--link-gbps", link_gbytes_per_s,
-                 "old name of --link-gbytes-per-s (it was GB/s, not Gb/s)")
-      ->check(CLI::Range(0.001, 1000.0))
-      ->group("");  // hidden from --help; still accepted
   app.add_option("--steps", steps, "steps per run")->check(CLI::Range(2, 1000000));
   app.add_option("--dtype", dtype_name, "transfer element type")
       ->check(CLI::IsMember({"fp32", "fp16", "uint8"}));

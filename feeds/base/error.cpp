@@ -13,8 +13,23 @@ void throw_bad_value(std::string_view name, std::string_view given, std::string_
   throw Error(msg);
 }
 
-void throw_bad_value(std::string_view name, std::uint64_t given, std::string_view allowed) {
-  throw_bad_value(name, std::to_string(given), allowed);
+void throw_bad_value(std::string_view name, std::chrono::nanoseconds given,
+                     std::string_view allowed) {
+  throw_bad_value(name, std::string_view(describe_duration(given)), allowed);
+}
+
+std::string describe_duration(std::chrono::nanoseconds d) {
+  const std::int64_t ns = d.count();
+  char text[48];
+  auto in = [&](double unit, const char* name) {
+    std::snprintf(text, sizeof text, "%.4g %s", static_cast<double>(ns) / unit, name);
+    return std::string(text);
+  };
+  const std::int64_t size = ns < 0 ? -ns : ns;
+  if (size >= 1'000'000'000) return in(1e9, "s");
+  if (size >= 1'000'000) return in(1e6, "ms");
+  if (size >= 1'000) return in(1e3, "us");
+  return std::to_string(ns) + " ns";
 }
 
 std::string count_of(std::uint64_t n, std::string_view noun) {

@@ -29,8 +29,8 @@ void WaitPolicy::validate() const {
   if (strategy == WaitStrategy::kSpinThenPark &&
       (spin.count() < 0 || spin > tunables::kMaxSpinBudget)) {
     detail::throw_bad_value(
-        "spin_then_park budget (ns)", std::to_string(spin.count()),
-        "must be in 0.." + std::to_string(tunables::kMaxSpinBudget.count()) + " ns");
+        "spin_then_park budget", spin,
+        "must be in 0 ns.." + detail::describe_duration(tunables::kMaxSpinBudget));
   }
 }
 

@@ -209,8 +209,7 @@ bool DeviceRun::exec_node(const program::Sync& s) {
   const Clock::time_point t0 = track_ ? Clock::now() : Clock::time_point{};
   double latest = clock_.now();
   const bool ok = s.group->arrive_and_wait(
-      stop_, device_.placement().shares_core() ? detail::Spin::kYield : detail::Spin::kTight,
-      &latest);
+      stop_, device_.placement().shares_core() ? Spin::kYield : Spin::kTight, &latest);
   if (ok) {
     clock_.sync_to(latest, s.group->participants() > 1
                                ? static_cast<double>(model_.sync_between_chips.count())

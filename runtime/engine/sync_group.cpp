@@ -61,7 +61,7 @@ bool SyncGroup::arrive_and_wait(const StopFlag& stop, Spin spin, double* modeled
     point_.notify();
     // Sharing a core: let a participant just woken on it run now, instead of at the end of
     // our time slice (a scheduler tick, milliseconds) while we compute the next superstep.
-    if (spin == detail::Spin::kYield) std::this_thread::yield();
+    if (spin == Spin::kYield) std::this_thread::yield();
     return true;
   }
   const detail::WaitMark mark(&site_);  // the stall check's record, while this device waits
@@ -71,7 +71,7 @@ bool SyncGroup::arrive_and_wait(const StopFlag& stop, Spin spin, double* modeled
                aborted_.load(std::memory_order_seq_cst);
       },
       spin, detail::Fence::kSymmetric,
-      spin == detail::Spin::kYield ? tunables::kSpinBudget : tunables::kSyncSpinBudget);
+      spin == Spin::kYield ? tunables::kSpinBudget : tunables::kSyncSpinBudget);
   const bool opened = arrivals_.load(std::memory_order_acquire) >= end;
   if (opened && modeled != nullptr) {
     *modeled = std::bit_cast<double>(modeled_[round & 1].load(std::memory_order_relaxed));

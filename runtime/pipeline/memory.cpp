@@ -9,22 +9,6 @@
 
 namespace bspflow {
 
-void Precision::validate() const {
-  auto check_type = [](const char* field, DType t) {
-    if (t != DType::kFloat32 && t != DType::kFloat16) {
-      detail::throw_bad_value(field, to_string(t), "must be fp32 or fp16");
-    }
-  };
-  check_type("precision.storage", storage);
-  check_type("precision.partials", partials);
-  if (!(loss_scaling > 0.0f) || !std::isfinite(loss_scaling)) {
-    std::ostringstream os;
-    os << loss_scaling;
-    detail::throw_bad_value("precision.loss_scaling", os.str(),
-                            "must be finite and above 0 (1 = no scaling)");
-  }
-}
-
 const char* to_string(MemoryCategory c) noexcept {
   switch (c) {
     case MemoryCategory::kParameters:
@@ -110,7 +94,6 @@ std::size_t MemoryReport::peak() const noexcept {
 }
 
 std::string MemoryReport::to_string(std::size_t largest) const {
-  using detail::format_bytes;
   std::ostringstream os;
   os << "memory (storage " << bspflow::to_string(precision.storage) << ", partials "
      << bspflow::to_string(precision.partials);

@@ -169,11 +169,10 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config,
         asked = d.peak();
         available = d.capacity;
       }
-      lines += "device " + std::to_string(d.device) + " needs " + detail::format_bytes(d.peak()) +
-               " at its peak, has " + detail::format_bytes(d.capacity) + " (largest: ";
+      lines += "device " + std::to_string(d.device) + " needs " + format_bytes(d.peak()) +
+               " at its peak, has " + format_bytes(d.capacity) + " (largest: ";
       for (std::size_t i = 0; i < d.tensors.size() && i < 3; ++i) {
-        lines +=
-            (i ? ", '" : "'") + d.tensors[i].name + "' " + detail::format_bytes(d.tensors[i].bytes);
+        lines += (i ? ", '" : "'") + d.tensors[i].name + "' " + format_bytes(d.tensors[i].bytes);
       }
       lines += "); ";
     }
@@ -220,8 +219,8 @@ void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config,
       if (dm.not_always_live() > 0) {
         im.held.push_back(std::make_unique<Impl::Held>(
             im.devices[d]->arena(), dm.not_always_live(),
-            "not always live (compute phase " + detail::format_bytes(dm.compute_peak()) +
-                ", update phase " + detail::format_bytes(dm.phase(Liveness::kUpdate)) + ")"));
+            "not always live (compute phase " + format_bytes(dm.compute_peak()) +
+                ", update phase " + format_bytes(dm.phase(Liveness::kUpdate)) + ")"));
       }
     }
   } catch (const OutOfMemoryError& e) {
@@ -304,7 +303,7 @@ PipelineResult Pipeline::run(InfeedQueue<Batch>& infeed, std::uint64_t device_it
   } else if (!im.across->served()) {
     // Refused before its devices started: still this instance's part of step 0 (as
     // stopped), so the others do not wait for it.
-    detail::StopFlag stopped;
+    StopFlag stopped;
     stopped.set();
     im.across->serve(stopped);
   }

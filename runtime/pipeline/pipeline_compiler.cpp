@@ -43,7 +43,7 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
     steps.emplace_back(
         codelet("all-reduce across instances", [this, on_device, slot](const ComputeContext& ctx) {
           if (on_device.front()->r != 0) {
-            (void)across->wait_done(ctx.iteration, detail::Spin::kYield);
+            (void)across->wait_done(ctx.iteration, Spin::kYield);
             return;
           }
           if (ctx.stop->requested()) return;  // the host makes the step's call, as stopped
@@ -95,7 +95,7 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
 }
 
 void Pipeline::Impl::forward_handed_off(StageRun& sr, std::uint64_t i, std::span<const float> input,
-                                        const detail::StopFlag* stop) {
+                                        const StopFlag* stop) {
   const bool first = sr.s == 0, last = sr.s + 1 == stages;
   std::span<float> out(sr.local_out);
   if (!last) {

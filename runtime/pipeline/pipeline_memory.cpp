@@ -67,8 +67,7 @@ MemoryReport plan_memory(const MemoryInputs& in) {
       const std::size_t entry = (inputs ? st.in : 0) + (c.recompute ? 0 : saved);
       if (entry > 0) {
         std::ostringstream what;
-        what << "activation stash (" << slots << " x " << detail::format_bytes(entry * store)
-             << ": "
+        what << "activation stash (" << slots << " x " << format_bytes(entry * store) << ": "
              << (c.recompute       ? "inputs only"
                  : !saved_declared ? "inputs; saved not declared"
                  : st.in == 0      ? "saved"
@@ -140,7 +139,6 @@ MemoryReport plan_memory(const MemoryInputs& in) {
 MemoryReport plan_memory_with_advice(const MemoryInputs& in) {
   MemoryReport report = plan_memory(in);
   if (report.fits()) return report;
-  using detail::format_bytes;
   // The worst device: the one over by the most.
   const DeviceMemory* worst = nullptr;
   for (const DeviceMemory& d : report.devices) {

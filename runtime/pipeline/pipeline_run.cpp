@@ -69,7 +69,7 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
   // The host's own wait: handing the last stage's staged answers to the outfeed when the
   // devices are done. A stopped run stops it at once (they go in past the bound, or are
   // dropped and counted), and so does a stop requested while it waits for a reader.
-  detail::StopFlag host_stop;
+  StopFlag host_stop;
   std::stop_callback on_stop(stop, [&host_stop, outfeed]() noexcept {
     host_stop.set();
     if (outfeed != nullptr) outfeed->wake_all();
@@ -125,7 +125,7 @@ PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
     if (im.across && im.config.training) {
       // This thread makes the exchanges across instances while the devices run.
       er = im.engine->run(
-          programs, wake, [&im](const detail::StopFlag& flag) { im.across->serve(flag); }, stop);
+          programs, wake, [&im](const StopFlag& flag) { im.across->serve(flag); }, stop);
     } else {
       er = im.engine->run(programs, wake, nullptr, stop);
     }

@@ -46,7 +46,7 @@ void Pipeline::Impl::throw_saved_over(const StageRun& sr, std::uint64_t i,
                    std::make_exception_ptr(Error(message)));
 }
 
-bool Pipeline::Impl::pop_input(StageRun& sr, Batch& slot, bool block, const detail::StopFlag* stop,
+bool Pipeline::Impl::pop_input(StageRun& sr, Batch& slot, bool block, const StopFlag* stop,
                                bool& waited) {
   waited = false;
   if (config.synthetic_data && sr.synthetic_ready) return true;  // already in every slot
@@ -65,14 +65,13 @@ bool Pipeline::Impl::pop_input(StageRun& sr, Batch& slot, bool block, const deta
   return true;
 }
 
-bool Pipeline::Impl::host_in(StageRun& sr, const Batch& b, bool waited,
-                             const detail::StopFlag* stop) {
+bool Pipeline::Impl::host_in(StageRun& sr, const Batch& b, bool waited, const StopFlag* stop) {
   if (config.synthetic_data) return true;  // no host copies
   return sr.link.copy_in(host_bytes(b), waited, stop);
 }
 
 void Pipeline::Impl::forward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle,
-                                       const detail::StopFlag* stop) {
+                                       const StopFlag* stop) {
   const bool first = sr.s == 0, last = sr.s + 1 == stages;
   const std::span<const float> in =
       first ? std::span<const float>{} : widened(sr.in_fwd, sr.wide_in);
@@ -158,7 +157,7 @@ void Pipeline::Impl::exchange_across(const std::vector<StageRun*>& on_device, st
     for (const std::uint64_t l : lane) checksum = (checksum ^ l) * kPrime;
   }
   // Yield while waiting: the wait is for another thread's MPI call, which may need this core.
-  (void)across->exchange(slot, step, checksum, detail::Spin::kYield);
+  (void)across->exchange(slot, step, checksum, Spin::kYield);
 }
 
 void Pipeline::Impl::finish_reduce(StageRun& sr, std::uint64_t step) {
@@ -199,7 +198,7 @@ void Pipeline::Impl::finish_reduce(StageRun& sr, std::uint64_t step) {
 }
 
 bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const float> input,
-                             std::span<float> output, const detail::StopFlag* stop) {
+                             std::span<float> output, const StopFlag* stop) {
   const std::span<Batch> batches_of = sr.batches;
   if (sr.s == 0 && config.training) {  // inference: take() already put it in the ring
     Batch& slot = batches_of[i % batches_of.size()];
@@ -246,7 +245,7 @@ bool Pipeline::Impl::forward(StageRun& sr, std::uint64_t i, std::span<const floa
   return true;
 }
 
-Pipeline::Impl::Take Pipeline::Impl::take(StageRun& sr, const detail::StopFlag* stop, bool block) {
+Pipeline::Impl::Take Pipeline::Impl::take(StageRun& sr, const StopFlag* stop, bool block) {
   if (sr.taken >= plan.micro_batches) return Take::kEnd;
   Batch& slot = sr.batches[sr.taken % sr.batches.size()];
   // Whether the lane was found empty since the last take: then this micro-batch arrived

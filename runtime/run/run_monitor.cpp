@@ -233,19 +233,5 @@ const WaitSite& io_drain_site() noexcept {
   return g_io_drain_site;
 }
 
-std::string describe_duration(std::chrono::nanoseconds d) {
-  const std::int64_t ns = d.count();
-  char text[48];
-  auto in = [&](double unit, const char* name) {
-    std::snprintf(text, sizeof text, "%.4g %s", static_cast<double>(ns) / unit, name);
-    return std::string(text);
-  };
-  const std::int64_t size = ns < 0 ? -ns : ns;
-  if (size >= 1'000'000'000) return in(1e9, "s");
-  if (size >= 1'000'000) return in(1e6, "ms");
-  if (size >= 1'000) return in(1e3, "us");
-  return std::to_string(ns) + " ns";
-}
-
 }  // namespace detail
 }  // namespace bspflow

@@ -307,8 +307,7 @@ std::string TraceSummary::to_string() const {
     std::snprintf(buf, sizeof buf,
                   "%-22s %llu iterations, %s to device, %s to host, longest: %s%s%s %.1f us\n",
                   t.name.c_str(), static_cast<unsigned long long>(t.iterations),
-                  detail::format_bytes(t.bytes_to_device).c_str(),
-                  detail::format_bytes(t.bytes_to_host).c_str(),
+                  format_bytes(t.bytes_to_device).c_str(), format_bytes(t.bytes_to_host).c_str(),
                   bspflow::to_string(t.longest_phase), t.longest_label.empty() ? "" : " ",
                   t.longest_label.c_str(), static_cast<double>(t.longest_ns) / 1e3);
     os << buf;

@@ -10,6 +10,8 @@
 #include <bspflow/base/detail/wait.hpp>
 
 using namespace bspflow::detail;
+using bspflow::Spin;
+using bspflow::StopFlag;
 using namespace std::chrono_literals;
 
 TEST_SUITE_BEGIN("wait");

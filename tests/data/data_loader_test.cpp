@@ -149,7 +149,7 @@ TEST_CASE("plan: steps per epoch, drop and pad counts, the combined batch") {
     LoaderConfig cfg;
     cfg.batch_size = c.batch;
     cfg.drop_last = c.drop_last;
-    const detail::LoadPlan plan(StepShape{c.di, c.ga, c.replicas}, c.size, cfg);
+    const LoadPlan plan(StepShape{c.di, c.ga, c.replicas}, c.size, cfg);
     CHECK(plan.samples_per_step() == c.batch * c.di * c.ga * c.replicas);
     CHECK(plan.steps_per_epoch() == c.steps);
     CHECK(plan.dropped_per_epoch() == c.dropped);
@@ -160,11 +160,11 @@ TEST_CASE("plan: steps per epoch, drop and pad counts, the combined batch") {
   LoaderConfig cfg;
   cfg.batch_size = 16;
   CHECK(contains(error_of([&] {
-                   detail::LoadPlan(StepShape{50, 1, 2}, 1000, cfg);
+                   LoadPlan(StepShape{50, 1, 2}, 1000, cfg);
                  }),
                  "fewer than one step needs (combined batch 16 batch x 50 device iterations x "
                  "1 gradient accumulation x 2 replicas = 1600 samples)"));
-  CHECK(contains(error_of([&] { detail::LoadPlan(StepShape{1, 1, 1}, 0, cfg); }), "empty"));
+  CHECK(contains(error_of([&] { LoadPlan(StepShape{1, 1, 1}, 0, cfg); }), "empty"));
   // The loader takes bspflow::Options directly.
   Options opts;
   opts.device_iterations(50).replicas(2);

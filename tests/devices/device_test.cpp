@@ -60,7 +60,7 @@ TEST_CASE("a device runs jobs in order on its own, pinned thread") {
 }
 
 TEST_CASE("destroying a device cancels its running and queued jobs, then joins") {
-  detail::StopFlag stop;
+  StopFlag stop;
   detail::WaitPoint wp;
   std::atomic<int> ran{0};
   {

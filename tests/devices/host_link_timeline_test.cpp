@@ -164,7 +164,7 @@ TEST_CASE("a copy that costs nothing is counted without waiting") {
   s.host_io.host_link = LinkModel{1e9, 0ns};  // no latency: zero bytes take no time
   HostLinkTimeline link(s);
   link.start(Clock::now());
-  detail::StopFlag stop;
+  StopFlag stop;
   stop.set();  // nothing to wait for, so a stop changes nothing
   CHECK(link.copy_in(0, false, &stop));
   CHECK(link.copy_out(0, &stop));
@@ -247,7 +247,7 @@ TEST_CASE("a stop while waiting for the link: false at once, the copy not counte
   SUBCASE("copy in, no I/O tiles") {
     HostLinkTimeline link(slow_shape(0));
     link.start(Clock::now());
-    detail::StopFlag stop;
+    StopFlag stop;
     auto copy = std::async(std::launch::async, [&] { return link.copy_in(10'000, false, &stop); });
     std::this_thread::sleep_for(20ms);
     stop.set();
@@ -260,7 +260,7 @@ TEST_CASE("a stop while waiting for the link: false at once, the copy not counte
   SUBCASE("copy out, no I/O tiles") {
     HostLinkTimeline link(slow_shape(0));
     link.start(Clock::now());
-    detail::StopFlag stop;
+    StopFlag stop;
     auto copy = std::async(std::launch::async, [&] { return link.copy_out(10'000, &stop); });
     std::this_thread::sleep_for(20ms);
     stop.set();
@@ -272,7 +272,7 @@ TEST_CASE("a stop while waiting for the link: false at once, the copy not counte
   SUBCASE("finish_out with I/O tiles") {
     HostLinkTimeline link(slow_shape(2));
     link.start(Clock::now());
-    detail::StopFlag stop;
+    StopFlag stop;
     CHECK(link.copy_out(10'000, &stop));  // handed to the I/O tiles: no wait
     auto finish = std::async(std::launch::async, [&] { return link.finish_out(&stop); });
     std::this_thread::sleep_for(20ms);
@@ -283,7 +283,7 @@ TEST_CASE("a stop while waiting for the link: false at once, the copy not counte
   SUBCASE("a stop set before the call") {
     HostLinkTimeline link(slow_shape(0));
     link.start(Clock::now());
-    detail::StopFlag stop;
+    StopFlag stop;
     stop.set();
     const auto t0 = Clock::now();
     CHECK_FALSE(link.copy_in(10'000, false, &stop));

@@ -19,8 +19,6 @@
 
 using namespace bspflow;
 using namespace std::chrono_literals;
-using detail::Spin;
-using detail::StopFlag;
 using test::contains;
 using test::error_of;
 

@@ -445,7 +445,7 @@ TEST_CASE("push_bulk publishes as it copies: the reader starts before the batch 
 
 TEST_CASE("a stop request wakes a reader parked on an empty lane") {
   InfeedQueue<int> q;
-  detail::StopFlag stop;
+  StopFlag stop;
   std::atomic<bool> returned{false};
   bool popped = true;
   bool eod = true;
@@ -623,7 +623,7 @@ TEST_CASE("single producer: close() racing a push in flight delivers the push th
 
 TEST_CASE("single producer: stop wakes a parked reader; close wakes a blocked producer") {
   InfeedQueue<int> q(single(1, 1));
-  detail::StopFlag stop;
+  StopFlag stop;
   bool popped = true;
   std::thread t([&] {
     auto reader = q.reader(0);

@@ -18,7 +18,7 @@ TEST_SUITE_BEGIN("spsc_ring");
 
 TEST_CASE("FIFO within the bound; full, then room again") {
   SpscRing<int> ring(3);
-  detail::StopFlag stop;
+  StopFlag stop;
   CHECK(ring.try_front() == nullptr);
   CHECK(ring.try_push(1));
   CHECK(ring.try_push(2));
@@ -40,7 +40,7 @@ TEST_CASE("FIFO within the bound; full, then room again") {
 
 TEST_CASE("claim and publish fill slots in place: their buffers are reused, never reallocated") {
   SpscRing<std::vector<float>> ring(2, std::vector<float>(8, 0.0f));
-  detail::StopFlag stop;
+  StopFlag stop;
   std::vector<const float*> buffers;
   for (int round = 0; round < 6; ++round) {
     std::vector<float>* slot = ring.claim(WaitPolicy{}, stop);
@@ -69,7 +69,7 @@ TEST_CASE("claim and publish fill slots in place: their buffers are reused, neve
 
 TEST_CASE("close: the consumer drains, then sees the end; reset opens it again") {
   SpscRing<std::string> ring(4);
-  detail::StopFlag stop;
+  StopFlag stop;
   CHECK(ring.try_push("a"));
   ring.close();
   CHECK_FALSE(ring.closed_and_drained());
@@ -87,13 +87,13 @@ TEST_CASE("close: the consumer drains, then sees the end; reset opens it again")
 
 TEST_CASE("a stop ends a parked wait on either side") {
   SpscRing<int> ring(1);
-  detail::StopFlag stop;
+  StopFlag stop;
   std::thread consumer([&] { CHECK(ring.front(WaitPolicy::park(), stop) == nullptr); });
   std::this_thread::sleep_for(std::chrono::milliseconds(2));
   stop.set();
   ring.wake();
   consumer.join();
-  detail::StopFlag stop2;
+  StopFlag stop2;
   CHECK(ring.try_push(1));
   std::thread producer([&] { CHECK_FALSE(ring.push(2, WaitPolicy::park(), stop2)); });
   std::this_thread::sleep_for(std::chrono::milliseconds(2));
@@ -112,7 +112,7 @@ TEST_CASE("two threads move every element once, in order, for each wait policy")
   for (const WaitPolicy& policy :
        {WaitPolicy{}, WaitPolicy::park(), WaitPolicy::busy_spin().capped_for_sharing()}) {
     SpscRing<std::unique_ptr<std::uint64_t>> ring(8);
-    detail::StopFlag stop;
+    StopFlag stop;
     bool all_pushed = true;
     std::thread producer([&] {
       for (std::uint64_t i = 0; i < n; ++i) {

@@ -30,7 +30,7 @@ bool eventually(F done) {
 // the step was applied.
 std::future<bool> post(detail::InstanceReduction& x, std::uint32_t slot, std::uint64_t step) {
   return std::async(std::launch::async,
-                    [&x, slot, step] { return x.exchange(slot, step, 0, detail::Spin::kYield); });
+                    [&x, slot, step] { return x.exchange(slot, step, 0, Spin::kYield); });
 }
 
 // Whether `f` ends within 10 s and says applied (a lost wake-up fails here, not by hanging).
@@ -137,7 +137,7 @@ TEST_CASE("a stop after slot 1 posted: the host makes slot 0's bucket, as stoppe
   CHECK(x.stopped_instance() == 0);  // ... and says so
   CHECK(holds(x, 0, 5.0f));          // the zeros went from a buffer of their own
   // A slot that posts after the step was given up on returns at once, not applied.
-  CHECK_FALSE(x.exchange(0, 1, 0, detail::Spin::kYield));
+  CHECK_FALSE(x.exchange(0, 1, 0, Spin::kYield));
   CHECK(x.mismatch().empty());
 }
 
@@ -225,6 +225,6 @@ TEST_CASE("runs reuse the exchange: the turns start again at step 0") {
 TEST_CASE("a slot posting a step that is not the one being exchanged is an internal error") {
   detail::InstanceReduction x(Instance::current(), {1, 1}, 0, 0);
   x.begin_run(3, {});
-  CHECK_THROWS_WITH_AS(x.exchange(0, 1, 0, detail::Spin::kYield),
+  CHECK_THROWS_WITH_AS(x.exchange(0, 1, 0, Spin::kYield),
                        doctest::Contains("posted step 1 while step 0 is exchanged"), Error);
 }

@@ -2,10 +2,9 @@
 // (host_link), how many tiles move them while the device computes (io_tiles), how far
 // ahead they move (prefetch_depth), or that nothing crosses at all (synthetic_data).
 //
-// Every entry point that moves host data takes it: loops::repeat (a loop's LoopConfig is a
-// HostIO), EngineConfig and PipelineConfig (each is a HostIO with more fields) and
-// HostLinkTimeline::Shape (one device's copies). Options::host_io() derives it from the
-// run's Options, so a run states these once.
+// Every entry point that moves host data takes it: loops::repeat (its last feed), EngineConfig and
+// PipelineConfig (each is a HostIO with more fields) and HostLinkTimeline::Shape (one device's
+// copies). Options::host_io() derives it from the run's Options, so a run states these once.
 //
 //   bspflow::Options opts;
 //   opts.io_tiles(32).prefetch_depth(3);    // copies overlap compute, 3 elements ahead

@@ -5,11 +5,13 @@
 // they return bool / optional / a status instead.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <exception>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 
 namespace bspflow {
 
@@ -25,14 +27,23 @@ std::string format_bytes(std::uint64_t bytes);
 
 namespace detail {
 
-using bspflow::format_bytes;  // (its old home; kept so older code compiles)
-
 // "prefetch_depth = 0 is not allowed: must be in 1..255" — the one shape every
 // validation error takes, so they read the same everywhere.
 [[noreturn]] void throw_bad_value(std::string_view name, std::string_view given,
                                   std::string_view allowed);
-[[noreturn]] void throw_bad_value(std::string_view name, std::uint64_t given,
+// A count, printed with its sign: -1 is "-1", never a wrapped unsigned number.
+template <class T>
+[[noreturn]] void throw_bad_value(std::string_view name, T given,
+                                  std::string_view allowed) requires(std::is_integral_v<T> &&
+                                                                     !std::is_same_v<T, bool>) {
+  throw_bad_value(name, std::string_view(std::to_string(given)), allowed);
+}
+// A duration, printed as describe_duration() does: "-1 us", "250 ms".
+[[noreturn]] void throw_bad_value(std::string_view name, std::chrono::nanoseconds given,
                                   std::string_view allowed);
+
+// A duration as people read it, with its sign: "-1 us", "1.5 ms", "30 s", "0 ns".
+std::string describe_duration(std::chrono::nanoseconds d);
 
 // "1 step", "2 steps": a count and its noun (plural with an s unless n is 1).
 std::string count_of(std::uint64_t n, std::string_view noun);

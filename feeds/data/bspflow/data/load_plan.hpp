@@ -82,8 +82,4 @@ class LoadPlan {
   std::uint64_t padded_ = 0;
 };
 
-namespace detail {
-using bspflow::LoadPlan;  // (its old home; kept so older code compiles)
-}  // namespace detail
-
 }  // namespace bspflow

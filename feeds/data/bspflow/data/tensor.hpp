@@ -123,8 +123,6 @@ class BufferPool {
 
 namespace detail {
 
-using bspflow::BufferPool;  // (its old home; kept so older code compiles)
-
 // Frees a tensor's buffer, or hands it back to the pool it came from.
 struct TensorDeleter {
   std::shared_ptr<BufferPool> pool;

@@ -454,7 +454,7 @@ class OutfeedQueue {
             }
             return all_sealed;
           },
-          detail::Spin::kTight, detail::Fence::kAsymmetric);
+          Spin::kTight, detail::Fence::kAsymmetric);
     }
   }
   // kSingle, several replicas: the first lane with entries, starting after the last one read.

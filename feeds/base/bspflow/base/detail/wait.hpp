@@ -65,9 +65,6 @@ inline void prefetch_for_read(const void* p) noexcept {
   __builtin_prefetch(p, 0, 3);
 }
 
-using bspflow::Spin;      // (public, bspflow/base/spin.hpp; kept so older code compiles)
-using bspflow::StopFlag;  // (public, bspflow/base/stop_flag.hpp; likewise)
-
 // Spins while !ready() for at most `budget`. Returns true as soon as ready() holds.
 template <class Ready>
 bool spin_until(Ready&& ready, Spin mode = Spin::kTight,

@@ -265,7 +265,7 @@ class DeviceRun {
   Device& device_;
   const std::uint32_t index_;
   detail::RunControl& control_;
-  const detail::StopFlag& stop_;
+  const StopFlag& stop_;
   TraceTrack* track_;
   TraceTrack* io_track_;
   ModeledClock& clock_;  // the device's: this run's modeled time

@@ -149,7 +149,7 @@ struct InfeedSide {  // no infeed
   bool try_pop(NoFeed*&) {
     return true;
   }
-  bool pop(NoFeed*&, const bspflow::detail::StopFlag*) { return true; }
+  bool pop(NoFeed*&, const bspflow::StopFlag*) { return true; }
   bool end_of_data() const { return false; }
   NoFeed* slot() { return nullptr; }
 };
@@ -185,7 +185,7 @@ struct InfeedSide<InfeedQueue<T>> {
     }
     return reader->try_pop(value);
   }
-  bool pop(T*& out, const bspflow::detail::StopFlag* stop) {
+  bool pop(T*& out, const bspflow::StopFlag* stop) {
     out = &value;
     return reader->pop(value, stop);
   }
@@ -200,12 +200,12 @@ struct InfeedSide<InfeedQueue<T>> {
 template <class OutQ>
 struct OutfeedSide {  // no outfeed
   template <bool kMeasure, class V>
-  bool write(std::uint64_t, V&&, const bspflow::detail::StopFlag*, std::size_t&) {
+  bool write(std::uint64_t, V&&, const bspflow::StopFlag*, std::size_t&) {
     return true;
   }
   OutputMode mode() const noexcept { return OutputMode::all(); }
-  bool flush(const bspflow::detail::StopFlag*) { return true; }
-  void finish(bool, const bspflow::detail::StopFlag*) {}
+  bool flush(const bspflow::StopFlag*) { return true; }
+  void finish(bool, const bspflow::StopFlag*) {}
 };
 
 template <class T>
@@ -214,7 +214,7 @@ struct OutfeedSide<OutfeedQueue<T>> {
       : writer(std::move(w)), out_mode(m) {}
   // kMeasure (a loop with a HostIO): sets `bytes` to the output's host bytes.
   template <bool kMeasure, class V>
-  bool write(std::uint64_t i, V&& v, const bspflow::detail::StopFlag* stop, std::size_t& bytes) {
+  bool write(std::uint64_t i, V&& v, const bspflow::StopFlag* stop, std::size_t& bytes) {
     if constexpr (kMeasure) {
       T value(std::forward<V>(v));
       bytes = element_bytes(value);
@@ -224,8 +224,8 @@ struct OutfeedSide<OutfeedQueue<T>> {
     }
   }
   OutputMode mode() const noexcept { return out_mode; }
-  bool flush(const bspflow::detail::StopFlag* stop) { return writer.flush(stop); }
-  void finish(bool deliver, const bspflow::detail::StopFlag* stop) { writer.finish(deliver, stop); }
+  bool flush(const bspflow::StopFlag* stop) { return writer.flush(stop); }
+  void finish(bool deliver, const bspflow::StopFlag* stop) { writer.finish(deliver, stop); }
   typename OutfeedQueue<T>::Writer writer;
   OutputMode out_mode;
 };
@@ -275,7 +275,7 @@ RunStatus run_trips(Replica<State, Body, InQ, OutQ>& rep, const program::LoopFra
   using Clock = std::chrono::steady_clock;
   constexpr bool kHasInfeed = !std::is_same_v<InQ, NoFeed>;
   constexpr bool kHasOutfeed = !std::is_same_v<OutQ, NoFeed>;
-  const bspflow::detail::StopFlag* const stop = frame.stop;
+  const bspflow::StopFlag* const stop = frame.stop;
   TraceTrack* const track = frame.track;
   // The host link (a HostIO): null, or this replica's timeline; synthetic data: none.
   HostLinkTimeline* const link = kLink && !rep.link->synthetic ? &rep.link->timeline : nullptr;

@@ -214,8 +214,7 @@ struct Pipeline::Impl {
 
   // bsp: one cycle's forward (backward) pass of `sr`, reading and writing its exchange
   // buffers by parity; in half precision through fp32 copies.
-  void forward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle,
-                         const detail::StopFlag* stop);
+  void forward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle, const StopFlag* stop);
   void backward_exchanged(StageRun& sr, std::uint64_t i, std::uint64_t cycle);
 
   // Runs `f` (a stage's pass); anything it throws becomes a StageError saying where.
@@ -237,28 +236,28 @@ struct Pipeline::Impl {
 
   // Host link, stage 0: micro-batch `b` was just taken from the lane (`waited`: the lane
   // was empty): waits for its modeled copy (sr.link). false: stopped.
-  bool host_in(StageRun& sr, const Batch& b, bool waited, const detail::StopFlag* stop);
+  bool host_in(StageRun& sr, const Batch& b, bool waited, const StopFlag* stop);
   // Stage 0: the next micro-batch into ring slot `slot` (`block`: wait for one; `waited`:
   // set when it had to). With synthetic data the first of the run is read from the lane
   // and copied into every slot; the rest are already there. false: none (stopped, or the
   // lane ended, or none ready and not `block`).
-  bool pop_input(StageRun& sr, Batch& slot, bool block, const detail::StopFlag* stop, bool& waited);
+  bool pop_input(StageRun& sr, Batch& slot, bool block, const StopFlag* stop, bool& waited);
 
   // The forward pass of micro-batch i: input from the previous stage (empty for stage 0),
   // output into `output`. false: the run was stopped.
   bool forward(StageRun& sr, std::uint64_t i, std::span<const float> input, std::span<float> output,
-               const detail::StopFlag* stop);
+               const StopFlag* stop);
 
   // dataflow: forward pass i from `input` (the front of fwd_in; empty for stage 0) into a
   // claimed slot of fwd_out (the last stage: local_out), then the input is released and the
   // output published. Returns early, reading nothing, if stopped while waiting for room.
   void forward_handed_off(StageRun& sr, std::uint64_t i, std::span<const float> input,
-                          const detail::StopFlag* stop);
+                          const StopFlag* stop);
 
   // Inference, stage 0: the next micro-batch into the replica's ring. `block`: wait for one
   // (after handing over responses this device holds); else take one only if it is ready.
   enum class Take { kGot, kNone, kEnd, kStopped };
-  Take take(StageRun& sr, const detail::StopFlag* stop, bool block);
+  Take take(StageRun& sr, const StopFlag* stop, bool block);
 
   // The backward pass of micro-batch i (the oldest in the FIFO).
   void backward(StageRun& sr, std::uint64_t i, std::span<const float> grad_output,

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "bspflow/base/error.hpp"
 #include "bspflow/run/detail/run_control.hpp"
 #include "bspflow/run/stall.hpp"
 
@@ -43,8 +44,5 @@ const WaitSite& not_started_site() noexcept;
 const WaitSite& ended_site() noexcept;
 // Where a device waits at the end of an Engine run for the I/O engine's last transfers.
 const WaitSite& io_drain_site() noexcept;
-
-// "30 s", "20 ms", "1.5 s", "-1 ns": a duration as a person reads it. Allocates.
-std::string describe_duration(std::chrono::nanoseconds d);
 
 }  // namespace bspflow::detail
