@@ -4,7 +4,7 @@
 // (gradient accumulation), 2 replicas, prefetch 3 with 2 I/O tiles on 64-tile devices. Every
 // piece of the run is built from it, never restated: the infeed (a lane per replica), the
 // outfeed, the devices, the host side of the link (opts.host_io(): what a loops::repeat run
-// takes) and an inference Pipeline (opts.pipeline_config()). Its one stage counts the samples
+// takes) and an inference Pipeline (PipelineConfig::from(opts)). Its one stage counts the samples
 // of each micro-batch and sums their numbers; the host checks that one step took exactly
 // samples_per_step = micro-batch x device iterations x gradient accumulation x replicas
 // samples (4 x 5 x 2 x 2 = 80), each once.
@@ -49,7 +49,7 @@ int main(int argc, char** argv) {
   InfeedQueue<Batch> infeed(opts.infeed_config());                  // 2 lanes, prefetch 3
   OutfeedQueue<std::vector<float>> outfeed(opts.outfeed_config());  // all(), 2 replicas
   const HostIO host = opts.host_io();                               // link, I/O tiles, prefetch
-  PipelineConfig cfg = opts.pipeline_config();                      // replicas, K, and the HostIO
+  PipelineConfig cfg = PipelineConfig::from(opts);                  // replicas, K, and the HostIO
   cfg.training = false;  // inference: each device iteration answers K micro-batches
   DeviceGroup devices(cfg.devices_needed(1), opts.device_config());  // 1 stage x 2 replicas
   Pipeline pipe(devices, cfg, [](std::uint32_t) {

@@ -278,7 +278,7 @@ double link_rate(const Settings& st, const bspflow::TensorDataset& data, const L
       .infeed_capacity(2 * lr.device_iterations)
       .synthetic_data(lr.synthetic)
       .io_tiles(lr.io_tiles);
-  bspflow::PipelineConfig cfg = opts.pipeline_config();
+  bspflow::PipelineConfig cfg = bspflow::PipelineConfig::from(opts);
   cfg.strategy = bspflow::ExecutionStrategy::kSingle;
   cfg.training = false;
   cfg.host_link.bytes_per_second = st.link_gbytes_per_s * 1e9;

@@ -140,7 +140,7 @@ void sum_over_instances(std::vector<double>& values) {
 }
 
 bspflow::PipelineConfig pipeline_config(const Settings& st, const bspflow::Options& opts) {
-  bspflow::PipelineConfig cfg = opts.pipeline_config();
+  bspflow::PipelineConfig cfg = bspflow::PipelineConfig::from(opts);
   cfg.strategy = st.strategy == "sharded" ? bspflow::ExecutionStrategy::kSharded
                                           : bspflow::ExecutionStrategy::kPipelined;
   if (st.schedule != "auto") {  // else unset: the strategy's own schedule

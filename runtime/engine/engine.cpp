@@ -23,7 +23,12 @@ using detail::EngineState;
 // ---- config ----
 
 EngineConfig EngineConfig::from(const Options& options) {
-  return options.engine_config();
+  EngineConfig c;
+  static_cast<HostIO&>(c) = options.host_io();
+  c.synthetic_fill = SyntheticFill::kRandomNormal;
+  c.device_link = options.device_link();
+  c.stall = options.stall_check();
+  return c;
 }
 
 void EngineConfig::validate() const {
@@ -169,7 +174,7 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
 }
 
 EngineResult Engine::run(const std::vector<Program>& programs, std::function<void()> wake,
-                         const std::function<void(const detail::StopFlag&)>& host) {
+                         const std::function<void(const StopFlag&)>& host) {
   return run(programs, std::move(wake), host, std::stop_token());
 }
 
@@ -183,8 +188,7 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::stop_token s
 }
 
 EngineResult Engine::run(const std::vector<Program>& programs, std::function<void()> wake,
-                         const std::function<void(const detail::StopFlag&)>& host,
-                         std::stop_token stop) {
+                         const std::function<void(const StopFlag&)>& host, std::stop_token stop) {
   Impl& im = *impl_;
   // From here to the return a cancel() is never lost, and `stop` is watched too.
   detail::CancelGate::Scope scope(im.gate, std::move(stop));
@@ -242,8 +246,8 @@ EngineResult Engine::run(const std::vector<Program>& programs, std::function<voi
             1.05 * static_cast<double>(micro_batch)) {
       const auto suggestion = suggest_io_tiles(micro_batch, dc);
       throw Error("io_tiles = " + std::to_string(im.config.io_tiles) + " hold " +
-                  detail::format_bytes(std::uint64_t{im.config.io_tiles} * dc.bytes_per_tile) +
-                  ", too little for one micro-batch of " + detail::format_bytes(micro_batch) +
+                  format_bytes(std::uint64_t{im.config.io_tiles} * dc.bytes_per_tile) +
+                  ", too little for one micro-batch of " + format_bytes(micro_batch) +
                   " (with 5% headroom) on device " + std::to_string(im.devices[d]->id()) + ": " +
                   (suggestion
                        ? "use io_tiles = " + std::to_string(*suggestion) + " (leaving " +

@@ -44,7 +44,14 @@ void Stage::update(const StageContext&, std::span<const float>) {}
 // ---- config and plan ----
 
 PipelineConfig PipelineConfig::from(const Options& options) {
-  return options.pipeline_config();
+  PipelineConfig c;
+  static_cast<HostIO&>(c) = options.host_io();
+  c.replicas = options.replicas();
+  c.gradient_accumulation = options.gradient_accumulation();
+  c.precision = options.precision();
+  c.device_link = options.device_link();
+  c.stall = options.stall_check();
+  return c;
 }
 
 std::uint32_t PipelineConfig::devices_per_replica(std::uint32_t stages) const {

@@ -4,8 +4,6 @@
 #include <sstream>
 
 #include "bspflow/base/error.hpp"
-#include "bspflow/engine/engine.hpp"
-#include "bspflow/pipeline/pipeline.hpp"
 #include "bspflow/run/detail/run_monitor.hpp"
 
 namespace bspflow {
@@ -125,7 +123,7 @@ Options& Options::pin(bool on) noexcept {
   return *this;
 }
 
-Options& Options::stall_limit(std::chrono::nanoseconds limit) {
+Options& Options::run_stall_limit(std::chrono::nanoseconds limit) {
   StallCheck check = stall_;
   check.limit = limit;
   check.validate();
@@ -196,26 +194,6 @@ HostIO Options::host_io() const {
   return host_io_;
 }
 
-EngineConfig Options::engine_config() const {
-  EngineConfig c;
-  static_cast<HostIO&>(c) = host_io();
-  c.synthetic_fill = SyntheticFill::kRandomNormal;
-  c.device_link = device_link_;
-  c.stall = stall_;
-  return c;
-}
-
-PipelineConfig Options::pipeline_config() const {
-  PipelineConfig c;
-  static_cast<HostIO&>(c) = host_io();
-  c.replicas = replicas_;
-  c.gradient_accumulation = gradient_accumulation_;
-  c.precision = precision_;
-  c.device_link = device_link_;
-  c.stall = stall_;
-  return c;
-}
-
 Options& Options::device_model(const DeviceModel& model) {
   model.validate();
   device_model_ = model;
@@ -250,7 +228,7 @@ std::string Options::describe() const {
      << "device_link = " << device_link_.describe() << '\n'
      << "precision = storage " << to_string(precision_.storage) << ", partials "
      << to_string(precision_.partials) << ", loss scaling " << precision_.loss_scaling << '\n'
-     << "stall_limit = " << detail::describe_duration(stall_.limit)
+     << "run_stall_limit = " << detail::describe_duration(stall_.limit)
      << (stall_.limit.count() == 0 ? " (no check)" : "") << '\n'
      << "on_stall = " << (stall_.on_stall == OnStall::kFail ? "fail" : "log") << '\n';
   return os.str();

@@ -1,4 +1,5 @@
-#include "bspflow/loops/run.hpp"
+// RunControl: the shared state of one run (see bspflow/run/detail/run_control.hpp).
+#include "bspflow/run/detail/run_control.hpp"
 
 #include <charconv>
 #include <cstdlib>
@@ -7,6 +8,7 @@
 #include <thread>
 
 #include "bspflow/base/log.hpp"
+#include "bspflow/devices/device_error.hpp"
 #include "bspflow/run/detail/run_monitor.hpp"
 
 namespace bspflow {

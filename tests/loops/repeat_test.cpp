@@ -591,7 +591,7 @@ TEST_CASE("loops::repeat runs through the interpreter: BSPFLOW_TRACE traces it")
             .trace == nullptr);
 }
 
-// ---- the device model on a loop's path: LoopConfig ----
+// ---- the device model on a loop's path: HostIO ----
 
 namespace {
 // n tensors of `elements` values of `dtype` per replica, then closed.
@@ -606,7 +606,7 @@ void feed_tensors(InfeedQueue<Tensor>& infeed, std::uint32_t replicas, std::uint
 }  // namespace
 
 TEST_CASE(
-    "LoopConfig: tensors cross the host link by their bytes; 8-bit I/O moves a quarter of fp32's") {
+    "HostIO: tensors cross the host link by their bytes; 8-bit I/O moves a quarter of fp32's") {
   for (std::uint32_t replicas : {1u, 2u}) {
     CAPTURE(replicas);
     auto run_with = [&](DType dtype) {
@@ -620,7 +620,7 @@ TEST_CASE(
             ++s;
             return std::vector<float>(t.elements() / 64, 1.0f);  // 4 floats out
           },
-          0, infeed, outfeed, loops::LoopConfig{});
+          0, infeed, outfeed, HostIO{});
       REQUIRE(r.completed());
       CHECK(outfeed.drain().size() == 6 * replicas);
       CHECK(r.host_bytes_out == 6 * replicas * 4 * sizeof(float));
@@ -634,13 +634,12 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("LoopConfig: the outfeed's mode decides what crosses back; plain loops read no link") {
+TEST_CASE("HostIO: the outfeed's mode decides what crosses back; plain loops read no link") {
   auto out_bytes = [](OutputMode mode) {
     Device device(0, kSmall);
     OutfeedQueue<std::array<float, 8>> outfeed(OutfeedConfig{1, mode, 0});
     const auto r = loops::repeat(
-        device, 10, [](int& s) { return std::array<float, 8>{float(++s)}; }, 0, outfeed,
-        loops::LoopConfig{});
+        device, 10, [](int& s) { return std::array<float, 8>{float(++s)}; }, 0, outfeed, HostIO{});
     REQUIRE(r.completed());
     CHECK(r.host_bytes_in == 0);
     return r.host_bytes_out;
@@ -666,13 +665,13 @@ TEST_CASE("LoopConfig: the outfeed's mode decides what crosses back; plain loops
           s += x;
           return std::array<float, 8>{float(x)};
         },
-        0, in, outfeed, loops::LoopConfig{});
+        0, in, outfeed, HostIO{});
     CHECK(r.end_of_data());
     CHECK(r.host_bytes_in == 3 * sizeof(int));
     CHECK(r.host_bytes_out == 32);
     CHECK(outfeed.drain().size() == 1);
   }
-  // Without a LoopConfig nothing is modeled.
+  // Without a HostIO nothing is modeled.
   Device device(0, kSmall);
   InfeedQueue<Tensor> infeed(InfeedConfig{1, 4, 1});
   feed_tensors(infeed, 1, 3, DType::kFloat32);
@@ -683,15 +682,14 @@ TEST_CASE("LoopConfig: the outfeed's mode decides what crosses back; plain loops
   CHECK(plain.host_wait == 0ns);
 }
 
-TEST_CASE(
-    "LoopConfig: without I/O tiles each copy is waited for; with them copies overlap the body") {
+TEST_CASE("HostIO: without I/O tiles each copy is waited for; with them copies overlap the body") {
   const auto d = 10ms;  // one tensor's copy, and the body
   constexpr std::uint64_t kTrips = 10;
   auto run_with = [&](std::uint32_t io_tiles) {
     Device device(0, kSmall);
     InfeedQueue<Tensor> infeed(InfeedConfig{1, kTrips, 2});
     feed_tensors(infeed, 1, kTrips, DType::kFloat32);
-    loops::LoopConfig config;
+    HostIO config;
     config.host_link = LinkModel::taking(d, 1024);
     config.io_tiles = io_tiles;
     const auto t0 = std::chrono::steady_clock::now();
@@ -717,13 +715,12 @@ TEST_CASE(
   (void)overlap_elapsed;
 }
 
-TEST_CASE(
-    "LoopConfig: synthetic data reads one element per replica, and nothing crosses the link") {
+TEST_CASE("HostIO: synthetic data reads one element per replica, and nothing crosses the link") {
   DeviceGroup devices(2, kSmall);
   InfeedQueue<Tensor> infeed(InfeedConfig{2, 10, 1});
   feed_tensors(infeed, 2, 10, DType::kFloat32);
   OutfeedQueue<float> outfeed(OutfeedConfig{2, OutputMode::all(), 0});
-  loops::LoopConfig config;
+  HostIO config;
   config.synthetic_data = true;
   config.host_link = LinkModel::taking(50ms, 1);  // would take minutes if copied
   const auto r = loops::repeat(
@@ -753,16 +750,16 @@ TEST_CASE(
   }
 }
 
-TEST_CASE("LoopConfig: from Options, and bad settings named with what is allowed") {
+TEST_CASE("HostIO: from Options, and bad settings named with what is allowed") {
   Options o;
   o.host_link(LinkModel{2e9, 3us}).io_tiles(4).synthetic_data(true);
-  const loops::LoopConfig c = o.host_io();
+  const HostIO c = o.host_io();
   CHECK(c.host_link.bytes_per_second == 2e9);
   CHECK(c.host_link.latency == 3us);
   CHECK(c.io_tiles == 4);
   CHECK(c.synthetic_data);
-  CHECK(o.engine_config().host_link.bytes_per_second == 2e9);
-  CHECK(o.pipeline_config().host_link.latency == 3us);
+  CHECK(EngineConfig::from(o).host_link.bytes_per_second == 2e9);
+  CHECK(PipelineConfig::from(o).host_link.latency == 3us);
   CHECK(contains(o.describe(), "host_link = 2.0 GB/s, 3.0 us latency"));
   CHECK(contains(error_of([&] {
                    o.host_link(LinkModel{0.0, 1us});
@@ -774,17 +771,17 @@ TEST_CASE("LoopConfig: from Options, and bad settings named with what is allowed
   InfeedQueue<Tensor> infeed(InfeedConfig{1, 4, 4});
   feed_tensors(infeed, 1, 4, DType::kFloat32);  // 1 KiB each
   auto body = [](int& s, Tensor&) { ++s; };
-  loops::LoopConfig odd;
+  HostIO odd;
   odd.io_tiles = 3;
   CHECK(
       contains(error_of([&] { loops::repeat(device, 4, body, 0, infeed, odd); }), "io_tiles = 3"));
-  loops::LoopConfig all;
+  HostIO all;
   all.io_tiles = 8;
   const std::string why = error_of([&] { loops::repeat(device, 4, body, 0, infeed, all); });
   CHECK(contains(why, "io_tiles = 8"));
   CHECK(contains(why, "below device 0's tiles (8)"));
   // 2 tiles x 1 KiB cannot hold prefetch_depth 4 x 1 KiB: the run ends with the device's error.
-  loops::LoopConfig small;
+  HostIO small;
   small.io_tiles = 2;
   const std::string room = error_of([&] { loops::repeat(device, 4, body, 0, infeed, small); });
   CHECK(contains(room, "cannot hold prefetch_depth 4"));

@@ -83,8 +83,7 @@ TEST_CASE("the table of messages: each names what was wrong, the value given and
        "device link latency = -5 ns is not allowed: must be in 0 ns..1 s"},
       {"a prefetch depth of 0", [] { Options().prefetch_depth(0); },
        "prefetch_depth = 0 is not allowed: must be in 1..255"},
-      // Named as the configs name them since issue 26 (were tiles_per_device,
-      // outfeed_consumer(...), LoopConfig::io_tiles).
+      // Named as the configs name them (tiles, consumer_type, HostIO::io_tiles).
       {"0 tiles", [] { Options().tiles(0); },
        "tiles = 0 is not allowed: must be in 1.." + std::to_string(tunables::kMaxTiles)},
       {"every tile for I/O", [] { Options().tiles(32).io_tiles(32).validate(); },

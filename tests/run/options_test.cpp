@@ -27,7 +27,6 @@ TEST_CASE("options: each bad value is an error naming the option, the value and 
   CHECK(contains(error_of([&] { o.prefetch_depth(256); }), "1..255"));
   CHECK(contains(error_of([&] { o.io_tiles(3); }), "io_tiles = 3"));
   CHECK(contains(error_of([&] { o.tiles(0); }), "tiles = 0"));
-  CHECK(contains(error_of([&] { o.tiles_per_device(0); }), "tiles = 0"));  // the old spelling
   CHECK(contains(error_of([&] { o.bytes_per_tile(1); }), "bytes_per_tile = 1"));
   CHECK(contains(error_of([&] { o.infeed_capacity(0); }), "infeed_capacity = 0"));
   // Cross-option rules are checked by validate() and by the config getters.
@@ -66,31 +65,27 @@ TEST_CASE("options: every config derives from Options, the host side as one Host
   CHECK(io.io_tiles == 8);
   CHECK(io.synthetic_data);
   CHECK(io.host_link.bytes_per_second == 2e9);
-  const EngineConfig e = o.engine_config();
+  const EngineConfig e = EngineConfig::from(o);
   CHECK(static_cast<const HostIO&>(e).io_tiles == 8);
   CHECK(e.prefetch_depth == 3);
   CHECK(e.synthetic_data);
   CHECK(e.synthetic_fill == SyntheticFill::kRandomNormal);
-  const PipelineConfig p = o.pipeline_config();
+  const PipelineConfig p = PipelineConfig::from(o);
   CHECK(p.io_tiles == 8);
   CHECK(p.prefetch_depth == 3);
   CHECK(p.synthetic_data);
   CHECK(p.replicas == 2);
   CHECK(p.gradient_accumulation == 7);
-  CHECK(PipelineConfig::from(o).gradient_accumulation == 7);  // the old spelling agrees
-  CHECK(EngineConfig::from(o).io_tiles == 8);
   CHECK(o.infeed_config().prefetch_depth == io.prefetch_depth);
   const DeviceConfig d = o.device_config();
   CHECK(d.tiles == 64);
   CHECK(d.bytes_per_tile == 4096);
   CHECK_FALSE(d.pin);
-  CHECK(o.tiles_per_device() == 64);  // the old spellings read the same options
-  CHECK_FALSE(o.pin_devices());
   // Each config checks what it derives: io_tiles must stay below the tiles.
   o.tiles(8);
   CHECK(contains(error_of([&] { (void)o.host_io(); }),
                  "io_tiles = 8 is not allowed: must be below tiles (8)"));
-  CHECK(contains(error_of([&] { (void)o.pipeline_config(); }), "must be below tiles (8)"));
+  CHECK(contains(error_of([&] { (void)PipelineConfig::from(o); }), "must be below tiles (8)"));
   // HostIO checks its own fields.
   HostIO bad;
   bad.prefetch_depth = 0;
@@ -105,7 +100,7 @@ TEST_CASE("options: one run shape for the pipeline, its feeds and its loader") {
   Options o;
   o.device_iterations(3).gradient_accumulation(5).replicas(2).infeed_capacity(30).prefetch_depth(2);
   o.output_mode(OutputMode::final()).outfeed_capacity(0);
-  const PipelineConfig p = o.pipeline_config();
+  const PipelineConfig p = PipelineConfig::from(o);
   CHECK(p.replicas == 2);
   CHECK(p.gradient_accumulation == 5);
   CHECK(p.training);  // everything else keeps its default
@@ -166,16 +161,14 @@ TEST_CASE("options: one client thread each side, said once") {
   Options o;
   CHECK(o.infeed_config().producer_type == ProducerType::kMulti);  // defaults: shared
   CHECK(o.outfeed_config().consumer_type == ConsumerType::kMulti);
-  o.infeed_producer(ProducerType::kSingle)
-      .outfeed_consumer(ConsumerType::kSingle)
-      .outfeed_capacity(64);
+  o.producer_type(ProducerType::kSingle).consumer_type(ConsumerType::kSingle).outfeed_capacity(64);
   CHECK(o.infeed_config().producer_type == ProducerType::kSingle);
   const OutfeedConfig out = o.outfeed_config();
   CHECK(out.consumer_type == ConsumerType::kSingle);
   CHECK(out.capacity == 64);
   CHECK(contains(o.describe(), "producer_type = single"));
   CHECK(contains(o.describe(), "consumer_type = single"));
-  CHECK(o.producer_type() == ProducerType::kSingle);  // the old setters set the same option
+  CHECK(o.producer_type() == ProducerType::kSingle);
   CHECK(o.consumer_type() == ConsumerType::kSingle);
   // The queues they build behave as said: a second producer is refused.
   InfeedQueue<int> in(o.infeed_config());

@@ -137,13 +137,13 @@ TEST_CASE("a loop whose bounded outfeed nobody reads ends with StallError (OnSta
 }
 
 TEST_CASE("a loop given the run's Options takes its stall check from them") {
-  // Options::stall_limit()/on_stall() reach a loop that takes the Options as a feed (its host
+  // Options::run_stall_limit()/on_stall() reach a loop that takes the Options as a feed (its host
   // side comes from them too); a loop takes its stall check once, so the Options and a
   // StallCheck together do not compile.
   Reports reports;
   Device device(0, kSmall);
   OutfeedQueue<int> out(OutfeedConfig{1, OutputMode::all(), 4});
-  const Options opts = Options().stall_limit(kLimit).on_stall(OnStall::kFail);
+  const Options opts = Options().run_stall_limit(kLimit).on_stall(OnStall::kFail);
   auto run = loops::repeat_async(
       device, std::uint64_t{1} << 40, [](int& s) { return s++; }, 0, out, opts);
   test::Rescue guard(10s, [&] { run.cancel(); });
@@ -309,15 +309,15 @@ TEST_CASE("the check is off with limit 0, and a bad limit is refused naming it")
   CHECK(reports.seen().empty());
   CHECK(error_of([] { StallCheck{-1ns}.validate(); }) ==
         "StallCheck::limit = -1 ns is not allowed: must be 0 (no check) or in 1 ms..24 h");
-  CHECK(contains(error_of([] { Options().stall_limit(500us); }), "StallCheck::limit = 500 us"));
+  CHECK(contains(error_of([] { Options().run_stall_limit(500us); }), "StallCheck::limit = 500 us"));
   EngineConfig config;
   config.stall.limit = 25h;
   CHECK(contains(error_of([&] { config.validate(); }), "StallCheck::limit = 9e+04 s"));
   Options opts;
-  opts.stall_limit(5s).on_stall(OnStall::kFail);
-  CHECK(opts.engine_config().stall.limit == 5s);
-  CHECK(opts.pipeline_config().stall.on_stall == OnStall::kFail);
-  CHECK(contains(opts.describe(), "stall_limit = 5 s\non_stall = fail\n"));
+  opts.run_stall_limit(5s).on_stall(OnStall::kFail);
+  CHECK(EngineConfig::from(opts).stall.limit == 5s);
+  CHECK(PipelineConfig::from(opts).stall.on_stall == OnStall::kFail);
+  CHECK(contains(opts.describe(), "run_stall_limit = 5 s\non_stall = fail\n"));
 }
 
 TEST_SUITE_END();

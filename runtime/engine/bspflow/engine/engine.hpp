@@ -2,7 +2,7 @@
 // modeled by the I/O engine, I/O tiles, synthetic data, and every phase traced.
 //
 //   DeviceGroup devices(2);
-//   EngineConfig config;  // or options.engine_config()
+//   EngineConfig config;  // or EngineConfig::from(options)
 //   config.io_tiles = 32;
 //   config.prefetch_depth = 2;
 //   Engine engine(devices, config);
@@ -23,8 +23,9 @@
 #include "bspflow/devices/host_io.hpp"
 #include "bspflow/devices/link_model.hpp"
 #include "bspflow/engine/program.hpp"
-#include "bspflow/loops/run.hpp"
+#include "bspflow/run/detail/run_control.hpp"
 #include "bspflow/run/options.hpp"
+#include "bspflow/run/run_result.hpp"
 #include "bspflow/run/stall.hpp"
 #include "bspflow/run/trace.hpp"
 
@@ -37,7 +38,7 @@ enum class SyntheticFill { kZeros, kRandomNormal };
 
 // An Engine run's shape: the host side (HostIO: host_link, io_tiles, prefetch_depth,
 // synthetic_data; for an Engine io_tiles must hold one micro-batch and prefetch_depth counts
-// micro-batches) and the Engine's own fields. Options::engine_config() derives one.
+// micro-batches) and the Engine's own fields. EngineConfig::from(options) derives one.
 struct EngineConfig : HostIO {
   LinkModel device_link = LinkModel::device();
   SyntheticFill synthetic_fill = SyntheticFill::kRandomNormal;  // with synthetic_data
@@ -49,7 +50,9 @@ struct EngineConfig : HostIO {
   // ends and run() throws StallError (see bspflow/run/stall.hpp). 0 = no check.
   StallCheck stall;
 
-  // The old spelling of options.engine_config(); kept so older code compiles.
+  // Any thread. The engine's config from a run's Options: host_io(), device_link, the stall
+  // check; synthetic data generated as random normal. Never blocks; allocates (trace_path's
+  // empty string, no more). Throws what Options::validate() throws.
   static EngineConfig from(const Options& options);
   // Field ranges (HostIO::validate, the device link, the stall check); throws
   // bspflow::Error naming the field, the value and what is allowed.

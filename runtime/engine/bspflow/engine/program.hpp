@@ -3,7 +3,7 @@
 // phase traced).
 //
 //   DeviceGroup devices(2);
-//   EngineConfig config;  // or options.engine_config()
+//   EngineConfig config;  // or EngineConfig::from(options)
 //   config.io_tiles = 32;
 //   Engine engine(devices, config);
 //   Buffer x0 = make_buffer(devices[0], "x", DType::kFloat32, 1024);
@@ -48,7 +48,8 @@
 #include "bspflow/engine/sync_group.hpp"
 #include "bspflow/feeds/infeed_queue.hpp"
 #include "bspflow/feeds/outfeed_queue.hpp"
-#include "bspflow/loops/run.hpp"
+#include "bspflow/run/detail/run_control.hpp"
+#include "bspflow/run/run_result.hpp"
 #include "bspflow/run/trace.hpp"
 
 namespace bspflow {

@@ -11,7 +11,7 @@
 //
 // One signature: repeat(devices, n, body, init, feeds...) and the same for repeat_async,
 // where feeds are what the loop uses, each at most once, in any order: an InfeedQueue<In>&,
-// an OutfeedQueue<Out>&, a const HostIO& (its LoopConfig: the modeled host link), and a
+// an OutfeedQueue<Out>&, a const HostIO& (the modeled host link, Options::host_io()), and a
 // std::stop_token. The token stops the loop when its stop is requested, as Run::cancel()
 // does: requested before the call (or while it sets up), no replica takes anything from the
 // infeed and the loop ends kCancelled with 0 iterations; later, at each replica's next
@@ -69,10 +69,6 @@
 #include "bspflow/run/options.hpp"
 
 namespace bspflow::loops {
-
-// A loop's host link: the HostIO a run states (Options::host_io()). The old name, kept so
-// older code (LoopConfig{.host_link = ..., .io_tiles = 2}) compiles.
-using LoopConfig = HostIO;
 
 // ---- asynchronous: returns at once with a Run handle ----
 //

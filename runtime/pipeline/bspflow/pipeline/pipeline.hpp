@@ -59,9 +59,10 @@
 #include "bspflow/devices/link_model.hpp"
 #include "bspflow/feeds/infeed_queue.hpp"
 #include "bspflow/feeds/outfeed_queue.hpp"
-#include "bspflow/loops/run.hpp"
 #include "bspflow/pipeline/memory.hpp"
+#include "bspflow/run/detail/run_control.hpp"
 #include "bspflow/run/options.hpp"
+#include "bspflow/run/run_result.hpp"
 #include "bspflow/run/stall.hpp"
 #include "bspflow/run/trace.hpp"
 
@@ -208,7 +209,7 @@ using StageFactory = std::function<StageList(std::uint32_t replica)>;
 
 // A plain value type; Pipeline copies it. validate() states the rules.
 // A Pipeline's shape: the host side (HostIO, below) and the Pipeline's own fields.
-// Options::pipeline_config() derives one from a run's Options.
+// PipelineConfig::from(options) derives one from a run's Options.
 //
 // The host side (HostIO): host_link carries stage 0's micro-batches in (data and labels),
 // the last stage's outputs out, and optimiser state offload. io_tiles per device (0, or even
@@ -285,7 +286,9 @@ struct PipelineConfig : HostIO {
   // runtime/README.md). Must be the same in every instance.
   std::size_t exchange_bucket_bytes = std::size_t{25} << 20;
 
-  // The old spelling of options.pipeline_config(); kept so older code compiles.
+  // Any thread. The pipeline's config from a run's Options: host_io(), device_link,
+  // replicas, gradient_accumulation, precision, the stall check. Never blocks; allocates
+  // only empty vectors. Throws what Options::validate() throws.
   static PipelineConfig from(const Options& options);
 
   // Any thread. Devices the strategy needs for `stages` stages: devices_per_replica x

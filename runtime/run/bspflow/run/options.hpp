@@ -1,22 +1,6 @@
-// Options: where a run is stated once, in the spirit of poptorch.Options. Every config of
-// the run's pieces derives from it, in one direction: infeed_config(), outfeed_config(),
-// device_config(), host_io() (a loop's), engine_config(), pipeline_config(); the DataLoader
-// takes the Options themselves. Each setter validates its value at once and throws
-// bspflow::Error naming the option, the value given and what is allowed; validate() checks
-// the rules that tie options together.
-//
-//   bspflow::Options opts;
-//   opts.device_iterations(10).replicas(2).prefetch_depth(3).io_tiles(32);
-//   bspflow::InfeedQueue<Sample> infeed(opts.infeed_config());
-//   bspflow::DeviceGroup devices(opts.replicas(), opts.device_config());
-//   auto r = bspflow::loops::repeat(devices, opts.device_iterations(), body, state, infeed,
-//                                   opts.host_io());
-//
-// Samples per host step = micro-batch x device iterations x gradient accumulation x replicas.
-//
-// A plain value type. Set it up on one thread (setters are not thread-safe), then share it
-// const: the const members may then be called from any thread. No member blocks; only
-// describe() allocates (and a throw, for its message).
+// Options: where a run's shape is stated once, in the spirit of poptorch.Options. The configs
+// of the rooms below (feeds, devices) come from its members (infeed_config(), ...); the rooms
+// above build theirs with XConfig::from(options). Guide: runtime/run/README.md.
 #pragma once
 
 #include <chrono>
@@ -31,13 +15,10 @@
 #include "bspflow/feeds/infeed_queue.hpp"
 #include "bspflow/feeds/outfeed_queue.hpp"
 #include "bspflow/feeds/output_mode.hpp"
-#include "bspflow/pipeline/memory.hpp"
+#include "bspflow/run/precision.hpp"
 #include "bspflow/run/stall.hpp"
 
 namespace bspflow {
-
-struct EngineConfig;    // bspflow/engine/engine.hpp
-struct PipelineConfig;  // bspflow/pipeline/pipeline.hpp
 
 class Options {
  public:
@@ -80,16 +61,11 @@ class Options {
   // One producer thread per infeed (kSingle: a ring per lane, faster) or several (kMulti,
   // default); one reading thread per outfeed (kSingle: a ring per replica, needs a bounded
   // outfeed_capacity) or several (kMulti, default). InfeedConfig::producer_type and
-  // OutfeedConfig::consumer_type take them. Never throw. (infeed_producer and
-  // outfeed_consumer are the old spellings, kept so older code compiles.)
+  // OutfeedConfig::consumer_type take them. Never throw.
   Options& producer_type(ProducerType type) noexcept;
   ProducerType producer_type() const noexcept { return producer_type_; }
   Options& consumer_type(ConsumerType type) noexcept;
   ConsumerType consumer_type() const noexcept { return consumer_type_; }
-  Options& infeed_producer(ProducerType type) noexcept { return producer_type(type); }
-  ProducerType infeed_producer() const noexcept { return producer_type_; }
-  Options& outfeed_consumer(ConsumerType type) noexcept { return consumer_type(type); }
-  ConsumerType outfeed_consumer() const noexcept { return consumer_type_; }
 
   // The host side of the run (host_io(); prefetch_depth above is its fourth field).
   // Tiles per device reserved for I/O (stream copies overlapping compute): 0, or an even
@@ -107,12 +83,9 @@ class Options {
   bool synthetic_data() const noexcept { return host_io_.synthetic_data; }
 
   // Device memory: tiles x bytes per tile (DeviceConfig::tiles, bytes_per_tile). tiles
-  // 1..kMaxTiles; bytes_per_tile kArenaAlignment..kMaxBytesPerTile. (tiles_per_device is
-  // the old spelling, kept so older code compiles.)
+  // 1..kMaxTiles; bytes_per_tile kArenaAlignment..kMaxBytesPerTile.
   Options& tiles(std::uint32_t n);
   std::uint32_t tiles() const noexcept { return tiles_; }
-  Options& tiles_per_device(std::uint32_t n) { return tiles(n); }
-  std::uint32_t tiles_per_device() const noexcept { return tiles_; }
   Options& bytes_per_tile(std::size_t bytes);
   std::size_t bytes_per_tile() const noexcept { return bytes_per_tile_; }
 
@@ -134,21 +107,19 @@ class Options {
   const Precision& precision() const noexcept { return precision_; }
 
   // Pin device threads to cores (DeviceConfig::pin; needs hwloc, without it devices run
-  // unpinned). Never throws. (pin_devices is the old spelling, kept so older code compiles.)
+  // unpinned). Never throws.
   Options& pin(bool on) noexcept;
   bool pin() const noexcept { return pin_; }
-  Options& pin_devices(bool on) noexcept { return pin(on); }
-  bool pin_devices() const noexcept { return pin_; }
 
   // When a run cannot make progress (StallCheck, bspflow/run/stall.hpp): how long every
   // running device may wait with none moving before the run says what each waits for
   // (0: no check; else kMinRunStallLimit..kMaxRunStallLimit, 1 ms..24 h; default 30 s), and
   // whether it then ends with StallError (OnStall::kFail) or only logs (kLog, the default).
-  // stall_limit throws what StallCheck::validate() throws; on_stall never throws.
-  // engine_config() and pipeline_config() take both; a loop takes the Options (or their
-  // stall_check()) as a feed.
-  Options& stall_limit(std::chrono::nanoseconds limit);
-  std::chrono::nanoseconds stall_limit() const noexcept { return stall_.limit; }
+  // run_stall_limit throws what StallCheck::validate() throws; on_stall never throws.
+  // EngineConfig::from and PipelineConfig::from take both; a loop takes the Options (or
+  // their stall_check()) as a feed.
+  Options& run_stall_limit(std::chrono::nanoseconds limit);
+  std::chrono::nanoseconds run_stall_limit() const noexcept { return stall_.limit; }
   Options& on_stall(OnStall action) noexcept;
   OnStall on_stall() const noexcept { return stall_.on_stall; }
   const StallCheck& stall_check() const noexcept { return stall_; }
@@ -163,25 +134,19 @@ class Options {
   // allowed if micro_batch is 0, or bspflow::Error if the product overflows 64 bits.
   std::uint64_t samples_per_step(std::uint64_t micro_batch) const;
 
-  // Any thread. Configs for the pieces these options describe (each calls validate(), and
-  // throws what it throws). Never blocks; device_config() and pipeline_config() allocate
-  // only empty vectors, engine_config() an empty string.
+  // Any thread. Configs for the rooms below these options (each calls validate(), and
+  // throws what it throws). Never blocks, never allocates.
   //   infeed_config():   replicas, infeed_capacity, prefetch_depth, producer_type
   //   outfeed_config():  replicas, output_mode, outfeed_capacity, consumer_type
   //   device_config():   tiles, bytes_per_tile, pin, device_model
   //   host_io():         host_link, io_tiles, prefetch_depth, synthetic_data (a loop's
-  //                      LoopConfig; the host side of the two below)
-  //   engine_config():   host_io(), device_link (synthetic data generated as random normal),
-  //                      the stall check
-  //   pipeline_config(): host_io(), device_link, replicas, gradient_accumulation, precision,
-  //                      the stall check
-  // Every other field of a config keeps its default: set it on the config.
+  //                      host link, and the host side of an Engine's or Pipeline's config)
+  // The rooms above build theirs: EngineConfig::from(options), PipelineConfig::from(options),
+  // StreamConfig::from(options). Every other field of a config keeps its default.
   InfeedConfig infeed_config() const;
   OutfeedConfig outfeed_config() const;
   DeviceConfig device_config() const;
   HostIO host_io() const;
-  EngineConfig engine_config() const;      // include bspflow/engine/engine.hpp to call
-  PipelineConfig pipeline_config() const;  // include bspflow/pipeline/pipeline.hpp to call
 
   // Any thread. One line per option, "name = value". Never blocks; allocates (the returned
   // string). Throws only std::bad_alloc.

@@ -15,13 +15,12 @@ namespace bspflow {
 // How a run ended. A loop, an Engine or a Pipeline that fails throws (DeviceError,
 // StageError) instead of returning kFailed; a Stream with OnError::kFailFast returns kFailed.
 enum class RunStatus {
-  kCompleted,  // every replica ran all requested iterations; a Stream: its infeed was
-               // closed and every accepted request answered
+  kCompleted,  // every replica ran all requested iterations; a Stream: it was closed
+               // and every accepted request answered
   kEndOfData,  // an infeed was closed and drained before the requested iterations
   kCancelled,  // cancel() (Run, Engine, Pipeline, Stream), or the Run handle, the Stream or
                // a device was destroyed mid-run
   kFailed,     // a Stream stopped at its first stage failure (OnError::kFailFast)
-  kDrained = kCompleted,  // a Stream's old name for kCompleted (StreamStatus::kDrained)
 };
 // Any thread. "completed", "end of data", "cancelled", "failed". Never blocks, never
 // allocates, never throws.

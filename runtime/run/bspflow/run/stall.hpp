@@ -14,7 +14,7 @@
 // stalled. The run then logs once (LogLevel::kWarning) what each device waits for; with
 // OnStall::kFail it also ends, as after cancel(), and throws StallError. A Stream waiting for
 // requests is healthy: a Stream reports a stage call held too long instead
-// (StreamConfig::stall_limit).
+// (StreamConfig::call_stall_limit).
 #pragma once
 
 #include <chrono>
@@ -33,7 +33,7 @@ namespace bspflow {
 enum class OnStall { kLog, kFail };
 
 // A plain value type; EngineConfig::stall, PipelineConfig::stall, a loops::repeat feed
-// (const StallCheck&), Options::stall_limit() and on_stall() set it.
+// (const StallCheck&), Options::run_stall_limit() and on_stall() set it.
 struct StallCheck {
   // How long no device may move while every running device waits; 0: no check.
   // 0, or tunables::kMinRunStallLimit..kMaxRunStallLimit (default kDefaultRunStallLimit).

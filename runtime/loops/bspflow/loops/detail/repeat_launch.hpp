@@ -320,7 +320,7 @@ struct Feeds {
                   kIsWork<Bare<Fs>> || kIsOptions<Bare<Fs>> || kIsStopToken<Bare<Fs>> ||
                   kIsStallCheck<Bare<Fs>>)&&...),
                 "loops::repeat takes, after the initial state, only feeds: an InfeedQueue<In>&, "
-                "an OutfeedQueue<Out>&, a const HostIO& (LoopConfig) or the run's const "
+                "an OutfeedQueue<Out>&, a const HostIO& (its host link) or the run's const "
                 "Options& (its host_io() and stall_check()), a const Work& (the body's cost per "
                 "trip, for the modeled clock), a std::stop_token and a const StallCheck&, each "
                 "at most once, in any order");
@@ -333,7 +333,7 @@ struct Feeds {
                 "comes from");
   static_assert(kInfeeds <= 1, "loops::repeat takes at most one InfeedQueue");
   static_assert(kOutfeeds <= 1, "loops::repeat takes at most one OutfeedQueue");
-  static_assert(kHostIOs <= 1, "loops::repeat takes at most one HostIO (LoopConfig)");
+  static_assert(kHostIOs <= 1, "loops::repeat takes at most one HostIO");
   static_assert(kStopTokens <= 1, "loops::repeat takes at most one std::stop_token");
   static_assert(kStallChecks <= 1, "loops::repeat takes at most one StallCheck");
   static_assert(((!(kIsInfeed<Bare<Fs>> || kIsOutfeed<Bare<Fs>>) ||
