@@ -1,19 +1,17 @@
 // 09_stream: a Stream serving requests, the request path of an inference server.
 //
 // Two stages on two emulated devices: "check" (device 0) refuses negative numbers by
-// throwing, "square" (device 1) squares what passes. A client thread pushes 100 requests
-// (request 37 is -1, a bad one) through a RequestProducer and closes the infeed; the host
-// reads the responses while the stream runs. The bad request is answered with an error
-// naming the stage that threw, and the stream goes on serving the others. Closing the
-// infeed drains the stream: everything already accepted is answered, then it ends.
-// The host checks every request was answered exactly once, in push order, with its own
-// square or (request 37 only) an error from "check".
+// throwing, "square" (device 1) squares what passes. A client pushes 100 requests (request
+// 37 is -1, a bad one) and pops its own responses as they come back, in the order it pushed
+// them. The bad request is answered with an error naming the stage that threw, and the stream
+// goes on serving the others. Closing the stream drains it: everything already accepted is
+// answered, then it ends. The program checks every request was answered exactly once, in
+// push order, with its own square or (request 37 only) an error from "check".
 #include <cstdint>
 #include <cstdio>
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include <bspflow/bspflow.hpp>
@@ -44,26 +42,16 @@ int main(int argc, char** argv) {
                     .stage("check", check)    // device 0
                     .stage("square", square)  // device 1
                     .build();                 // a Stream<long, long>
-  bspflow::InfeedQueue<bspflow::Request<long>> requests;
-  bspflow::OutfeedQueue<bspflow::Response<long>> responses;
-  stream.start(requests, responses);  // returns at once; the devices wait for requests
-
-  std::thread client([&] {
-    bspflow::RequestProducer<long> producer(requests);  // stamps ids: sequence 0, 1, 2, ...
-    for (std::uint64_t k = 0; k < kRequests; ++k) {
-      producer.push(k == kBad ? -1 : static_cast<long>(k));
-    }
-    requests.close();  // no more requests: the stream drains, then ends
-  });
+  auto client = stream.client();  // one per client thread: sequence numbers 0, 1, 2, ...
+  stream.start();                 // returns at once; the devices wait for requests
 
   std::vector<int> answers(kRequests, 0);  // per request sequence number
   std::uint64_t next = 0, wrong = 0, errors = 0;
-  for (auto& e : responses) {  // ends once the stream has ended and every response was read
-    const bspflow::Response<long>& resp = e.value;
+  auto take = [&](const bspflow::Response<long>& resp) {
     const std::uint64_t k = resp.id.sequence;
     if (k >= kRequests || k != next++) {
       ++wrong;  // unknown, or out of push order
-      continue;
+      return;
     }
     ++answers[k];
     if (resp.ok()) {
@@ -74,8 +62,13 @@ int main(int argc, char** argv) {
                   resp.error->message.c_str());
       wrong += k != kBad || resp.error->stage_name != "check" ? 1 : 0;
     }
+  };
+  for (std::uint64_t k = 0; k < kRequests; ++k) {
+    if (!client.push(k == kBad ? -1 : static_cast<long>(k))) ++wrong;  // refused: none should be
+    while (auto resp = client.try_pop()) take(*resp);                  // what has come back so far
   }
-  client.join();
+  stream.close();                                // no more requests: it drains, then ends
+  while (auto resp = client.pop()) take(*resp);  // nullopt once every request is answered
   const bspflow::StreamResult r = stream.wait();
 
   std::uint64_t once = 0;

@@ -54,7 +54,7 @@ using bspflow::Refusal;
 constexpr std::uint32_t kReplicas = 2;
 constexpr std::size_t kMaxBatch = 8;
 constexpr std::array<std::size_t, 4> kAllowedSizes{1, 2, 4, 8};  // the model's compiled sizes
-constexpr std::size_t kMaxQueued = 64;
+constexpr std::size_t kQueueCapacity = 64;
 constexpr std::uint32_t kClients = 3;
 constexpr std::uint64_t kSteadyRequests = 1500;  // per client
 constexpr std::uint64_t kWindow = 16;            // a steady client's requests in flight
@@ -252,7 +252,7 @@ int main(int argc, char** argv) {
   bspflow::StreamConfig config;
   config.replicas = kReplicas;  // replica r runs on device r
   config.admission.policy = bspflow::AdmissionPolicy::kReject;
-  config.admission.max_queued = kMaxQueued;  // admission.predict stays on (the default)
+  config.admission.queue_capacity = kQueueCapacity;  // admission.predict stays on (the default)
   bspflow::BatchConfig batching;
   batching.max_batch = kMaxBatch;
   batching.max_delay = 500us;  // from the arrival of the batch's first request

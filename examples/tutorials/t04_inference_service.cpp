@@ -27,11 +27,11 @@
 //    response; after --warmup untimed ones). Halfway it sends one malformed request (783
 //    values): it must come back as an error response (stage, device, request id, message)
 //    while the service goes on.
-// 4. Open loop: a pacing thread sends --rate requests per second for --seconds whatever
-//    the answers do, and a receiver thread reads the responses. Latency is measured from
-//    the time a request was due to be sent, not from when the pacer managed to send it, so
-//    a service that falls behind shows its queueing delay (no coordinated omission). Every
-//    request sent must be answered.
+// 4. Open loop: a pacing client sends --rate requests per second for --seconds whatever
+//    the answers do, and takes the answers that came back between sends (a StreamClient is
+//    one thread's). Latency is measured from the time a request was due to be sent, not from
+//    when the pacer managed to send it, so a service that falls behind shows its queueing
+//    delay (no coordinated omission). Every request sent must be answered.
 // 5. For each client: p50, p99, p99.9 and max latency, the accuracy of the predictions,
 //    a histogram on log-scale buckets, and the percentile distribution in HdrHistogram's
 //    .hgrm text format (BASE_closed.hgrm, BASE_open.hgrm; plot them with HdrHistogram's
@@ -39,7 +39,7 @@
 //    5, 1000.0) writes (5 ticks per half-distance to 100%, values in microseconds), computed
 //    here from the exact samples; the Buckets/SubBuckets footer line gives the layout a
 //    3-significant-digit HdrHistogram of nanoseconds reaching the largest sample would have.
-// 6. The end: the infeed is closed, the stream drains, and the StreamResult is printed. The
+// 6. The end: the stream is closed, it drains, and the StreamResult is printed. The
 //    exit status is 1 if a request was lost, the malformed request was not answered with an
 //    error, or a client's accuracy is below --min-accuracy (0.6 by default; 0 when the
 //    dataset is missing and synthetic images with random labels stand in for it).
@@ -94,7 +94,6 @@
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using bspflow::Request;
 using bspflow::Response;
 
 constexpr const char* kName = "t04_inference_service";
@@ -582,9 +581,7 @@ int run(Settings st, bool min_accuracy_given) {
         p.shares_core() ? " (adjusted: it shares its core)" : "");
   }
 
-  bspflow::InfeedQueue<Request<Image>> requests;
-  bspflow::OutfeedQueue<Response<Logits>> responses;
-  stream.start(requests, responses);
+  stream.start();
   const bspflow::TensorDataset& test = *data.test;
   const auto labels = test.labels();
   bool ok = true;
@@ -592,18 +589,17 @@ int run(Settings st, bool min_accuracy_given) {
   // ---- closed loop: one request at a time ----
   ClientReport closed;
   bool malformed_answered = false;
-  std::thread closed_client([&] {
+  std::thread closed_client([&, client = stream.client()]() mutable {
     pin_client(reserve);
-    bspflow::RequestProducer<Image> client(requests);
     const std::uint64_t total = st.warmup + st.requests;
     Clock::time_point first{};
     for (std::uint64_t i = 0; i < total; ++i) {
       if (i == st.warmup + st.requests / 2) {  // one malformed request, halfway
-        const std::optional<bspflow::RequestId> id = client.push(Image(kPixels - 1, 0.0f));
-        const auto e = id ? responses.pop() : std::nullopt;
-        if (!e) break;
-        const Response<Logits>& r = e->value;
-        if (r.ok() || !(r.id == *id)) {
+        const bspflow::Submission s = client.push(Image(kPixels - 1, 0.0f));
+        const auto answer = s ? client.pop() : std::nullopt;
+        if (!answer) break;
+        const Response<Logits>& r = *answer;
+        if (r.ok() || !(r.id == s.id)) {
           std::printf("\nthe malformed request was %s\n",
                       r.ok() ? "answered with logits, not an error" : "answered out of order");
         } else {
@@ -617,9 +613,9 @@ int run(Settings st, bool min_accuracy_given) {
           malformed_answered = invalid_argument;
           std::printf(
               "\nmalformed request (%zu values) answered with an error, the service goes on:\n"
-              "  stage %u '%s', device %u, request %llu of producer %u%s\n  %s\n",
+              "  stage %u '%s', device %u, request %llu of client %u%s\n  %s\n",
               kPixels - 1, r.error->stage, r.error->stage_name.c_str(), r.error->device,
-              static_cast<unsigned long long>(r.error->id.sequence), r.error->id.producer,
+              static_cast<unsigned long long>(r.error->id.sequence), r.error->id.client,
               invalid_argument ? ", std::invalid_argument" : " (not std::invalid_argument!)",
               r.error->message.c_str());
         }
@@ -628,14 +624,14 @@ int run(Settings st, bool min_accuracy_given) {
       Image x = image_of(test, image);
       const auto t0 = Clock::now();
       if (i == st.warmup) first = t0;
-      const std::optional<bspflow::RequestId> id = client.push(std::move(x));
-      const auto e = id ? responses.pop() : std::nullopt;
+      const bspflow::Submission s = client.push(std::move(x));
+      const auto answer = s ? client.pop() : std::nullopt;
       const auto t1 = Clock::now();
-      if (!e) break;  // the stream stopped
+      if (!answer) break;  // the stream stopped
       if (i < st.warmup) continue;
       ++closed.sent;
-      const Response<Logits>& r = e->value;
-      if (!r.ok() || !(r.id == *id)) {
+      const Response<Logits>& r = *answer;
+      if (!r.ok() || !(r.id == s.id)) {
         ++closed.unexpected;
         continue;
       }
@@ -649,56 +645,55 @@ int run(Settings st, bool min_accuracy_given) {
   closed_client.join();
 
   // ---- open loop: a fixed rate, whatever the answers do ----
+  // One thread sends each request when it is due and, between sends, takes the answers that
+  // have come back: a StreamClient is one thread's, and a second thread on the client's core
+  // would be time-sliced with the sender.
   ClientReport open;
   const auto due = static_cast<std::uint64_t>(std::llround(st.rate * st.seconds));
   const double period_ns = 1e9 / st.rate;
   std::vector<std::int64_t> latency_by_id(due, -1), lag_ns;
   lag_ns.reserve(due);
-  bspflow::RequestProducer<Image> pacer_producer(requests);
-  const std::uint32_t pacer_id = pacer_producer.id();
   const auto start = Clock::now() + std::chrono::milliseconds(2);
   const auto due_at = [&](std::uint64_t i) {
     return start + std::chrono::nanoseconds(std::llround(static_cast<double>(i) * period_ns));
   };
-  std::thread receiver([&] {
+  std::thread pacer([&, client = stream.client()]() mutable {
     pin_client(reserve);
-    for (auto& e : responses) {  // ends when the stream has drained
+#ifdef __linux__
+    prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);  // wake when asked, not up to 50 us later
+#endif
+    const auto take = [&](const Response<Logits>& r) {
       const auto now = Clock::now();
-      const Response<Logits>& r = e.value;
-      if (r.id.producer != pacer_id || r.id.sequence >= due || !r.ok() ||
-          latency_by_id[r.id.sequence] >= 0) {
+      if (r.id.sequence >= due || !r.ok() || latency_by_id[r.id.sequence] >= 0) {
         ++open.unexpected;
-        continue;
+        return;
       }
       latency_by_id[r.id.sequence] =
           std::chrono::duration_cast<std::chrono::nanoseconds>(now - due_at(r.id.sequence)).count();
       const std::size_t image = (st.requests + r.id.sequence) % test.size();
       open.correct += predicted(*r.value) == static_cast<std::size_t>(labels[image]) ? 1 : 0;
       open.seconds = std::chrono::duration<double>(now - start).count();
-    }
-  });
-  std::thread pacer([&] {
-    pin_client(reserve);
-#ifdef __linux__
-    prctl(PR_SET_TIMERSLACK, 1UL, 0UL, 0UL, 0UL);  // wake when asked, not up to 50 us later
-#endif
+    };
     for (std::uint64_t i = 0; i < due; ++i) {
       Image x = image_of(test, (st.requests + i) % test.size());
       // A sleep wakes tens of microseconds late (more on a VM): sleep until just before the
-      // request is due, then spin, yielding the core to the receiver beside it. Accurate
-      // sends cost CPU: at 5000 requests/s the spin takes about half of the pacer's core.
+      // request is due, then take answers until it is. Accurate sends cost CPU: at 5000
+      // requests/s the wait takes about half of the pacer's core.
       const auto when = due_at(i);
+      while (auto r = client.try_pop()) take(*r);
       std::this_thread::sleep_until(when - kPacerSpin);
-      while (Clock::now() < when) std::this_thread::yield();
+      while (Clock::now() < when) {
+        if (auto r = client.try_pop()) take(*r);
+      }
       lag_ns.push_back(
           std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - due_at(i)).count());
-      if (!pacer_producer.push(std::move(x))) break;  // the infeed was closed
+      if (!client.push(std::move(x))) break;  // refused: the stream closed, or too many unpopped
       ++open.sent;
     }
+    while (auto r = client.pop()) take(*r);  // the rest of the answers
   });
   pacer.join();
-  requests.close();  // no more requests: the stream answers what it has, then ends
-  receiver.join();
+  stream.close();  // no more requests: the stream answers what it has, then ends
   const bspflow::StreamResult result = stream.wait();
 
   for (std::uint64_t i = 0; i < open.sent; ++i) {

@@ -44,9 +44,15 @@ const char* to_string(Refusal r) noexcept {
   return "unknown";
 }
 
+StreamConfig StreamConfig::from(const Options& options) {
+  StreamConfig c;
+  c.replicas = options.replicas();
+  return c;
+}
+
 void StreamConfig::validate(std::uint32_t devices) const {
-  if (capacity < 1 || capacity > tunables::kMaxQueueCapacity) {
-    detail::throw_bad_value("StreamConfig::capacity", capacity,
+  if (hop_capacity < 1 || hop_capacity > tunables::kMaxQueueCapacity) {
+    detail::throw_bad_value("StreamConfig::hop_capacity", hop_capacity,
                             "must be in 1.." + std::to_string(tunables::kMaxQueueCapacity) +
                                 " requests between two devices");
   }
@@ -58,8 +64,9 @@ void StreamConfig::validate(std::uint32_t devices) const {
                                 std::to_string(devices) + ")");
   }
   for (const WaitPolicy& w : device_wait) w.validate();
-  if (replicas < 1 || replicas > 64) {
-    detail::throw_bad_value("StreamConfig::replicas", replicas, "must be in 1..64");
+  if (replicas < 1 || replicas > kMaxStreamReplicas) {
+    detail::throw_bad_value("StreamConfig::replicas", replicas,
+                            "must be in 1.." + std::to_string(kMaxStreamReplicas));
   }
   if (devices % replicas != 0) {
     detail::throw_bad_value("StreamConfig::replicas", replicas,
@@ -67,23 +74,24 @@ void StreamConfig::validate(std::uint32_t devices) const {
                                 " device(s): each replica gets devices/replicas of them");
   }
   constexpr std::size_t kMax = std::size_t{1} << 20;
-  if (admission.max_queued < 1 || admission.max_queued > kMax) {
-    detail::throw_bad_value("StreamConfig::admission.max_queued", admission.max_queued,
+  if (admission.queue_capacity < 1 || admission.queue_capacity > kMax) {
+    detail::throw_bad_value("StreamConfig::admission.queue_capacity", admission.queue_capacity,
                             "must be in 1..1048576 requests");
   }
-  if (client_capacity < 1 || client_capacity > kMax) {
-    detail::throw_bad_value("StreamConfig::client_capacity", client_capacity,
+  if (response_capacity < 1 || response_capacity > kMax) {
+    detail::throw_bad_value("StreamConfig::response_capacity", response_capacity,
                             "must be in 1..1048576 responses per client");
   }
-  if (stall_limit < std::chrono::nanoseconds::zero()) {
-    detail::throw_bad_value("StreamConfig::stall_limit (ns)", stall_limit.count(),
-                            "must be >= 0 (0 turns stall detection off)");
+  if (call_stall_limit < std::chrono::nanoseconds::zero() ||
+      call_stall_limit > std::chrono::nanoseconds(std::chrono::hours(24))) {
+    detail::throw_bad_value("StreamConfig::call_stall_limit", call_stall_limit,
+                            "must be in 0 ns..24 h (0 turns stall detection off)");
   }
 }
 
 namespace detail {
 
-std::uint32_t next_request_producer_id() noexcept {
+std::uint32_t next_client_id() noexcept {
   static std::atomic<std::uint32_t> next{0};
   return next.fetch_add(1, std::memory_order_relaxed);  // relaxed: only uniqueness matters
 }
@@ -102,7 +110,7 @@ std::shared_ptr<const RequestError> make_request_error(ErrorKind kind, const Req
   e->cause = std::move(cause);
   e->message = "stage '" + stage_name + "' (" + std::to_string(stage) + ") on device " +
                std::to_string(device) + ": request " + std::to_string(meta.id.sequence) +
-               " of producer " + std::to_string(meta.id.producer) + " " + why;
+               " of client " + std::to_string(meta.id.client) + " " + why;
   return e;
 }
 
@@ -128,7 +136,7 @@ std::shared_ptr<const RequestError> SegmentBase::describe(const StageFailure& f,
   e->cause = f.cause;
   e->message = "stage '" + e->stage_name + "' (" + std::to_string(f.stage) + ") on device " +
                std::to_string(e->device) + " failed on request " + std::to_string(id.sequence) +
-               " of producer " + std::to_string(id.producer) + ": " + describe_exception(f.cause);
+               " of client " + std::to_string(id.client) + ": " + describe_exception(f.cause);
   return e;
 }
 
@@ -146,15 +154,14 @@ std::shared_ptr<const RequestError> SegmentBase::runtime_failure(
 }
 
 void SegmentBase::answer_held(const RequestMeta& meta, std::shared_ptr<const RequestError> error,
-                              std::uint32_t stage, const StopFlag& stop) {
-  if (answerer == nullptr || meta.client == nullptr) return;  // the infeed path: unanswered
+                              std::uint32_t stage) {
   if (!error) {
     const std::uint32_t at =
         std::min<std::uint32_t>(stage - first_stage, static_cast<std::uint32_t>(names.size() - 1));
     error = make_request_error(ErrorKind::kCancelled, meta, stage, names[at], devices[at],
                                "was not run: the stream was cancelled");
   }
-  answerer->answer_error(meta, std::move(error), &stop);
+  answerer->answer_error(meta, std::move(error));
 }
 
 void StreamRunState::cancel() noexcept {
@@ -187,6 +194,13 @@ std::shared_ptr<const RequestError> StreamRunState::failure() const {
 }
 
 void StreamRunState::segment_done() noexcept {
+  if (ending_.fetch_sub(1, std::memory_order_seq_cst) == 1 && on_end_) {
+    // The last segment: no other touches the rings or the queue any more.
+    try {
+      on_end_();
+    } catch (...) {  // out of memory while answering: the host's wait() sweeps again
+    }
+  }
   remaining_.fetch_sub(1, std::memory_order_seq_cst);
   done_.notify();
 }
@@ -326,26 +340,27 @@ void stop_monitor(std::thread& monitor, std::mutex& mutex, std::condition_variab
 }
 }  // namespace
 
-void StreamCore::start(ServeMode mode, std::function<void()> wake_feeds) {
+void StreamCore::start(std::function<void()> wake_intake) {
   for (auto& reset : ring_resets) reset();
   for (auto& m : replica_meters) {
     m->stalled.store(false, std::memory_order_relaxed);
     m->failed.store(false, std::memory_order_relaxed);
   }
-  mode_ = mode;
   state_ = std::make_shared<StreamRunState>(static_cast<std::uint32_t>(segments.size()));
-  state_->set_waker([wakes = ring_wakes, wake_feeds = std::move(wake_feeds)] {
+  state_->set_waker([wakes = ring_wakes, wake_intake = std::move(wake_intake)] {
     for (const auto& w : wakes) w();
-    wake_feeds();
+    wake_intake();
   });
+  // Whoever ends last answers what a stopped run still holds: queued, or between devices.
+  state_->set_on_end([this] { answer_leftovers(); });
   // The run's stop, watched from here (after the waker, before any segment starts).
   if (scope_) on_stop_.emplace(scope_->token(), CancelStream{state_});
   // The stall monitor before any device starts: if its thread cannot start (out of memory, no
   // threads left), start() throws with nothing running. (Started last, it left a run going.)
-  if (timing() && config.stall_limit > std::chrono::nanoseconds::zero()) {
+  if (timing() && config.call_stall_limit > std::chrono::nanoseconds::zero()) {
     monitor_stop_ = false;
     try {
-      monitor_ = std::thread([this, limit = config.stall_limit] { monitor_loop(limit); });
+      monitor_ = std::thread([this, limit = config.call_stall_limit] { monitor_loop(limit); });
     } catch (...) {
       on_stop_.reset();
       throw;
@@ -362,7 +377,7 @@ void StreamCore::start(ServeMode mode, std::function<void()> wake_feeds) {
     SegmentBase* seg = segments[i].get();
     seg->origin = started_;
     if (BatchHeadBase* b = seg->batch_head()) b->origin = started_;
-    seg->answerer = mode == ServeMode::kInfeed ? nullptr : answerer;
+    seg->answerer = answerer;
     Device& device = devices[seg->device_index];
     auto state = state_;
     const OnError on_error = config.on_error;
@@ -420,10 +435,10 @@ void StreamCore::monitor_loop(std::chrono::nanoseconds limit) {
               "stream stall: stage '" + stage_names[s] + "' (" + std::to_string(s) +
                   ") on device " + std::to_string(device) + " of replica " + std::to_string(r) +
                   " has held request " +
-                  std::to_string(m.busy_sequence.load(std::memory_order_relaxed)) +
-                  " of producer " +
-                  std::to_string(m.busy_producer.load(std::memory_order_relaxed)) + " for " +
-                  std::to_string((now - since) / 1'000'000) + " ms (StreamConfig::stall_limit " +
+                  std::to_string(m.busy_sequence.load(std::memory_order_relaxed)) + " of client " +
+                  std::to_string(m.busy_client.load(std::memory_order_relaxed)) + " for " +
+                  std::to_string((now - since) / 1'000'000) +
+                  " ms (StreamConfig::call_stall_limit " +
                   std::to_string(limit.count() / 1'000'000) +
                   " ms); its replica takes no new requests until it moves");
         } catch (...) {
@@ -438,18 +453,19 @@ void StreamCore::wait_segments() {
   if (!running_) return;
   state_->wait_done();
   stop_monitor(monitor_, monitor_mutex_, monitor_cv_, monitor_stop_);
-  if (mode_ != ServeMode::kInfeed) {
-    intake->close();
-    if (state_->stop.requested()) {
-      // Every StreamClient request still queued or between devices gets its answer.
-      for (const auto& sweep : ring_cancels) sweep(*answerer, state_->stop);
-      intake->cancel_all(*answerer, state_->stop);
-    }
-    ends->finish(!state_->stop.requested(), state_->stop);
-  }
+  answer_leftovers();  // done by the last segment already, unless it ran out of memory
   state_->disarm();
   running_ = false;
   close_run();
+}
+
+void StreamCore::answer_leftovers() {
+  intake->close();
+  if (state_->stop.requested()) {
+    // Every request still queued or between devices gets its answer.
+    for (const auto& sweep : ring_cancels) sweep(*answerer);
+    intake->cancel_all(*answerer);
+  }
 }
 
 void StreamCore::cancel() noexcept {

@@ -14,9 +14,10 @@ void BatchConfig::validate() const {
   if (max_batch < 1 || max_batch > detail::kMeterHighestBatch) {
     detail::throw_bad_value("BatchConfig::max_batch", max_batch, "must be in 1..4096 requests");
   }
-  if (max_delay && *max_delay < std::chrono::nanoseconds::zero()) {
-    detail::throw_bad_value("BatchConfig::max_delay (ns)", max_delay->count(),
-                            "must be >= 0, or nullopt for no fixed bound");
+  if (max_delay && (*max_delay < std::chrono::nanoseconds::zero() ||
+                    *max_delay > std::chrono::nanoseconds(std::chrono::hours(1)))) {
+    detail::throw_bad_value("BatchConfig::max_delay", *max_delay,
+                            "must be in 0 ns..1 h, or nullopt for no fixed bound");
   }
   for (std::size_t i = 0; i < allowed_sizes.size(); ++i) {
     const std::size_t s = allowed_sizes[i];
@@ -126,8 +127,7 @@ void StreamStats::write_openmetrics(std::ostream& out, std::string_view prefix,
   }
   std::string l;
   for (const auto& [k, v] : labels) l += (l.empty() ? "" : ",") + k + "=\"" + escape(v) + '"';
-  write_counter(out, p + "_requests", "requests admitted (or taken off the infeed)", l, "",
-                accepted, true);
+  write_counter(out, p + "_requests", "requests admitted", l, "", accepted, true);
   write_counter(out, p + "_responses", "responses delivered, by outcome", l, "outcome=\"ok\"", ok,
                 true);
   for (std::size_t k = 0; k < errors.size(); ++k) {
@@ -189,8 +189,7 @@ namespace detail {
 
 std::uint64_t StreamCore::refused_total() const noexcept {
   std::uint64_t n = 0;
-  for (std::size_t i = 1; i < refusals.size(); ++i)
-    n += refusals[i].load(std::memory_order_relaxed);
+  for (std::size_t i = 1; i < 7; ++i) n += intake->refused(static_cast<Refusal>(i));
   return n;
 }
 
@@ -219,7 +218,7 @@ StreamResult StreamCore::finish(std::uint64_t accepted, std::uint64_t delivered,
   } else {
     r.status = RunStatus::kCompleted;
   }
-  // A Stream's normal end reads "drained": the feed closed and everything answered.
+  // A Stream's normal end reads "drained": closed, and everything answered.
   r.message = std::string(r.status == RunStatus::kCompleted ? "drained" : to_string(r.status)) +
               ": " + std::to_string(accepted) + " request(s) accepted, " +
               std::to_string(delivered) + " answered (" + std::to_string(errors) +
@@ -272,13 +271,11 @@ StreamStats StreamCore::stats() const {
     for (std::size_t k = 0; k < 4; ++k) s.errors[k] += m.errors[k].load(std::memory_order_relaxed);
     s.replicas.push_back(std::move(rs));
   }
-  for (std::size_t i = 0; i < refusals.size(); ++i) {
-    s.refusals[i] = refusals[i].load(std::memory_order_relaxed);
+  for (std::size_t i = 0; i < s.refusals.size(); ++i) {
+    s.refusals[i] = intake->refused(static_cast<Refusal>(i));
   }
-  s.accepted = intake != nullptr ? intake->total_accepted() : 0;
-  for (const auto& m : replica_meters)
-    s.accepted += m->infeed_taken.load(std::memory_order_relaxed);
-  s.queued = intake != nullptr ? intake->size() : 0;
+  s.accepted = intake->total_accepted();
+  s.queued = intake->size();
   return s;
 }
 

@@ -27,8 +27,6 @@
 //       cancel() returned, p99 over the requests it cancelled; target <= 1
 //   serve_stats_overhead_p50   closed-loop p50 (2 stages of 1 us), StreamConfig::stats on
 //       over off, rounds alternating; target <= 1.02
-//   serve_per_client_vs_shared_outfeed_p50   closed-loop p50, start() and client.pop() over
-//       start(outfeed) and the outfeed's pop(), rounds alternating; target <= 1.05
 //
 // Placement (this VM has 2 cores): the client runs on core 0, which the stream reserves for it
 // (DeviceConfig::host_cores), so the devices go on core 1 (one device, or two sharing it). The
@@ -44,9 +42,9 @@
 // sends it pops its own responses with try_pop. A latency is pop time - t_i, from the scheduled
 // time and not from the push: a send made late because the client fell behind is charged to
 // the latency (coordinated omission corrected). Why one thread: responses come back to the
-// client that pushed (a StreamClient is one per thread), and the only alternative, a reader
-// thread on start(outfeed), would share core 0 with the sender, so the OS would time-slice the
-// two in milliseconds and the latencies would measure its scheduler. One thread polling both
+// client that pushed (a StreamClient is one per thread), and a second thread on core 0 would
+// be time-sliced with the sender by the OS in milliseconds, so the latencies would measure its
+// scheduler. One thread polling both
 // never waits for the other; a response waits in the client's ring at most one send before it
 // is popped. The sending ends at a fixed time (the schedule's end, or 0.5 s later if the client
 // fell behind: the rest count as lost), then the client waits for what it is owed for at most
@@ -75,7 +73,6 @@
 
 #include <bspflow/devices/device.hpp>
 #include <bspflow/devices/topology.hpp>
-#include <bspflow/feeds/outfeed_queue.hpp>
 #include <bspflow/stream/request.hpp>
 #include <bspflow/stream/stream.hpp>
 #include <bspflow/stream/stream_client.hpp>
@@ -209,7 +206,7 @@ StreamConfig serving_config(AdmissionPolicy policy) {
   StreamConfig c;
   c.admission.policy = policy;
   c.admission.predict = true;
-  c.client_capacity = std::size_t{1} << 14;
+  c.response_capacity = std::size_t{1} << 14;
   return c;
 }
 
@@ -588,22 +585,6 @@ std::vector<double> client_closed_loop(Server& stream, std::uint64_t n, bool spi
   return lat;
 }
 
-// The same, the responses read from the stream's one outfeed (blocking pop()).
-std::vector<double> outfeed_closed_loop(Server& stream, OutfeedQueue<Response<Req>>& outfeed,
-                                        std::uint64_t n) {
-  auto client = stream.client();
-  std::vector<double> lat;
-  lat.reserve(n);
-  for (std::uint64_t i = 0; i < n + n / 10; ++i) {
-    const auto t0 = Clock::now();
-    if (!client.push(Req{})) return {};
-    if (!outfeed.pop()) return {};
-    if (i >= n / 10)
-      lat.push_back(std::chrono::duration<double, std::nano>(Clock::now() - t0).count());
-  }
-  return lat;
-}
-
 double p50_or_inf(std::vector<double> lat) {
   return lat.empty() ? std::numeric_limits<double>::infinity() : bench::quantile(lat, 0.5);
 }
@@ -687,7 +668,7 @@ int main(int argc, char** argv) {
     std::vector<double> caps;
     for (int round = 0; round < (common.quick ? 1 : 3); ++round) {
       StreamConfig config;
-      config.client_capacity = std::size_t{1} << 14;
+      config.response_capacity = std::size_t{1} << 14;
       Server s = build_server(device, m, deadline_aware_batching(m), config);
       s.start();
       caps.push_back(saturate(s, 8 * m.max_batch, common.quick ? 0.2 : 0.5, "capacity"));
@@ -844,7 +825,7 @@ int main(int argc, char** argv) {
     for (int round = 0; round < (common.quick ? 1 : 3); ++round) {
       {
         StreamConfig config;
-        config.client_capacity = std::size_t{1} << 14;
+        config.response_capacity = std::size_t{1} << 14;
         Server s = build_server(DeviceList(d0), m, deadline_aware_batching(m), config);
         s.start();
         one.push_back(saturate(s, 8 * m.max_batch, secs, "replicas 1"));
@@ -852,7 +833,7 @@ int main(int argc, char** argv) {
       {
         StreamConfig config;
         config.replicas = 2;
-        config.client_capacity = std::size_t{1} << 14;
+        config.response_capacity = std::size_t{1} << 14;
         Server s = build_server(DeviceList(std::vector<Device*>{&d0, &d1}), m,
                                 deadline_aware_batching(m), config);
         s.start();
@@ -915,33 +896,6 @@ int main(int argc, char** argv) {
       report.figure("serve_stats_off_p50_ns", bench::median(off));
       const double ratio = bench::median(on) / bench::median(off);
       report.ratio("serve_stats_overhead_p50", ratio, "<= 1.02", ratio <= 1.02);
-    }
-    {
-      std::vector<double> own, shared;
-      for (int round = 0; round < closed_rounds; ++round) {
-        for (int k = 0; k < 2; ++k) {
-          const bool per_client = (round + k) % 2 == 0;
-          OutfeedQueue<Response<Req>> outfeed(
-              OutfeedConfig{.capacity = 4096, .consumer_type = ConsumerType::kSingle});
-          Server s = build_chain(devices, StreamConfig{});
-          std::vector<double> lat;
-          if (per_client) {
-            s.start();
-            Watchdog dog("per-client closed loop", 60s, [&] { s.cancel(); });
-            lat = client_closed_loop(s, n, false);
-          } else {
-            s.start(outfeed);
-            Watchdog dog("shared outfeed closed loop", 60s, [&] { s.cancel(); });
-            lat = outfeed_closed_loop(s, outfeed, n);
-          }
-          finish(s, "response path closed loop");
-          (per_client ? own : shared).push_back(p50_or_inf(std::move(lat)));
-        }
-      }
-      report.figure("serve_per_client_p50_ns", bench::median(own));
-      report.figure("serve_shared_outfeed_p50_ns", bench::median(shared));
-      const double ratio = bench::median(own) / bench::median(shared);
-      report.ratio("serve_per_client_vs_shared_outfeed_p50", ratio, "<= 1.05", ratio <= 1.05);
     }
   }
   report.figure("serve_runs_not_drained", g_not_drained);

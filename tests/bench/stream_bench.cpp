@@ -4,7 +4,7 @@
 //   stream_2dev_p50_vs_spsc_chain, stream_4dev_p50_vs_spsc_chain   closed loop (one request
 //                       in flight), 1 us of work per stage, one stage per device    <= 1.5
 //   stream_2dev_p99_vs_spsc_chain, stream_4dev_p99_vs_spsc_chain   the same, p99      <= 2.0
-//   stream_2dev_throughput_vs_spsc_chain  requests/s with the infeed kept full         >= 0.9
+//   stream_2dev_throughput_vs_spsc_chain  requests/s with the stream kept full         >= 0.9
 //   stream_2dev_p50_vs_tbb_flow_graph     closed-loop p50 over oneTBB flow graph with the
 //                       same two serial function nodes                                 <= 1.0
 //   stream_open_loop_lost_2dev, _4dev     requests unanswered at 50k requests/s for 2 s   0
@@ -19,8 +19,7 @@
 // same wait primitive; its rings are a minimal SPSC ring (cache-line padded indices, each
 // side caching the other's). The client waits for its answer by spinning on its own core, in
 // both. Every ratio's reference is measured in the same run, alternating with the stream.
-// The stream's infeed and outfeed say they have one client thread each side
-// (ProducerType::kSingle, ConsumerType::kSingle), as the chain's rings do.
+// The stream is served through one StreamClient, which pushes and pops on the client's thread.
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
@@ -143,13 +142,12 @@ class RefChain {
 struct StreamRig {
   explicit StreamRig(std::uint32_t devices)
       : group(devices, devices_off_core0()), stream(build(group, devices)),
-        in(InfeedConfig{.capacity = 1024, .producer_type = ProducerType::kSingle}),
-        out(OutfeedConfig{.capacity = 4096, .consumer_type = ConsumerType::kSingle}) {
-    stream.start(in, out);
+        client(stream.client()) {
+    stream.start();
   }
   ~StreamRig() {
-    in.close();
-    while (out.pop()) {
+    stream.close();
+    while (client.pop()) {
     }
     stream.wait();
   }
@@ -163,19 +161,17 @@ struct StreamRig {
     return std::move(b).stage("s1", work).stage("s2", work).stage("s3", work).build();
   }
   // The same interface as RefChain's, so both are measured by the same code.
-  void send(const Req& r) { producer.push(r); }
-  bool try_send(const Req& r) { return producer.try_push(Req(r)).has_value(); }
+  void send(const Req& r) { client.push(r); }
+  bool try_send(const Req& r) { return client.try_push(Req(r)).accepted(); }
   bool try_receive(Req& r) {
-    auto e = out.try_pop();
-    if (e) r = *e->value.value;
+    auto e = client.try_pop();
+    if (e) r = *e->value;
     return e.has_value();
   }
 
   DeviceGroup group;
   Stream<Req, Req> stream;
-  InfeedQueue<Request<Req>> in;
-  OutfeedQueue<Response<Req>> out;
-  RequestProducer<Req> producer{in};
+  StreamClient<Req, Req> client;
 };
 
 // Closed loop: `n` requests, one in flight; latencies in ns.
@@ -193,7 +189,7 @@ std::vector<double> closed_loop(std::uint64_t n, Send&& send, Receive&& receive)
   return lat;
 }
 
-// Throughput: `n` requests sent as fast as the infeed takes them, received on this thread.
+// Throughput: `n` requests sent as fast as the stream takes them, received on this thread.
 template <class TrySend, class Receive>
 double throughput(std::uint64_t n, TrySend&& try_send, Receive&& receive) {
   const auto t0 = Clock::now();

@@ -1,5 +1,5 @@
 // The soak suite's Stream part (see soak_test.cpp): requests exactly once at volume through
-// a Stream (3 producers, 4 stages on 2 devices), and the fault-injection trial; and serving
+// a Stream (3 clients, 4 stages on 2 devices), and the fault-injection trial; and serving
 // (StreamClients): 10^6 requests exactly once through 2 replicas with batching, deadlines and
 // cancels, and seeded serving trials (replicas, batch stages, admission, deadlines, cancels,
 // close and cancel mid-run), with their own test cases at the end of this file.
@@ -38,85 +38,89 @@ namespace soak {
 
 void soak_stream(std::uint32_t producers, std::uint32_t devices, std::uint64_t elements) {
   constexpr std::uint64_t kStages = 4;
-  const std::uint64_t per_producer = (elements + producers - 1) / producers;  // at least `elements`
-  const std::uint64_t total = per_producer * producers;
+  const std::uint64_t per_client = (elements + producers - 1) / producers;  // at least `elements`
+  const std::uint64_t total = per_client * producers;
   const auto t0 = Clock::now();
   DeviceGroup group(devices, kSmall);
   auto plus = [](std::uint64_t x) { return x + 1; };
-  auto stream = StreamBuilder<std::uint64_t>(group, StreamConfig{.capacity = 64})
+  auto stream = StreamBuilder<std::uint64_t>(group, StreamConfig{.hop_capacity = 64})
                     .stage("s0", plus, 0)
                     .stage("s1", plus, 0)
                     .stage("s2", plus, devices > 1 ? 1 : 0)
                     .stage("s3", plus, devices > 1 ? 1 : 0)
                     .build();
-  InfeedQueue<Request<std::uint64_t>> infeed(InfeedConfig{.capacity = 1024});
-  OutfeedQueue<Response<std::uint64_t>> outfeed(OutfeedConfig{.capacity = 4096});
-  stream.start(infeed, outfeed);
-  std::vector<std::uint32_t> ids(producers);
+  stream.start();
   std::vector<std::thread> threads;
-  std::atomic<std::uint32_t> finished{0};
-  std::atomic<std::uint64_t> pushed_checksum{0};
+  std::atomic<std::uint64_t> pushed_checksum{0}, checksum{0}, received{0}, disorder{0}, errors{0},
+      short_clients{0};
   for (std::uint32_t p = 0; p < producers; ++p) {
-    threads.emplace_back([&, p] {
-      RequestProducer<std::uint64_t> producer(infeed);
-      ids[p] = producer.id();
-      std::uint64_t sum = 0;
-      for (std::uint64_t s = 0; s < per_producer; ++s) {
+    threads.emplace_back([&, p, client = stream.client()]() mutable {
+      std::uint64_t sum = 0, got = 0, next = 0, bad_order = 0, bad = 0, sum_back = 0;
+      auto take = [&](const Response<std::uint64_t>& r) {
+        if (r.id.sequence != next++ || r.id.client != client.id()) ++bad_order;
+        if (!r.ok()) {
+          ++bad;
+        } else {
+          sum_back += *r.value;
+        }
+        ++got;
+      };
+      for (std::uint64_t s = 0; s < per_client; ++s) {
         const std::uint64_t x = mix((std::uint64_t{p} << 40) | s) >> 8;
         sum += x + kStages;
-        if (!producer.push(x)) break;
+        while (!client.push(x)) {
+          if (auto r = client.pop()) take(*r);  // its response slots are full: pop first
+        }
+        while (auto r = client.try_pop()) take(*r);
       }
+      while (auto r = client.pop()) take(*r);
       pushed_checksum += sum;
-      if (++finished == producers) infeed.close();
+      checksum += sum_back;
+      received += got;
+      disorder += bad_order;
+      errors += bad;
+      if (got != per_client) ++short_clients;
     });
   }
-  std::map<std::uint32_t, std::uint64_t> next;  // producer id -> the next sequence expected
-  std::uint64_t received = 0, disorder = 0, errors = 0, checksum = 0;
-  for (auto& e : outfeed) {
-    const Response<std::uint64_t>& r = e.value;
-    if (r.id.sequence != next[r.id.producer]) ++disorder;
-    next[r.id.producer] = r.id.sequence + 1;
-    if (!r.ok()) {
-      ++errors;
-    } else {
-      checksum += *r.value;
-    }
-    ++received;
-  }
   for (auto& t : threads) t.join();
+  stream.close();
   const StreamResult r = stream.wait();
   CHECK(r.drained());
   CHECK(r.accepted == total);
   CHECK(r.answered == total);
-  CHECK(received == total);
-  CHECK(errors == 0);
-  CHECK(disorder == 0);  // each producer's sequence 0, 1, 2, ...: none missing, none twice
-  for (std::uint32_t id : ids) CHECK(next[id] == per_producer);
-  CHECK(checksum == pushed_checksum.load());
-  bool all_ids = true;
-  for (std::uint32_t id : ids) all_ids = all_ids && next[id] == per_producer;
-  const bool ok = r.drained() && r.accepted == total && r.answered == total && received == total &&
-                  errors == 0 && disorder == 0 && all_ids && checksum == pushed_checksum.load();
-  std::printf("soak: Stream, %u producers, %llu stages on %u devices: %llu requests: %s (%.1f s)\n",
+  CHECK(received.load() == total);
+  CHECK(errors.load() == 0);
+  CHECK(disorder.load() == 0);  // each client's sequence 0, 1, 2, ...: none missing, none twice
+  CHECK(short_clients.load() == 0);
+  CHECK(checksum.load() == pushed_checksum.load());
+  const bool ok = r.drained() && r.accepted == total && r.answered == total &&
+                  received.load() == total && errors.load() == 0 && disorder.load() == 0 &&
+                  short_clients.load() == 0 && checksum.load() == pushed_checksum.load();
+  std::printf("soak: Stream, %u clients, %llu stages on %u devices: %llu requests: %s (%.1f s)\n",
               producers, static_cast<unsigned long long>(kStages), devices,
               static_cast<unsigned long long>(total),
               ok ? "exactly once, in order, values right" : "FAILED (see above)",
               seconds_since(t0));
 }
 
+// One seeded trial of a chain under a fault: a stage throws (kRespond or kFailFast), the
+// stream is closed mid-run, cancelled (by cancel() or a stop token, before or during the
+// run), or its clients stop reading and go away mid-run. Every accepted request is answered
+// exactly once (to a client still there), and a second run on the same stream serves again.
 void stream_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   const std::uint32_t d = group.size();
   const auto stages = static_cast<std::uint32_t>(rng.in(d, 4));
   const bool throws = t.fault == Fault::kThrow;
   const OnError on_error = throws && rng.coin() ? OnError::kFailFast : OnError::kRespond;
   StreamConfig cfg;
-  cfg.capacity = rng.in(1, 16);
+  cfg.hop_capacity = rng.in(1, 16);
   cfg.on_error = on_error;
   cfg.wait = rng.coin() ? WaitPolicy{} : WaitPolicy::park();
-  const auto producers = static_cast<std::uint32_t>(rng.in(1, 3));
-  const std::uint64_t per_producer = rng.in(10, 300);
-  const std::uint64_t total = per_producer * producers;
-  // A request's value is its index (producer k's i-th: k * per_producer + i); every stage adds 1.
+  cfg.response_capacity = rng.in(1, 64);
+  const auto clients = static_cast<std::uint32_t>(rng.in(1, 3));
+  const std::uint64_t per_client = rng.in(10, 300);
+  const std::uint64_t total = per_client * clients;
+  // A request's value is its index (client k's i-th: k * per_client + i); every stage adds 1.
   const std::uint64_t fail_value = rng.below(total);
   const auto fail_stage = static_cast<std::uint32_t>(rng.below(stages));
   auto builder = StreamBuilder<std::uint64_t>(group, cfg);
@@ -131,132 +135,125 @@ void stream_trial(Rng& rng, Trial& t, DeviceGroup& group) {
         s * d / stages);
   }
   auto stream = std::move(builder).build();
-  InfeedQueue<Request<std::uint64_t>> in(InfeedConfig{.capacity = rng.in(1, 32)});
-  const std::size_t out_capacity = t.fault == Fault::kReaderStops ? rng.in(1, 8) : 0;
-  OutfeedQueue<Response<std::uint64_t>> out(OutfeedConfig{.capacity = out_capacity});
-  // Stopped before the start through the token, or once after it (cancel() or the token:
-  // start() has returned, so neither can be lost).
   Stopper stopper = stopper_for(rng, t);
   const bool by_token = stopper.before || rng.coin();
   const auto cancel = [&] { by_token ? (void)stopper.source.request_stop() : stream.cancel(); };
-  stream.start(in, out, stopper.token());
+  stream.start(stopper.token());
   Seen answered(total);
-  std::atomic<std::uint64_t> pushed{0};
-  std::atomic<std::uint32_t> finished{0};
-  std::vector<std::uint32_t> ids(producers);
+  std::atomic<std::uint64_t> accepted{0}, delivered{0}, errors{0}, wrong{0};
+  std::atomic<bool> leave{false};  // kReaderStops: the clients stop reading and go away
+  const bool leaves = t.fault == Fault::kReaderStops;
   std::vector<std::thread> threads;
-  std::mutex ids_mutex;
-  std::map<std::uint32_t, std::uint32_t> index_of;  // producer id -> k
-  for (std::uint32_t p = 0; p < producers; ++p) {
-    threads.emplace_back([&, p] {
-      RequestProducer<std::uint64_t> producer(in);
-      {
-        std::lock_guard<std::mutex> l(ids_mutex);
-        index_of[producer.id()] = p;
+  for (std::uint32_t k = 0; k < clients; ++k) {
+    threads.emplace_back([&, k, client = stream.client()]() mutable {
+      std::map<std::uint64_t, std::uint64_t> value_of;  // sequence -> request value
+      auto take = [&](const Response<std::uint64_t>& r) {
+        const auto it = value_of.find(r.id.sequence);
+        if (it == value_of.end()) {
+          ++wrong;
+          return;
+        }
+        const std::uint64_t value = it->second;
+        value_of.erase(it);
+        answered.add(value);
+        ++delivered;
+        if (r.ok()) {
+          if (*r.value != value + stages) ++wrong;
+        } else if (r.kind() == ErrorKind::kStageFailed) {
+          ++errors;
+          if (value != fail_value || r.error->stage != fail_stage) ++wrong;
+        } else if (r.kind() != ErrorKind::kCancelled) {
+          ++wrong;
+        }
+      };
+      for (std::uint64_t i = 0; i < per_client; ++i) {
+        if (leaves && leave.load()) return;  // destroyed with requests outstanding
+        const std::uint64_t value = k * per_client + i;
+        const Submission s = client.push(value);
+        if (s.refusal == Refusal::kClientFull) {
+          if (leaves) return;
+          if (auto r = client.pop()) take(*r);
+          --i;
+          continue;
+        }
+        if (!s) break;  // closed, cancelled or failed: admission has ended
+        ++accepted;
+        value_of[s.id.sequence] = value;
+        if (!leaves) {
+          while (auto r = client.try_pop()) take(*r);
+        }
       }
-      for (std::uint64_t i = 0; i < per_producer && producer.push(p * per_producer + i); ++i)
-        ++pushed;
-      if (++finished == producers) in.close();
+      if (leaves) {
+        while (!leave.load()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+        return;
+      }
+      while (auto r = client.pop()) take(*r);
+      if (!value_of.empty()) ++wrong;  // accepted, never answered
     });
   }
-  std::thread closer;
-  if (t.fault == Fault::kClose) closer = close_later(in, micros(rng, 3000));
-  std::vector<OutfeedEntry<Response<std::uint64_t>>> read;
-  std::atomic<bool> give_up{false};
-  std::atomic<bool> ended{false};
-  std::thread watcher;
-  if (t.fault == Fault::kReaderStops) {
-    // stream.wait() is for the one thread that started it; the watcher polls the outfeed's
-    // end instead: give up reading after a while if the stream ended by itself.
-    watcher = std::thread([&] {
-      const auto until = Clock::now() + 200ms;
-      while (!ended.load() && Clock::now() < until) std::this_thread::sleep_for(1ms);
-      give_up = true;
-    });
-    read = read_then_stop(out, rng.in(0, 12), give_up);
-    std::this_thread::sleep_for(micros(rng, 2000));
-    cancel();
+  if (t.fault == Fault::kClose) {
+    std::this_thread::sleep_for(micros(rng, 3000));
+    stream.close();
   } else if (t.fault == Fault::kCancel && !stopper.before) {
     std::this_thread::sleep_for(micros(rng, 3000));
     cancel();
+  } else if (leaves) {
+    std::this_thread::sleep_for(micros(rng, 2000));
+    leave = true;
+    for (auto& th : threads) th.join();
+    threads.clear();
+    cancel();
   }
-  std::vector<OutfeedEntry<Response<std::uint64_t>>> rest;
-  if (t.fault != Fault::kReaderStops) {
-    for (auto& e : out) rest.push_back(std::move(e));  // ends when the stream has ended
+  if (t.fault == Fault::kThrow) {
+    for (auto& th : threads) th.join();  // every client pushed all it could and popped its answers
+    threads.clear();
+    stream.close();
   }
+  std::thread closer;
+  if (t.fault != Fault::kClose && t.fault != Fault::kThrow) {
+    // Clients that still push end once admission ends: close, for a run not stopped.
+    closer = std::thread([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      stream.close();
+    });
+  }
+  for (auto& th : threads) th.join();
   const StreamResult r = stream.wait();
-  ended = true;
-  if (watcher.joinable()) watcher.join();
-  for (auto& e : out.drain()) rest.push_back(std::move(e));
   if (closer.joinable()) closer.join();
-  std::uint64_t errors = 0;
-  bool right = true;
-  std::uint64_t delivered = 0;
-  const auto take = [&](const OutfeedEntry<Response<std::uint64_t>>& e) {
-    ++delivered;
-    std::uint32_t k = 0;
-    {
-      std::lock_guard<std::mutex> l(ids_mutex);
-      k = index_of.at(e.value.id.producer);
-    }
-    const std::uint64_t value = k * per_producer + e.value.id.sequence;
-    answered.add(value);
-    if (e.value.ok()) {
-      right = right && *e.value.value == value + stages;
-    } else {
-      ++errors;
-      right = right && value == fail_value && e.value.error->stage == fail_stage;
-    }
-  };
-  for (const auto& e : read) take(e);
-  for (const auto& e : rest) take(e);
-  CHECK(right);
-  CHECK(delivered == r.answered);  // every answer delivered (read, or still queued)
-  CHECK(r.accepted == r.answered + r.unanswered);
+  CHECK(wrong.load() == 0);
+  CHECK(r.accepted == accepted.load());
+  CHECK(r.unanswered == 0);  // a StreamClient's request is always answered
+  if (!leaves) {
+    CHECK(delivered.load() == r.answered);  // every answer reached its client
+    CHECK(answered.problems(total).find("twice") == std::string::npos);
+  }
   // A stage that throws is answered with an error (kRespond) or stops the stream (kFailFast).
   const Endings endings{
       {on_error == OnError::kRespond
-           ? Ending{StreamStatus::kDrained, "an error response, the stream went on (kRespond)"}
-           : Ending{StreamStatus::kFailed, "failed fast (kFailFast)"}},
-      {{StreamStatus::kCancelled, "cancelled"},
-       {StreamStatus::kDrained, "drained before the cancel"}},
-      {{StreamStatus::kDrained, "drained after the close"}}};
+           ? Ending{RunStatus::kCompleted, "an error response, the stream went on (kRespond)"}
+           : Ending{RunStatus::kFailed, "failed fast (kFailFast)"}},
+      {{RunStatus::kCancelled, "cancelled"}, {RunStatus::kCompleted, "drained before the cancel"}},
+      {{RunStatus::kCompleted, "drained after the close"}}};
   check_ending(t, r.status, r.message, endings);
-  if (stopper.before) check_stopped_before(t, r.status, {r.accepted, r.answered});
+  if (stopper.before) CHECK(r.status == RunStatus::kCancelled);
   if (t.fault == Fault::kThrow && on_error == OnError::kRespond) {
-    CHECK(r.unanswered == 0);
-    CHECK(errors == (fail_value < total ? 1u : 0u));
-  } else if (t.fault == Fault::kThrow) {
+    CHECK(errors.load() == (fail_value < accepted.load() ? 1u : 0u));
+  } else if (t.fault == Fault::kThrow && r.status == RunStatus::kFailed) {
     REQUIRE(r.failure != nullptr);
     CHECK(r.failure->stage == fail_stage);
     CHECK(contains(r.failure->message, "injected fault"));
-    CHECK(r.unanswered >= 1);
-  } else if (t.fault == Fault::kClose) {
-    CHECK(r.unanswered == 0);
   }
-  // Same devices, a second run answers what the first did not take.
-  const std::uint64_t unanswered = r.unanswered;
-  // Unbounded: read after the run.
-  OutfeedQueue<Response<std::uint64_t>> out2(OutfeedConfig{.capacity = 0});
-  const StreamResult r2 = stream.run(in, out2);
-  for (const auto& e : out2.drain()) take(e);
-  for (auto& th : threads) th.join();
+  // Same devices, a second run serves again, exactly once.
+  auto again = stream.client();
+  stream.start();
+  std::uint64_t ok = 0;
+  for (std::uint64_t i = 0; i < 20; ++i) REQUIRE(again.push(1000 + i));
+  stream.close();
+  while (auto resp = again.pop())
+    ok += resp->ok() && *resp->value == 1000 + resp->id.sequence + stages;
+  const StreamResult r2 = stream.wait();
   CHECK(r2.drained());
-  CHECK(r2.unanswered == 0);
-  // Every request pushed answered once over the two runs, but for those the first run counts
-  // as cut short (unanswered: taken, then stopped by the cancel or the failure).
-  std::uint64_t once = 0, twice = 0;
-  for (std::uint64_t v = 0; v < total; ++v) {
-    const std::uint32_t c = answered.count(v);
-    once += c == 1 ? 1 : 0;
-    twice += c > 1 ? 1 : 0;
-  }
-  CHECK(twice == 0);
-  CHECK_MESSAGE(once + unanswered == pushed.load(),
-                "first run: " << r.message << " (accepted " << r.accepted << ", answered "
-                              << r.answered << ", delivered " << delivered
-                              << "); second run: " << r2.message);
-  CHECK(right);
+  CHECK(ok == 20);
 }
 
 }  // namespace soak
@@ -271,7 +268,7 @@ namespace {
 using U64 = std::uint64_t;
 
 // What one client saw of its own requests: every accepted request must be answered once,
-// in push order (Ordering::kPerProducer), with its value or an error of a kind its request
+// in push order (Ordering::kPerClient), with its value or an error of a kind its request
 // allows.
 struct ServeTally {
   U64 accepted = 0, answered = 0, ok = 0;
@@ -318,7 +315,7 @@ constexpr std::uint8_t bit(ErrorKind k) {
   return std::uint8_t(1u << static_cast<unsigned>(k));
 }
 
-// A client's outstanding requests in push order. With Ordering::kPerProducer every answer
+// A client's outstanding requests in push order. With Ordering::kPerClient every answer
 // is the front's; with kNone any outstanding one's.
 class PendingQueue {
  public:
@@ -333,7 +330,7 @@ class PendingQueue {
     } else {
       ++t.errors[static_cast<std::size_t>(r.kind())];
     }
-    if (r.id.producer != client) {
+    if (r.id.client != client) {
       ++t.unknown;
       return;
     }
@@ -433,7 +430,7 @@ void soak_serving(std::uint32_t clients, std::uint64_t requests) {
     for (std::size_t i = 0; i < batch.size(); ++i) out[i] = batch[i] * 2;
     return out;
   };
-  auto stream = StreamBuilder<U64>(group, StreamConfig{.capacity = 64, .replicas = 2})
+  auto stream = StreamBuilder<U64>(group, StreamConfig{.hop_capacity = 64, .replicas = 2})
                     .batch_stage("model", model,
                                  BatchConfig{.max_batch = 16,
                                              .max_delay = std::chrono::microseconds(200),
@@ -517,12 +514,13 @@ void serving_trial(Rng& rng, std::array<std::unique_ptr<DeviceGroup>, 5>& groups
   const bool batched = rng.coin();
   const bool two_stages = per_replica == 2 && rng.coin();
   const AdmissionPolicy policy = static_cast<AdmissionPolicy>(rng.in(0, 2));
-  const Ordering ordering = rng.in(0, 3) == 0 ? Ordering::kNone : Ordering::kPerProducer;
+  const Ordering ordering = rng.in(0, 3) == 0 ? Ordering::kNone : Ordering::kPerClient;
   StreamConfig cfg;
-  cfg.capacity = rng.in(1, 16);
+  cfg.hop_capacity = rng.in(1, 16);
   cfg.replicas = replicas;
   cfg.ordering = ordering;
-  cfg.admission = Admission{.policy = policy, .max_queued = rng.in(1, 64), .predict = rng.coin()};
+  cfg.admission =
+      Admission{.policy = policy, .queue_capacity = rng.in(1, 64), .predict = rng.coin()};
   cfg.wait = rng.coin() ? WaitPolicy{} : WaitPolicy::park();
   BatchConfig bc;
   bc.max_batch = rng.in(1, 16);
@@ -590,7 +588,7 @@ void serving_trial(Rng& rng, std::array<std::unique_ptr<DeviceGroup>, 5>& groups
       Rng crng(seeds[k]);
       StreamClient<U64, U64>& c = handles[k];
       ServeTally& t = tallies[k];
-      PendingQueue q(ordering == Ordering::kPerProducer);
+      PendingQueue q(ordering == Ordering::kPerClient);
       for (U64 i = 0; i < per_client; ++i) {
         while (q.size() >= window && pop_one(c, q, t)) {
         }

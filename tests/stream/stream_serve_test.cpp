@@ -1,11 +1,11 @@
-// runtime/: serving with a Stream (bspflow/stream/stream_client.hpp, stream_serving.hpp, the
-// serve path of stream.hpp): replicas answering exactly once and in each producer's order (2
+// Serving with a Stream (bspflow/stream/stream_client.hpp, stream_serving.hpp, the serve
+// path of stream.hpp): replicas answering exactly once and in each client's order (2
 // devices, and 2-stage chains on 4), a replica whose stage throws while the other serves;
 // batch stages (every request answered once with its own value, batch sizes within bounds and
 // allowed sizes, the first request's wait bounded by max_delay, padding never seen, per-item
 // failures, a batch that throws, deadline-aware flushing); deadlines, cancels and admission
 // (reject, shed, a burst) answered or refused with the right kind; per-client responses with 4
-// client threads and a shared outfeed; stats equal to the responses seen and their writers;
+// client threads; stats equal to the responses seen and their writers;
 // drain on close and on cancel with batches in flight, 20 times each; stall detection; and the
 // errors a user can make.
 #include <doctest/doctest.h>
@@ -33,7 +33,6 @@
 
 #include <bspflow/devices/device.hpp>
 #include <bspflow/devices/topology.hpp>
-#include <bspflow/feeds/outfeed_queue.hpp>
 #include <bspflow/stream/request.hpp>
 #include <bspflow/stream/stream.hpp>
 #include <bspflow/stream/stream_client.hpp>
@@ -170,7 +169,7 @@ class Ledger {
       ++t.errors[index_of(r.kind())];
     }
     const auto it = pending_.find(r.id.sequence);
-    if (r.id.producer != client_ || it == pending_.end()) {
+    if (r.id.client != client_ || it == pending_.end()) {
       ++t.unknown;
       return std::nullopt;
     }
@@ -293,7 +292,7 @@ const auto plus1 = [](U64 x) { return x + 1; };
 
 TEST_SUITE_BEGIN("stream_serve");
 
-TEST_CASE("replicas: exactly once and in each producer's order, 3 clients (2 and 4 devices)") {
+TEST_CASE("replicas: exactly once and in each client's order, 3 clients (2 and 4 devices)") {
   // 10^5 requests here, seconds at most on 2 cores; the soak suite sends 10^6.
   constexpr int kClients = 3;
   const U64 per = test::scaled(100'000, 3'000) / kClients;
@@ -702,21 +701,21 @@ TEST_CASE("cancel: a queued request is answered kCancelled and never runs") {
   CHECK(stream.stats().errors_of(ErrorKind::kCancelled) == 4);
 }
 
-TEST_CASE("admission kReject: pushes beyond max_queued are refused, every accepted one answered") {
+TEST_CASE(
+    "admission kReject: pushes beyond queue_capacity are refused, every accepted one answered") {
   DeviceGroup group(1);
   Gate gate;
-  auto stream =
-      StreamBuilder<std::string>(
-          group,
-          StreamConfig{
-              .capacity = 1,
-              .admission = {.policy = AdmissionPolicy::kReject, .max_queued = 4, .predict = false}})
-          .stage("echo",
-                 [&gate](std::string s) {
-                   if (s == "hold") gate.hold();
-                   return s + "!";
-                 })
-          .build();
+  auto stream = StreamBuilder<std::string>(
+                    group, StreamConfig{.hop_capacity = 1,
+                                        .admission = {.policy = AdmissionPolicy::kReject,
+                                                      .queue_capacity = 4,
+                                                      .predict = false}})
+                    .stage("echo",
+                           [&gate](std::string s) {
+                             if (s == "hold") gate.hold();
+                             return s + "!";
+                           })
+                    .build();
   stream.start();
   auto c = stream.client();
   REQUIRE(c.push("hold").accepted());
@@ -770,9 +769,9 @@ TEST_CASE("admission kShed: the request with the least slack is shed") {
   DeviceGroup group(1);
   Gate gate;
   auto stream =
-      StreamBuilder<U64>(group, StreamConfig{.capacity = 1,
+      StreamBuilder<U64>(group, StreamConfig{.hop_capacity = 1,
                                              .admission = {.policy = AdmissionPolicy::kShed,
-                                                           .max_queued = 4,
+                                                           .queue_capacity = 4,
                                                            .predict = false}})
           .stage("model",
                  [&gate](U64 x) {
@@ -833,7 +832,8 @@ TEST_CASE("admission under a burst: every push is accepted and answered, or refu
     DeviceGroup group(1);
     auto stream =
         StreamBuilder<U64>(
-            group, StreamConfig{.admission = {.policy = policy, .max_queued = 8, .predict = false}})
+            group,
+            StreamConfig{.admission = {.policy = policy, .queue_capacity = 8, .predict = false}})
             .stage("model",
                    [](U64 x) {
                      spin_for(20us);
@@ -879,8 +879,8 @@ TEST_CASE("admission under a burst: every push is accepted and answered, or refu
 
 TEST_CASE("per-client responses: 4 client threads, each its own, exactly once") {
   DeviceGroup group(2);
-  for (const Ordering ordering : {Ordering::kPerProducer, Ordering::kNone}) {
-    const bool ordered = ordering == Ordering::kPerProducer;
+  for (const Ordering ordering : {Ordering::kPerClient, Ordering::kNone}) {
+    const bool ordered = ordering == Ordering::kPerClient;
     CAPTURE(ordered);
     auto stream = StreamBuilder<U64>(group, StreamConfig{.replicas = 2, .ordering = ordering})
                       .stage("model", [](U64 x) { return x * 3 + 1; })
@@ -902,7 +902,7 @@ TEST_CASE("per-client responses: 4 client threads, each its own, exactly once") 
     U64 accepted = 0;
     for (const Tally& t : tallies) {
       // The only refusal allowed: kClientFull, when a request held up on one replica (its
-      // device descheduled on a loaded machine) keeps client_capacity sequence numbers
+      // device descheduled on a loaded machine) keeps response_capacity sequence numbers
       // unanswered while the other replica answers the rest.
       CHECK(t.refused_total() == t.refused_of(Refusal::kClientFull));
       CHECK(t.ok == t.accepted);
@@ -911,68 +911,6 @@ TEST_CASE("per-client responses: 4 client threads, each its own, exactly once") 
     }
     CHECK(r.answered == accepted);
   }
-}
-
-TEST_CASE("a shared outfeed: each producer's responses in order, exactly once") {
-  DeviceGroup group(2);
-  constexpr int kClients = 3;
-  const U64 per = test::scaled(5'000, 500);
-  // The clients never pop (their responses go to the outfeed): room for all of them.
-  auto stream = StreamBuilder<U64>(group, StreamConfig{.replicas = 2, .client_capacity = 1 << 16})
-                    .stage("model", plus1)
-                    .build();
-  OutfeedQueue<Response<U64>> out;
-  stream.start(out);
-  std::vector<Client> clients;
-  std::map<std::uint32_t, U64> k_of;  // client id -> k
-  for (int k = 0; k < kClients; ++k) {
-    clients.push_back(stream.client());
-    k_of[clients.back().id()] = U64(k);
-  }
-  std::vector<U64> accepted(kClients, 0);
-  std::vector<std::thread> threads;
-  for (int k = 0; k < kClients; ++k) {
-    threads.emplace_back([&, k] {
-      const auto uk = static_cast<std::size_t>(k);
-      for (U64 i = 0; i < per; ++i) {
-        if (clients[uk].push(U64(k) * kSpan + i).accepted()) ++accepted[uk];
-      }
-    });
-  }
-  std::map<std::uint32_t, U64> next;  // client id -> next sequence expected
-  U64 got = 0, disorder = 0, wrong = 0, foreign = 0;
-  const U64 total = per * kClients;
-  auto last_progress = StreamClock::now();
-  while (got < total && StreamClock::now() - last_progress < patience()) {
-    auto e = out.try_pop();
-    if (!e) {
-      std::this_thread::yield();
-      continue;
-    }
-    last_progress = StreamClock::now();
-    const Response<U64>& r = e->value;
-    const auto it = k_of.find(r.id.producer);
-    if (it == k_of.end()) {
-      ++foreign;
-      continue;
-    }
-    if (r.id.sequence != next[r.id.producer]) ++disorder;
-    next[r.id.producer] = r.id.sequence + 1;
-    if (!r.ok() || *r.value != it->second * kSpan + r.id.sequence + 1) ++wrong;
-    ++got;
-  }
-  for (auto& t : threads) t.join();
-  stream.close();
-  const StreamResult r = stream.wait();
-  CHECK(r.drained());
-  for (U64 a : accepted) CHECK(a == per);
-  CHECK(got == total);
-  CHECK(disorder == 0);
-  CHECK(wrong == 0);
-  CHECK(foreign == 0);
-  CHECK_FALSE(out.try_pop().has_value());  // nothing twice
-  for (const auto& [id, k] : k_of) CHECK(next[id] == per);
-  CHECK(r.answered == total);
 }
 
 TEST_CASE("stats equal the responses seen; OpenMetrics and .hgrm writers") {
@@ -1130,7 +1068,7 @@ TEST_CASE("stall detection: a held call is reported; the other replica keeps ans
   DeviceGroup group(2);
   Gate gate;
   constexpr U64 kHold = 1'000'000;
-  auto stream = StreamBuilder<U64>(group, StreamConfig{.replicas = 2, .stall_limit = 50ms})
+  auto stream = StreamBuilder<U64>(group, StreamConfig{.replicas = 2, .call_stall_limit = 50ms})
                     .stage("model",
                            [&gate](U64 x) {
                              if (x == kHold) gate.hold();
@@ -1228,11 +1166,7 @@ TEST_CASE("serving errors name the problem") {
   CHECK(sizes.padded(3) == 4);
   CHECK(sizes.padded(5) == 8);
   CHECK(BatchConfig{}.padded(3) == 3);
-  // The InfeedQueue path serves one replica only.
   auto two = StreamBuilder<U64>(group, StreamConfig{.replicas = 2}).stage("a", id).build();
-  InfeedQueue<Request<U64>> in;
-  OutfeedQueue<Response<U64>> out;
-  CHECK_THROWS_AS(two.start(in, out), Error);
   // A stream that is not serving refuses pushes: kClosed.
   auto c = two.client();
   CHECK(c.push(1).refusal == Refusal::kClosed);

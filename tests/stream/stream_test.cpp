@@ -1,7 +1,7 @@
-// runtime/: streams (bspflow/stream/stream.hpp): drain on close answers everything (1, 2
-// and 4 devices, 4 on 2 cores), a lone request is answered at once, typed stages sharing a
-// device, per-request errors, fail-fast, cancel, per-producer order and exactly-once under
-// load with several producers, wait strategies, and the errors a user can make.
+// Streams (bspflow/stream/stream.hpp): close drains and answers everything (1, 2 and 4
+// devices, 4 on 2 cores), a lone request is answered at once, typed stages sharing a device,
+// per-request errors, fail-fast, cancel and stop tokens, per-client order and exactly-once
+// under load with several clients, wait strategies, and the errors a user can make.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -10,7 +10,7 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <set>
+#include <span>
 #include <stdexcept>
 #include <stop_token>
 #include <string>
@@ -30,17 +30,12 @@ using test::error_of;
 
 namespace {
 
-// The next response, or nullopt if none arrives within `limit` (a held response fails the
-// test instead of hanging it).
-template <class T>
-std::optional<OutfeedEntry<Response<T>>> next_within(OutfeedQueue<Response<T>>& out,
-                                                     std::chrono::milliseconds limit = 5000ms) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (auto e = out.try_pop()) return e;
-    std::this_thread::yield();
-  }
-  return std::nullopt;
+// The client's next response, or nullopt if none arrives within `limit` (a held response
+// fails the test instead of hanging it).
+template <class In, class Out>
+std::optional<Response<Out>> pop_within(StreamClient<In, Out>& client,
+                                        std::chrono::milliseconds limit = 5000ms) {
+  return client.pop_until(StreamClock::now() + limit);
 }
 
 // A stream of `stages` stages each adding 1, stage s on device s % devices.
@@ -63,42 +58,33 @@ Stream<std::uint64_t, std::uint64_t> add_ones(DeviceList devices, std::uint32_t 
 
 TEST_SUITE_BEGIN("stream");
 
-TEST_CASE("closing the infeed drains: every accepted request is answered (1, 2, 4 devices)") {
-  // The last round says one client thread each side: both feeds are rings, the outfeed a
-  // small bounded one the last device keeps waiting on.
-  for (const auto& [devices, one_each_side] :
-       {std::pair{1u, false}, std::pair{2u, false}, std::pair{4u, false}, std::pair{2u, true}}) {
+TEST_CASE("close drains: every accepted request is answered (1, 2, 4 devices)") {
+  for (const std::uint32_t devices : {1u, 2u, 4u}) {
     CAPTURE(devices);
-    CAPTURE(one_each_side);
     DeviceGroup group(devices);  // 4 devices on this machine's 2 cores share them
+    const std::uint64_t add = devices == 1 ? 2 : 4;
     auto stream = add_ones(group, devices == 1 ? 2 : 4);
-    InfeedConfig in_config;
-    OutfeedConfig out_config;
-    if (one_each_side) {
-      in_config.producer_type = ProducerType::kSingle;
-      out_config.consumer_type = ConsumerType::kSingle;
-      out_config.capacity = 8;
-    }
-    InfeedQueue<Request<std::uint64_t>> in(in_config);
-    OutfeedQueue<Response<std::uint64_t>> out(out_config);
-    stream.start(in, out);
+    auto client = stream.client();
+    stream.start();
     const std::uint64_t n = test::scaled(20'000, 100);
-    std::thread client([&] {
-      RequestProducer<std::uint64_t> p(in);
-      for (std::uint64_t i = 0; i < n; ++i) p.push(i);
-      in.close();  // right after the last push: most requests are still in flight
-    });
     std::uint64_t got = 0, next = 0;
     bool in_order = true, right = true;
-    for (auto& e : out) {
-      in_order = in_order && e.value.id.sequence == next++;
-      right =
-          right && e.value.ok() && *e.value.value == e.value.id.sequence + (devices == 1 ? 2 : 4);
+    auto take = [&](const Response<std::uint64_t>& r) {
+      in_order = in_order && r.id.sequence == next++;
+      right = right && r.ok() && *r.value == r.id.sequence + add;
       ++got;
+    };
+    for (std::uint64_t i = 0; i < n; ++i) {
+      for (Submission s = client.push(i); !s; s = client.push(i)) {
+        REQUIRE(s.refusal == Refusal::kClientFull);  // its response slots are full: pop first
+        if (auto r = client.pop()) take(*r);
+      }
+      while (auto r = client.try_pop()) take(*r);
     }
-    client.join();
+    stream.close();  // right after the last push: most requests are still in flight
+    while (auto r = client.pop()) take(*r);
     const StreamResult r = stream.wait();
-    CHECK(r.status == StreamStatus::kDrained);
+    CHECK(r.status == RunStatus::kCompleted);
     CHECK(r.accepted == n);
     CHECK(r.answered == n);
     CHECK(r.unanswered == 0);
@@ -114,19 +100,17 @@ TEST_CASE("a lone request is answered at once, with no later traffic") {
   DeviceGroup group(2);
   for (const WaitPolicy& wait : {WaitPolicy{}, WaitPolicy::park()}) {
     auto stream = add_ones(group, 4, StreamConfig{.wait = wait});
-    InfeedQueue<Request<std::uint64_t>> in;
-    OutfeedQueue<Response<std::uint64_t>> out;
-    stream.start(in, out);
-    RequestProducer<std::uint64_t> p(in);
+    auto client = stream.client();
+    stream.start();
     for (std::uint64_t i = 0; i < 20; ++i) {  // closed loop: one request in flight at a time
-      const auto id = p.push(i * 10);
-      REQUIRE(id.has_value());
-      auto e = next_within(out);
-      REQUIRE(e.has_value());
-      CHECK(e->value.id == *id);
-      CHECK(*e->value.value == i * 10 + 4);
+      const Submission s = client.push(i * 10);
+      REQUIRE(s.accepted());
+      auto r = pop_within(client);
+      REQUIRE(r.has_value());
+      CHECK(r->id == s.id);
+      CHECK(*r->value == i * 10 + 4);
     }
-    in.close();
+    stream.close();
     CHECK(stream.wait().drained());
   }
 }
@@ -145,15 +129,13 @@ TEST_CASE("typed stages change the type; consecutive stages share a device") {
   CHECK(stream.device_of(2) == 1);
   CHECK(stream.stage_name(2) == "length");
   CHECK(stream.wait_policy_of(0).strategy == WaitStrategy::kSpinThenPark);
-  InfeedQueue<Request<int>> in;
-  OutfeedQueue<Response<std::size_t>> out;
-  stream.start(in, out);
-  RequestProducer<int> p(in);
-  p.push(7);
-  p.push(1234);
-  in.close();
+  auto client = stream.client();
+  stream.start();
+  client.push(7);
+  client.push(1234);
+  stream.close();
   std::vector<std::size_t> sizes;
-  for (auto& e : out) sizes.push_back(*e.value.value);
+  while (auto r = client.pop()) sizes.push_back(*r->value);
   CHECK(sizes == std::vector<std::size_t>{2, 8});
   CHECK(stream.wait().answered == 2);
 }
@@ -164,14 +146,13 @@ TEST_CASE("a stage may be a move-only callable with state of its own") {
   auto stream = StreamBuilder<int>(group)
                     .stage("count", [c = std::move(counter)](int x) { return x + ++*c; })
                     .build();
-  InfeedQueue<Request<int>> in;
-  OutfeedQueue<Response<int>> out;
-  RequestProducer<int> p(in);
-  for (int i = 0; i < 3; ++i) p.push(100);
-  in.close();
-  CHECK(stream.run(in, out).answered == 3);
+  auto client = stream.client();
+  stream.start();
+  for (int i = 0; i < 3; ++i) REQUIRE(client.push(100));
+  stream.close();
   std::vector<int> got;
-  for (auto& e : out) got.push_back(*e.value.value);
+  while (auto r = client.pop()) got.push_back(*r->value);
+  CHECK(stream.wait().answered == 3);
   CHECK(got == std::vector<int>{101, 102, 103});
 }
 
@@ -185,16 +166,14 @@ TEST_CASE("a failing request gets an error response and the stream goes on") {
                            })
                     .stage("square", [](int x) { return x * x; })
                     .build();
-  InfeedQueue<Request<int>> in;
-  OutfeedQueue<Response<int>> out;
-  stream.start(in, out);
-  RequestProducer<int> p(in);
-  for (int i = 1; i <= 8; ++i) p.push(i);
-  in.close();
+  auto client = stream.client();
+  stream.start();
+  for (int i = 1; i <= 8; ++i) REQUIRE(client.push(i));
+  stream.close();
   std::map<std::uint64_t, Response<int>> by_seq;
-  for (auto& e : out) by_seq[e.value.id.sequence] = e.value;
+  while (auto r = client.pop()) by_seq[r->id.sequence] = *r;
   const StreamResult r = stream.wait();
-  CHECK(r.status == StreamStatus::kDrained);
+  CHECK(r.status == RunStatus::kCompleted);
   CHECK(r.answered == 8);
   CHECK(r.errors == 1);
   REQUIRE(by_seq.size() == 8);
@@ -206,9 +185,8 @@ TEST_CASE("a failing request gets an error response and the stream goes on") {
       CHECK(resp.error->stage_name == "check");
       CHECK(resp.error->device == group[0].id());
       CHECK(resp.error->id.sequence == 3);
-      CHECK(resp.error->message ==
-            "stage 'check' (0) on device 0 failed on request 3 of producer " +
-                std::to_string(p.id()) + ": malformed request");
+      CHECK(resp.error->message == "stage 'check' (0) on device 0 failed on request 3 of client " +
+                                       std::to_string(client.id()) + ": malformed request");
       CHECK_THROWS_AS(std::rethrow_exception(resp.error->cause), std::invalid_argument);
     } else {
       REQUIRE(resp.ok());
@@ -217,7 +195,7 @@ TEST_CASE("a failing request gets an error response and the stream goes on") {
   }
 }
 
-TEST_CASE("fail-fast stops at the first exception and accounts for every request") {
+TEST_CASE("fail-fast stops at the first exception and answers every request") {
   DeviceGroup group(2);
   auto stream = StreamBuilder<int>(group, StreamConfig{.on_error = OnError::kFailFast})
                     .stage("a", [](int x) { return x; })
@@ -227,32 +205,41 @@ TEST_CASE("fail-fast stops at the first exception and accounts for every request
                              return x;
                            })
                     .build();
-  InfeedQueue<Request<int>> in;
-  OutfeedQueue<Response<int>> out;
-  stream.start(in, out);
-  RequestProducer<int> p(in);
-  for (int i = 0; i < 200; ++i) p.push(i);
-  in.close();
-  std::uint64_t got = 0;
-  for (auto& e : out) {
-    CHECK(e.value.ok());
-    CHECK(*e.value.value < 50);
-    ++got;
+  auto client = stream.client();
+  stream.start();
+  std::uint64_t accepted = 0;
+  for (int i = 0; i < 200; ++i) accepted += client.push(i).accepted() ? 1 : 0;
+  std::uint64_t ok = 0, failed = 0, cancelled = 0;
+  while (auto r = client.pop()) {
+    if (r->ok()) {
+      CHECK(*r->value < 50);
+      ++ok;
+    } else if (r->kind() == ErrorKind::kStageFailed) {
+      CHECK(r->error->stage_name == "b");
+      ++failed;
+    } else {
+      CHECK(r->kind() == ErrorKind::kCancelled);
+      ++cancelled;
+    }
   }
   const StreamResult r = stream.wait();
-  CHECK(r.status == StreamStatus::kFailed);
+  CHECK(r.status == RunStatus::kFailed);
   REQUIRE(r.failure != nullptr);
   CHECK(r.failure->stage_name == "b");
   CHECK(r.failure->id.sequence == 50);
-  CHECK(r.answered == got);
-  CHECK(got <= 50);
-  CHECK(r.accepted == r.answered + r.unanswered);
-  CHECK(r.unanswered >= 1);  // at least the failing request itself
+  CHECK(failed == 1);
+  CHECK(ok <= 50);
+  CHECK(ok + failed + cancelled == accepted);  // every accepted request is answered once
+  CHECK(r.accepted == accepted);
+  CHECK(r.answered == accepted);
+  CHECK(r.unanswered == 0);
   CHECK(contains(r.message, "failed: "));
   CHECK(contains(r.message, "boom"));
+  // A failed run ends admission.
+  CHECK(client.push(1).refusal == Refusal::kClosed);
 }
 
-TEST_CASE("cancel stops at once, says how many were left unanswered, and the stream runs again") {
+TEST_CASE("cancel stops at once, answers the rest kCancelled, and the stream runs again") {
   DeviceGroup group(2);
   std::atomic<bool> slow{true};
   auto stream = StreamBuilder<int>(group)
@@ -263,186 +250,132 @@ TEST_CASE("cancel stops at once, says how many were left unanswered, and the str
                              return x;
                            })
                     .build();
+  auto client = stream.client();
   {
-    InfeedQueue<Request<int>> in;
-    OutfeedQueue<Response<int>> out;
-    stream.start(in, out);
-    RequestProducer<int> p(in);
-    for (int i = 0; i < 100; ++i) p.push(i);
-    while (!out.try_pop()) std::this_thread::yield();  // it is running
+    stream.start();
+    for (int i = 0; i < 100; ++i) REQUIRE(client.push(i));
+    auto first = pop_within(client);  // it is running
+    REQUIRE(first.has_value());
     stream.cancel();
+    // Pushes after cancel() are refused: admission has ended.
+    CHECK(client.push(1000).refusal == Refusal::kClosed);
     const StreamResult r = stream.wait();
-    CHECK(r.status == StreamStatus::kCancelled);
-    CHECK(r.accepted == r.answered + r.unanswered);
-    CHECK(r.answered < 100);
+    CHECK(r.status == RunStatus::kCancelled);
+    CHECK(r.accepted == 100);
+    CHECK(r.answered == 100);
+    CHECK(r.unanswered == 0);
     CHECK(contains(r.message, "cancelled: "));
+    std::uint64_t values = 1, cancelled = 0;
+    while (auto resp = client.try_pop()) {
+      if (resp->ok()) {
+        ++values;
+      } else {
+        CHECK(resp->kind() == ErrorKind::kCancelled);
+        ++cancelled;
+      }
+    }
+    CHECK(values + cancelled == 100);
+    CHECK(cancelled > 0);
   }
   slow = false;
-  InfeedQueue<Request<int>> in;
-  OutfeedQueue<Response<int>> out;
-  RequestProducer<int> p(in);
-  for (int i = 0; i < 10; ++i) p.push(i);
-  in.close();
-  const StreamResult r = stream.run(in, out);
+  stream.start();
+  for (int i = 0; i < 10; ++i) REQUIRE(client.push(i));
+  stream.close();
+  std::uint64_t got = 0;
+  while (auto resp = client.pop()) got += resp->ok() ? 1 : 0;
+  const StreamResult r = stream.wait();
   CHECK(r.drained());
   CHECK(r.answered == 10);
+  CHECK(got == 10);
 }
 
-TEST_CASE("a std::stop_token stops a stream's run: before start() it takes nothing") {
-  // Issue 30: a Stream took no stop token, and cancel() reached only a run whose start() had
-  // got far enough (it read the run's state unlocked while start() assigned it).
+TEST_CASE("a std::stop_token stops a stream's run, before start() or during it") {
   DeviceGroup group(2, test::kSmall);
   auto stream = StreamBuilder<int>(group)
                     .stage("inc", [](int x) { return x + 1; })
                     .stage("double", [](int x) { return 2 * x; })
                     .build();
-  std::stop_source stopped;
-  stopped.request_stop();
-  {  // The infeed path: every request stays in the lane.
-    InfeedQueue<Request<int>> in;
-    OutfeedQueue<Response<int>> out;
-    RequestProducer<int> p(in);
-    for (int i = 0; i < 5; ++i) REQUIRE(p.push(i));
-    const StreamResult r = stream.run(in, out, stopped.get_token());
-    CHECK(r.status == StreamStatus::kCancelled);
-    CHECK(r.accepted == 0);
-    CHECK(r.answered == 0);
-    CHECK(in.size_approx(0) == 5);
-    CHECK(out.drain().empty());
-    in.close();
-    std::stop_source unused;
-    const StreamResult next = stream.run(in, out, unused.get_token());
-    CHECK(next.drained());
-    CHECK(next.answered == 5);
-  }
-  {  // Clients: what they push is answered kCancelled, not run.
+  auto client = stream.client();
+  {  // Stopped before start(): what is pushed is answered kCancelled, never run.
+    std::stop_source stopped;
+    stopped.request_stop();
     stream.start(stopped.get_token());
-    auto client = stream.client();
-    std::uint64_t cancelled = 0;
+    std::uint64_t accepted = 0;
     for (int i = 0; i < 3; ++i) {
-      if (client.push(i)) ++cancelled;  // may be refused (kClosed) once the stop is seen
+      if (client.push(i)) ++accepted;  // refused (kClosed) once the stop is seen
     }
     const StreamResult r = stream.wait();
-    CHECK(r.status == StreamStatus::kCancelled);
+    CHECK(r.status == RunStatus::kCancelled);
     std::uint64_t seen = 0;
     while (auto resp = client.try_pop()) {
       REQUIRE_FALSE(resp->ok());
       CHECK(resp->kind() == ErrorKind::kCancelled);
       ++seen;
     }
-    CHECK(seen == cancelled);
+    CHECK(seen == accepted);
   }
   {  // During: a std::jthread's destructor stops a run that waits for requests.
-    InfeedQueue<Request<int>> in;  // never closed
-    OutfeedQueue<Response<int>> out;
     std::optional<StreamResult> during;
-    test::Rescue guard(10s, [&] { in.close(); });  // a lost stop: drained below
+    test::Rescue guard(10s, [&] { stream.close(); });  // a lost stop: drained instead
     {
-      std::jthread host([&](std::stop_token stop) { during = stream.run(in, out, stop); });
-      RequestProducer<int> p(in);
-      REQUIRE(p.push(1));
-      while (!out.try_pop()) std::this_thread::yield();  // it is serving
+      std::jthread host([&](std::stop_token stop) {
+        stream.start(stop);
+        during = stream.wait();
+      });
+      while (!client.push(1)) std::this_thread::yield();  // refused until it has started
+      REQUIRE(pop_within(client).has_value());            // it is serving
     }
     CHECK_FALSE(guard.fired());
     REQUIRE(during.has_value());
-    CHECK(during->status == StreamStatus::kCancelled);
+    CHECK(during->status == RunStatus::kCancelled);
   }
   // cancel() between runs does nothing; the stream serves again.
   stream.cancel();
-  InfeedQueue<Request<int>> in;
-  OutfeedQueue<Response<int>> out;
-  RequestProducer<int> p(in);
-  REQUIRE(p.push(1));
-  in.close();
-  CHECK(stream.run(in, out).drained());
+  stream.start();
+  REQUIRE(client.push(1));
+  stream.close();
+  REQUIRE(client.pop().has_value());
+  CHECK(stream.wait().drained());
 }
 
-TEST_CASE("a result counts the error responses delivered, not those a cancel dropped") {
-  // Issue 30: StreamResult::errors counted an error response when it was written, so one that
-  // a cancel then dropped (a one-reader outfeed full up to its spare room) still counted:
-  // errors > answered. Every request here fails (an error response), nobody reads the
-  // outfeed (a ring of 31 with 33 spare slots), and each run is cancelled once it is writing
-  // a response: the ring fills over the runs, then a run's response is dropped.
-  DeviceGroup group(1, test::kSmall);
-  auto stream = StreamBuilder<int>(group)
-                    .stage("fails", [](int) -> int { throw std::runtime_error("no"); })
-                    .build();
-  for (const bool clients : {false, true}) {
-    CAPTURE(clients);
-    InfeedQueue<Request<int>> in(InfeedConfig{1, 1024, 1});
-    OutfeedQueue<Response<int>> out(OutfeedConfig{1, OutputMode::all(), 31, ConsumerType::kSingle});
-    if (!clients) {
-      RequestProducer<int> p(in);
-      for (int i = 0; i < 1000; ++i) REQUIRE(p.push(i));
-    }
-    std::uint64_t written = 0, dropped = 0;
-    for (int run = 0; run < 100 && dropped == 0; ++run) {
-      CAPTURE(run);
-      const std::uint64_t before = stream.stats().answered;
-      std::optional<StreamClient<int, int>> client;
-      if (clients) {
-        stream.start(out);
-        client.emplace(stream.client());
-        for (int i = 0; i < 4; ++i) (void)client->push(i);
-      } else {
-        stream.start(in, out);
-      }
-      {
-        test::Rescue guard(10s, [&] { stream.cancel(); });
-        while (stream.stats().answered == before) std::this_thread::yield();  // it is writing
-        CHECK_FALSE(guard.fired());
-      }
-      stream.cancel();
-      const StreamResult r = stream.wait();
-      // Every response is an error: those counted are those that reached the outfeed.
-      CHECK(r.errors == r.answered);
-      const std::uint64_t made = stream.stats().answered - before;
-      written += made;
-      if (r.answered < made) dropped += made - r.answered;
-    }
-    CHECK(dropped > 0);  // the ring's spare room filled up: the test reached the drop
-    CHECK(out.drain().size() == written - dropped);
-  }
-}
-
-TEST_CASE("several producers under load: exactly once, in each producer's order") {
+TEST_CASE("several clients under load: exactly once, in each client's order") {
   DeviceGroup group(4);  // 4 devices on 2 cores
   for (const WaitPolicy& wait : {WaitPolicy{}, WaitPolicy::park(), WaitPolicy::busy_spin()}) {
     CAPTURE(to_string(wait.strategy));
-    auto stream = add_ones(group, 4, StreamConfig{.capacity = 8, .wait = wait});
-    InfeedQueue<Request<std::uint64_t>> in(InfeedConfig{.capacity = 64});
-    OutfeedQueue<Response<std::uint64_t>> out(OutfeedConfig{.capacity = 128});
-    stream.start(in, out);
+    auto stream = add_ones(group, 4, StreamConfig{.hop_capacity = 8, .wait = wait});
+    stream.start();
     const std::uint64_t per = test::scaled(20'000, 200);
-    constexpr int kProducers = 3;
-    std::vector<std::uint32_t> ids(kProducers);
-    std::vector<std::thread> producers;
-    std::atomic<int> done{0};
-    for (int k = 0; k < kProducers; ++k) {
-      producers.emplace_back([&, k] {
-        RequestProducer<std::uint64_t> p(in);
-        ids[static_cast<std::size_t>(k)] = p.id();
-        for (std::uint64_t i = 0; i < per; ++i) p.push(std::uint64_t(k) * 1'000'000'000 + i);
-        if (done.fetch_add(1) + 1 == kProducers) in.close();
+    constexpr int kClients = 3;
+    std::vector<std::thread> clients;
+    std::atomic<std::uint64_t> got{0}, bad{0};
+    for (int k = 0; k < kClients; ++k) {
+      clients.emplace_back([&, k, client = stream.client()]() mutable {
+        std::uint64_t next = 0, mine = 0, wrong = 0;
+        auto take = [&](const Response<std::uint64_t>& r) {
+          if (r.id.sequence != next++ || r.id.client != client.id() || !r.ok() ||
+              *r.value % 1'000'000'000 != r.id.sequence + 4) {
+            ++wrong;
+          }
+          ++mine;
+        };
+        for (std::uint64_t i = 0; i < per; ++i) {
+          while (!client.push(std::uint64_t(k) * 1'000'000'000 + i)) {
+            if (auto r = client.pop()) take(*r);  // the client's slots are full: pop first
+          }
+          while (auto r = client.try_pop()) take(*r);
+        }
+        while (auto r = client.pop()) take(*r);
+        got += mine;
+        bad += wrong + (mine == per ? 0 : 1);
       });
     }
-    std::map<std::uint32_t, std::uint64_t> next;
-    bool ordered = true, right = true;
-    std::uint64_t got = 0;
-    for (auto& e : out) {
-      const RequestId id = e.value.id;
-      ordered = ordered && id.sequence == next[id.producer]++;
-      right = right && e.value.ok() && *e.value.value % 1'000'000'000 == id.sequence + 4;
-      ++got;
-    }
-    for (auto& t : producers) t.join();
+    for (auto& t : clients) t.join();
+    stream.close();
     const StreamResult r = stream.wait();
     CHECK(r.drained());
-    CHECK(got == per * kProducers);
-    CHECK(r.answered == got);
-    CHECK(ordered);
-    CHECK(right);
-    for (std::uint32_t id : ids) CHECK(next[id] == per);
+    CHECK(got.load() == per * kClients);
+    CHECK(r.answered == got.load());
+    CHECK(bad.load() == 0);
   }
 }
 
@@ -465,17 +398,15 @@ TEST_CASE("devices keep off reserved host cores and still serve") {
                        !group[0].placement().shares_host && group[0].placement().sharing == 2;
     CHECK(stream.wait_policy_of(0).yields == !fused);
   }
-  InfeedQueue<Request<std::uint64_t>> in;
-  OutfeedQueue<Response<std::uint64_t>> out;
-  stream.start(in, out);
-  RequestProducer<std::uint64_t> p(in);
+  auto client = stream.client();
+  stream.start();
   for (std::uint64_t i = 0; i < 100; ++i) {
-    p.push(i);
-    auto e = next_within(out);
-    REQUIRE(e.has_value());
-    CHECK(*e->value.value == i + 2);
+    REQUIRE(client.push(i));
+    auto r = pop_within(client);
+    REQUIRE(r.has_value());
+    CHECK(*r->value == i + 2);
   }
-  in.close();
+  stream.close();
   CHECK(stream.wait().drained());
 }
 
@@ -491,27 +422,48 @@ TEST_CASE("stream errors name the problem") {
       "stage 'b' on device 0 comes after stage 'a' on device 1"));
   CHECK(contains(
       error_of([&] {
-        (void)StreamBuilder<int>(group, StreamConfig{.capacity = 0}).stage("a", id).build();
+        (void)StreamBuilder<int>(group, StreamConfig{.hop_capacity = 0}).stage("a", id).build();
       }),
-      "StreamConfig::capacity = 0 is not allowed: must be in 1.."));
+      "StreamConfig::hop_capacity = 0 is not allowed: must be in 1.."));
   CHECK(contains(error_of([&] {
                    (void)StreamBuilder<int>(group, StreamConfig{.device_wait = {WaitPolicy{}}})
                        .stage("a", id)
                        .build();
                  }),
                  "StreamConfig::device_wait size = 1 is not allowed"));
+  // Durations and counts are printed as given, with their sign and unit.
+  CHECK(contains(error_of([&] {
+                   (void)StreamBuilder<int>(group, StreamConfig{.call_stall_limit = -1us})
+                       .stage("a", id)
+                       .build();
+                 }),
+                 "StreamConfig::call_stall_limit = -1 us is not allowed: must be in 0 ns..24 h"));
+  CHECK(contains(error_of([&] {
+                   (void)StreamBuilder<int>(group).batch_stage(
+                       "b",
+                       [](std::span<int> xs) { return std::vector<int>(xs.begin(), xs.end()); },
+                       BatchConfig{.max_delay = -1us});
+                 }),
+                 "BatchConfig::max_delay = -1 us is not allowed"));
+  CHECK(contains(error_of([&] {
+                   (void)StreamBuilder<int>(group, StreamConfig{.replicas = 3}).stage("a", id);
+                 }),
+                 "StreamConfig::replicas = 3 is not allowed: must divide the stream's 2"));
+  // A second start while running is refused; the run goes on.
   auto stream = StreamBuilder<int>(group).stage("a", id).build();
-  InfeedQueue<Request<int>> two_lanes(InfeedConfig{.replicas = 2});
-  OutfeedQueue<Response<int>> out;
-  CHECK(contains(error_of([&] { stream.start(two_lanes, out); }),
-                 "stream infeed replicas = 2 is not allowed: a stream reads one lane"));
-  InfeedQueue<Request<int>> in;
-  OutfeedQueue<Response<int>> final_out(OutfeedConfig{.mode = OutputMode::final()});
-  CHECK(contains(error_of([&] { stream.start(in, final_out); }),
-                 "stream outfeed: needs one replica and OutputMode::all()"));
-  // A failed start leaves the stream and the feeds usable.
-  in.close();
-  CHECK(stream.run(in, out).drained());
+  auto client = stream.client();
+  CHECK(client.push(1).refusal == Refusal::kClosed);  // not started: nothing is queued
+  stream.start();
+  CHECK(contains(error_of([&] { stream.start(); }), "Stream::start: a run is in progress"));
+  REQUIRE(client.push(2));
+  stream.close();
+  REQUIRE(client.pop().has_value());
+  CHECK(stream.wait().drained());
+}
+
+TEST_CASE("StreamConfig::from takes the replicas of a run's Options") {
+  CHECK(StreamConfig::from(Options().replicas(2)).replicas == 2);
+  CHECK(StreamConfig::from(Options()).hop_capacity == StreamConfig{}.hop_capacity);
 }
 
 TEST_SUITE_END();

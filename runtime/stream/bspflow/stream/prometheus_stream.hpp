@@ -88,9 +88,8 @@ inline std::vector<prometheus::MetricFamily> to_metric_families(
     f.metric.push_back(detail::prometheus_sample(labels, label, value));
     f.metric.back().counter.value = static_cast<double>(n);
   };
-  auto requests =
-      detail::prometheus_family(prefix + "_requests_total",
-                                "requests admitted (or taken off the infeed)", MetricType::Counter);
+  auto requests = detail::prometheus_family(prefix + "_requests_total", "requests admitted",
+                                            MetricType::Counter);
   counter(requests, "", "", stats.accepted);
   out.push_back(std::move(requests));
   auto responses = detail::prometheus_family(

@@ -1,5 +1,5 @@
 // A stream's requests and responses (see stream.hpp): who sent a request, what comes back,
-// and the producer handle that stamps them.
+// and why a request was answered with an error or refused.
 #pragma once
 
 #include <chrono>
@@ -10,15 +10,12 @@
 #include <string>
 #include <utility>
 
-#include "bspflow/feeds/infeed_queue.hpp"
-#include "bspflow/feeds/push_result.hpp"
-
 namespace bspflow {
 
 // Who sent a request and which of theirs it is.
 struct RequestId {
-  std::uint32_t producer = 0;  // RequestProducer::id(): unique in the process
-  std::uint64_t sequence = 0;  // 0, 1, 2, ... per producer
+  std::uint32_t client = 0;    // StreamClient::id(): unique in the process
+  std::uint64_t sequence = 0;  // 0, 1, 2, ... per client
   friend bool operator==(const RequestId&, const RequestId&) = default;
 };
 
@@ -27,14 +24,6 @@ using StreamClock = std::chrono::steady_clock;
 // A request's deadline; kNoDeadline (the default) means none.
 using Deadline = StreamClock::time_point;
 inline constexpr Deadline kNoDeadline = Deadline::max();
-
-// What travels through a stream's infeed. Made by RequestProducer::push.
-template <class T>
-struct Request {
-  RequestId id{};
-  std::optional<T> value{};
-  Deadline deadline = kNoDeadline;  // a stage that takes it later answers kDeadlineExceeded
-};
 
 // Why a request was answered with an error, for callers that branch on it.
 enum class ErrorKind : std::uint8_t {
@@ -53,7 +42,7 @@ struct RequestError {
   std::string stage_name{};
   std::uint32_t device = 0;  // Device::id() of the device it ran on
   RequestId id{};
-  std::string message{};  // "stage 'conv' (1) on device 0 failed on request 3 of producer 1: ..."
+  std::string message{};  // "stage 'conv' (1) on device 0 failed on request 3 of client 1: ..."
   std::exception_ptr cause{};  // kStageFailed: what the stage threw
 };
 
@@ -63,7 +52,7 @@ struct Response {
   RequestId id{};
   std::optional<T> value{};                     // set when ok()
   std::shared_ptr<const RequestError> error{};  // set when it was not answered with a value
-  // From the push to the answer (0 on the InfeedQueue path without StreamConfig::stats).
+  // From the push to the answer being made (before it waits for the client's earlier ones).
   std::chrono::nanoseconds latency{0};
   bool ok() const noexcept { return error == nullptr; }
   // The error's kind; only when !ok().
@@ -72,11 +61,11 @@ struct Response {
 
 // Why a StreamClient's push was refused (nothing was queued then).
 enum class Refusal : std::uint8_t {
-  kNone,                 // accepted
-  kQueueFull,            // AdmissionPolicy::kReject and the stream's queue is at max_queued
+  kNone,       // accepted
+  kQueueFull,  // the admission queue is at Admission::queue_capacity (kReject, or try_push)
   kDeadlineUnreachable,  // the predicted completion (queue x measured service) is past it
   kDeadlinePassed,       // the deadline was already past at push
-  kClientFull,           // this client has client_capacity requests unanswered: pop first
+  kClientFull,           // this client has response_capacity requests unpopped: pop first
   kShed,                 // AdmissionPolicy::kShed: this request had the least slack
   kClosed,               // the stream is closed or not serving
 };
@@ -92,57 +81,8 @@ struct Submission {
 };
 
 namespace detail {
-// Any thread: the next process-unique producer id. Never blocks.
-std::uint32_t next_request_producer_id() noexcept;
+// Any thread: the next process-unique StreamClient id. Never blocks.
+std::uint32_t next_client_id() noexcept;
 }  // namespace detail
-
-// A host thread's handle for sending requests into a stream's infeed: stamps each request
-// with this producer's id and next sequence number. One per thread (not thread-safe); must
-// not outlive the infeed.
-template <class In>
-class RequestProducer {
- public:
-  // Setup path (allocates the infeed producer token).
-  explicit RequestProducer(InfeedQueue<Request<In>>& infeed)
-      : producer_(infeed.make_producer()), id_(detail::next_request_producer_id()) {}
-
-  // Producer thread. Blocks while the infeed is full. Returns the request's id, or nullopt
-  // (nothing sent, no sequence number used) once the infeed is closed. Never throws except
-  // std::bad_alloc.
-  // `deadline`: a stage that takes the request later answers it kDeadlineExceeded.
-  std::optional<RequestId> push(In value, Deadline deadline = kNoDeadline) {
-    const RequestId id{id_, next_};
-    if (!producer_.push(Request<In>{id, std::optional<In>(std::move(value)), deadline})) {
-      return std::nullopt;
-    }
-    ++next_;
-    return id;
-  }
-  // Producer thread. Never blocks: the id, or nullopt if the infeed is full or closed
-  // (`value` untouched then; full() tells which).
-  std::optional<RequestId> try_push(In&& value, Deadline deadline = kNoDeadline) {
-    const RequestId id{id_, next_};
-    Request<In> r{id, std::nullopt, deadline};
-    r.value.emplace(std::move(value));
-    last_ = producer_.try_push(std::move(r));
-    if (last_ != PushResult::kOk) {
-      value = std::move(*r.value);
-      return std::nullopt;
-    }
-    ++next_;
-    return id;
-  }
-  // Whether the last try_push failed because the infeed was full (not closed).
-  bool full() const noexcept { return last_ == PushResult::kFull; }
-
-  std::uint32_t id() const noexcept { return id_; }
-  std::uint64_t sent() const noexcept { return next_; }
-
- private:
-  typename InfeedQueue<Request<In>>::Producer producer_;
-  std::uint32_t id_;
-  std::uint64_t next_ = 0;
-  PushResult last_ = PushResult::kOk;
-};
 
 }  // namespace bspflow

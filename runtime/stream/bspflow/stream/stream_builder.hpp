@@ -1,5 +1,5 @@
 // StreamBuilder: builds a Stream stage by stage. Include <bspflow/stream/stream.hpp>, which
-// includes this one and defines the Stream it builds.
+// includes this one and defines the Stream it builds. Guide: runtime/stream/README.md.
 #pragma once
 
 #include <algorithm>
@@ -244,27 +244,26 @@ class StreamBuilder {
   // to it. Returns where the new segment reads.
   detail::Source* begin_segment(Lane& lane, std::uint32_t r, std::uint32_t k) {
     if (!lane.fn) return lane.source;  // the first stage reads the stream's feed
-    auto ring = std::make_shared<SpscRing<detail::Envelope<Cur>>>(core_->config.capacity);
+    auto ring = std::make_shared<SpscRing<detail::Envelope<Cur>>>(core_->config.hop_capacity);
     auto sink = std::make_shared<detail::RingSink<Cur>>(*ring);
     auto source = std::make_shared<detail::RingSource<Cur>>(*ring);
     close_segment(lane, *sink, r, k - 1);
     core_->ring_wakes.push_back([q = ring.get()] { q->wake(); });
     core_->ring_resets.push_back([q = ring.get()] { q->reset(); });
     core_->ring_depths[r].push_back([q = ring.get()] { return q->size(); });
-    core_->ring_cancels.push_back(
-        [q = ring.get(), core = core_.get(), k, r](detail::Answerer& a, const StopFlag& stop) {
-          while (detail::Envelope<Cur>* e = q->try_front()) {
-            auto error = e->error;
-            if (!error) {
-              error = detail::make_request_error(
-                  ErrorKind::kCancelled, e->meta, k, core->stage_names[k],
-                  core->devices[core->device_of(r, core->stage_devices[k])].id(),
-                  "was not run: the stream was cancelled");
-            }
-            if (e->meta.client != nullptr) a.answer_error(e->meta, std::move(error), &stop);
-            q->pop();
-          }
-        });
+    core_->ring_cancels.push_back([q = ring.get(), core = core_.get(), k, r](detail::Answerer& a) {
+      while (detail::Envelope<Cur>* e = q->try_front()) {
+        auto error = e->error;
+        if (!error) {
+          error = detail::make_request_error(
+              ErrorKind::kCancelled, e->meta, k, core->stage_names[k],
+              core->devices[core->device_of(r, core->stage_devices[k])].id(),
+              "was not run: the stream was cancelled");
+        }
+        a.answer_error(e->meta, std::move(error));
+        q->pop();
+      }
+    });
     detail::Source* where = source.get();
     core_->owned.push_back(std::move(ring));
     core_->owned.push_back(std::move(sink));

@@ -43,7 +43,7 @@ class StreamClient {
   // Client thread. Sends `value` (moved from only if accepted). Blocks only under
   // AdmissionPolicy::kBlock while the stream's queue is full. The Submission has the
   // request's id, or why it was refused (nothing queued then): kClosed when the stream is
-  // not serving, kClientFull when client_capacity responses are unpopped, kDeadlinePassed,
+  // not serving, kClientFull when response_capacity responses are unpopped, kDeadlinePassed,
   // kDeadlineUnreachable, kQueueFull (kReject), kShed. Never throws except std::bad_alloc.
   Submission push(In value, Deadline deadline = kNoDeadline) {
     return submit(value, deadline, true);
@@ -62,18 +62,15 @@ class StreamClient {
   // next stage boundary (a stage already running it finishes first; a response already made
   // stays). False if `id` is not an unanswered request of this client.
   bool cancel(const RequestId& id) noexcept {
-    if (id.producer != id_ || id.sequence >= next_ || id.sequence < head_) return false;
-    if (!routed_) {
-      if (ring_->ready(id.sequence)) return false;  // answered, not yet popped
-      if (ordering_ == Ordering::kNone && ring_->taken(id.sequence)) return false;
-    }
+    if (id.client != id_ || id.sequence >= next_ || id.sequence < head_) return false;
+    if (ring_->ready(id.sequence)) return false;  // answered, not yet popped
+    if (ordering_ == Ordering::kNone && ring_->taken(id.sequence)) return false;
     ring_->cancel(id.sequence);
     return true;
   }
 
   // Client thread. The next response (in push order, unless Ordering::kNone): blocks until
-  // it arrives; nullopt at once if no request is outstanding. In a start(outfeed) run the
-  // responses go to the outfeed and this returns nullopt.
+  // it arrives; nullopt at once if no request is outstanding.
   std::optional<Response<Out>> pop() { return pop_until(Deadline::max()); }
   // Client thread. Never blocks.
   std::optional<Response<Out>> try_pop() {
@@ -122,10 +119,8 @@ class StreamClient {
     return wait_;
   }
 
-  // Requests sent and not yet popped (in a start(outfeed) run: not yet answered).
-  std::uint64_t outstanding() const noexcept {
-    return next_ - (routed_ ? ring_->delivered.load(std::memory_order_acquire) : popped_);
-  }
+  // Requests sent and not yet popped.
+  std::uint64_t outstanding() const noexcept { return next_ - popped_; }
   std::uint32_t id() const noexcept { return id_; }
   std::uint64_t sent() const noexcept { return next_; }
 
@@ -139,11 +134,7 @@ class StreamClient {
         device_cores_(std::move(device_cores)) {}
 
   Submission submit(In& value, Deadline deadline, bool blocking) {
-    routed_ = intake_->routes_to_outfeed();
-    if (routed_) head_ = popped_ = next_;  // nothing to pop in a shared-outfeed run
-    const std::uint64_t unpopped =
-        routed_ ? next_ - ring_->delivered.load(std::memory_order_acquire) : next_ - head_;
-    Submission s = intake_->push(*ring_, id_, next_, unpopped, value, deadline, blocking);
+    Submission s = intake_->push(*ring_, id_, next_, next_ - head_, value, deadline, blocking);
     if (s.accepted()) {
       ++next_;
       ring_->sent.store(next_, std::memory_order_relaxed);
@@ -152,13 +143,12 @@ class StreamClient {
   }
 
   bool any_ready() const noexcept {
-    if (ordering_ == Ordering::kPerProducer) return ring_->ready(head_);
+    if (ordering_ == Ordering::kPerClient) return ring_->ready(head_);
     return ring_->delivered.load(std::memory_order_seq_cst) > popped_;
   }
 
   std::optional<Response<Out>> take_ready() {
-    if (routed_) return std::nullopt;
-    if (ordering_ == Ordering::kPerProducer) {
+    if (ordering_ == Ordering::kPerClient) {
       if (!ring_->ready(head_)) return std::nullopt;
       Response<Out> r = ring_->take(head_, false);
       ++head_;
@@ -182,7 +172,6 @@ class StreamClient {
   std::uint64_t next_ = 0;                   // the next request's sequence number
   std::uint64_t head_ = 0;                   // the oldest sequence not popped
   std::uint64_t popped_ = 0;                 // responses popped
-  bool routed_ = false;                      // the last push went to a shared-outfeed run
   std::vector<std::uint32_t> device_cores_;  // cores the stream's devices are pinned to
   WaitPolicy wait_{};
   bool wait_chosen_ = false;  // set_wait() was called, or the first wait chose

@@ -74,7 +74,7 @@ struct StageStats {
   HistogramSnapshot batch_size;     // batch stages: requests per call (before padding)
   std::uint64_t calls = 0;          // calls made (requests, or batches)
   std::uint64_t padded = 0;         // batch stages: padding items added
-  std::uint64_t stalls = 0;         // times a call outlived StreamConfig::stall_limit
+  std::uint64_t stalls = 0;         // times a call outlived StreamConfig::call_stall_limit
 };
 
 // One replica's state.
@@ -82,7 +82,7 @@ struct ReplicaStats {
   std::uint32_t replica = 0;
   std::uint64_t taken = 0;     // requests its first stage took
   std::uint64_t answered = 0;  // responses it delivered
-  bool stalled = false;        // a stage holds a call past stall_limit now (takes nothing new)
+  bool stalled = false;        // a stage holds a call past call_stall_limit now (takes nothing new)
   bool failed = false;         // its runtime failed (takes nothing new)
   std::vector<std::size_t> ring_depths;  // requests waiting between its devices, hop by hop
 };
@@ -93,11 +93,11 @@ struct ReplicaStats {
 struct StreamStats {
   std::vector<StageStats> stages;
   std::vector<ReplicaStats> replicas;
-  HistogramSnapshot latency_ns;           // push (or take off the infeed) to answer, every response
-  std::uint64_t accepted = 0;             // requests admitted (or taken off the InfeedQueue)
-  std::uint64_t answered = 0;             // responses delivered, errors included
-  std::uint64_t ok = 0;                   // of those, with a value
-  std::array<std::uint64_t, 4> errors{};  // by ErrorKind
+  HistogramSnapshot latency_ns;             // push to answer, every response
+  std::uint64_t accepted = 0;               // requests admitted
+  std::uint64_t answered = 0;               // responses delivered, errors included
+  std::uint64_t ok = 0;                     // of those, with a value
+  std::array<std::uint64_t, 4> errors{};    // by ErrorKind
   std::array<std::uint64_t, 7> refusals{};  // StreamClient pushes refused, by Refusal
   std::size_t queued = 0;                   // admitted, not yet taken by a replica
   std::uint64_t errors_of(ErrorKind k) const noexcept {

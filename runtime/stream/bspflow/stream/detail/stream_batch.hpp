@@ -228,16 +228,12 @@ class BatchHead final : public BatchHeadBase {
     Entry e{item.meta, std::move(item.error), -1};
     if (e.error == nullptr) {
       const auto now = StreamClock::now();
-      if (e.meta.client != nullptr && e.meta.client->cancelled(e.meta.id.sequence)) {
+      if (e.meta.client->cancelled(e.meta.id.sequence)) {
         e.error = make_request_error(ErrorKind::kCancelled, e.meta, stage, name, device_id,
                                      "was not run: its client cancelled it");
       } else if (e.meta.deadline != kNoDeadline && now > e.meta.deadline) {
         e.error = make_request_error(ErrorKind::kDeadlineExceeded, e.meta, stage, name, device_id,
                                      "was not run: its deadline had passed");
-      } else if (item.value == nullptr) {
-        e.error = make_request_error(
-            ErrorKind::kStageFailed, e.meta, stage, name, device_id,
-            "failed: the request carries no value (send requests with RequestProducer)");
       } else {
         e.input = static_cast<std::ptrdiff_t>(inputs_.size());
         inputs_.emplace_back(std::move(*static_cast<Cur*>(item.value)));

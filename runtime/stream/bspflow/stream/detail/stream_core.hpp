@@ -25,14 +25,7 @@
 
 namespace bspflow::detail {
 
-// Where a run's requests come from and where their responses go.
-enum class ServeMode {
-  kInfeed,         // an InfeedQueue of Requests to an OutfeedQueue (one replica)
-  kClients,        // StreamClients, each popping its own responses
-  kSharedOutfeed,  // StreamClients, responses to one OutfeedQueue
-};
-
-// The StreamClients' queue, untyped: what the core needs of it.
+// The admission queue of the StreamClients' requests, untyped: what the core needs of it.
 class IntakeBase {
  public:
   virtual ~IntakeBase() = default;
@@ -40,22 +33,12 @@ class IntakeBase {
   virtual void open() = 0;
   virtual void close() noexcept = 0;
   // Host thread, after a stopped run: answers every queued request kCancelled.
-  virtual void cancel_all(Answerer& answerer, const StopFlag& stop) = 0;
+  virtual void cancel_all(Answerer& answerer) = 0;
   virtual void wake() noexcept = 0;
   virtual std::size_t size() const noexcept = 0;
-  virtual std::uint64_t accepted() const noexcept = 0;        // this run
-  virtual std::uint64_t total_accepted() const noexcept = 0;  // since the stream was built
-};
-
-// The typed ends of a run, untyped for the core.
-class RunEnds {
- public:
-  virtual ~RunEnds() = default;
-  // Host thread, the run over: answers of this run (delivered, errors among them).
-  virtual std::uint64_t delivered() const noexcept = 0;
-  virtual std::uint64_t errors() const noexcept = 0;
-  // Host thread, the run over: hands over what is held and lets go of the outfeed.
-  virtual void finish(bool completed, const StopFlag& stop) = 0;
+  virtual std::uint64_t accepted() const noexcept = 0;          // this run
+  virtual std::uint64_t total_accepted() const noexcept = 0;    // since the stream was built
+  virtual std::uint64_t refused(Refusal r) const noexcept = 0;  // since the stream was built
 };
 
 class StreamCore {
@@ -73,8 +56,8 @@ class StreamCore {
   std::vector<std::unique_ptr<SegmentBase>> segments;
   std::vector<std::shared_ptr<void>> owned;  // rings, sources, sinks
   std::vector<std::function<void()>> ring_resets, ring_wakes;
-  // After a stopped StreamClient run: answers what a ring still holds.
-  std::vector<std::function<void(Answerer&, const StopFlag&)>> ring_cancels;
+  // After a stopped run: answers what a ring still holds.
+  std::vector<std::function<void(Answerer&)>> ring_cancels;
   std::vector<std::vector<std::function<std::size_t()>>> ring_depths;  // per replica
   std::vector<std::unique_ptr<StageMeter>> stage_meters;               // replica * stages + stage
   std::vector<StageMeter*> meter_ptrs;                                 // the same
@@ -85,10 +68,8 @@ class StreamCore {
   std::vector<std::unique_ptr<ReplicaMeter>> replica_meters;
   IntakeBase* intake = nullptr;
   Answerer* answerer = nullptr;
-  RunEnds* ends = nullptr;
-  std::array<std::atomic<std::uint64_t>, 7> refusals{};  // by Refusal (any client thread)
   bool timing() const noexcept {
-    return config.stats || config.stall_limit > std::chrono::nanoseconds::zero();
+    return config.stats || config.call_stall_limit > std::chrono::nanoseconds::zero();
   }
 
   // Setup: the device (in `devices`) of replica r's stage device d.
@@ -107,18 +88,17 @@ class StreamCore {
   // whether its devices have started yet or not. A start that throws calls close_run().
   void open_run(std::stop_token stop);
   void close_run() noexcept;
-  // Host thread, after open_run(): starts one job per segment; `wake` wakes the feeds on
-  // cancel. A stop already requested cancels the run before any segment starts (each ends at
-  // once, taking nothing).
-  void start(ServeMode mode, std::function<void()> wake_feeds);
-  // Host thread: blocks until the run ends; a stopped StreamClient run's requests answered.
+  // Host thread, after open_run(): starts one job per segment; `wake_intake` wakes the
+  // admission queue's waiters on cancel. A stop already requested cancels the run before any
+  // segment starts (each ends at once, taking nothing).
+  void start(std::function<void()> wake_intake);
+  // Host thread: blocks until the run ends; a stopped run's requests answered.
   // Closes the run (see open_run).
   void wait_segments();
   // Any thread: stops the run opened by open_run() and not yet ended by wait_segments(), if
   // any. Never blocks for long, never throws.
   void cancel() noexcept;
   bool running() const noexcept { return running_; }
-  ServeMode mode() const noexcept { return mode_; }
   // Host thread, the run over: its result from what the ends counted.
   StreamResult finish(std::uint64_t accepted, std::uint64_t answered, std::uint64_t errors,
                       std::uint64_t refused_before);
@@ -134,10 +114,12 @@ class StreamCore {
 
  private:
   void monitor_loop(std::chrono::nanoseconds limit);
+  // Closes admission; after a stop, answers kCancelled what is still queued or between
+  // devices. Run by the last segment to end (and again by the host's wait_segments()).
+  void answer_leftovers();
   std::shared_ptr<StreamRunState> state_;
   std::chrono::steady_clock::time_point started_;
   bool running_ = false;
-  ServeMode mode_ = ServeMode::kInfeed;
   std::thread monitor_;
   std::mutex monitor_mutex_;
   std::condition_variable monitor_cv_;

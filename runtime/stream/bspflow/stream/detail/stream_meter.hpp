@@ -44,7 +44,7 @@ class ClientCore {
   void cancel(std::uint64_t sequence) noexcept {
     cancel_[sequence & mask_].store(sequence, std::memory_order_relaxed);
   }
-  std::atomic<std::uint64_t> delivered{0};  // responses given to this client (or its route)
+  std::atomic<std::uint64_t> delivered{0};  // responses given to this client
   std::atomic<std::uint64_t> sent{0};       // requests accepted (the client's own count)
   std::atomic<bool> abandoned{false};       // the StreamClient is gone: drop its responses
   WaitPoint arrived;                        // a response arrived
@@ -69,10 +69,9 @@ class ClientCore {
 struct RequestMeta {
   RequestId id{};
   Deadline deadline = kNoDeadline;
-  StreamClock::time_point arrival{};   // the latency's origin: push, or take off the infeed
+  StreamClock::time_point arrival{};   // the latency's origin: the push
   StreamClock::time_point enqueued{};  // arrival at the current device (queue wait's origin)
-  ClientCore* client = nullptr;        // a StreamClient's request; nullptr on the infeed path
-  std::uint64_t order = 0;             // admission order (the shared outfeed keeps it)
+  ClientCore* client = nullptr;        // the StreamClient that pushed it
   double modeled_ns = 0;  // modeled time it left its last device (StreamCore's modeled clocks)
 };
 
@@ -159,9 +158,9 @@ struct StageMeter {
   Histogram wait;
   Histogram batch;
   std::atomic<std::uint64_t> calls{0}, padded{0};
-  std::atomic<std::uint64_t> stalls{0};         // the stall monitor's
-  std::atomic<std::int64_t> busy_since{0};      // stream_ns() at the call's start, 0 idle
-  std::atomic<std::uint32_t> busy_producer{0};  // the request (first of a batch) in the call
+  std::atomic<std::uint64_t> stalls{0};       // the stall monitor's
+  std::atomic<std::int64_t> busy_since{0};    // stream_ns() at the call's start, 0 idle
+  std::atomic<std::uint32_t> busy_client{0};  // the request (first of a batch) in the call
   std::atomic<std::uint64_t> busy_sequence{0};
   std::atomic<std::int64_t> per_item_ns{0};  // EWMA of a call's time per request
   std::atomic<std::int64_t> call_ns{0};      // EWMA of a call's time
@@ -171,7 +170,7 @@ struct StageMeter {
 
   // Device thread: a call on `id` starts at `t`.
   void begin(StreamClock::time_point t, const RequestId& id) noexcept {
-    busy_producer.store(id.producer, std::memory_order_relaxed);
+    busy_client.store(id.client, std::memory_order_relaxed);
     busy_sequence.store(id.sequence, std::memory_order_relaxed);
     busy_since.store(stream_ns(t), std::memory_order_relaxed);
   }
@@ -191,7 +190,6 @@ struct ReplicaMeter {
   ReplicaMeter() : latency(kMeterHighestNs) {}
   Histogram latency;
   std::atomic<std::uint64_t> taken{0}, answered{0}, ok{0};
-  std::atomic<std::uint64_t> infeed_taken{0};  // of `taken`, off an InfeedQueue
   std::atomic<std::uint64_t> errors[4] = {};
   // Answers of requests with a deadline, and of those the ones made after it (admission's
   // feedback: how often its predictions were wrong).

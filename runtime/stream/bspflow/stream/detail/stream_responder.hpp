@@ -1,5 +1,5 @@
-// Internal to streams: where a StreamClient run's answers go: each client's own response
-// slots (ClientRing), or, in admission order, one shared outfeed (Responder).
+// Internal to streams: where a run's answers go: each client's own response slots
+// (ClientRing), written by the Responder.
 #pragma once
 
 #include <algorithm>
@@ -12,7 +12,6 @@
 #include <utility>
 #include <vector>
 
-#include "bspflow/feeds/outfeed_queue.hpp"
 #include "bspflow/stream/detail/stream_core.hpp"
 
 namespace bspflow::detail {
@@ -67,83 +66,26 @@ class ClientRing final : public ClientCore {
   std::unique_ptr<Slot[]> slots_;
 };
 
-// Where every answer of a StreamClient run goes: the client's own ring, or the shared outfeed
-// (in admission order unless Ordering::kNone). Also answers requests directly (shed,
-// cancelled) and keeps their figures.
+// Where every answer of a run goes: the client's own ring. Also answers requests directly
+// (shed, cancelled) and keeps their figures.
 template <class Out>
-class Responder final : public Answerer, public RunEnds {
+class Responder final : public Answerer {
  public:
   explicit Responder(StreamCore& core) : core_(core), direct_latency_(kMeterHighestNs) {}
 
   // Host thread, at start.
-  void begin(ServeMode mode, OutfeedQueue<Response<Out>>* outfeed, std::size_t window) {
-    mode_ = mode;
-    next_ = 0;
-    written_ = 0;
-    {
-      std::lock_guard lock(stats_mutex_);
-      run_delivered_ = run_errors_ = 0;
-    }
-    front_.store(0, std::memory_order_relaxed);
-    dropped_.clear();
-    dropped_errors_ = 0;
-    if (mode == ServeMode::kSharedOutfeed) {
-      window_.clear();
-      window_.resize(std::bit_ceil(window));
-      auto writers = outfeed->begin_run();
-      writer_.emplace(std::move(writers.front()));
-      writer_->keep_dropped(&dropped_);  // finish() takes them off the run's counts
-    }
-  }
-  // The oldest admission order not yet written (shared outfeed, in order), and the room for
-  // orders past it: admission keeps within it, so a replica held up (descheduled) cannot
-  // let the others run past the reorder window.
-  const std::atomic<std::uint64_t>* front() const noexcept { return &front_; }
-  std::size_t window() const noexcept { return window_.size(); }
-
-  // Host thread: a run that never started lets go of the outfeed.
-  void abandon() {
-    if (writer_) writer_->finish(false);
-    writer_.reset();
+  void begin() {
+    std::lock_guard lock(stats_mutex_);
+    run_delivered_ = run_errors_ = 0;
   }
 
   // Any thread (a replica's last device, or whoever answers directly). `notify` false: the
   // caller calls m.client->notify_and_settle() soon (after a batch's other responses).
-  bool deliver(const RequestMeta& m, Response<Out>&& r, const StopFlag* stop, bool notify = true) {
-    if (mode_ == ServeMode::kClients) {
-      static_cast<ClientRing<Out>*>(m.client)->deliver(m.id.sequence, std::move(r), notify);
-      return true;
-    }
-    bool ok = true;
-    bool advanced = false;
-    {
-      std::lock_guard lock(mutex_);
-      if (core_.config.ordering == Ordering::kNone) {
-        ok = write(std::move(r), stop);
-      } else if (m.order != next_) {
-        window_[m.order & (window_.size() - 1)].emplace(std::move(r));
-      } else {
-        ok = write(std::move(r), stop);
-        ++next_;
-        for (;;) {
-          auto& w = window_[next_ & (window_.size() - 1)];
-          if (!w) break;
-          ok = write(std::move(*w), stop) && ok;
-          w.reset();
-          ++next_;
-        }
-        front_.store(next_, std::memory_order_seq_cst);
-        advanced = true;
-      }
-    }
-    if (advanced) core_.intake->wake();  // a push waiting for the window's room
-    m.client->delivered.fetch_add(1, std::memory_order_seq_cst);
-    if (notify) m.client->notify_and_settle(1);
-    return ok;
+  void deliver(const RequestMeta& m, Response<Out>&& r, bool notify = true) {
+    static_cast<ClientRing<Out>*>(m.client)->deliver(m.id.sequence, std::move(r), notify);
   }
 
-  bool answer_error(const RequestMeta& m, std::shared_ptr<const RequestError> error,
-                    const StopFlag* stop) override {
+  void answer_error(const RequestMeta& m, std::shared_ptr<const RequestError> error) override {
     Response<Out> r;
     r.id = m.id;
     r.latency = StreamClock::now() - m.arrival;
@@ -158,32 +100,13 @@ class Responder final : public Answerer, public RunEnds {
       ++run_delivered_;
       ++run_errors_;
     }
-    return deliver(m, std::move(r), stop);
+    deliver(m, std::move(r));
   }
 
-  void flush(const StopFlag* stop) {
-    if (mode_ != ServeMode::kSharedOutfeed) return;
-    std::lock_guard lock(mutex_);
-    writer_->flush(stop);
-  }
-
-  // RunEnds: the direct answers of this run (the last sinks count their own).
-  std::uint64_t delivered() const noexcept override { return run_delivered_; }
-  std::uint64_t errors() const noexcept override { return run_errors_; }
-  void finish(bool completed, const StopFlag& stop) override {
-    if (mode_ != ServeMode::kSharedOutfeed || !writer_) return;
-    std::lock_guard lock(mutex_);
-    writer_->finish(completed, &stop);
-    writer_.reset();
-    for (const auto& entry : dropped_) {
-      if (entry.value.error) ++dropped_errors_;
-    }
-  }
-  // Host thread, the run over (shared outfeed): responses handed over, by a last device or
-  // directly, that the outfeed then dropped (a stop found it full, spare room too), and the
-  // errors among them. Stream::wait() takes them off what was handed over.
-  std::uint64_t dropped() const noexcept { return dropped_.size(); }
-  std::uint64_t dropped_errors() const noexcept { return dropped_errors_; }
+  // Host thread, the run over: the direct answers of this run (the last sinks count their
+  // own), and the errors among them (all of them).
+  std::uint64_t delivered() const noexcept { return run_delivered_; }
+  std::uint64_t errors() const noexcept { return run_errors_; }
 
   // Any thread: the direct answers' figures.
   void add_stats(StreamStats& s) const {
@@ -201,26 +124,13 @@ class Responder final : public Answerer, public RunEnds {
       // settled, not delivered: a deliverer may still be waking the client.
       return c->abandoned.load() && c->settled.load(std::memory_order_acquire) == c->sent.load();
     });
-    auto ring = std::make_shared<ClientRing<Out>>(std::bit_ceil(core_.config.client_capacity));
+    auto ring = std::make_shared<ClientRing<Out>>(std::bit_ceil(core_.config.response_capacity));
     clients_.push_back(ring);
     return ring;
   }
 
  private:
-  // Under mutex_: the outfeed writer's next entry; false if it was dropped (stopped, full).
-  bool write(Response<Out>&& r, const StopFlag* stop) {
-    return writer_->write(written_++, std::move(r), stop);
-  }
-
   StreamCore& core_;
-  ServeMode mode_ = ServeMode::kClients;
-  std::mutex mutex_;
-  std::vector<std::optional<Response<Out>>> window_;
-  std::uint64_t next_ = 0, written_ = 0;
-  std::atomic<std::uint64_t> front_{0};  // next_, for admission
-  std::optional<typename OutfeedQueue<Response<Out>>::Writer> writer_;
-  std::vector<OutfeedEntry<Response<Out>>> dropped_;  // what writer_ dropped (under mutex_)
-  std::uint64_t dropped_errors_ = 0;                  // of those, errors (set by finish())
   mutable std::mutex stats_mutex_;
   Histogram direct_latency_;
   std::atomic<std::uint64_t> direct_answered_{0};

@@ -43,14 +43,18 @@ std::shared_ptr<const RequestError> make_request_error(ErrorKind kind, const Req
 // One run's shared state: held by the host and every device job.
 class StreamRunState {
  public:
-  explicit StreamRunState(std::uint32_t segments) : remaining_(segments) {}
+  explicit StreamRunState(std::uint32_t segments) : ending_(segments), remaining_(segments) {}
   StopFlag stop;
   // Any thread. Stops every device at its next wait or request. Never blocks.
   void cancel() noexcept;
   // Device thread. Keeps the first failure, then cancels.
   void fail(std::shared_ptr<const RequestError> error) noexcept;
-  // Device thread: this segment's loop has ended.
+  // Device thread: this segment's loop has ended. The last one to end runs the end action
+  // (set_on_end), then wakes wait_done().
   void segment_done() noexcept;
+  // Host thread, before the run: what the last segment to end runs (answers what a stopped
+  // run still holds, so clients get their answers without waiting for the host's wait()).
+  void set_on_end(std::function<void()> on_end) { on_end_ = std::move(on_end); }
   // Host thread: blocks until every segment has ended.
   void wait_done();
   bool done() const noexcept { return remaining_.load(std::memory_order_seq_cst) == 0; }
@@ -65,7 +69,9 @@ class StreamRunState {
   std::function<void()> waker_;
   mutable std::mutex mutex_;
   std::shared_ptr<const RequestError> failure_;
-  std::atomic<std::uint32_t> remaining_;
+  std::atomic<std::uint32_t> ending_;     // segments whose loop has not ended
+  std::atomic<std::uint32_t> remaining_;  // ... nor their end action (wait_done() waits for it)
+  std::function<void()> on_end_;
   WaitPoint done_;
 };
 
@@ -121,14 +127,13 @@ class Sink {
   virtual void close(bool completed, const StopFlag& stop) = 0;
 };
 
-// Answers a request straight to its client (or the shared outfeed) with an error: what a
-// StreamClient's request gets when it is shed, or cut short by a cancel of the stream.
+// Answers a request straight to its client with an error: what a request gets when it is
+// shed, or cut short by a cancel of the stream.
 class Answerer {
  public:
   virtual ~Answerer() = default;
-  // Any thread. False if it could not be delivered (a stopped, full shared outfeed).
-  virtual bool answer_error(const RequestMeta& meta, std::shared_ptr<const RequestError> error,
-                            const StopFlag* stop) = 0;
+  // Any thread.
+  virtual void answer_error(const RequestMeta& meta, std::shared_ptr<const RequestError> error) = 0;
 };
 
 template <class A>
@@ -204,7 +209,7 @@ inline void charge_stage(StageCtx& c, std::uint32_t k, std::size_t items) noexce
 // StageFailure of that kind). Reads the clock only for a request with a deadline.
 inline void check_live(StageCtx& c, std::uint32_t k) {
   const RequestMeta& m = *c.meta;
-  if (m.client != nullptr && m.client->cancelled(m.id.sequence)) {
+  if (m.client->cancelled(m.id.sequence)) {
     throw StageFailure{k, nullptr, ErrorKind::kCancelled};
   }
   if (m.deadline != kNoDeadline) {
@@ -288,15 +293,15 @@ class SegmentBase {
   StreamClock::time_point origin{};     // the run's start (modeled time 0)
   ReplicaMeter* replica_meter = nullptr;
   bool timing = false;
-  Answerer* answerer = nullptr;  // a StreamClient run: answers held requests on a stop
+  Answerer* answerer = nullptr;  // answers held requests on a stop
 
  protected:
   std::shared_ptr<const RequestError> describe(const StageFailure& f, const RequestId& id) const;
   std::shared_ptr<const RequestError> runtime_failure(const std::exception_ptr& e) const;
-  // On a stop, a StreamClient's request held here is answered: with `error` if it has one
-  // (a fail-fast failure), else kCancelled. Nothing on the infeed path.
+  // On a stop, a request held here is answered: with `error` if it has one (a fail-fast
+  // failure), else kCancelled.
   void answer_held(const RequestMeta& meta, std::shared_ptr<const RequestError> error,
-                   std::uint32_t stage, const StopFlag& stop);
+                   std::uint32_t stage);
 };
 
 template <class B>
@@ -344,7 +349,7 @@ class Segment final : public SegmentBase {
           meters[first_stage]->wait.record(queue_wait(ctx.t, in_.meta.enqueued));
         }
         if (!apply(in_.value, ctx, in_.meta.id, first_stage, on_error, state)) {
-          answer_held(out_.meta, out_.error, first_stage, stop);
+          answer_held(out_.meta, out_.error, first_stage);
           return false;
         }
         out_.meta.modeled_ns = ctx.modeled;
@@ -361,14 +366,11 @@ class Segment final : public SegmentBase {
       if (stop.requested()) return false;
       if (!batch_->collect(source_, policy, stop, before_wait)) return !stop.requested();
       const std::size_t n = batch_->size();
-      if (answerer != nullptr) {
-        // StreamClient requests that will not run (expired, cancelled, would finish late,
-        // failed earlier) are answered now, not after the batch: their clients learn at once.
-        for (std::size_t i = 0; i < n; ++i) {
-          if (batch_->error(i) != nullptr && batch_->meta(i).client != nullptr) {
-            answerer->answer_error(batch_->meta(i), std::move(batch_->error(i)), &stop);
-          }
-        }
+      // Requests that will not run (expired, cancelled, would finish late, failed earlier)
+      // are answered now, not after the batch: their clients learn at once.
+      for (std::size_t i = 0; i < n; ++i) {
+        if (batch_->error(i) != nullptr)
+          answerer->answer_error(batch_->meta(i), std::move(batch_->error(i)));
       }
       StageCtx ctx{nullptr, meters, timing, {}, models, 0};
       batch_->run(ctx);
@@ -387,10 +389,10 @@ class Segment final : public SegmentBase {
           ctx.meta = &out_.meta;
           ctx.modeled = out_.meta.modeled_ns;  // the batch's end (BatchHead::run)
           if (!apply(batch_->output(i), ctx, out_.meta.id, batch_->stage + 1, on_error, state)) {
-            answer_held(out_.meta, out_.error, first_stage, stop);
+            answer_held(out_.meta, out_.error, first_stage);
             for (std::size_t k = i + 1; k < n; ++k) {
               if (batch_->error(k) != nullptr || batch_->live(k)) {
-                answer_held(batch_->meta(k), batch_->error(k), first_stage, stop);
+                answer_held(batch_->meta(k), batch_->error(k), first_stage);
               }
             }
             batch_->clear();
@@ -402,7 +404,7 @@ class Segment final : public SegmentBase {
         if (!put(stop, policy)) {
           for (std::size_t k = i + 1; k < n; ++k) {
             if (batch_->error(k) != nullptr || batch_->live(k)) {
-              answer_held(batch_->meta(k), batch_->error(k), first_stage, stop);
+              answer_held(batch_->meta(k), batch_->error(k), first_stage);
             }
           }
           batch_->clear();
@@ -417,9 +419,6 @@ class Segment final : public SegmentBase {
   bool apply(void* value, StageCtx& ctx, const RequestId& id, std::uint32_t stage, OnError on_error,
              StreamRunState& state) {
     try {
-      if (value == nullptr) {
-        throw Error("the request carries no value (send requests with RequestProducer)");
-      }
       out_.value.emplace(fn_(value, ctx));
     } catch (StageFailure& f) {
       out_.error = describe(f, id);
@@ -437,7 +436,7 @@ class Segment final : public SegmentBase {
   bool put(const StopFlag& stop, const WaitPolicy& policy) {
     const RequestMeta meta = out_.meta;
     if (sink_.put(std::move(out_), policy, stop)) return true;
-    answer_held(meta, out_.error, last_stage, stop);
+    answer_held(meta, out_.error, last_stage);
     return false;
   }
 
