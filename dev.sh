@@ -1,11 +1,16 @@
 #!/bin/sh
 # bspflow developer entry point. Installs what the build needs (Debian packages, with
-# apt-get, as root or through sudo), configures meson, builds, then runs one thing:
+# apt-get, as root or through sudo), configures meson, builds what the command needs, then
+# runs it:
 #
-#   ./dev.sh demo          build and run the main demo
-#   ./dev.sh test [ARGS]   build and run every test suite (meson test; ARGS go to it)
+#   ./dev.sh demo [ARGS]   build the library and the main demo only, and run it (ARGS go to
+#                          the demo; --help lists them)
+#   ./dev.sh test [ARGS]   build what the tests need and run them (meson test; ARGS go to it)
 #   ./dev.sh bench [ARGS]  build and run the benchmarks (opt-in; prints key: value figures)
-#                          and keep their figures in tests/bench/results/DATE_COMMIT/
+#                          and keep their JSON in build/bench-results/DATE_COMMIT/, or in
+#                          the directory $BSPFLOW_BENCH_OUT names
+#   ./dev.sh docs          the API reference with Doxygen: build/docs/html/index.html; any
+#                          warning fails it
 #   ./dev.sh tsan          build under ThreadSanitizer (build-tsan/) and run the thread tests
 #   ./dev.sh asan          the same with AddressSanitizer + UBSan (build-asan/)
 #   ./dev.sh fuzz [ARGS]   build the libFuzzer targets with clang (build-fuzz/) and run each
@@ -23,7 +28,7 @@
 #   ./dev.sh deps          only install the packages
 #
 # Environment: BUILD_DIR (default build), MESON_ARGS (extra `meson setup` options for a new
-# build directory, e.g. -Dwerror=true).
+# build directory, e.g. -Dwerror=true), BSPFLOW_BENCH_OUT (where bench keeps its JSON).
 set -eu
 cd "$(dirname "$0")"
 
@@ -35,9 +40,10 @@ libeigen3-dev libtbb-dev libreaderwriterqueue-dev openmpi-bin libopenmpi-dev pro
 FUZZ_PACKAGES="clang libfuzzer-14-dev"
 
 # The formatter (Debian 12's clang-format is clang-format 14, the version .clang-format is
-# written for) and the A/B command's interpreter.
+# written for), the A/B command's interpreter, and the API reference's generator.
 FORMAT_PACKAGES="clang-format-14"
 AB_PACKAGES="python3"
+DOCS_PACKAGES="doxygen"
 
 # The rooms' test suites (meson test --suite ...): what the sanitizer builds run.
 ROOM_SUITES="--suite base --suite feeds --suite data --suite devices --suite run --suite engine \
@@ -105,26 +111,41 @@ case "$what" in
     ;;
   demo)
     install_deps
-    configure "$build"
+    setup "$build"
+    # Only the library and the demo (with the model kit it uses), not every test and
+    # benchmark: a first run on a new machine shows something quickly.
+    meson compile -C "$build" t03_fashion_mnist_pipeline
     "$build/examples/t03_fashion_mnist_pipeline" "$@"
     ;;
   test)
     install_deps
-    configure "$build"
+    setup "$build"
+    # meson test builds what the chosen tests run, and nothing else.
     meson test -C "$build" --print-errorlogs "$@"
     ;;
   bench)
     install_deps
     configure "$build"
     meson test -C "$build" --benchmark --suite bench "$@"
-    # The figures, dated: tests/bench/results/<date>_<hhmm>_<commit>[-dirty]/<bench>.json.
-    stamp="$(date -u +%Y-%m-%d_%H%M)_$(git rev-parse --short HEAD)"
+    # The figures, dated, outside the source tree: build/bench-results/<date>_<hhmm>_<commit>
+    # [-dirty]/<bench>.json, or the directory BSPFLOW_BENCH_OUT names.
+    stamp="$(date -u +%Y-%m-%d_%H%M)_$(git rev-parse --short HEAD 2>/dev/null || echo nogit)"
     git diff --quiet HEAD -- 2>/dev/null || stamp="$stamp-dirty"
-    mkdir -p "tests/bench/results/$stamp"
+    out=${BSPFLOW_BENCH_OUT:-$build/bench-results/$stamp}
+    mkdir -p "$out"
     for f in "$build"/tests/bench/*.json; do
-      [ -f "$f" ] && cp "$f" "tests/bench/results/$stamp/"
+      [ -f "$f" ] && cp "$f" "$out/"
     done
-    echo "dev.sh bench: figures kept in tests/bench/results/$stamp/"
+    echo "dev.sh bench: figures kept in $out/ (python3 tests/bench/table.py $out renders them)"
+    ;;
+  docs)
+    install_deps
+    install_deps $DOCS_PACKAGES
+    setup "$build"
+    # The build directory may predate doxygen: look for it again.
+    [ -f "$build/tests/docs/Doxyfile" ] || meson setup --reconfigure "$build" >/dev/null
+    meson compile -C "$build" docs
+    echo "dev.sh docs: the reference is in $build/docs/html/index.html"
     ;;
   tsan)
     install_deps
@@ -220,7 +241,7 @@ case "$what" in
       --b "$build" --b-name "working tree" $ab_args $benches
     ;;
   *)
-    sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'
     [ -z "$what" ] || { echo "dev.sh: unknown command '$what'" >&2; exit 2; }
     ;;
 esac

@@ -1,17 +1,15 @@
 #!/usr/bin/env python3
 """Markdown tables of kept benchmark figures, one table per benchmark, one column per run.
 
-  table.py RUN_DIR [RUN_DIR ...] [--update FILE] [--keys-file FILE]
+  table.py RUN_DIR [RUN_DIR ...] [--keys-file FILE]
 
-Each RUN_DIR is a directory kept by `./dev.sh bench`, tests/bench/results/<date>_<hhmm>_<commit>[-dirty]/,
-holding one <bench>.json per benchmark. A table's rows are the keys with a `<key>_target` entry
+Each RUN_DIR is a directory kept by `./dev.sh bench` (build/bench-results/<date>_<hhmm>_<commit>
+[-dirty]/ by default, or $BSPFLOW_BENCH_OUT), holding one <bench>.json per benchmark. A table's rows are the keys with a `<key>_target` entry
 in any run (alphabetical); a key's target is taken from the last RUN_DIR that has it. A cell is
 the value to 4 significant digits, with " ✗" when `<key>_met` is false, or "—" when the run
 lacks the key. Every other numeric figure is only counted below the table.
 
-Without --update the Markdown goes to stdout. With --update FILE it replaces the text between
-the lines `<!-- bench-figures:begin -->` and `<!-- bench-figures:end -->` of FILE.
-With --keys-file FILE the rows are the keys listed in FILE instead (one a line, targeted or not;
+The Markdown goes to stdout. With --keys-file FILE the rows are the keys listed in FILE instead (one a line, targeted or not;
 blank lines and lines starting with # are ignored). Exit 0 on success, 1 on any error.
 """
 import argparse
@@ -19,7 +17,6 @@ import json
 import os
 import sys
 
-BEGIN, END = "<!-- bench-figures:begin -->", "<!-- bench-figures:end -->"
 ORDER = ["feed", "handoff", "loader", "device", "pipeline", "stream", "serve", "instances", "flagship"]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -84,7 +81,7 @@ def bench_section(bench, names, runs, only_keys):
         lines.append("No keys with a target." if only_keys is None else "None of the listed keys.")
     others = {k for f in present for k, v in f.items() if is_number(v)} - set(rows)
     lines += ["", f"Other figures: {len(others)} keys (see the JSON files).", ""]
-    # The hypervisor's steal while the benchmark ran (benchmarks built since stop 51 record it).
+    # The hypervisor's steal while the benchmark ran (when the JSON has it).
     steal = [f"`{n}` {100 * f['steal_share']:.1f}%" for n, f in zip(names, figs)
              if f is not None and is_number(f.get("steal_share"))]
     if steal:
@@ -96,7 +93,7 @@ def render(run_dirs, runs, only_keys, argv):
     names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
     benches = {b for run in runs for b in run}
     ordered = [b for b in ORDER if b in benches] + sorted(benches - set(ORDER))
-    # The CPU each run's JSON names (benchmarks built since stop 50 record it).
+    # The CPU each run's JSON names (when the JSON has it).
     cpus = []
     for n, run in zip(names, runs):
         seen = {f.get("cpu") for f in run.values() if isinstance(f.get("cpu"), str)}
@@ -114,28 +111,12 @@ def render(run_dirs, runs, only_keys, argv):
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
-def update(path, text):
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines(keepends=True)
-    except OSError as e:
-        fail(f"{path}: cannot read: {e}")
-    stripped = [line.strip() for line in lines]
-    if stripped.count(BEGIN) != 1 or stripped.count(END) != 1 or stripped.index(BEGIN) > stripped.index(END):
-        fail(f"{path}: needs one line '{BEGIN}' followed later by one line '{END}'")
-    begin, end = stripped.index(BEGIN), stripped.index(END)
-    with open(path, "w", encoding="utf-8") as f:
-        f.writelines(lines[: begin + 1] + ["\n", text, "\n"] + lines[end:])
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="example: python3 tests/bench/table.py "
-                                 "tests/bench/results/RUN1 tests/bench/results/RUN2 --update tests/README.md")
+                                 "build/bench-results/RUN1 build/bench-results/RUN2")
     ap.add_argument("run_dirs", nargs="+", metavar="RUN_DIR",
                     help="a directory kept by ./dev.sh bench; one column each, oldest first")
-    ap.add_argument("--update", metavar="FILE",
-                    help="replace the text between the bench-figures markers of FILE instead of printing")
     ap.add_argument("--keys-file", metavar="FILE",
                     help="show the keys listed in FILE (one a line, # comments) instead of the targeted ones")
     opts = ap.parse_args()
@@ -149,13 +130,8 @@ def main():
     runs = [load_run(d) for d in opts.run_dirs]
     rel = lambda p: os.path.relpath(os.path.abspath(p), ROOT)  # noqa: E731
     argv = ["python3", "tests/bench/table.py"] + [rel(d) for d in opts.run_dirs]
-    argv += ["--update", rel(opts.update)] if opts.update else []
     argv += ["--keys-file", rel(opts.keys_file)] if opts.keys_file else []
-    text = render(opts.run_dirs, runs, only_keys, argv)
-    if opts.update:
-        update(opts.update, text)
-    else:
-        sys.stdout.write(text)
+    sys.stdout.write(render(opts.run_dirs, runs, only_keys, argv))
 
 
 if __name__ == "__main__":
