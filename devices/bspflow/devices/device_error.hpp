@@ -1,4 +1,5 @@
-// The errors a device raises: out of device memory, and a failure in code a device ran.
+/// @file
+/// The errors a device raises: out of device memory, and a failure in code a device ran.
 #pragma once
 
 #include <cstddef>
@@ -11,10 +12,13 @@
 
 namespace bspflow {
 
-// A device's memory budget (tiles x bytes per tile) cannot hold an allocation.
-// The message says how much was asked, how much is free, and what holds the rest.
+/// A device's memory budget (tiles x bytes per tile) cannot hold an allocation.
+/// The message says how much was asked, how much is free, and what holds the rest.
+/// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 class OutOfMemoryError : public Error {
  public:
+  /// `message`, the bytes `requested` and the bytes that were free (`free_bytes`).
+  /// Contract: any; non-blocking; allocates; throws bad_alloc.
   OutOfMemoryError(const std::string& message, std::size_t requested, std::size_t free_bytes)
       : Error(message), requested_(requested), free_(free_bytes) {}
   std::size_t requested() const noexcept { return requested_; }
@@ -25,10 +29,13 @@ class OutOfMemoryError : public Error {
   std::size_t free_;
 };
 
-// A loop body (or stage) threw on a device. Carries where it happened and the original
-// exception, which `rethrow_cause()` rethrows for callers that want its type.
+/// A loop body (or stage) threw on a device. Carries where it happened and the original
+/// exception, which `rethrow_cause()` rethrows for callers that want its type.
+/// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 class DeviceError : public Error {
  public:
+  /// `message`, where it happened (`device`, `replica`, `iteration`) and the original `cause`.
+  /// Contract: any; non-blocking; allocates; throws bad_alloc.
   DeviceError(const std::string& message, std::uint32_t device, std::uint32_t replica,
               std::uint64_t iteration, std::exception_ptr cause)
       : Error(message), device_(device), replica_(replica), iteration_(iteration),
@@ -37,6 +44,8 @@ class DeviceError : public Error {
   std::uint32_t replica() const noexcept { return replica_; }
   std::uint64_t iteration() const noexcept { return iteration_; }
   const std::exception_ptr& cause() const noexcept { return cause_; }
+  /// Throws the original exception, whatever its type.
+  /// Contract: any; non-blocking; no-alloc; throws the cause.
   [[noreturn]] void rethrow_cause() const { std::rethrow_exception(cause_); }
 
  private:

@@ -1,32 +1,27 @@
-// StopFlag: a stop request that waiting threads observe.
-//
-//   bspflow::StopFlag stop;
-//   reader.pop(x, &stop);      // a device thread: returns false once stop is set
-//   stop.set();                // another thread asks it to stop ...
-//   infeed.wake_all();         // ... and wakes it, if it is parked, to see the flag
-//
-// Every bspflow wait that can be stopped (a reader's pop(), an outfeed writer's write(), a
-// SyncGroup's arrive_and_wait(), a HostLinkTimeline's copies, a codelet's own waits through
-// ComputeContext::stop) takes one. Setting the flag does not wake anybody: whoever sets it
-// then wakes what the stopped work may be parked on (InfeedQueue::wake_all(),
-// SyncGroup::wake(), ...). Once set, a flag stays set.
+/// @file
+/// StopFlag: a stop request that waiting threads observe. Every bspflow wait that can be
+/// stopped (a reader's pop(), an outfeed writer's write(), SyncGroup::arrive_and_wait(), a
+/// HostLinkTimeline's copies, a codelet's waits through ComputeContext::stop) takes one.
+/// Guide: feeds/README.md.
 #pragma once
 
 #include <atomic>
 
 namespace bspflow {
 
+/// A stop request; once set, it stays set. Setting it wakes nobody: whoever sets it then
+/// wakes what the stopped work may be parked on (InfeedQueue::wake_all(), SyncGroup::wake()).
+/// Contract of every member: any; non-blocking; no-alloc; noexcept.
 class StopFlag {
  public:
-  // Not set. Never blocks, never allocates, never throws.
+  /// Not set.
   StopFlag() = default;
   StopFlag(const StopFlag&) = delete;
   StopFlag& operator=(const StopFlag&) = delete;
 
-  // Any thread. Whether set() was called. Never blocks, never allocates, never throws.
+  /// Whether set() was called.
   bool requested() const noexcept { return flag_.load(std::memory_order_seq_cst); }
-  // Any thread. Sets the flag (idempotent); does not wake waiters. Never blocks, never
-  // allocates, never throws.
+  /// Sets the flag (idempotent); does not wake waiters.
   void set() noexcept { flag_.store(true, std::memory_order_seq_cst); }
 
  private:

@@ -1,42 +1,7 @@
-// DataLoader: turns a dataset into the micro-batches a run's infeeds consume (PopTorch's
-// poptorch.DataLoader and its AsynchronousDataAccessor, on threads).
-//
-//   bspflow::Options opts;  opts.device_iterations(50).replicas(2);
-//   bspflow::SyntheticDataset data(
-//       {.size = 10000, .spec = {bspflow::DType::kFloat32, {1, 128, 128}}});
-//   bspflow::DataLoader loader(opts, data, {.batch_size = 16, .shuffle = true,
-//                                           .num_workers = 4,
-//                                           .mode = bspflow::LoaderMode::kAsync});
-//   bspflow::InfeedQueue<bspflow::Batch> infeed(opts.infeed_config());
-//   auto producer = infeed.make_producer();
-//   while (loader.feed_next(producer)) { ... run opts.device_iterations() iterations ... }
-//
-// One host step is a combined batch of batch_size x device iterations x gradient
-// accumulation x replicas samples. Within a step, micro-batch m (0 ..) holds the epoch's
-// samples [m x batch_size, (m + 1) x batch_size) and goes to replica m % replicas as that
-// replica's micro-batch m / replicas: replicas receive different samples, and each replica
-// receives its micro-batches in order.
-//
-// Epochs: steps() steps each; shuffle reorders the samples per epoch from (seed, epoch),
-// so the same seed gives the same order on any machine. drop_last (default true, as in
-// PopTorch) drops the samples that do not fill a last step and says how many, once, through
-// bspflow::log; with drop_last false the last step is padded with zero samples whose label
-// is -1 (Batch::valid counts the real ones), so the device program keeps its shape.
-//
-// Modes. kSync loads a step when it is asked for, on the calling thread plus num_workers
-// helper threads. kAsync keeps num_workers threads filling a ring of buffer_size steps
-// ahead of the consumer; early_preload starts them at construction, load_indefinitely lets
-// them run on into the next epoch without a gap, persistent_workers keeps them alive
-// between epochs. Waiting (consumer for a step, workers for room) spins briefly, then parks.
-//
-// Errors: a dataset that throws while loading sample i makes next()/feed_next() throw a
-// LoaderError naming the sample, epoch and step (and keeping the original exception), when
-// the consumer reaches that step; earlier steps are delivered first. The workers stop; the
-// loader is unusable afterwards (next() throws the same error). Nothing hangs.
-//
-// Threads: one consumer thread calls next()/feed_next()/begin() and releases the Steps;
-// workers are internal. The dataset must outlive the loader; random-access datasets are
-// read concurrently.
+/// @file
+/// DataLoader: turns a dataset into the micro-batches a run's infeeds consume (PopTorch's
+/// poptorch.DataLoader and its AsynchronousDataAccessor, on threads); LoaderStep, one loaded
+/// step; LoaderError, a sample that could not be loaded. Guide: feeds/README.md.
 #pragma once
 
 #include <algorithm>
@@ -62,13 +27,15 @@
 
 namespace bspflow {
 
-// A sample could not be loaded. The message names the sample, epoch, step and replica;
-// cause() is what the dataset threw (or the bspflow::Error the loader raised about the
-// sample: a wrong spec, a stream read out of order or ended early). next()/feed_next()/
-// begin() throw it on the consumer thread. The accessors never block, never allocate,
-// never throw.
+/// A sample could not be loaded. The message names the sample, epoch, step and replica;
+/// cause() is what the dataset threw (or the bspflow::Error the loader raised about the
+/// sample: a wrong spec, a stream read out of order or ended early). next()/feed_next()/
+/// begin() throw it on the consumer thread.
+/// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 class LoaderError : public Error {
  public:
+  /// The message, the dataset index of the sample, and what loading it threw.
+  /// Contract: any; non-blocking; allocates; throws bad_alloc.
   LoaderError(const std::string& message, std::uint64_t sample, std::exception_ptr cause)
       : Error(message), sample_(sample), cause_(std::move(cause)) {}
   std::uint64_t sample_index() const noexcept { return sample_; }
@@ -79,18 +46,17 @@ class LoaderError : public Error {
   std::exception_ptr cause_;
 };
 
-// A loaded step (DataLoader<D>::Step), leased to the consumer until destroyed (then its
-// slot is refilled). Consumer thread only, including its destruction, which must come
-// before the loader's. Its Batches belong to the ring: move them out (feed_next() does) or
-// copy them.
+/// A loaded step (`DataLoader<D>::Step`), leased to the consumer until destroyed (then its
+/// slot is refilled). Its destruction must come before the loader's. Its Batches belong to
+/// the ring: move them out (feed_next() does) or copy them.
+/// Contract of every member: consumer; non-blocking; no-alloc; noexcept, unless tagged.
 class LoaderStep {
  public:
-  // Leaves the source empty. Never blocks, never allocates, never throws.
+  /// Leaves the source empty.
   LoaderStep(LoaderStep&& o) noexcept
       : core_(std::exchange(o.core_, nullptr)), slot_(o.slot_), epoch_(o.epoch_), index_(o.index_) {
   }
-  // Releases the step this one held, then takes the source's. Never blocks for long,
-  // never allocates, never throws.
+  /// Releases the step this one held, then takes the source's.
   LoaderStep& operator=(LoaderStep&& o) noexcept {
     if (this != &o) {
       release();
@@ -101,19 +67,17 @@ class LoaderStep {
     }
     return *this;
   }
-  // Hands the slot back for refilling. Never blocks for long, never allocates, never
-  // throws.
+  /// Hands the slot back for refilling.
   ~LoaderStep() { release(); }
 
-  // Never blocks, never allocates, never throws.
+  /// The epoch this step belongs to.
   std::uint64_t epoch() const noexcept { return epoch_; }
-  std::uint64_t index() const noexcept { return index_; }  // within the epoch
-  // Replica r's micro-batches, in the order its device iterations consume them. Never
-  // blocks, never allocates. Throws bspflow::Error naming the field, the value and what
-  // is allowed if r >= replicas. Not on a moved-from Step.
+  std::uint64_t index() const noexcept { return index_; }  ///< within the epoch
+  /// Replica r's micro-batches, in the order its device iterations consume them. Throws
+  /// bspflow::Error if r is not below the replica count. Not on a moved-from Step.
+  /// Contract: consumer; non-blocking; no-alloc; throws Error.
   std::span<Batch> replica(std::uint32_t r);
-  // Every micro-batch of the step, replica by replica. Never blocks, never allocates,
-  // never throws. Not on a moved-from Step.
+  /// Every micro-batch of the step, replica by replica. Not on a moved-from Step.
   std::span<Batch> batches();
 
  private:
@@ -127,18 +91,24 @@ class LoaderStep {
   std::uint64_t index_;
 };
 
+/// Loads a dataset into steps of micro-batches: kSync on the consumer thread (with helper
+/// threads), kAsync ahead of it on worker threads. One consumer thread calls next(),
+/// feed_next() or begin() and releases the Steps; workers are internal. The dataset must
+/// outlive the loader; random-access datasets are read concurrently.
+/// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 template <class D>
 requires RandomAccessDataset<D> || StreamingDataset<D>
 class DataLoader : private detail::LoaderCore {
  public:
   using Step = LoaderStep;
 
-  // Setup path. `shape`: bspflow::Options (or a StepShape). The dataset is read, not
-  // owned. Never blocks. Allocates (the ring, the buffer pool; early_preload starts the
-  // workers). Logs the drop/pad notice, if any, once. Throws bspflow::Error for a bad
-  // config (naming the field, the value and what is allowed), an empty or too small
-  // dataset, a sample spec with no elements, or options a streaming dataset cannot
-  // honour (shuffle, num_workers other than 1 in kAsync or 0 in kSync).
+  /// `shape`: bspflow::Options (or a StepShape). The dataset is read, not owned. Allocates
+  /// the ring and the buffer pool; early_preload starts the workers. Logs the drop/pad
+  /// notice, if any, once. Throws bspflow::Error for a bad config (naming the field, the
+  /// value and what is allowed), an empty or too small dataset, a sample spec with no
+  /// elements, or options a streaming dataset cannot honour (shuffle, num_workers other than
+  /// 1 in kAsync or 0 in kSync).
+  /// Contract: host; non-blocking; allocates; throws Error.
   template <class Shape>
   requires RunShape<Shape> || std::same_as<Shape, StepShape> DataLoader(const Shape& shape,
                                                                         D& dataset,
@@ -148,48 +118,49 @@ class DataLoader : private detail::LoaderCore {
     if constexpr (!RandomAccessDataset<D>) require_in_order_reading();
     ready_to_load();
   }
-  // Consumer thread, after every Step is released. Stops the workers and blocks until
-  // each has finished the micro-batch it is loading. Never throws.
+  /// After every Step is released: stops the workers and waits until each has finished the
+  /// micro-batch it is loading.
+  /// Contract: consumer; blocks; no-alloc; noexcept.
   ~DataLoader() override { stop(); }
 
-  // Consumer thread. Starts an epoch: the next next() returns its first step. Called by
-  // begin(); an epoch abandoned part-way is discarded (its loading stops) first, which
-  // blocks (spin, then park) until the steps already being loaded are done. May allocate
-  // (kAsync: starts the workers). Throws bspflow::Error if a Step is still held; after a
-  // failure, the LoaderError (or bspflow::Error) that failed the loader, again.
+  /// Starts an epoch: the next next() returns its first step. Called by begin(); an epoch
+  /// abandoned part-way is discarded (its loading stops) first, which waits (spin, then
+  /// park) until the steps already being loaded are done. kAsync: starts the workers.
+  /// Throws bspflow::Error if a Step is still held; after a failure, the LoaderError (or
+  /// bspflow::Error) that failed the loader, again.
+  /// Contract: consumer; blocks; allocates; throws Error.
   using LoaderCore::start_epoch;
-  // Consumer thread. The next step of the current epoch (starting one if none is
-  // running); nullopt after its last step (the call after that starts the next epoch).
-  // Blocks (spin, then park) while that step is loading; kSync loads it here, on the
-  // calling thread with the num_workers helpers. May allocate (kSync: sample buffers).
-  // Throws LoaderError if a sample of it failed: the workers stop and the loader is
-  // unusable (every later call throws the same error). Throws bspflow::Error if as many
-  // Steps are held as the ring has slots (buffer_size; 1 in kSync).
+  /// The next step of the current epoch (starting one if none is running); nullopt after
+  /// its last step (the call after that starts the next epoch). Waits (spin, then park)
+  /// while that step is loading; kSync loads it here, on the calling thread with the
+  /// num_workers helpers. Throws LoaderError if a sample of it failed: the workers stop and
+  /// the loader is unusable (every later call throws the same error). Throws bspflow::Error
+  /// if as many Steps are held as the ring has slots (buffer_size; 1 in kSync).
+  /// Contract: consumer; blocks; allocates; throws Error.
   using LoaderCore::next;
 
-  // Any thread. Steps per epoch; samples per epoch dropped (drop_last) or padded; the
-  // whole arithmetic (LoadPlan); the config; the spec of the samples delivered (after
-  // output_dtype). Never blocks, never allocates, never throws.
+  /// Steps per epoch; samples per epoch dropped (drop_last) or padded; the whole arithmetic
+  /// (LoadPlan); the config; the spec of the samples delivered (after output_dtype).
   using LoaderCore::config;
   using LoaderCore::dropped;
   using LoaderCore::padded;
   using LoaderCore::plan;
   using LoaderCore::sample_spec;
   using LoaderCore::steps;
-  // Consumer thread. Epoch the consumer is in (or last finished). Never blocks, never
-  // allocates, never throws.
+  /// Epoch the consumer is in (or last finished).
+  /// Contract: consumer; non-blocking; no-alloc; noexcept.
   using LoaderCore::epoch;
-  // Any thread. Bytes of sample data in one step (what the host moves to the device per
-  // step). Never blocks, never allocates, never throws.
+  /// Bytes of sample data in one step (what the host moves to the device per step).
   using LoaderCore::bytes_per_step;
 
-  // Consumer thread. Range-for over one epoch's steps: `for (auto& step : loader)`.
+  /// Range-for over one epoch's steps: `for (auto& step : loader)`.
+  /// Contract of every member: consumer; non-blocking; no-alloc; noexcept, unless tagged.
   class Iterator {
    public:
-    // The current step. Never blocks, never allocates, never throws.
+    /// The current step.
     Step& operator*() { return *step_; }
-    // Releases the current step, then takes the next (next(): blocks, may allocate, throws
-    // what it throws).
+    /// Releases the current step, then takes the next, as next() does.
+    /// Contract: consumer; blocks; allocates; throws Error.
     Iterator& operator++() {
       step_.reset();
       step_ = loader_->next();
@@ -203,24 +174,23 @@ class DataLoader : private detail::LoaderCore {
     DataLoader* loader_;
     std::optional<Step> step_;
   };
-  // Consumer thread. Starts an epoch (start_epoch()) and takes its first step (next()):
-  // blocks, may allocate, throws what they throw.
+  /// Starts an epoch (start_epoch()) and takes its first step (next()).
+  /// Contract: consumer; blocks; allocates; throws Error.
   Iterator begin() {
     start_epoch();
     return Iterator(this);
   }
-  // Never blocks, never allocates, never throws.
   std::default_sentinel_t end() const noexcept { return {}; }
 
-  // Consumer thread. Takes the next step and moves replica r's micro-batches into lane r
-  // of the producer's infeed (no copy of sample data), then releases the step. Blocks
-  // (spin, then park) while the step is loading and while a lane is full. May allocate
-  // (kSync: sample buffers; the infeed's queue blocks). `producer` is the calling thread's
-  // handle on the infeed (InfeedQueue::make_producer(); keep one for the whole epoch:
-  // elements of one producer keep their order). Returns false at the end of the epoch
-  // (the call after that starts the next one). Throws LoaderError (a sample failed) or
-  // bspflow::Error (the infeed has a different replica count, checked first; or it was
-  // closed while feeding, after part of the step went in; or as next()).
+  /// Takes the next step and moves replica r's micro-batches into lane r of the producer's
+  /// infeed (no copy of sample data), then releases the step. Waits (spin, then park) while
+  /// the step is loading and while a lane is full. `producer` is the calling thread's
+  /// handle on the infeed (InfeedQueue::make_producer(); keep one for the whole epoch:
+  /// elements of one producer keep their order). Returns false at the end of the epoch
+  /// (the call after that starts the next one). Throws LoaderError (a sample failed) or
+  /// bspflow::Error (the infeed has a different replica count, checked first; or it was
+  /// closed while feeding, after part of the step went in; or as next()).
+  /// Contract: consumer; blocks; allocates; throws Error.
   bool feed_next(typename InfeedQueue<Batch>::Producer& producer) {
     if (producer.replicas() != plan().replicas()) {
       throw Error("DataLoader::feed_next: the infeed has " + std::to_string(producer.replicas()) +
@@ -288,7 +258,7 @@ class DataLoader : private detail::LoaderCore {
   }
 
  private:
-  // Sample `index` into dst (sample_spec() bytes); returns its label.
+  /// Sample `index` into dst (sample_spec() bytes); returns its label.
   std::int32_t load(std::uint64_t index, std::uint64_t epoch, std::uint64_t pos,
                     std::span<std::byte> dst) {
     const bool same_type = in_spec_.dtype == sample_spec().dtype;
@@ -313,7 +283,7 @@ class DataLoader : private detail::LoaderCore {
     }
   }
 
-  // Streaming datasets are read by one thread, in order (require_in_order_reading()).
+  /// Streaming datasets are read by one thread, in order (require_in_order_reading()).
   void next_from_stream(std::uint64_t epoch, std::uint64_t pos, Sample& s) {
     if constexpr (StreamingDataset<D>) {
       if (!stream_started_ || epoch != stream_epoch_) {

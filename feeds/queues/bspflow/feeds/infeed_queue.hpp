@@ -1,27 +1,7 @@
-// InfeedQueue<T>: host producers -> device replicas (TF-IPU IPUInfeedQueue).
-//
-// One bounded lane per replica. Any number of host threads produce, each through its own
-// Producer handle (one moodycamel producer token per lane). A Producer deals elements to
-// the replicas round-robin, so every replica receives different elements and the union over
-// replicas is exactly the stream pushed; push_to() routes explicitly.
-//
-// Ordering guarantee: per producer, per replica. Elements one Producer routes to one
-// replica reach that replica in the order pushed. Nothing is promised across producers.
-//
-// Backpressure: each lane holds at most `capacity` elements. push() blocks while the lane
-// it targets is full; try_push() returns PushResult::kFull instead.
-//
-// Producers: ProducerType::kMulti (default) lets any number of Producers share a lane
-// (moodycamel ConcurrentQueue underneath). kSingle (the LMAX Disruptor's ProducerType.SINGLE)
-// promises one Producer at a time: each lane is then a single-producer ring (SpscLane), about
-// a cache line per element instead of several, and a second live Producer is an error.
-//
-// End of data: close() makes further pushes fail; each replica drains what was pushed
-// before, then its reader reports end of data.
-//
-// Nothing taken off a lane is lost between runs: elements a Reader prefetched but did not
-// hand out (a loop that ended before using them) go back to the lane's front when the
-// Reader is destroyed, and the next Reader of that replica serves them first, in order.
+/// @file
+/// `InfeedQueue<T>`: host producers to device replicas (TF-IPU IPUInfeedQueue). One bounded
+/// lane per replica; host threads push through Producer handles, and each replica's device
+/// takes its lane's elements through a Reader. Guide: feeds/README.md.
 #pragma once
 
 #include <atomic>
@@ -45,28 +25,36 @@
 
 namespace bspflow {
 
-// Who pushes into an infeed: one Producer at a time, or several at once.
+/// Who pushes into an infeed: one Producer at a time, or several at once.
 enum class ProducerType { kMulti, kSingle };
 
 struct InfeedConfig {
-  std::uint32_t replicas = 1;                                      // 1..kMaxReplicas
-  std::size_t capacity = tunables::kDefaultInfeedCapacity;         // per lane, >= prefetch_depth
-  std::uint32_t prefetch_depth = tunables::kDefaultPrefetchDepth;  // 1..255
-  // kSingle: at most one live Producer (faster lanes); kMulti: any number.
+  std::uint32_t replicas = 1;                                      ///< 1..kMaxReplicas
+  std::size_t capacity = tunables::kDefaultInfeedCapacity;         ///< per lane, >= prefetch_depth
+  std::uint32_t prefetch_depth = tunables::kDefaultPrefetchDepth;  ///< 1..255
+  /// kSingle: at most one live Producer (faster lanes); kMulti: any number.
   ProducerType producer_type = ProducerType::kMulti;
-  // Throws bspflow::Error naming the field, the value and the allowed range.
+  /// Checks every field.
+  /// Contract: any; non-blocking; no-alloc; throws Error.
   void validate() const;
 };
 
+/// Bounded lanes from host producers to device replicas. Elements one Producer routes to
+/// one replica reach it in the order pushed; nothing is promised across producers. close()
+/// ends the data: each replica drains what was pushed before, then its reader reports end of
+/// data. Elements a Reader took off its lane but did not hand out go back to the lane's front
+/// for the next Reader of that replica.
+/// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 template <class T>
 class InfeedQueue {
   using Lane = detail::BoundedQueue<T>;
-  struct LaneSlot;  // below; declared here because Reader names it (clang insists)
+  struct LaneSlot;  ///< below; declared here because Reader names it (clang insists)
 
  public:
   using value_type = T;
 
-  // Setup path: validates the config (throws bspflow::Error), allocates the lanes.
+  /// Validates the config and allocates the lanes.
+  /// Contract: host; non-blocking; allocates; throws Error.
   explicit InfeedQueue(InfeedConfig config = {}) : config_(config) {
     config_.validate();
     lanes_.reserve(config_.replicas);
@@ -84,16 +72,21 @@ class InfeedQueue {
   InfeedQueue(const InfeedQueue&) = delete;
   InfeedQueue& operator=(const InfeedQueue&) = delete;
 
-  // A host producer's handle. One per producing thread; a Producer itself is not
-  // thread-safe. Must not outlive its queue.
+  /// A host producer's handle. One per producing thread; a Producer itself is not
+  /// thread-safe. Must not outlive its queue. A push into a ProducerType::kMulti lane
+  /// allocates a queue block when the lane's preallocated ones are in use; a kSingle lane
+  /// never allocates.
+  /// Contract of every member: producer; non-blocking; no-alloc; noexcept, unless tagged.
   class Producer {
    public:
-    // Blocks while the next replica's lane is full. Returns false (nothing pushed) once
-    // the queue is closed.
+    /// Pushes into the next replica's lane (round-robin), waiting while it is full. Returns
+    /// false (nothing pushed) once the queue is closed.
+    /// Contract: producer; blocks; allocates; throws bad_alloc.
     bool push(T value) { return push_to(next_replica(), std::move(value)); }
 
-    // Never blocks. kOk: pushed (moved from value). kFull / kClosed: value untouched,
-    // and the round-robin position stays, so a retry targets the same replica.
+    /// kOk: pushed (moved from value). kFull / kClosed: value untouched, and the
+    /// round-robin position stays, so a retry targets the same replica.
+    /// Contract: producer; non-blocking; allocates; throws bad_alloc.
     PushResult try_push(T&& value) {
       LaneSlot& l = *queue_->lanes_[cursor_];
       const PushResult r = l.spsc ? l.spsc->try_push(std::move(value))
@@ -102,7 +95,9 @@ class InfeedQueue {
       return r;
     }
 
-    // Explicit routing. Blocks while that lane is full; false once closed.
+    /// Explicit routing: pushes into `replica`'s lane, waiting while it is full; false once
+    /// closed. Throws bspflow::Error for a replica out of range.
+    /// Contract: producer; blocks; allocates; throws Error.
     bool push_to(std::uint32_t replica, T value) {
       check_replica(replica);
       LaneSlot& l = *queue_->lanes_[replica];
@@ -110,8 +105,10 @@ class InfeedQueue {
                     : l.mpmc->push(tokens_[replica], std::move(value));
     }
 
-    // Moves `values` into one replica's lane in order, in bulk (far cheaper per element
-    // than push). Blocks while full. Returns how many were pushed (fewer once closed).
+    /// Moves `values` into one replica's lane in order, in bulk (far cheaper per element
+    /// than push), waiting while the lane is full. Returns how many were pushed (fewer once
+    /// closed). Throws bspflow::Error for a replica out of range.
+    /// Contract: producer; blocks; allocates; throws Error.
     std::size_t push_bulk(std::uint32_t replica, std::span<T> values) {
       check_replica(replica);
       LaneSlot& l = *queue_->lanes_[replica];
@@ -125,7 +122,7 @@ class InfeedQueue {
         : queue_(std::exchange(o.queue_, nullptr)), tokens_(std::move(o.tokens_)),
           cursor_(o.cursor_) {}
     Producer& operator=(Producer&&) = delete;
-    // A single-producer queue accepts a new Producer once this one is gone.
+    /// A single-producer queue accepts a new Producer once this one is gone.
     ~Producer() {
       if (queue_ != nullptr && queue_->single())
         queue_->producer_live_.store(false, std::memory_order_release);
@@ -133,7 +130,7 @@ class InfeedQueue {
 
    private:
     friend class InfeedQueue;
-    // The replica push() targets: the round-robin position, then advances it.
+    /// The replica push() targets: the round-robin position, then advances it.
     std::uint32_t next_replica() noexcept {
       const std::uint32_t r = cursor_;
       advance();
@@ -163,16 +160,19 @@ class InfeedQueue {
     }
 
     InfeedQueue* queue_;
-    std::vector<typename Lane::Token> tokens_;  // kMulti: one per lane
+    std::vector<typename Lane::Token> tokens_;  ///< kMulti: one per lane
     std::uint32_t cursor_ = 0;
   };
 
-  // Any thread, setup path (allocates producer tokens).
+  /// A new Producer (with ProducerType::kMulti, it allocates its producer tokens). Throws
+  /// bspflow::Error with ProducerType::kSingle while another Producer is live.
+  /// Contract: any; non-blocking; allocates; throws Error.
   Producer make_producer() { return Producer(*this); }
 
-  // The device side of one replica's lane. Holds the prefetch buffer: up to prefetch_depth
-  // elements moved off the lane in one bulk dequeue, ahead of use. Only one Reader per lane
-  // exists at a time; it is used by one thread (the replica's device thread).
+  /// The device side of one replica's lane. Holds the prefetch buffer: up to prefetch_depth
+  /// elements moved off the lane in one bulk dequeue, ahead of use. Only one Reader per lane
+  /// exists at a time; it is used by one thread (the replica's device thread).
+  /// Contract of every member: device; non-blocking; no-alloc; noexcept, unless tagged.
   class Reader {
    public:
     Reader(Reader&& other) noexcept
@@ -180,8 +180,9 @@ class InfeedQueue {
           buffer_(other.buffer_), pos_(other.pos_), count_(other.count_),
           end_of_data_(other.end_of_data_), returned_(std::move(other.returned_)) {}
     Reader& operator=(Reader&&) = delete;
-    // Hands elements prefetched but not popped (and any put_back()) back to the lane's
-    // front, for the next Reader of this replica.
+    /// Hands elements prefetched but not popped (and any put_back()) back to the lane's
+    /// front, for the next Reader of this replica.
+    /// Contract: device; non-blocking; allocates; noexcept.
     ~Reader() {
       if (lane_ == nullptr) return;
       auto& carry = lane_->carry;
@@ -192,20 +193,22 @@ class InfeedQueue {
       lane_->reader_active.store(false, std::memory_order_release);
     }
 
-    // Reader's thread. Gives back an element it popped but did not use (a prefetch that
-    // arrived after its loop ended); returned elements go back to the lane's front in the
-    // order they were put back, ahead of anything still prefetched. Allocates.
+    /// Gives back an element it popped but did not use (a prefetch that arrived after its
+    /// loop ended); returned elements go back to the lane's front in the order they were put
+    /// back, ahead of anything still prefetched.
+    /// Contract: device; non-blocking; allocates; throws bad_alloc.
     void put_back(T&& value) { returned_.push_back(std::move(value)); }
 
-    // Reader's thread. Never blocks: true when the lane is closed and nothing is left for
-    // this reader (what pop() reports as end of data).
+    /// True when the lane is closed and nothing is left for this reader (what pop() reports
+    /// as end of data).
     bool at_end() const noexcept {
       return pos_ == count_ && lane_->carry.empty() && lane_->drained();
     }
 
-    // Device thread. Moves the next element into `out`. Blocks while the lane is empty,
-    // waiting as `policy` says (null: spin, then park). Returns false at end of data (closed
-    // and drained: end_of_data() is then true) or when `stop` is set.
+    /// Moves the next element into `out`, waiting while the lane is empty as `policy` says
+    /// (null: spin, then park). Returns false at end of data (closed and drained:
+    /// end_of_data() is then true) or when `stop` is set.
+    /// Contract: device; blocks; no-alloc; noexcept.
     bool pop(T& out, const StopFlag* stop = nullptr, const WaitPolicy* policy = nullptr) {
       if (pos_ == count_ && !refilled_from_carry() && !refilled(wait_for_more(stop, policy))) {
         end_of_data_ = lane_->drained();
@@ -215,8 +218,8 @@ class InfeedQueue {
       return true;
     }
 
-    // Device thread. Never blocks: moves the next element into `out` if one is ready (in
-    // the prefetch buffer or on the lane) and returns true; else false.
+    /// Moves the next element into `out` if one is ready (in the prefetch buffer or on the
+    /// lane) and returns true; else false.
     bool try_pop(T& out) {
       if (pos_ == count_ && !refilled_from_carry() &&
           !refilled(lane_->try_pop_bulk(buffer_.data(), buffer_.size()))) {
@@ -227,24 +230,24 @@ class InfeedQueue {
     }
 
     bool end_of_data() const noexcept { return end_of_data_; }
-    // Elements already moved off the lane into the prefetch buffer, not yet popped.
+    /// Elements already moved off the lane into the prefetch buffer, not yet popped.
     std::size_t prefetched() const noexcept { return count_ - pos_; }
 
    private:
     friend class InfeedQueue;
-    // pop()'s slow path: the prefetch buffer is empty, so the device waits on the lane (its
-    // stall check's record says so while it does).
+    /// pop()'s slow path: the prefetch buffer is empty, so the device waits on the lane (its
+    /// stall check's record says so while it does).
     std::size_t wait_for_more(const StopFlag* stop, const WaitPolicy* policy) {
       const detail::WaitMark mark(&lane_->site);
       return lane_->pop_bulk(buffer_.data(), buffer_.size(), stop, policy);
     }
-    // The prefetch buffer now holds n fresh elements; false if n is 0.
+    /// The prefetch buffer now holds n fresh elements; false if n is 0.
     bool refilled(std::size_t n) noexcept {
       count_ = n;
       pos_ = 0;
       return n != 0;
     }
-    // Serves what an earlier Reader left (see ~Reader) before anything on the lane.
+    /// Serves what an earlier Reader left (see ~Reader) before anything on the lane.
     bool refilled_from_carry() {
       auto& carry = lane_->carry;
       if (carry.empty()) return false;
@@ -267,10 +270,11 @@ class InfeedQueue {
     std::vector<T> returned_;
   };
 
-  // Setup path. The reader for `replica`, with a prefetch buffer in `buffer` (which must
-  // hold exactly prefetch_depth() constructed elements and outlive the reader) or, if
-  // empty, one it allocates. Throws bspflow::Error if the replica is out of range or its
-  // lane already has a reader.
+  /// The reader for `replica`, with a prefetch buffer in `buffer` (which must hold exactly
+  /// prefetch_depth() constructed elements and outlive the reader) or, if empty, one it
+  /// allocates. Throws bspflow::Error if the replica is out of range or its lane already has
+  /// a reader.
+  /// Contract: any; non-blocking; allocates; throws Error.
   Reader reader(std::uint32_t replica, std::span<T> buffer = {}) {
     if (replica >= replicas()) {
       detail::throw_bad_value(
@@ -295,7 +299,9 @@ class InfeedQueue {
     return Reader(slot, buffer, std::move(owned));
   }
 
-  // Any thread. End of data (see the class comment). Idempotent.
+  /// End of data (see the class comment). Idempotent. With ProducerType::kSingle it waits
+  /// for a push in progress to finish, so that push is either refused or delivered.
+  /// Contract: any; blocks; no-alloc; noexcept.
   void close() noexcept {
     for (auto& l : lanes_) l->spsc ? l->spsc->close() : l->mpmc->close();
   }
@@ -304,7 +310,7 @@ class InfeedQueue {
     return l.spsc ? l.spsc->is_closed() : l.mpmc->is_closed();
   }
 
-  // Any thread. Wakes parked readers and producers so they re-check their stop flags.
+  /// Wakes parked readers and producers so they re-check their stop flags.
   void wake_all() noexcept {
     for (auto& l : lanes_) l->spsc ? l->spsc->wake_all() : l->mpmc->wake_all();
   }
@@ -313,11 +319,12 @@ class InfeedQueue {
   std::uint32_t prefetch_depth() const noexcept { return config_.prefetch_depth; }
   std::size_t capacity() const noexcept { return config_.capacity; }
   const InfeedConfig& config() const noexcept { return config_; }
-  // Elements in a lane (pushed, not yet taken by its reader); approximate while running.
+  /// Elements in a lane (pushed, not yet taken by its reader); approximate while running.
   std::size_t size_approx(std::uint32_t replica) const noexcept {
     const LaneSlot& l = *lanes_[replica];
     return l.spsc ? l.spsc->size_approx() : l.mpmc->size_approx();
   }
+  /// Elements pushed into `replica`'s lane so far.
   std::uint64_t total_pushed(std::uint32_t replica) const noexcept {
     const LaneSlot& l = *lanes_[replica];
     return l.spsc ? l.spsc->total_pushed() : l.mpmc->total_pushed();
@@ -325,8 +332,8 @@ class InfeedQueue {
 
  private:
   struct LaneSlot {
-    // kMulti: moodycamel under a bound, single consumer (one Reader at a time, handed over
-    // through reader_active). kSingle: a single-producer ring.
+    /// kMulti: moodycamel under a bound, single consumer (one Reader at a time, handed over
+    /// through reader_active). kSingle: a single-producer ring.
     LaneSlot(std::size_t capacity, bool single_producer) {
       if (single_producer) {
         spsc.emplace(capacity);
@@ -346,18 +353,18 @@ class InfeedQueue {
 
     std::optional<detail::SpscLane<T>> spsc;
     std::optional<Lane> mpmc;
-    std::optional<typename Lane::ConsumerToken> consumer;  // used by the lane's one active Reader
+    std::optional<typename Lane::ConsumerToken> consumer;  ///< used by the lane's one active Reader
     std::atomic<bool> reader_active{false};
-    detail::WaitSite site;  // what a device waiting on this lane waits for
-    // Taken off the lane by an earlier Reader and not handed out: the next Reader serves
-    // these first. Touched only by the active Reader (handed over through reader_active).
+    detail::WaitSite site;  ///< what a device waiting on this lane waits for
+    /// Taken off the lane by an earlier Reader and not handed out: the next Reader serves
+    /// these first. Touched only by the active Reader (handed over through reader_active).
     std::deque<T> carry;
   };
   bool single() const noexcept { return config_.producer_type == ProducerType::kSingle; }
 
   InfeedConfig config_;
   std::vector<std::unique_ptr<LaneSlot>> lanes_;
-  std::atomic<bool> producer_live_{false};  // kSingle: a Producer exists
+  std::atomic<bool> producer_live_{false};  ///< kSingle: a Producer exists
 };
 
 }  // namespace bspflow

@@ -1,24 +1,8 @@
-// OutfeedQueue<T>: device replicas -> host (TF-IPU IPUOutfeedQueue), shaped by an
-// OutputMode (see output_mode.hpp).
-//
-// Each entry carries the replica and iteration it came from. The host may read while the
-// loop still runs: pop() blocks until the next entry, and returns nullopt once the run
-// attached to the outfeed has ended and every entry was read, so
-//
-//     for (auto& entry : outfeed) { ... }
-//
-// ends when the run ends. Entries written before a failure stay in the queue and are
-// delivered; a failed replica's final()/sum() value is not (it would be a partial result).
-//
-// Ordering guarantee: per replica, in iteration order. Entries of different replicas
-// interleave in no promised order.
-//
-// Readers: ConsumerType::kMulti (default) lets any number of host threads read at once
-// (moodycamel ConcurrentQueue underneath). kSingle (the LMAX Disruptor's single consumer)
-// promises one reading thread at a time: each replica then writes into a ring of its own
-// (SpscLane), a cache line or two per entry instead of several, and two threads caught
-// reading at once get an Error. A ring has a bound, so kSingle needs capacity > 0 (per
-// replica). Writers' staging vectors are kept between runs (a loop's later calls make none).
+/// @file
+/// `OutfeedQueue<T>`: device replicas to the host (TF-IPU IPUOutfeedQueue), shaped by an
+/// OutputMode (`<bspflow/feeds/output_mode.hpp>`). Each entry carries the replica and
+/// iteration it came from; the host may read while the loop still runs.
+/// Guide: feeds/README.md.
 #pragma once
 
 #include <atomic>
@@ -45,24 +29,25 @@
 
 namespace bspflow {
 
-// Who reads an outfeed: one host thread at a time, or several at once.
+/// Who reads an outfeed: one host thread at a time, or several at once.
 enum class ConsumerType { kMulti, kSingle };
 
 struct OutfeedConfig {
-  std::uint32_t replicas = 1;  // 1..kMaxReplicas
+  std::uint32_t replicas = 1;  ///< 1..kMaxReplicas
   OutputMode mode = OutputMode::all();
-  // Entries (kMulti: in all, 0 = unbounded; kSingle: per replica, 1..kMaxQueueCapacity).
+  /// Entries (kMulti: in all, 0 = unbounded; kSingle: per replica, 1..kMaxQueueCapacity).
   std::size_t capacity = tunables::kDefaultOutfeedCapacity;
-  // kSingle: one reading thread at a time (faster; needs a capacity); kMulti: any number.
+  /// kSingle: one reading thread at a time (faster; needs a capacity); kMulti: any number.
   ConsumerType consumer_type = ConsumerType::kMulti;
-  // Throws bspflow::Error naming the field, the value and what is allowed.
+  /// Checks every field.
+  /// Contract: any; non-blocking; no-alloc; throws Error.
   void validate() const;
 };
 
 template <class T>
 struct OutfeedEntry {
   std::uint32_t replica = 0;
-  std::uint64_t iteration = 0;  // for sum(): the last iteration summed
+  std::uint64_t iteration = 0;  ///< for sum(): the last iteration summed
   T value{};
 };
 
@@ -80,7 +65,7 @@ concept ElementwiseSummable =
 template <class T>
 inline constexpr bool kSummable = PlusAssignable<T> || ElementwiseSummable<T>;
 
-// acc += v, element-wise for arrays and vectors of summable elements.
+/// acc += v, element-wise for arrays and vectors of summable elements.
 template <class T>
 void accumulate(T& acc, const T& v) {
   if constexpr (PlusAssignable<T>) {
@@ -96,15 +81,21 @@ void accumulate(T& acc, const T& v) {
 
 }  // namespace detail
 
+/// Entries from device replicas to the host. Order: per replica, in iteration order;
+/// replicas interleave in no promised order. Entries written before a failure are delivered;
+/// a failed replica's final() or sum() value is not (it would be a partial result). Readers
+/// are consumers: any number at once with ConsumerType::kMulti, one at a time with kSingle
+/// (two caught reading at once get a bspflow::Error).
+/// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 template <class T>
 class OutfeedQueue {
   using Queue = detail::BoundedQueue<OutfeedEntry<T>>;
   using Lane = detail::SpscLane<OutfeedEntry<T>>;
-  // A run stopped while a bounded outfeed is full still hands over what its devices wrote:
-  // past the capacity. With one reader (kSingle) each replica's ring keeps room for this
-  // many more entries (one write-combining batch and a final()/sum() value; slot counts are
-  // powers of two, so this may double a ring of capacity one; rings above 2^20 entries keep
-  // only the power-of-two slack); a shared queue (kMulti) takes them whatever its capacity.
+  /// A run stopped while a bounded outfeed is full still hands over what its devices wrote:
+  /// past the capacity. With one reader (kSingle) each replica's ring keeps room for this
+  /// many more entries (one write-combining batch and a final()/sum() value; slot counts are
+  /// powers of two, so this may double a ring of capacity one; rings above 2^20 entries keep
+  /// only the power-of-two slack); a shared queue (kMulti) takes them whatever its capacity.
   static constexpr std::size_t kStoppedSpare = tunables::kOutfeedCombine + 1;
   static constexpr std::size_t spare_slots(std::size_t capacity) noexcept {
     return capacity <= (std::size_t{1} << 20) ? kStoppedSpare : 0;
@@ -114,8 +105,9 @@ class OutfeedQueue {
   using Entry = OutfeedEntry<T>;
   using value_type = Entry;
 
-  // Setup path: validates (throws bspflow::Error). A sum() outfeed needs a T with += or an
-  // array/vector of such elements.
+  /// Validates the config. A sum() outfeed needs a T with += or an array/vector of such
+  /// elements (else it throws bspflow::Error).
+  /// Contract: host; non-blocking; allocates; throws Error.
   explicit OutfeedQueue(OutfeedConfig config = {}) : config_(config) {
     config_.validate();
     if (config_.mode.kind() == OutputMode::Kind::kSum && !detail::kSummable<T>) {
@@ -153,20 +145,23 @@ class OutfeedQueue {
 
   // ---- host side: any thread; several at once with ConsumerType::kMulti only ----
 
-  // Blocks (spin, then park) until an entry is available; nullopt once no run is attached
-  // (or the attached run ended) and every entry was read.
+  /// Waits (spin, then park) until an entry is available; nullopt once no run is attached
+  /// (or the attached run ended) and every entry was read.
+  /// Contract: consumer; blocks; no-alloc; throws Error.
   std::optional<Entry> pop() {
     Entry e;
     if (read(&e, 1, true) == 0) return std::nullopt;
     return e;
   }
-  // Never blocks.
+  /// The next entry if one is available now; else nullopt.
+  /// Contract: consumer; non-blocking; no-alloc; throws Error.
   std::optional<Entry> try_pop() {
     Entry e;
     if (read(&e, 1, false) == 0) return std::nullopt;
     return e;
   }
-  // Never blocks: every entry available now.
+  /// Every entry available now.
+  /// Contract: consumer; non-blocking; allocates; throws Error.
   std::vector<Entry> drain() {
     std::vector<Entry> out;
     for (;;) {
@@ -178,9 +173,10 @@ class OutfeedQueue {
     }
   }
 
-  // Range-for over the outfeed: pops until the attached run ends and the queue is empty.
-  // Reads in batches of up to kBatch entries (whatever is available; it never waits for a
-  // full batch), so entries it has taken but not yet yielded are invisible to other readers.
+  /// Range-for over the outfeed: pops until the attached run ends and the queue is empty.
+  /// Reads in batches of up to kBatch entries (whatever is available; it never waits for a
+  /// full batch), so entries it has taken but not yet yielded are invisible to other readers.
+  /// Contract of every member: consumer; non-blocking; no-alloc; noexcept, unless tagged.
   class Iterator {
    public:
     static constexpr std::size_t kBatch = 32;
@@ -188,10 +184,15 @@ class OutfeedQueue {
     using difference_type = std::ptrdiff_t;
     Entry& operator*() const { return buffer_[pos_]; }
     Entry* operator->() const { return &buffer_[pos_]; }
+    /// The next entry; once the batch is used up, waits for more (until an entry is
+    /// available or the run ends).
+    /// Contract: consumer; blocks; no-alloc; throws Error.
     Iterator& operator++() {
       if (++pos_ == count_) refill();
       return *this;
     }
+    /// As the prefix increment.
+    /// Contract: consumer; blocks; no-alloc; throws Error.
     void operator++(int) { ++*this; }
     friend bool operator==(const Iterator& it, std::default_sentinel_t) { return it.count_ == 0; }
 
@@ -206,37 +207,43 @@ class OutfeedQueue {
       count_ = q_->read(buffer_.data(), kBatch, true, consumer_ ? &*consumer_ : nullptr);
     }
     OutfeedQueue* q_;
-    std::optional<typename Queue::ConsumerToken> consumer_;  // kMulti
+    std::optional<typename Queue::ConsumerToken> consumer_;  ///< kMulti
     mutable std::vector<Entry> buffer_;
     std::size_t pos_ = 0;
     std::size_t count_ = 0;
   };
+  /// An iterator at the first entry: waits for it as pop() does.
+  /// Contract: consumer; blocks; allocates; throws Error.
   Iterator begin() { return Iterator(this); }
   std::default_sentinel_t end() const noexcept { return {}; }
 
-  // A run is attached and at least one of its replicas has not finished.
+  /// A run is attached and at least one of its replicas has not finished.
   bool running() const noexcept { return active_writers_.load(std::memory_order_acquire) != 0; }
-  // Any thread. Entries handed to the host and not yet read, all replicas. Approximate while a
-  // run writes or a host thread reads. Never blocks, never allocates, never throws.
+  /// Entries handed to the host and not yet read, all replicas. Approximate while a run
+  /// writes or a host thread reads.
   std::size_t size_approx() const noexcept {
     if (queue_) return queue_->size_approx();
     std::size_t n = 0;
     for (const auto& lane : lanes_) n += lane->size_approx();
     return n;
   }
-  // Any thread. What counts against the capacity for `replica`'s writes: with
-  // ConsumerType::kSingle the entries in that replica's ring, with kMulti in the whole shared
-  // queue (as size_approx()). Approximate while a run writes or a host thread reads. Never
-  // blocks, never allocates, never throws; replica < replicas() (kSingle).
+  /// What counts against the capacity for `replica`'s writes: with ConsumerType::kSingle the
+  /// entries in that replica's ring, with kMulti in the whole shared queue (as
+  /// size_approx()). Approximate while a run writes or a host thread reads. kSingle:
+  /// `replica < replicas()`.
   std::size_t size_approx(std::uint32_t replica) const noexcept {
     return queue_ ? queue_->size_approx() : lanes_[replica]->size_approx();
   }
 
   // ---- device side ----
 
-  // One replica's writer for one run. Used by that replica's device thread only.
+  /// One replica's writer for one run. Used by that replica's device thread only. Handing
+  /// entries over to a ConsumerType::kMulti outfeed allocates a queue block when the shared
+  /// queue outgrows its preallocated ones; kSingle rings never allocate.
   class Writer {
    public:
+    /// Takes over `o`'s part of the run; `o` is left with none.
+    /// Contract: any; non-blocking; no-alloc; noexcept.
     Writer(Writer&& o) noexcept
         : q_(std::exchange(o.q_, nullptr)), replica_(o.replica_), lane_(o.lane_),
           token_(std::move(o.token_)), staged_(std::move(o.staged_)), dropped_(o.dropped_),
@@ -244,14 +251,18 @@ class OutfeedQueue {
           since_check_(o.since_check_), check_every_(o.check_every_), held_(std::move(o.held_)),
           graveyard_(o.graveyard_) {}
     Writer& operator=(Writer&&) = delete;
+    /// Ends this replica's part of the run as finish(false) does, if finish() was not called
+    /// (waiting while a bounded outfeed is full).
+    /// Contract: device; blocks; allocates; noexcept.
     ~Writer() {
       if (q_ != nullptr) finish(false);
     }
 
-    // Device thread. Applies the output mode to iteration `i`'s value. Entries of fast
-    // iterations are staged and handed over in bulk (see tunables::kOutfeedCombine). Blocks
-    // while a bounded outfeed is full, until `stop` is set (see flush()); returns false only
-    // if entries were dropped. The caller checks `stop` itself.
+    /// Applies the output mode to iteration `i`'s value. Entries of fast iterations are
+    /// staged and handed over in bulk (see tunables::kOutfeedCombine). Waits while a bounded
+    /// outfeed is full, until `stop` is set (see flush()); returns false only if entries were
+    /// dropped. The caller checks `stop` itself.
+    /// Contract: device; blocks; allocates; throws bad_alloc.
     bool write(std::uint64_t i, T&& value, const StopFlag* stop = nullptr) {
       const OutputMode mode = q_->config_.mode;
       if (mode.emits_at(i)) {
@@ -283,11 +294,11 @@ class OutfeedQueue {
       return true;
     }
 
-    // Device thread. Hands every staged entry to the host now (the runtime calls it before
-    // the device waits for input). Blocks while a bounded outfeed is full, until `stop` is
-    // set: then what the device has written still goes in, past the capacity (at most
-    // kStoppedSpare per replica per stopped run; found by the soak suite: a cancel while the
-    // reader had stopped lost them). Returns false only if entries were dropped (dropped()).
+    /// Hands every staged entry to the host now (the runtime calls it before the device
+    /// waits for input). Waits while a bounded outfeed is full, until `stop` is set: then
+    /// what the device has written still goes in, past the capacity (at most kStoppedSpare
+    /// per replica per stopped run). Returns false only if entries were dropped (dropped()).
+    /// Contract: device; blocks; allocates; throws bad_alloc.
     bool flush(const StopFlag* stop = nullptr) {
       if (staged_.empty()) return true;
       const std::size_t n = staged_.size();
@@ -301,21 +312,23 @@ class OutfeedQueue {
       return true;
     }
 
-    // Device thread. Entries dropped: written, never handed to the host, because the stop
-    // found the outfeed full and its spare room (kStoppedSpare) too (a reader that stopped
-    // for several runs in a row). Never blocks.
+    /// Entries dropped: written, never handed to the host, because the stop found the
+    /// outfeed full and its spare room (kStoppedSpare) too (a reader that stopped for several
+    /// runs in a row).
+    /// Contract: device; non-blocking; no-alloc; noexcept.
     std::uint64_t dropped() const noexcept { return dropped_; }
-    // Device thread (the writer's user). From now on the entries this writer drops (see
-    // dropped()) are moved into `*to`, in the order written, instead of being destroyed, so
-    // the caller can tell which ones they were (a stream counts the error responses among
-    // them); null (the default): destroyed. `*to` must outlive the writer's use; only the
-    // dropping call (a write, flush or finish after a stop) touches it. Never blocks, never
-    // allocates, never throws.
+    /// From now on the entries this writer drops (see dropped()) are moved into `*to`, in the
+    /// order written, instead of being destroyed, so the caller can tell which ones they were
+    /// (a stream counts the error responses among them); null (the default): destroyed.
+    /// `*to` must outlive the writer's use; only the dropping call (a write, flush or finish
+    /// after a stop) touches it.
+    /// Contract: device; non-blocking; no-alloc; noexcept.
     void keep_dropped(std::vector<Entry>* to) noexcept { graveyard_ = to; }
 
-    // Device thread. Ends this replica's part of the run, delivering the final()/sum()
-    // value when `deliver_held` (false after a failure: a partial sum is no result). The
-    // last writer of the run to finish ends it, which ends the host's range-for.
+    /// Ends this replica's part of the run, delivering the final()/sum() value when
+    /// `deliver_held` (false after a failure: a partial sum is no result). Waits as flush()
+    /// does. The last writer of the run to finish ends it, which ends the host's range-for.
+    /// Contract: device; blocks; allocates; throws bad_alloc.
     void finish(bool deliver_held, const StopFlag* stop = nullptr) {
       if (q_ == nullptr) return;
       flush(stop);
@@ -345,10 +358,10 @@ class OutfeedQueue {
       staged_ = std::move(q.spare_staging_[replica]);  // the last run's, its room kept
       staged_.reserve(tunables::kOutfeedCombine);
     }
-    // The stopped path of flush() and deliver(), out of line (the write path stays small
-    // enough to be inlined into a device's loop). Hands
-    // staged_[pushed..] over past the bound and empties staged_; returns how many of its entries
-    // are now with the host.
+    /// The stopped path of flush() and deliver(), out of line (the write path stays small
+    /// enough to be inlined into a device's loop). Hands
+    /// staged_[pushed..] over past the bound and empties staged_; returns how many of its entries
+    /// are now with the host.
     [[gnu::noinline, gnu::cold]] std::size_t keep_stopped(std::size_t pushed) {
       const std::size_t n = staged_.size();
       const auto rest = staged_.begin() + static_cast<std::ptrdiff_t>(pushed);
@@ -366,7 +379,7 @@ class OutfeedQueue {
       staged_.clear();
       return kept;
     }
-    // (Not through flush(): a third caller stopped GCC inlining flush() in write(): -15%.)
+    /// (Not through flush(): a third caller stopped GCC inlining flush() in write(): -15%.)
     bool deliver(Entry&& e, const StopFlag* stop) {
       const detail::WaitSite* site = &q_->room_sites_[replica_];
       if (lane_ != nullptr ? lane_->push(std::move(e), stop, site)
@@ -379,22 +392,23 @@ class OutfeedQueue {
 
     OutfeedQueue* q_;
     std::uint32_t replica_;
-    Lane* lane_ = nullptr;                        // kSingle: this replica's ring
-    std::optional<typename Queue::Token> token_;  // kMulti: its sub-queue of the shared queue
-    std::vector<Entry> staged_;                   // write-combining: entries not yet handed over
-    std::uint64_t dropped_ = 0;                   // staged entries a stop kept from the host
+    Lane* lane_ = nullptr;                        ///< kSingle: this replica's ring
+    std::optional<typename Queue::Token> token_;  ///< kMulti: its sub-queue of the shared queue
+    std::vector<Entry> staged_;                   ///< write-combining: entries not yet handed over
+    std::uint64_t dropped_ = 0;                   ///< staged entries a stop kept from the host
     const detail::TickRate* rate_ = &detail::tick_rate();
-    // kOutfeedCombineBelow in ticks; last_check_: when the clock was last read (0: never).
+    /// kOutfeedCombineBelow in ticks; last_check_: when the clock was last read (0: never).
     std::uint64_t below_ticks_ = detail::ticks_in(*rate_, tunables::kOutfeedCombineBelow);
     std::uint64_t last_check_ = 0;
-    std::uint32_t since_check_ = 0;  // entries staged since the clock was last read
+    std::uint32_t since_check_ = 0;  ///< entries staged since the clock was last read
     std::uint32_t check_every_ = 1;
     std::optional<Entry> held_;
-    std::vector<Entry>* graveyard_ = nullptr;  // keep_dropped(): where dropped entries go
+    std::vector<Entry>* graveyard_ = nullptr;  ///< keep_dropped(): where dropped entries go
   };
 
-  // Setup path (the runtime, on the host thread launching a run): attaches a run and
-  // returns one writer per replica. Throws bspflow::Error if a run is already attached.
+  /// Attaches a run and returns one writer per replica (the runtime calls it when it
+  /// launches a run). Throws bspflow::Error if a run is already attached.
+  /// Contract: host; non-blocking; allocates; throws Error.
   std::vector<Writer> begin_run() {
     std::uint32_t idle = 0;
     if (!active_writers_.compare_exchange_strong(idle, config_.replicas,
@@ -414,7 +428,7 @@ class OutfeedQueue {
     return writers;
   }
 
-  // Any thread. Wakes parked writers and readers so they re-check their stop flags.
+  /// Wakes parked writers and readers so they re-check their stop flags.
   void wake_all() noexcept {
     if (queue_) queue_->wake_all();
     for (auto& lane : lanes_) lane->wake_all();
@@ -428,8 +442,8 @@ class OutfeedQueue {
  private:
   bool single() const noexcept { return config_.consumer_type == ConsumerType::kSingle; }
 
-  // Moves up to `max` entries into out[0..); waits for the first one when `block`. 0: none
-  // available (not blocking), or the run ended and everything was read.
+  /// Moves up to `max` entries into out[0..); waits for the first one when `block`. 0: none
+  /// available (not blocking), or the run ended and everything was read.
   std::size_t read(Entry* out, std::size_t max, bool block,
                    typename Queue::ConsumerToken* ctok = nullptr) {
     if (queue_) {
@@ -457,7 +471,7 @@ class OutfeedQueue {
           Spin::kTight, detail::Fence::kAsymmetric);
     }
   }
-  // kSingle, several replicas: the first lane with entries, starting after the last one read.
+  /// kSingle, several replicas: the first lane with entries, starting after the last one read.
   std::size_t try_lanes(Entry* out, std::size_t max) {
     for (std::size_t k = 0; k < lanes_.size(); ++k) {
       next_lane_ = next_lane_ + 1 == lanes_.size() ? 0 : next_lane_ + 1;
@@ -465,8 +479,8 @@ class OutfeedQueue {
     }
     return 0;
   }
-  // kSingle: catches two threads reading at once (an uncontended exchange on a line only
-  // the reader writes).
+  /// kSingle: catches two threads reading at once (an uncontended exchange on a line only
+  /// the reader writes).
   class ReaderGuard {
    public:
     explicit ReaderGuard(std::atomic<bool>& flag) : flag_(flag) {
@@ -486,15 +500,15 @@ class OutfeedQueue {
   };
 
   OutfeedConfig config_;
-  std::vector<detail::WaitSite> room_sites_;       // what a writer waiting for room waits for
-  std::optional<Queue> queue_;                     // kMulti: one queue shared by every replica
-  std::vector<std::unique_ptr<Lane>> lanes_;       // kSingle: a ring per replica
-  std::vector<std::vector<Entry>> spare_staging_;  // per replica: staged_ between runs
+  std::vector<detail::WaitSite> room_sites_;       ///< what a writer waiting for room waits for
+  std::optional<Queue> queue_;                     ///< kMulti: one queue shared by every replica
+  std::vector<std::unique_ptr<Lane>> lanes_;       ///< kSingle: a ring per replica
+  std::vector<std::vector<Entry>> spare_staging_;  ///< per replica: staged_ between runs
   std::atomic<std::uint32_t> active_writers_{0};
-  // kSingle reader state: written by the one reading thread only.
+  /// kSingle reader state: written by the one reading thread only.
   alignas(tunables::kCacheLine) std::atomic<bool> reading_{false};
   std::size_t next_lane_ = 0;
-  detail::WaitPoint readable_;  // a replica's ring has entries or was sealed
+  detail::WaitPoint readable_;  ///< a replica's ring has entries or was sealed
 };
 
 }  // namespace bspflow

@@ -1,12 +1,7 @@
-// OutputMode: what the host sees of a value the device writes to an outfeed every
-// iteration (TF-IPU IPUOutfeedMode / PopTorch OutputMode, same meanings):
-//   all()        one entry per iteration (and, with gradient accumulation, per accumulation
-//                step) per replica;
-//   final()      the last iteration's entry, per replica;
-//   sum()        the element-wise sum over all iterations, per replica;
-//   every_n(n)   iterations n-1, 2n-1, ... (10 iterations, every_n(5): iterations 4 and 9).
-//
-// A plain value type (two words): any thread may create, copy or read one.
+/// @file
+/// OutputMode: what the host sees of a value the device writes to an outfeed every
+/// iteration (TF-IPU IPUOutfeedMode / PopTorch OutputMode, same meanings): all(), final(),
+/// sum() or every_n(n). Guide: feeds/README.md.
 #pragma once
 
 #include <cstdint>
@@ -15,30 +10,34 @@
 
 namespace bspflow {
 
+/// A plain value type (two words): any thread may create, copy or read one.
+/// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 class OutputMode {
  public:
   enum class Kind { kAll, kFinal, kSum, kEveryN };
 
-  // Any thread. Never blocks, never allocates, never throws.
+  /// One entry per iteration (with gradient accumulation, per accumulation step) per
+  /// replica.
   static constexpr OutputMode all() noexcept { return OutputMode(Kind::kAll, 1); }
+  /// The last iteration's entry, per replica.
   static constexpr OutputMode final() noexcept { return OutputMode(Kind::kFinal, 1); }
+  /// The element-wise sum over all iterations, per replica.
   static constexpr OutputMode sum() noexcept { return OutputMode(Kind::kSum, 1); }
-  // Any thread. Never blocks, never allocates. Throws bspflow::Error naming the field, the
-  // value and what is allowed if n == 0.
+  /// Iterations n-1, 2n-1, ... (10 iterations, every_n(5): iterations 4 and 9). Throws
+  /// bspflow::Error if n is 0.
+  /// Contract: any; non-blocking; no-alloc; throws Error.
   static OutputMode every_n(std::uint64_t n);
-  // Any thread. Parses "all", "final", "sum", "every_n:N" (as the examples' --output-mode
-  // takes it). Never blocks; may allocate (a temporary copy of the digits). Throws
-  // bspflow::Error naming the text and the accepted forms (for "every_n:0", the one
-  // every_n() throws).
+  /// Parses "all", "final", "sum", "every_n:N" (as the examples' `--output-mode` takes it).
+  /// Throws bspflow::Error naming the text and the accepted forms (for "every_n:0", the one
+  /// every_n() throws).
+  /// Contract: any; non-blocking; allocates; throws Error.
   static OutputMode parse(std::string_view text);
 
-  // Any thread. Never blocks, never allocates, never throws.
   constexpr Kind kind() const noexcept { return kind_; }
   constexpr std::uint64_t n() const noexcept { return n_; }
 
-  // Does iteration `i` (0-based) of a loop produce a host-visible entry right away?
-  // (final and sum produce theirs once, when the loop ends.) Any thread. Never blocks,
-  // never allocates, never throws.
+  /// Does iteration `i` (0-based) of a loop produce a host-visible entry right away?
+  /// (final and sum produce theirs once, when the loop ends.)
   constexpr bool emits_at(std::uint64_t i) const noexcept {
     switch (kind_) {
       case Kind::kAll:
@@ -49,8 +48,7 @@ class OutputMode {
         return false;
     }
   }
-  // Entries one replica delivers for a loop of `iterations` iterations. Any thread. Never
-  // blocks, never allocates, never throws.
+  /// Entries one replica delivers for a loop of `iterations` iterations.
   constexpr std::uint64_t entries_for(std::uint64_t iterations) const noexcept {
     switch (kind_) {
       case Kind::kAll:
@@ -62,10 +60,9 @@ class OutputMode {
     }
   }
 
-  // Any thread. "all", "final", "sum" or "every_n:N" (what parse() reads back). Never
-  // blocks; may allocate (the returned string). Throws only std::bad_alloc.
+  /// "all", "final", "sum" or "every_n:N" (what parse() reads back).
+  /// Contract: any; non-blocking; allocates; throws bad_alloc.
   std::string to_string() const;
-  // Any thread. Never blocks, never allocates, never throws.
   friend constexpr bool operator==(OutputMode, OutputMode) noexcept = default;
 
  private:

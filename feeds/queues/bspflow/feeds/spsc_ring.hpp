@@ -1,20 +1,7 @@
-// SpscRing<T>: a bounded single-producer single-consumer ring with close, the hand-off
-// between two neighbouring stages of a stream that run on different devices.
-//
-// Capacity is fixed at construction (slots are default-constructed once, so pushing and
-// popping never allocate). Each side keeps its own copy of the other's index and re-reads
-// the shared one only when its copy says the ring is full (producer) or empty (consumer), so
-// a busy ring moves about one cache line per element, the element itself. A consumer waiting
-// on an empty ring asks for the next element's line each time it looks at the index, so the
-// element arrives with the index rather than after it. Indices are
-// published with release stores and a light fence (WaitPoint::notify_light); a waiter
-// waits as its WaitPolicy says, parking with the matching heavy fence.
-//
-// Threads: exactly one producer thread (push, try_push, close) and one consumer thread
-// (front, try_front, pop) at a time; wake() from any thread.
-//
-// Ordering: FIFO. End: after close(), the consumer drains what was pushed before, then
-// front() reports the end (nullptr with closed_and_drained() true).
+/// @file
+/// `SpscRing<T>`: a bounded single-producer single-consumer ring with close, the hand-off
+/// between two neighbouring stages of a stream that run on different devices. Slots are made
+/// once, at construction, so pushing and popping never allocate. Guide: feeds/README.md.
 #pragma once
 
 #include <algorithm>
@@ -35,11 +22,17 @@
 
 namespace bspflow {
 
+/// A bounded ring with close. One producer thread (try_push, push, claim, publish, close) and
+/// one consumer thread (try_front, front, pop, closed_and_drained) at a time; wake() from any
+/// thread. FIFO: after close() the consumer drains what was pushed before, then front()
+/// reports the end (nullptr with closed_and_drained() true). Each side re-reads the other's
+/// index only when its own copy says the ring is full or empty.
 template <class T>
 class SpscRing {
  public:
-  // Setup path: `capacity` slots (1..tunables::kMaxQueueCapacity), default-constructed.
-  // Throws bspflow::Error outside that range, std::bad_alloc without memory.
+  /// `capacity` slots (1..tunables::kMaxQueueCapacity), default-constructed. Throws
+  /// bspflow::Error outside that range.
+  /// Contract: host; non-blocking; allocates; throws Error.
   explicit SpscRing(std::size_t capacity) {
     if (capacity < 1 || capacity > tunables::kMaxQueueCapacity) {
       detail::throw_bad_value("ring capacity", capacity,
@@ -49,16 +42,20 @@ class SpscRing {
     slots_.resize(std::bit_ceil(capacity));  // a power of two: a slot is an index & mask
     mask_ = slots_.size() - 1;
   }
-  // Setup path: `capacity` slots, each a copy of `prototype` (a buffer the producer fills in
-  // place with claim()/publish(), so the steady state never allocates).
+  /// `capacity` slots, each a copy of `prototype` (a buffer the producer fills in place with
+  /// claim()/publish(), so the steady state never allocates).
+  /// Contract: host; non-blocking; allocates; throws Error.
   SpscRing(std::size_t capacity, const T& prototype) : SpscRing(capacity) {
     std::fill(slots_.begin(), slots_.end(), prototype);
   }
   SpscRing(const SpscRing&) = delete;
   SpscRing& operator=(const SpscRing&) = delete;
 
+  /// The capacity given at construction.
+  /// Contract: any; non-blocking; no-alloc; noexcept.
   std::size_t capacity() const noexcept { return capacity_; }
-  // Any thread: how many elements the ring holds now (a moment's view, for metrics).
+  /// How many elements the ring holds now (a moment's view, for metrics).
+  /// Contract: any; non-blocking; no-alloc; noexcept.
   std::size_t size() const noexcept {
     const std::uint64_t h = head_.load(std::memory_order_relaxed);  // relaxed: a metric only
     const std::uint64_t t = tail_.load(std::memory_order_relaxed);
@@ -67,8 +64,9 @@ class SpscRing {
 
   // ---- producer ----
 
-  // Never blocks, never allocates. Moves `value` in and returns true if there is room;
-  // false (value untouched) if the ring is full.
+  /// Moves `value` in and returns true if there is room; false (value untouched) if the
+  /// ring is full.
+  /// Contract: producer; non-blocking; no-alloc; noexcept.
   bool try_push(T&& value) {
     const std::uint64_t t = producer_.tail;
     if (t - producer_.head_seen >= capacity_) {
@@ -80,8 +78,9 @@ class SpscRing {
     return true;
   }
 
-  // Blocks while full, waiting as `policy` says. Returns false (value untouched) if `stop`
-  // was set first. Never allocates.
+  /// Moves `value` in, waiting while the ring is full as `policy` says. Returns false (value
+  /// untouched) if `stop` was set first.
+  /// Contract: producer; blocks; no-alloc; noexcept.
   bool push(T&& value, const WaitPolicy& policy, const StopFlag& stop) {
     T* slot = claim(policy, stop);
     if (slot == nullptr) return false;
@@ -90,10 +89,10 @@ class SpscRing {
     return true;
   }
 
-  // In place (the Disruptor's claim, then publish): the next free slot, to fill and then
-  // publish(); blocks while full, waiting as `policy` says; nullptr if `stop` was set
-  // first. The slot holds whatever it held before (its buffers are reused). Never
-  // allocates.
+  /// In place (the Disruptor's claim, then publish): the next free slot, to fill and then
+  /// publish(); waits while the ring is full, as `policy` says; nullptr if `stop` was set
+  /// first. The slot holds whatever it held before (its buffers are reused).
+  /// Contract: producer; blocks; no-alloc; noexcept.
   T* claim(const WaitPolicy& policy, const StopFlag& stop) {
     const std::uint64_t t = producer_.tail;
     if (t - producer_.head_seen >= capacity_) {
@@ -109,13 +108,15 @@ class SpscRing {
     }
     return &slots_[t & mask_];
   }
-  // Hands the slot claim() returned to the consumer. Never blocks.
+  /// Hands the slot claim() returned to the consumer.
+  /// Contract: producer; non-blocking; no-alloc; noexcept.
   void publish() noexcept {
     tail_.store(++producer_.tail, std::memory_order_release);  // the element, then its index
     not_empty_.notify_light();
   }
 
-  // No more pushes: the consumer drains what is there, then sees the end. Never blocks.
+  /// No more pushes: the consumer drains what is there, then sees the end.
+  /// Contract: producer; non-blocking; no-alloc; noexcept.
   void close() noexcept {
     closed_.store(true, std::memory_order_seq_cst);
     not_empty_.notify();
@@ -123,7 +124,8 @@ class SpscRing {
 
   // ---- consumer ----
 
-  // Never blocks. The oldest element, or nullptr if the ring is empty now.
+  /// The oldest element, or nullptr if the ring is empty now.
+  /// Contract: consumer; non-blocking; no-alloc; noexcept.
   T* try_front() noexcept {
     const std::uint64_t h = consumer_.head;
     if (consumer_.tail_seen <= h) {
@@ -133,9 +135,10 @@ class SpscRing {
     return &slots_[h & mask_];
   }
 
-  // Blocks until an element is there (returns it, in place: read or move from it, then
-  // pop()), the ring is closed and drained, or `stop` is set (both: nullptr). Waits as
-  // `policy` says. Never allocates.
+  /// Waits until an element is there (returns it, in place: read or move from it, then
+  /// pop()), the ring is closed and drained, or `stop` is set (both: nullptr). Waits as
+  /// `policy` says.
+  /// Contract: consumer; blocks; no-alloc; noexcept.
   T* front(const WaitPolicy& policy, const StopFlag& stop) {
     if (T* f = try_front()) return f;
     const std::uint64_t h = consumer_.head;
@@ -158,19 +161,22 @@ class SpscRing {
     return &slots_[h & mask_];
   }
 
-  // Releases the element front() returned. Never blocks.
+  /// Releases the element front() returned.
+  /// Contract: consumer; non-blocking; no-alloc; noexcept.
   void pop() noexcept {
     head_.store(++consumer_.head, std::memory_order_release);  // done with the slot
     not_full_.notify_light();
   }
 
-  // Consumer thread: true once the ring is closed and everything pushed was popped.
+  /// True once the ring is closed and everything pushed was popped.
+  /// Contract: consumer; non-blocking; no-alloc; noexcept.
   bool closed_and_drained() const noexcept {
     return closed_.load(std::memory_order_seq_cst) &&
            tail_.load(std::memory_order_seq_cst) == consumer_.head;
   }
 
-  // Between runs only (neither side in use): empty and open again. Never blocks.
+  /// Between runs only (neither side in use): empty and open again.
+  /// Contract: host; non-blocking; no-alloc; noexcept.
   void reset() noexcept {
     producer_ = {};
     consumer_ = {};
@@ -179,23 +185,24 @@ class SpscRing {
     closed_.store(false, std::memory_order_relaxed);  // relaxed: likewise
   }
 
-  // Any thread: wakes a parked side so it re-checks its stop flag. Never blocks.
+  /// Wakes a parked side so it re-checks its stop flag.
+  /// Contract: any; non-blocking; no-alloc; noexcept.
   void wake() noexcept {
     not_full_.notify();
     not_empty_.notify();
   }
 
  private:
-  // Each side's own counters, on its own cache line: only that side's thread touches them.
+  /// Each side's own counters, on its own cache line: only that side's thread touches them.
   struct alignas(tunables::kCacheLine) ProducerSide {
-    std::uint64_t tail = 0;       // the next element's index
-    std::uint64_t head_seen = 0;  // the consumer's index when last read
+    std::uint64_t tail = 0;       ///< the next element's index
+    std::uint64_t head_seen = 0;  ///< the consumer's index when last read
   };
   struct alignas(tunables::kCacheLine) ConsumerSide {
-    std::uint64_t head = 0;       // the next element to read
-    std::uint64_t tail_seen = 0;  // the producer's index when last read
+    std::uint64_t head = 0;       ///< the next element to read
+    std::uint64_t tail_seen = 0;  ///< the producer's index when last read
   };
-  std::vector<T> slots_;  // bit_ceil(capacity) of them; at most capacity_ hold elements
+  std::vector<T> slots_;  ///< bit_ceil(capacity) of them; at most capacity_ hold elements
   std::size_t capacity_ = 0;
   std::size_t mask_ = 0;
   ProducerSide producer_;
@@ -205,7 +212,7 @@ class SpscRing {
   alignas(tunables::kCacheLine) std::atomic<bool> closed_{false};
   detail::WaitPoint not_empty_;
   detail::WaitPoint not_full_;
-  // What a device waiting on either side waits for (its stall check's record).
+  /// What a device waiting on either side waits for (its stall check's record).
   detail::WaitSite next_site_{detail::WaitKind::kHandoff,
                               "the next message of a hand-off ring (from the device before it)",
                               [this] { return held(); }};

@@ -1,5 +1,7 @@
-// DeviceBuffer: typed memory in one device's arena, what programs compute on and copy
-// between (Poplar's tensors on a device).
+/// @file
+/// DeviceBuffer: typed memory in one device's arena, what programs compute on and copy
+/// between (Poplar's tensors on a device).
+/// Guide: runtime/engine/README.md.
 #pragma once
 
 #include <cstddef>
@@ -12,11 +14,16 @@
 
 namespace bspflow {
 
-// Memory in one device's arena, typed as `elements` of a DType. Counts against the device's
-// memory budget (OutOfMemoryError if it does not fit). Zero-filled at creation.
+/// Memory in one device's arena, typed as `elements` of a DType. Counts against the device's
+/// memory budget. Zero-filled at creation.
+/// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 class DeviceBuffer {
  public:
+  /// Takes the memory from the device's arena. Throws OutOfMemoryError if it does not fit,
+  /// bspflow::Error if its byte size overflows.
+  /// Contract: host; non-blocking; allocates; throws Error.
   DeviceBuffer(Device& device, std::string name, DType dtype, std::size_t elements);
+  /// Gives the memory back to the arena.
   ~DeviceBuffer();
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
@@ -28,8 +35,9 @@ class DeviceBuffer {
   std::size_t bytes() const noexcept { return elements_ * dtype_size(dtype_); }
   std::span<std::byte> raw() noexcept { return {data_, bytes()}; }
   std::span<const std::byte> raw() const noexcept { return {data_, bytes()}; }
-  // The elements as E (uint8_t, uint16_t for fp16, float, int32_t). Throws bspflow::Error
-  // if E does not match dtype().
+  /// The elements as E (uint8_t, uint16_t for fp16, float, int32_t). Throws bspflow::Error
+  /// if E does not match dtype().
+  /// Contract: any; non-blocking; no-alloc; throws Error.
   template <class E>
   std::span<E> as() {
     static_assert(kIsElement<E>,
@@ -48,7 +56,10 @@ class DeviceBuffer {
   std::size_t elements_;
   std::byte* data_;
 };
+/// A shared DeviceBuffer: what program nodes hold.
 using Buffer = std::shared_ptr<DeviceBuffer>;
+/// A new DeviceBuffer (see its constructor), shared.
+/// Contract: host; non-blocking; allocates; throws Error.
 Buffer make_buffer(Device& device, std::string name, DType dtype, std::size_t elements);
 
 }  // namespace bspflow

@@ -1,17 +1,8 @@
-// Device memory of a Pipeline: the precision its tensors are stored in, and the memory
-// report (in the spirit of PopVision's memory report) — per device, per category, always
-// live or not, largest tensors first — with what would help when a model does not fit.
-//
-//   PipelineConfig cfg;
-//   cfg.precision = Precision::half();            // fp16 storage, fp32 partials
-//   Pipeline pipe(devices, cfg, make_stages);     // PipelineOutOfMemoryError if it cannot fit
-//   std::cout << pipe.memory().to_string();
-//
-// Liveness. A tensor is always live (parameters, optimiser state, gradient accumulators,
-// exchange buffers: held for the whole run) or live in one phase of a step only: the
-// compute phase (the activation stash, this micro-batch's gradients, a stage's working
-// memory) or the update phase (reduced gradients, the transient buffer offloaded optimiser
-// state streams into). A device's peak is its always-live bytes plus the larger phase.
+/// @file
+/// Device memory of a Pipeline: what each device holds (TensorMemory, DeviceMemory), the
+/// memory report (MemoryReport, in the spirit of PopVision's) with what would help when a model
+/// does not fit, and PipelineOutOfMemoryError.
+/// Guide: runtime/pipeline/README.md.
 #pragma once
 
 #include <cstddef>
@@ -25,85 +16,92 @@
 
 namespace bspflow {
 
+/// What a tensor holds, in the memory report.
 enum class MemoryCategory : std::uint8_t {
-  kParameters,       // weights
-  kOptimizerState,   // the optimiser's state (offloaded: a transient buffer in the update)
-  kGradients,        // accumulators (always live), per micro-batch and reduced (not)
-  kActivationStash,  // what each stage keeps between a forward and its backward pass
-  kExchange,         // activation and gradient buffers between devices
-  kWorking,          // what a stage needs while a pass runs (declared by the stage)
-  kIoTiles,          // the I/O tiles' memory (PipelineConfig::io_tiles x bytes per tile)
+  kParameters,       ///< weights
+  kOptimizerState,   ///< the optimiser's state (offloaded: a transient buffer in the update)
+  kGradients,        ///< accumulators (always live), per micro-batch and reduced (not)
+  kActivationStash,  ///< what each stage keeps between a forward and its backward pass
+  kExchange,         ///< activation and gradient buffers between devices
+  kWorking,          ///< what a stage needs while a pass runs (declared by the stage)
+  kIoTiles,          ///< the I/O tiles' memory (PipelineConfig::io_tiles x bytes per tile)
 };
-// "parameters", "optimiser state", "gradients", "activation stash", "exchange", "working",
-// "I/O tiles". Any thread. Never blocks, never allocates, never throws.
+/// "parameters", "optimiser state", "gradients", "activation stash", "exchange", "working",
+/// "I/O tiles".
+/// Contract: any; non-blocking; no-alloc; noexcept.
 const char* to_string(MemoryCategory c) noexcept;
 inline constexpr std::size_t kMemoryCategories = 7;
 
-// When a tensor is live: the whole run; the compute phase of a step (across passes: the
-// activation stash); only while its own stage's pass runs (working memory, this
-// micro-batch's gradients: stages sharing a device need the largest, not the sum); the
-// update phase.
+/// When a tensor is live: the whole run; the compute phase of a step (across passes: the
+/// activation stash); only while its own stage's pass runs (working memory, this
+/// micro-batch's gradients: stages sharing a device need the largest, not the sum); the
+/// update phase.
 enum class Liveness : std::uint8_t { kAlways, kCompute, kPass, kUpdate };
-// "always live", "compute phase", "during its stage's passes", "update phase". Never blocks,
-// never allocates, never throws.
+/// "always live", "compute phase", "during its stage's passes", "update phase".
+/// Contract: any; non-blocking; no-alloc; noexcept.
 const char* to_string(Liveness l) noexcept;
 
-// One tensor a device holds. A plain value type.
+/// One tensor a device holds. A plain value type.
 struct TensorMemory {
-  std::string name;  // "stage 1 'conv2' activation stash (3 x 12.5 KiB)"
+  std::string name;  ///< "stage 1 'conv2' activation stash (3 x 12.5 KiB)"
   MemoryCategory category = MemoryCategory::kParameters;
   Liveness liveness = Liveness::kAlways;
   std::size_t bytes = 0;
   std::uint32_t stage = 0;
   std::uint32_t replica = 0;
-  // A device buffer the programs copy between (bsp exchange), held as itself rather than
-  // as a named block.
+  /// A device buffer the programs copy between (bsp exchange), held as itself rather than
+  /// as a named block.
   bool device_buffer = false;
 };
 
-// One device's tensors. A plain value type; every member: any thread, never blocks, never
-// throws; only to_string() allocates.
+/// One device's tensors. A plain value type. A device's peak is its always-live bytes plus
+/// the larger phase.
+/// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 struct DeviceMemory {
   std::uint32_t device = 0;
-  // What the device's arena had free when the pipeline was built: its whole memory (tiles
-  // x bytes per tile) unless something else already held some.
+  /// What the device's arena had free when the pipeline was built: its whole memory (tiles
+  /// x bytes per tile) unless something else already held some.
   std::size_t capacity = 0;
-  std::vector<TensorMemory> tensors;  // largest first
+  std::vector<TensorMemory> tensors;  ///< largest first
 
   std::size_t always_live() const noexcept;
-  std::size_t phase(Liveness l) const noexcept;  // the bytes of the tensors with that liveness
-  // The compute phase's peak: phase(kCompute) plus the largest one stage's kPass bytes.
+  std::size_t phase(Liveness l) const noexcept;  ///< the bytes of the tensors with that liveness
+  /// The compute phase's peak: phase(kCompute) plus the largest one stage's kPass bytes.
   std::size_t compute_peak() const noexcept;
-  // Not always live: the larger of compute_peak() and the update phase (what the peak adds
-  // to always_live()).
+  /// Not always live: the larger of compute_peak() and the update phase (what the peak adds
+  /// to always_live()).
   std::size_t not_always_live() const noexcept;
   std::size_t peak() const noexcept { return always_live() + not_always_live(); }
-  // Bytes of one category, all phases.
+  /// Bytes of one category, all phases.
   std::size_t category(MemoryCategory c) const noexcept;
   bool fits() const noexcept { return peak() <= capacity; }
 };
 
-// Every device a Pipeline uses. A plain value type.
+/// Every device a Pipeline uses. A plain value type.
+/// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 struct MemoryReport {
   std::vector<DeviceMemory> devices;
   Precision precision;
-  // What would make a device that does not fit fit (empty when everything fits).
+  /// What would make a device that does not fit fit (empty when everything fits).
   std::vector<std::string> suggestions;
 
-  // Any thread. Never blocks, never allocates, never throws.
+  /// Whether every device fits.
   bool fits() const noexcept;
-  std::size_t peak() const noexcept;  // the largest device peak
-  // Any thread. A table per device: capacity, peak, always live and not, bytes per
-  // category, the largest tensors (up to `largest` of them), then the suggestions.
-  // Allocates. Throws only std::bad_alloc.
+  std::size_t peak() const noexcept;  ///< the largest device peak
+  /// A table per device: capacity, peak, always live and not, bytes per category, the
+  /// largest tensors (up to `largest` of them), then the suggestions.
+  /// Contract: any; non-blocking; allocates; throws bad_alloc.
   std::string to_string(std::size_t largest = 5) const;
 };
 
-// A Pipeline's tensors do not fit its devices. report() has every device (the ones that do
-// not fit say so) and what would help; what() says which device, by how much, its largest
-// holders and the suggestions.
+/// A Pipeline's tensors do not fit its devices. report() has every device (the ones that do
+/// not fit say so) and what would help; what() says which device, by how much, its largest
+/// holders and the suggestions.
+/// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 class PipelineOutOfMemoryError : public OutOfMemoryError {
  public:
+  /// The message, the bytes asked for and free (as OutOfMemoryError), and the report.
+  /// Contract: any; non-blocking; allocates; throws bad_alloc.
   PipelineOutOfMemoryError(const std::string& message, std::size_t requested,
                            std::size_t free_bytes, MemoryReport report)
       : OutOfMemoryError(message, requested, free_bytes), report_(std::move(report)) {}

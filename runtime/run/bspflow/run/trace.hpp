@@ -1,11 +1,8 @@
-// Execution traces: every phase each device spends, and every transfer of the I/O engine,
-// recorded by the program interpreter and exported as Chrome trace-event JSON (open it in
-// https://ui.perfetto.dev or chrome://tracing) or summarised as text, like PopVision's
-// execution-trace summary.
-//
-// Recording is off unless asked for (EngineConfig::trace, or BSPFLOW_TRACE=FILE in the
-// environment). Off, a phase costs one predictable branch; on, two clock reads and an
-// append to a vector owned by the recording thread (no locks, no atomics).
+/// @file
+/// Execution traces: every phase each device spends, and every transfer of the I/O engine,
+/// recorded by the program interpreter and exported as Chrome trace-event JSON or summarised
+/// as text. Recording is off unless asked for (EngineConfig::trace, or BSPFLOW_TRACE=FILE).
+/// Guide: runtime/run/README.md.
 #pragma once
 
 #include <array>
@@ -21,60 +18,76 @@
 
 namespace bspflow {
 
+/// What a traced span of a track was spent on.
 enum class Phase : std::uint8_t {
-  kStreamCopyBegin,  // waiting for the host (data not there yet)
-  kStreamCopyMid,    // the transfer itself
-  kStreamCopyEnd,    // handing the data over (to the compute tiles, or to the outfeed)
-  kCompute,          // an Execute: a compute set over the compute tiles
-  kSync,             // a barrier across a group of devices
-  kExchange,         // a Copy between buffers (between devices: over the modeled link)
-  kIdle,             // waiting for anything else (a free I/O buffer, outbound transfers)
-  kTransfer,         // I/O engine tracks: one modeled host-link transfer
+  kStreamCopyBegin,  ///< waiting for the host (data not there yet)
+  kStreamCopyMid,    ///< the transfer itself
+  kStreamCopyEnd,    ///< handing the data over (to the compute tiles, or to the outfeed)
+  kCompute,          ///< an Execute: a compute set over the compute tiles
+  kSync,             ///< a barrier across a group of devices
+  kExchange,         ///< a Copy between buffers (between devices: over the modeled link)
+  kIdle,             ///< waiting for anything else (a free I/O buffer, outbound transfers)
+  kTransfer,         ///< I/O engine tracks: one modeled host-link transfer
 };
 inline constexpr std::size_t kPhaseCount = 8;
+/// The phase's name: "StreamCopyBegin", "Compute", "Transfer"...
+/// Contract: any; non-blocking; no-alloc; noexcept.
 const char* to_string(Phase p) noexcept;
 
+/// One recorded span of a track.
 struct TraceEvent {
   Phase phase;
-  bool to_host = false;       // kTransfer / stream copies: the direction
-  std::uint32_t label = 0;    // index into the track's labels (0 = the phase's own name)
-  std::int64_t begin_ns = 0;  // since the trace's origin
+  bool to_host = false;       ///< kTransfer / stream copies: the direction
+  std::uint32_t label = 0;    ///< index into the track's labels (0 = the phase's own name)
+  std::int64_t begin_ns = 0;  ///< since the trace's origin
   std::int64_t end_ns = 0;
   std::uint64_t bytes = 0;
 };
 
-// One timeline: a device, or one channel of the I/O engine. Written by one thread at a time
-// (the device thread, or the engine thread); read after the run has ended. A device track
-// also keeps the device's modeled IPU timeline (its modeled clock's spans: ModeledSpans),
-// in modeled nanoseconds since the run began.
+/// One timeline: a device, or one channel of the I/O engine. Written by one thread at a time
+/// (tagged device: the device's thread, or for an I/O track the I/O engine's thread); read
+/// by the host after the run has ended. A device track also keeps the device's modeled IPU
+/// timeline (its modeled clock's spans: ModeledSpans), in modeled nanoseconds since the run
+/// began.
+/// Contract of every member: host; non-blocking; no-alloc; noexcept, unless tagged.
 class TraceTrack final : public ModeledSpans {
  public:
   using Clock = std::chrono::steady_clock;
   enum class Kind { kDevice, kIo };
 
+  /// A track named `name`, its times counted from `origin` (Trace::add_track() makes them).
+  /// Contract: host; non-blocking; allocates; throws bad_alloc.
   TraceTrack(std::string name, Kind kind, std::uint32_t id, Clock::time_point origin);
 
-  // Owner thread. Appends one event (allocates now and then, amortised).
+  /// Appends one event (allocates now and then, amortised).
+  /// Contract: device; non-blocking; allocates; throws bad_alloc.
   void record(Phase phase, Clock::time_point begin, Clock::time_point end, std::uint64_t bytes = 0,
               std::uint32_t label = 0, bool to_host = false) {
     events_.push_back(TraceEvent{phase, to_host, label, ns(begin), ns(end), bytes});
   }
-  // Owner thread (the device's modeled clock): one span of modeled time, as a TraceEvent
-  // (kCompute, kStreamCopyMid for the host link, kExchange, kSync, kIdle for the host call).
+  /// Called by the device's modeled clock: one span of modeled time, as a TraceEvent
+  /// (kCompute, kStreamCopyMid for the host link, kExchange, kSync, kIdle for the host call).
+  /// A span that finds no memory is dropped.
+  /// Contract: device; non-blocking; allocates; noexcept.
   void modeled_span(ModeledPhase phase, double begin_ns, double end_ns,
                     std::uint32_t label) noexcept override;
+  /// The modeled spans, in modeled nanoseconds since the run began.
   const std::vector<TraceEvent>& modeled_events() const noexcept { return modeled_; }
-  // Owner thread, at setup: a label for compute sets ("matmul"), returned for record().
+  /// A label for compute sets ("matmul"): its index, for record(). The same label added twice
+  /// has one index. Called at setup (the host may call it before the run).
+  /// Contract: device; non-blocking; allocates; throws bad_alloc.
   std::uint32_t add_label(std::string label);
-  // Owner thread: one more completed iteration of the device's outermost Repeat.
+  /// One more completed iteration of the device's outermost Repeat.
+  /// Contract: device; non-blocking; no-alloc; noexcept.
   void count_iteration() noexcept { ++iterations_; }
 
   const std::string& name() const noexcept { return name_; }
   Kind kind() const noexcept { return kind_; }
   std::uint32_t id() const noexcept { return id_; }
   const std::vector<TraceEvent>& events() const noexcept { return events_; }
+  /// The label of `e`; empty for label 0 (the phase's own name).
   const std::string& label(const TraceEvent& e) const;
-  // Every label added, by index (0: none, the phase's own name).
+  /// Every label added, by index (0: none, the phase's own name).
   const std::vector<std::string>& labels() const noexcept { return labels_; }
   std::uint64_t iterations() const noexcept { return iterations_; }
 
@@ -92,12 +105,13 @@ class TraceTrack final : public ModeledSpans {
   std::uint64_t iterations_ = 0;
 };
 
+/// One track of a TraceSummary.
 struct TrackSummary {
   std::string name;
   TraceTrack::Kind kind = TraceTrack::Kind::kDevice;
-  std::int64_t total_ns = 0;                   // the run's wall time
-  std::array<std::int64_t, kPhaseCount> ns{};  // per phase; kIdle includes unrecorded time
-  std::array<double, kPhaseCount> share{};     // of total_ns, adding up to 1
+  std::int64_t total_ns = 0;                   ///< the run's wall time
+  std::array<std::int64_t, kPhaseCount> ns{};  ///< per phase; kIdle includes unrecorded time
+  std::array<double, kPhaseCount> share{};     ///< of total_ns, adding up to 1
   std::uint64_t bytes_to_device = 0;
   std::uint64_t bytes_to_host = 0;
   std::uint64_t iterations = 0;
@@ -105,53 +119,68 @@ struct TrackSummary {
   Phase longest_phase = Phase::kIdle;
   std::string longest_label;
   std::int64_t longest_ns = 0;
-  // Time of labelled events by label, largest first ("optimiser state in", "all-reduce",
-  // "forward"...): say what share of the run remote-buffer copies or the reduction take.
+  /// Time of labelled events by label, largest first ("optimiser state in", "all-reduce",
+  /// "forward"...): say what share of the run remote-buffer copies or the reduction take.
   std::vector<std::pair<std::string, std::int64_t>> label_ns;
-  // The same device in modeled IPU time (device tracks; 0 when none was kept): its modeled
-  // time, and per phase (kIdle: the host call and waiting after it ended, until the slowest
-  // device's end) and shares of the slowest device's.
+  /// The same device in modeled IPU time (device tracks; 0 when none was kept): its modeled
+  /// time, and per phase (kIdle: the host call and waiting after it ended, until the slowest
+  /// device's end) and shares of the slowest device's.
   std::int64_t modeled_ns = 0;
   std::array<std::int64_t, kPhaseCount> modeled_phase_ns{};
   std::array<double, kPhaseCount> modeled_share{};
 };
 
+/// What Trace::summary() returns: per track, where its time went.
 struct TraceSummary {
   std::int64_t run_ns = 0;
-  std::int64_t modeled_run_ns = 0;  // the slowest device's modeled time (0: none kept)
+  std::int64_t modeled_run_ns = 0;  ///< the slowest device's modeled time (0: none kept)
   std::vector<TrackSummary> tracks;
-  // A table: per track the share of each phase, bytes each way, iterations, longest phase.
+  /// A table: per track the share of each phase, bytes each way, iterations, longest phase.
+  /// Contract: host; non-blocking; allocates; throws bad_alloc.
   std::string to_string() const;
 };
 
-// The tracks of one run. Not thread-safe itself: tracks are added before the run starts and
-// read after it ends; each track is written by its own thread in between.
+/// The tracks of one run. Not thread-safe itself: tracks are added before the run starts and
+/// read after it ends; each track is written by its own thread in between.
+/// Contract of every member: host; non-blocking; no-alloc; noexcept, unless tagged.
 class Trace {
  public:
   using Clock = std::chrono::steady_clock;
+  /// A trace whose times count from `origin`.
+  /// Contract: host; non-blocking; allocates; throws bad_alloc.
   explicit Trace(Clock::time_point origin = Clock::now()) : origin_(origin) {}
 
+  /// Adds a track, before the run starts. The reference stays valid as tracks are added.
+  /// Contract: host; non-blocking; allocates; throws bad_alloc.
   TraceTrack& add_track(std::string name, TraceTrack::Kind kind, std::uint32_t id);
+  /// Sets the run's end (run_ns() counts to it).
   void set_end(Clock::time_point end) noexcept { end_ = end; }
-  // Sets the end to the latest event's end (for runs nobody timed from outside).
+  /// Sets the end to the latest event's end (for runs nobody timed from outside).
   void end_at_last_event() noexcept;
 
   const std::deque<TraceTrack>& tracks() const noexcept { return tracks_; }
+  /// The run's wall time, from the origin to the end; 0 while no end is set.
   std::int64_t run_ns() const noexcept;
 
-  // Chrome trace-event JSON: one process ("bspflow"), one thread per track, complete ("X")
-  // events in microseconds with bytes and labels in args; and a second process ("modeled IPU
-  // time") with each device's modeled timeline, on its own time axis (categories prefixed
-  // "modeled ").
+  /// Chrome trace-event JSON: one process ("bspflow"), one thread per track, complete ("X")
+  /// events in microseconds with bytes and labels in args; and a second process ("modeled IPU
+  /// time") with each device's modeled timeline, on its own time axis (categories prefixed
+  /// "modeled ").
+  /// Contract: host; non-blocking; allocates; throws bad_alloc.
   std::string chrome_json() const;
-  // Writes chrome_json() to `path`; throws bspflow::Error naming the file on failure.
+  /// Writes chrome_json() to `path` (file I/O); throws bspflow::Error naming the file if it
+  /// cannot be opened or written.
+  /// Contract: host; non-blocking; allocates; throws Error.
   void write_chrome_json(const std::string& path) const;
+  /// Per track: time per phase and its share, bytes each way, iterations, the longest phase
+  /// and the time of each label; with modeled time where a track keeps it.
+  /// Contract: host; non-blocking; allocates; throws bad_alloc.
   TraceSummary summary() const;
 
  private:
   Clock::time_point origin_;
   Clock::time_point end_{};
-  std::deque<TraceTrack> tracks_;  // deque: references stay valid as tracks are added
+  std::deque<TraceTrack> tracks_;  ///< deque: references stay valid as tracks are added
 };
 
 }  // namespace bspflow
