@@ -530,10 +530,11 @@ int main(int argc, char** argv) {
   }
   std::printf("\n");
   if (!verdicts_match) {
-    std::fprintf(stderr,
-                 "FAILED: the modeled verdict differs from the tutorial's (is this host's loader "
-                 "slower than the modeled IPU?)\n");
-    ++failures;
+    // The loader's rate is this host's: the verdict is printed, never a failure (a loaded
+    // machine may supply a fraction of a quiet one's items/s).
+    std::printf(
+        "note: on this host the modeled verdict differs from the tutorial's: this host's loader "
+        "is slower than the modeled IPU\n");
   }
   if (st.link_steps > 0) {
     try {

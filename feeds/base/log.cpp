@@ -3,7 +3,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
+#include <set>
 #include <string>
+#include <utility>
 
 #include "bspflow/base/log.hpp"
 
@@ -14,6 +16,7 @@ namespace {
 struct LogState {
   std::mutex mutex;
   LogHandler handler;
+  std::set<std::pair<int, std::string>> said;  // log_once's messages so far
 };
 
 LogState& log_state() {
@@ -82,6 +85,20 @@ void log(LogLevel level, std::string_view message) {
   }
   std::fprintf(stderr, "bspflow %.*s: %.*s\n", static_cast<int>(to_string(level).size()),
                to_string(level).data(), static_cast<int>(message.size()), message.data());
+}
+
+bool log_once(LogLevel level, std::string_view message) {
+  if (level == LogLevel::kOff || static_cast<int>(level) < static_cast<int>(log_level())) {
+    return false;
+  }
+  {
+    std::lock_guard lock(log_state().mutex);
+    if (!log_state().said.emplace(static_cast<int>(level), std::string(message)).second) {
+      return false;
+    }
+  }
+  log(level, message);
+  return true;
 }
 
 }  // namespace bspflow

@@ -61,8 +61,10 @@ LoaderCore::~LoaderCore() {
 
 void LoaderCore::ready_to_load() {
   const std::string notice = plan_.reports() ? plan_.remainder_notice() : std::string();
+  // Once per distinct cause in the process: a program that builds a loader per measurement
+  // says it once, not once per loader.
   if (!notice.empty())
-    log(plan_.dropped_per_epoch() != 0 ? LogLevel::kWarning : LogLevel::kInfo, notice);
+    log_once(plan_.dropped_per_epoch() != 0 ? LogLevel::kWarning : LogLevel::kInfo, notice);
   if (config_.mode == LoaderMode::kSync) {
     if (config_.num_workers > 0) spawn_workers();  // helpers: idle until a step is asked for
     return;

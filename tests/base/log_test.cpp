@@ -29,6 +29,18 @@ TEST_CASE("messages below the level are dropped; the handler gets the rest") {
   CHECK(seen[1] == std::pair<LogLevel, std::string>{LogLevel::kError, "also shown"});
 }
 
+TEST_CASE("log_once says each distinct message once per process") {
+  std::vector<std::string> seen;
+  set_log_handler([&](LogLevel, std::string_view m) { seen.emplace_back(m); });
+  CHECK(log_once(LogLevel::kWarning, "log_once test: cause A"));
+  CHECK_FALSE(log_once(LogLevel::kWarning, "log_once test: cause A"));
+  CHECK(log_once(LogLevel::kWarning, "log_once test: cause B"));
+  CHECK(log_once(LogLevel::kError, "log_once test: cause A"));  // another level: another cause
+  set_log_handler(nullptr);
+  CHECK(seen == std::vector<std::string>{"log_once test: cause A", "log_once test: cause B",
+                                         "log_once test: cause A"});
+}
+
 TEST_CASE("levels have names") {
   CHECK(to_string(LogLevel::kDebug) == "debug");
   CHECK(to_string(LogLevel::kWarning) == "warning");

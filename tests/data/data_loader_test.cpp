@@ -403,6 +403,10 @@ TEST_CASE("drop_last says once how many samples it drops and why") {
     DataLoader loader(StepShape{1, 1, 2}, data, c);  // 16 per step: 6 steps, 4 dropped
     for (int e = 0; e < 2; ++e) drain_epoch(loader);
   }
+  {  // A second loader of the same shape (one built per measurement): said once per process.
+    DataLoader again(StepShape{1, 1, 2}, data, c);
+    drain_epoch(again);
+  }
   set_log_handler(nullptr);
   REQUIRE(messages.size() == 1);
   CHECK(contains(messages[0],

@@ -1,6 +1,7 @@
-// Minimal logging: warnings (e.g. devices sharing cores) go to a handler the application
-// may replace. Default: stderr, level from BSPFLOW_LOG_LEVEL (debug|info|warning|error|off),
-// default warning.
+/// @file
+/// Minimal logging: warnings (e.g. devices sharing cores) go to a handler the application
+/// may replace. Default: stderr, level from BSPFLOW_LOG_LEVEL (debug|info|warning|error|off),
+/// default warning.
 #pragma once
 
 #include <functional>
@@ -13,14 +14,30 @@ enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3, kOff = 4 
 
 using LogHandler = std::function<void(LogLevel, std::string_view)>;
 
-// Any thread. Replaces the handler; an empty handler restores the default (stderr).
+/// Replaces the handler; an empty handler restores the default (stderr).
+/// Contract: any; non-blocking; no-alloc; noexcept.
 void set_log_handler(LogHandler handler);
-// Any thread. Messages below this level are dropped before formatting reaches the handler.
+/// Messages below this level are dropped before formatting reaches the handler.
+/// Contract: any; non-blocking; no-alloc; noexcept.
 void set_log_level(LogLevel level);
+/// The level set last (at first, the one BSPFLOW_LOG_LEVEL gives).
+/// Contract: any; non-blocking; no-alloc; noexcept.
 LogLevel log_level();
-// Any thread. Thread-safe; takes a lock (setup paths only, never the hot path).
+/// Hands `message` to the handler (or writes it to stderr) unless `level` is below
+/// log_level(). Messages are handled one at a time, under a lock: for setup paths, never the
+/// hot path. A handler set with set_log_handler() may allocate or throw on its own account.
+/// Contract: any; non-blocking; no-alloc; noexcept.
 void log(LogLevel level, std::string_view message);
 
+/// log(), the first time this process is given this exact message at this level; later
+/// calls with it do nothing and return false. For a notice that would repeat once per object
+/// built (a loader's drop_last warning, built again for each measurement): said once per
+/// distinct cause. Remembers each distinct message (allocates the first time).
+/// Contract: any; non-blocking; allocates; throws bad_alloc.
+bool log_once(LogLevel level, std::string_view message);
+
+/// "debug", "info", "warning", "error" or "off".
+/// Contract: any; non-blocking; no-alloc; noexcept.
 std::string_view to_string(LogLevel level);
 
 }  // namespace bspflow
