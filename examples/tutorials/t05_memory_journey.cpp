@@ -1,4 +1,4 @@
-// t05_memory_journey: the IPU hands-on session's journey, in its order, on one emulated IPU
+// t05_memory_journey: the IPU hands-on tutorial's journey, in its order, on one emulated IPU
 // (1472 tiles with a small memory each, --bytes-per-tile): the tutorial's conv net on
 // Fashion-MNIST-shaped images (28 x 28, 8-bit on disk), micro-batch 16. Each step changes one
 // thing and prints a row:

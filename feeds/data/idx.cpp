@@ -182,7 +182,7 @@ Array read(const std::filesystem::path& file) {
     bytes *= n;
   }
   // The buffer grows as the data arrives, a chunk at a time: a short file whose header
-  // promises gigabytes costs one chunk, not the promised size (found by tests/fuzz).
+  // promises gigabytes costs one chunk, not the promised size (a fuzzing regression input).
   for (std::size_t filled = 0; filled < bytes;) {
     const std::size_t n =
         static_cast<std::size_t>(std::min<std::uint64_t>(bytes - filled, kReadChunk));

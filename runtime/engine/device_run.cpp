@@ -127,8 +127,8 @@ void DeviceRun::run_program(const Program& program) {
   }
   if (exec(program)) return;
   if (status_ == RunStatus::kEndOfData) {
-    // The devices this one syncs with would wait for it at their next Sync forever (found by
-    // the soak suite): they end there, each after finishing what it does before that Sync.
+    // The devices this one syncs with would wait for it at their next Sync forever: they end
+    // there, each after finishing what it does before that Sync.
     for (SyncGroup* g : groups_) g->abort();
   } else if (status_ == RunStatus::kCompleted) {
     status_ = RunStatus::kCancelled;

@@ -6,7 +6,7 @@
 //    elements and then reads its 1000 outfeed entries while the device thread loops.
 //  - feed_bulk_throughput_vs_moodycamel: the same path with push_bulk (1000 per call) and
 //    prefetch depth 32, over raw moodycamel's bulk API (enqueue_bulk of 1000, try_dequeue_bulk
-//    of 32) on the same two threads and cores; target >= 1.0 (issue 29). Its ratio over the
+//    of 32) on the same two threads and cores; target >= 1.0. Its ratio over the
 //    element-wise reference is printed too (..._elementwise). The bulk path's outfeed has one
 //    reader and says so (ConsumerType::kSingle); feed_bulk_multi_reader_* is it with kMulti.
 //  - feed_bulk_throughput_vs_moodycamel_same_shape: the bulk path over moodycamel's bulk API

@@ -5,7 +5,7 @@
 //   flagship_vs_sequential   that over the same model trained in a plain single-threaded loop
 //                            (the same stages' forward/backward/update called directly, same
 //                            micro-batch order and accumulation; no runtime), same run;
-//                            target >= 1.6 (issue 29)
+//                            target >= 1.6
 //   machine_2_vs_1_throughput    the machine's own floor for 2 cores: two plain loops at
 //                                once (pinned like 2 devices) over one
 //   flagship_vs_machine_2_threads  the pipeline over those two plain loops: the share of
@@ -35,7 +35,7 @@
 // flagship_vs_sequential). This VM's speed moves by 15-30% between runs and within them,
 // so figures taken an epoch apart measured that drift as much as the runtime.
 //
-// Where the devices' time goes (issue 29, item 3), from a separate traced run of the same
+// Where the devices' time goes from a separate traced run of the same
 // pipeline after the timed one (so tracing never touches the throughput keys), summed over
 // its host calls, per device d (figures, no targets):
 //   flagship_device<d>_compute_share    share of the device's time in compute sets

@@ -391,7 +391,7 @@ int main(int argc, char** argv) {
     }
     return std::pair{best_p, best_f};
   };
-  // The floor targets are issue 29's (>= 0.95 bsp 1 us, >= 0.98 dataflow 1 us); none without
+  // The floor targets (>= 0.95 bsp 1 us, >= 0.98 dataflow 1 us); none without
   // floor_target.
   auto report_against = [&](const char* name, double per_s, double floor_per_s, double stage_s,
                             const char* target, double target_value, const char* floor_key,

@@ -1,4 +1,4 @@
-// Serving benchmark (issue 27): a model whose batch of n requests costs a + b*n of busy work
+// Serving benchmark: a model whose batch of n requests costs a + b*n of busy work
 // (default 20 us + 2 us per request, so batching pays), served by a Stream with a batch stage,
 // measured the way an inference server is: its capacity first, then an open-loop client at
 // fractions of it. Keys (every ratio against references measured in the same run):

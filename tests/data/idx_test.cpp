@@ -197,10 +197,9 @@ TEST_CASE("idx: bad files are clear errors naming the file and what is wrong") {
   CHECK(corrupt.find(path, corrupt.find(path) + path.size()) == std::string::npos);  // once
 }
 
-// Found by tests/fuzz/fuzz_idx (regressions/idx/oom_found_by_fuzz_idx): a short file
-// promising 4 GiB made the reader allocate (and zero) the 4 GiB before finding the file
-// short. The buffer now grows with the data read: the peak memory of the process (which
-// zeroing would have raised by 4 GiB) stays near where it was.
+// Guards (regression input tests/fuzz/regressions/idx/oom_found_by_fuzz_idx): a short file
+// promising 4 GiB is refused without allocating (and zeroing) the 4 GiB first. The buffer
+// grows with the data read: the peak memory of the process stays near where it was.
 TEST_CASE("idx: a short file whose header promises gigabytes is refused without allocating them") {
   TempDir dir;
   const auto peak_bytes = [] {

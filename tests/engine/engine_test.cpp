@@ -264,8 +264,8 @@ TEST_CASE("StreamCopy: end of data ends the program with kEndOfData, with and wi
   }
 }
 
-// Found by the soak suite: a device whose infeed ended left the devices it syncs with
-// waiting for it at their next Sync, and the run never returned.
+// Guards: a device whose infeed ends does not leave the devices it syncs with waiting for it
+// at their next Sync; the run returns.
 TEST_CASE(
     "StreamCopy: end of data on one device ends a run whose devices sync (no one waits forever)") {
   for (std::uint32_t io : {0u, 4u}) {
@@ -378,8 +378,8 @@ TEST_CASE("programs are checked before they run") {
   CHECK(contains(error_of([&] { AllReduce("grads", 0, bytes); }), "AllReduce 'grads' replicas"));
   CHECK(contains(error_of([&] { AllReduce("grads", 0, bytes); }), "must be in 1.."));
   CHECK(contains(error_of([&] { AllReduce("grads", 2, nullptr); }), "the bytes function is empty"));
-  // Issue 30: an AllReduce's replica count must be its sync group's size (it used to run a
-  // ring of 3 between the Syncs of a group of 2, modelling the wrong time without a word).
+  // Guards: an AllReduce's replica count must be its sync group's size; a ring of 3 between
+  // the Syncs of a group of 2 would model the wrong time without a word.
   for (const std::uint32_t replicas : {1u, 3u}) {
     CAPTURE(replicas);
     const Program odd = Sequence{Sync(group), AllReduce("grads", replicas, bytes), Sync(group)};
@@ -490,9 +490,8 @@ TEST_CASE("cancel() stops a run that would not end by itself; waits for data wak
 }
 
 TEST_CASE("a run refused while it sets up gives back what it took: lanes and I/O-tile memory") {
-  // Issue 30: device 0's prefetch slots (I/O tiles) were taken from its arena, then device
-  // 1's lane was refused; the slots stayed allocated (DeviceRun released them only in
-  // finish()), so every refused run leaked I/O-tile memory.
+  // Guards: when device 1's lane is refused after device 0's prefetch slots (I/O tiles) were
+  // taken from its arena, the slots are given back; a refused run leaks no I/O-tile memory.
   DeviceGroup devices(2, kSmall);
   Engine engine(devices, with_link(1us, 256, 4, 2));
   InfeedQueue<Tensor> infeed(InfeedConfig{2, 16, 2});
@@ -516,7 +515,8 @@ TEST_CASE("a run refused while it sets up gives back what it took: lanes and I/O
 
 TEST_CASE(
     "a std::stop_token stops a run: before the call nothing is taken, during it as cancel()") {
-  // Issue 30: the Engine took no stop token, and cancel() reached only a run already set up.
+  // Guards: a stop token given to run() and cancel() both stop a run, however far its setup
+  // has got.
   DeviceGroup devices(2, kSmall);
   for (const std::uint32_t io_tiles : {0u, 4u}) {
     CAPTURE(io_tiles);

@@ -371,9 +371,9 @@ TEST_CASE("bad launches are clear errors, before anything runs") {
     CHECK(!contains(e, "0 = unbounded"));  // a ring has a bound
   }
   {
-    // Issue 30: entries an earlier run left unread count against the bound. The check used
-    // to look at this run's entries only, and the second call below blocked on the full
-    // outfeed for ever (the guard drains it after 10 s and the test fails).
+    // Guards: entries an earlier run left unread count against the bound. Counting this run's
+    // entries only, the second call below would block on the full outfeed for ever (the
+    // guard drains it after 10 s and the test fails).
     OutfeedQueue<int> shared(OutfeedConfig{1, OutputMode::all(), 10});
     loops::repeat(
         device, 6, [](int& s) { return s++; }, 0, shared);  // 6 of 10: fits, left unread
@@ -443,8 +443,8 @@ TEST_CASE("a prefetch buffer that does not fit the device memory is an out-of-me
             .end_of_data());
 }
 
-// Found by the soak suite: a cancel that found a bounded outfeed full (its reader had
-// stopped) dropped the entries the device had written; the iterations still counted them.
+// Guards: a cancel that finds a bounded outfeed full (its reader has stopped) keeps the entries
+// the device wrote, and the iterations count only what was kept.
 TEST_CASE("a cancel while a bounded outfeed is full keeps every entry the device wrote") {
   for (const ConsumerType readers : {ConsumerType::kMulti, ConsumerType::kSingle}) {
     CAPTURE(readers == ConsumerType::kSingle);

@@ -56,8 +56,8 @@ TEST_CASE("cancel, dropping the Run handle, or destroying the device never hangs
 }
 
 TEST_CASE("a std::stop_token feed stops a loop: before the call it takes nothing") {
-  // Issue 30: loops::repeat could not be stopped at all (only by destroying the device), and
-  // a Run only once its handle existed.
+  // Guards: loops::repeat stops on its stop token, and a Run is stopped whether or not its
+  // handle exists yet.
   Device device(0, kSmall);
   const std::uint64_t forever = std::uint64_t{1} << 40;
   auto body = [](int& sum, int& x) { sum += x; };

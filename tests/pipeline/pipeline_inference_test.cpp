@@ -138,9 +138,9 @@ class CallsAt final : public Stage {
 TEST_SUITE_BEGIN("pipeline_inference");
 
 TEST_CASE("a stopped run with answers staged and a full outfeed nobody reads still returns") {
-  // Issue 30: run() finished its outfeed writers with no stop flag. A run stopped while its
-  // last stage held answers (write-combining) and the bounded outfeed was full, with nobody
-  // reading, blocked there for ever (the guard drains the outfeed after 10 s, and fails).
+  // Guards: run() finishes its outfeed writers with the stop flag. A run stopped while its
+  // last stage holds answers (write-combining) and the bounded outfeed is full, with nobody
+  // reading, must not block there (the guard drains the outfeed after 10 s, and fails).
   // Synthetic data (no link time) keeps the iterations fast, so answers are staged; the
   // stage cancels the run at micro-batch 8, with up to 8 answers in an outfeed of 8.
   for (int trial = 0; trial < 5; ++trial) {
@@ -174,9 +174,9 @@ TEST_CASE("a stopped run with answers staged and a full outfeed nobody reads sti
 
 TEST_CASE(
     "a cancel() while run() sets up is not lost: nothing is taken, the next run answers all") {
-  // Issue 30: Pipeline::cancel() reached only an Engine run already started; one made while
-  // run() attached its feeds and compiled its programs was lost, and this serving run (a
-  // count of 10^12 on an open infeed) went on for ever (the guard cancels it after 10 s).
+  // Guards: Pipeline::cancel() made while run() attaches its feeds and compiles its programs
+  // is not lost; otherwise this serving run (a count of 10^12 on an open infeed) would go on
+  // for ever (the guard cancels it after 10 s).
   for (const auto strategy : {ExecutionStrategy::kPipelined, ExecutionStrategy::kSingle}) {
     CAPTURE(std::string(to_string(strategy)));
     PipelineConfig cfg = inference({strategy, SyncMode::kBsp, 2});

@@ -593,8 +593,8 @@ TEST_CASE("errors: the config is checked against the stages and devices, saying 
 }
 
 TEST_CASE("a schedule the strategy cannot honour is refused; left unset, each strategy its own") {
-  // Issue 30: sharded and single run one stage at a time (the Sequential schedule) and used
-  // to ignore Grouped (the default) and sharded Interleaved silently.
+  // Guards: sharded and single run one stage at a time (the Sequential schedule), and a
+  // Grouped or Interleaved schedule asked of them is refused, not ignored.
   DeviceGroup devices(4, kSmall);
   auto model = [](std::uint32_t) { return make_model(4); };
   for (const auto strategy : {ExecutionStrategy::kSharded, ExecutionStrategy::kSingle}) {
@@ -630,7 +630,7 @@ TEST_CASE("a schedule the strategy cannot honour is refused; left unset, each st
 }
 
 TEST_CASE("a std::stop_token stops a training run: before the call nothing is taken or applied") {
-  // Issue 30: Pipeline::run took no stop token.
+  // Guards: Pipeline::run stops on its stop token.
   const std::uint32_t n = 2, k = 3;
   for (const auto strategy : {ExecutionStrategy::kPipelined, ExecutionStrategy::kSingle}) {
     for (const bool distributed : {false, true}) {
@@ -662,9 +662,9 @@ TEST_CASE("a std::stop_token stops a training run: before the call nothing is ta
 }
 
 TEST_CASE("a run refused while it attaches its feeds leaves nothing claimed") {
-  // Issue 30: the infeed readers were claimed into the pipeline's stage state before the
-  // outfeed was attached (or the next lane claimed); a refusal there left them claimed, and
-  // the next run was refused with "infeed lane of replica 0 already has a reader".
+  // Guards: a run refused while it attaches its feeds gives back the infeed readers it had
+  // claimed, so the next run is not refused with "infeed lane of replica 0 already has a
+  // reader".
   const std::uint32_t n = 2, k = 3;
   for (const std::uint32_t replicas : {1u, 2u}) {
     // How the run is refused: the outfeed is another run's, or (2 replicas) the last lane is.
@@ -748,9 +748,8 @@ TEST_CASE("an infeed that ends mid-run ends it with kEndOfData and says what was
 }
 
 TEST_CASE("an end of data names the step it ended at, whatever the strategy, sync and mapping") {
-  // Issue 30 reported that the message always said "step 0". It does not (this test passed
-  // before any change): every configuration below names the step and micro-batch the data
-  // ended at, early in the first step, at a step boundary and in a later step.
+  // Guards: the message names the step and micro-batch the data ended at, early in the first
+  // step, at a step boundary and in a later step (never "step 0" for all of them).
   struct Case {
     const char* what;
     void (*set)(PipelineConfig&);

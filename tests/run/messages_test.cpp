@@ -128,7 +128,7 @@ TEST_CASE("the table of messages: each names what was wrong, the value given and
       {"an open-ended loop (a service: 2^62 iterations) failing",
        [] { throw Error(loop_failure(std::uint64_t{1} << 62)); },
        "device 0 (replica 0) failed at iteration 2: boom"},
-      // Issue 30: the entries an earlier run left count against the bound.
+      // The entries an earlier run left count against the bound.
       {"loops::repeat into a bounded outfeed an earlier run left 6 of 10 entries in",
        [] {
          Device device(0, DeviceConfig{64, 16 * 1024});
@@ -165,8 +165,7 @@ TEST_CASE("the table of messages: each names what was wrong, the value given and
        "outfeed capacity 5 < 10 entries this run delivers, and loops::repeat reads nothing until "
        "the loop ends: use loops::repeat_async and read the outfeed while it runs, or raise the "
        "capacity (0 = unbounded)"},
-      // Issue 30: were ignored (sharded, single with Grouped) or worded apart (single with
-      // Interleaved: "the Interleaved schedule needs each stage on a device of its own ...").
+      // A schedule a strategy cannot run is refused with one wording for every strategy.
       {"a Grouped schedule for a sharded pipeline",
        [] {
          PipelineConfig cfg;
@@ -189,7 +188,6 @@ TEST_CASE("the table of messages: each names what was wrong, the value given and
        "schedule = interleaved is not allowed: must be unset or sequential with strategy single, "
        "which runs a replica's 4 stages one after another on one device (the Sequential "
        "schedule); for another schedule use strategy pipelined"},
-      // Issue 30: was not checked.
       {"an AllReduce of 3 replicas between the Syncs of a group of 2",
        [] {
          DeviceGroup pair(2, DeviceConfig{64, 16 * 1024});
@@ -203,7 +201,7 @@ TEST_CASE("the table of messages: each names what was wrong, the value given and
        },
        "AllReduce 'grads' replicas = 3 is not allowed: must be 2 on device 0, the participants "
        "of the sync group it runs between (the devices that all-reduce together)"},
-      // Issue 30: when a run cannot make progress.
+      // When a run cannot make progress.
       {"a negative stall limit", [] { StallCheck{-1ns}.validate(); },
        "StallCheck::limit = -1 ns is not allowed: must be 0 (no check) or in 1 ms..24 h"},
       {"a loop stalled on an empty infeed nobody closes, with OnStall::kFail",
