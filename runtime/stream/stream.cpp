@@ -1,12 +1,11 @@
-// Streams: the untyped part (see bspflow/stream/stream.hpp): config checks, placement
-// checks, starting one device job per segment, the stall monitor, cancel, and the result.
+// Streams: names, config checks, request errors, a run's shared state, the checks of a
+// graph being built and where its nodes run (see bspflow/stream/stream.hpp).
 #include "bspflow/stream/stream.hpp"
 
 #include <algorithm>
+#include <map>
+#include <set>
 #include <string>
-
-#include "bspflow/base/detail/thread_name.hpp"
-#include "bspflow/base/log.hpp"
 
 namespace bspflow {
 
@@ -40,6 +39,8 @@ const char* to_string(Refusal r) noexcept {
       return "shed";
     case Refusal::kClosed:
       return "closed";
+    case Refusal::kOutranked:
+      return "outranked";
   }
   return "unknown";
 }
@@ -82,6 +83,39 @@ void StreamConfig::validate(std::uint32_t devices) const {
     detail::throw_bad_value("StreamConfig::response_capacity", response_capacity,
                             "must be in 1..1048576 responses per client");
   }
+  if (priority_classes < 1 || priority_classes > kPriorityClasses) {
+    detail::throw_bad_value("StreamConfig::priority_classes", priority_classes,
+                            "must be in 1.." + std::to_string(kPriorityClasses));
+  }
+  double shares = 0;
+  for (std::uint32_t c = 0; c < kPriorityClasses; ++c) {
+    const double s = min_share[c];
+    if (!(s >= 0.0 && s <= 1.0)) {
+      detail::throw_bad_value("StreamConfig::min_share[" + std::to_string(c) + "]",
+                              std::to_string(s), "must be in 0..1");
+    }
+    if (c < priority_classes) shares += s;
+  }
+  if (shares > 1.0 + 1e-9) {
+    detail::throw_bad_value("StreamConfig::min_share (sum of the classes in use)",
+                            std::to_string(shares), "must be at most 1");
+  }
+  if (ejection.consecutive_failures > 1'000'000) {
+    detail::throw_bad_value("StreamConfig::ejection.consecutive_failures",
+                            ejection.consecutive_failures, "must be 0 (off) or in 1..1000000");
+  }
+  if (ejection.consecutive_failures > 0) {
+    const auto hour = std::chrono::nanoseconds(std::chrono::hours(1));
+    if (ejection.base_time < std::chrono::microseconds(1) || ejection.base_time > hour) {
+      detail::throw_bad_value("StreamConfig::ejection.base_time", ejection.base_time,
+                              "must be in 1 us..1 h");
+    }
+    if (ejection.max_time < ejection.base_time || ejection.max_time > hour) {
+      detail::throw_bad_value(
+          "StreamConfig::ejection.max_time", ejection.max_time,
+          "must be in base_time (" + detail::describe_duration(ejection.base_time) + ")..1 h");
+    }
+  }
   if (call_stall_limit < std::chrono::nanoseconds::zero() ||
       call_stall_limit > std::chrono::nanoseconds(std::chrono::hours(24))) {
     detail::throw_bad_value("StreamConfig::call_stall_limit", call_stall_limit,
@@ -114,51 +148,69 @@ std::shared_ptr<const RequestError> make_request_error(ErrorKind kind, const Req
   return e;
 }
 
-std::shared_ptr<const RequestError> SegmentBase::describe(const StageFailure& f,
-                                                          const RequestId& id) const {
-  const std::uint32_t at = f.stage - first_stage;
-  const std::string& name = names.at(at);
-  const std::uint32_t device = devices.at(at);
-  if (f.kind != ErrorKind::kStageFailed) {
-    RequestMeta meta;
-    meta.id = id;
-    return make_request_error(f.kind, meta, f.stage, name, device,
-                              f.kind == ErrorKind::kCancelled
-                                  ? "was not run: its client cancelled it"
-                                  : "was not run: its deadline had passed");
+std::shared_ptr<const RequestError> check_live(const Frame& f, const NodeRun& n) {
+  const RequestMeta& m = f.meta;
+  if (m.client->cancelled(m.id.sequence)) {
+    return make_request_error(ErrorKind::kCancelled, m, n.index, n.name, n.device_id,
+                              "was not run: its client cancelled it");
   }
+  if (m.client->aborted(m.id.sequence)) {
+    return make_request_error(ErrorKind::kCancelled, m, n.index, n.name, n.device_id,
+                              "was not run: another branch failed on it");
+  }
+  if (m.deadline != kNoDeadline) {
+    const auto now = f.timing ? f.t : StreamClock::now();
+    if (now > m.deadline) {
+      return make_request_error(ErrorKind::kDeadlineExceeded, m, n.index, n.name, n.device_id,
+                                "was not run: its deadline had passed");
+    }
+  }
+  return nullptr;
+}
+
+std::shared_ptr<const RequestError> failure_of(const Frame& f, const NodeRun& n,
+                                               std::exception_ptr cause) {
   auto e = std::make_shared<RequestError>();
   e->kind = ErrorKind::kStageFailed;
-  e->stage = f.stage;
-  e->stage_name = name;
-  e->device = device;
-  e->id = id;
-  e->cause = f.cause;
-  e->message = "stage '" + e->stage_name + "' (" + std::to_string(f.stage) + ") on device " +
-               std::to_string(e->device) + " failed on request " + std::to_string(id.sequence) +
-               " of client " + std::to_string(id.client) + ": " + describe_exception(f.cause);
+  e->stage = n.index;
+  e->stage_name = n.name;
+  e->device = n.device_id;
+  e->id = f.meta.id;
+  e->cause = cause;
+  e->message = "stage '" + n.name + "' (" + std::to_string(n.index) + ") on device " +
+               std::to_string(n.device_id) + " failed on request " +
+               std::to_string(f.meta.id.sequence) + " of client " +
+               std::to_string(f.meta.id.client) + ": " + describe_exception(cause);
   return e;
 }
 
-std::shared_ptr<const RequestError> SegmentBase::runtime_failure(
-    const std::exception_ptr& e) const {
+bool after_failure(Frame& f, SegmentCtx& ctx, const std::shared_ptr<const RequestError>& e) {
+  if (ctx.abort_on_failure) f.meta.client->abort(f.meta.id.sequence);
+  if (ctx.on_error == OnError::kFailFast) {
+    f.failure = e;
+    ctx.state->fail(e);
+    return false;
+  }
+  return true;
+}
+
+std::shared_ptr<const RequestError> Segment::runtime_failure(const std::exception_ptr& e) const {
   auto err = std::make_shared<RequestError>();
-  err->stage = first_stage;
-  err->stage_name = names.front();
-  err->device = devices.front();
+  const NodeRun& at = *held_at;
+  err->stage = at.index;
+  err->stage_name = at.name;
+  err->device = at.device_id;
   err->cause = e;
-  err->message = "stream runtime failed on device " + std::to_string(devices.front()) + ": " +
+  err->message = "stream runtime failed on device " + std::to_string(at.device_id) + ": " +
                  describe_exception(e);
   if (replica_meter != nullptr) replica_meter->failed.store(true, std::memory_order_relaxed);
   return err;
 }
 
-void SegmentBase::answer_held(const RequestMeta& meta, std::shared_ptr<const RequestError> error,
-                              std::uint32_t stage) {
+void Segment::answer_held(const RequestMeta& meta, std::shared_ptr<const RequestError> error) {
   if (!error) {
-    const std::uint32_t at =
-        std::min<std::uint32_t>(stage - first_stage, static_cast<std::uint32_t>(names.size() - 1));
-    error = make_request_error(ErrorKind::kCancelled, meta, stage, names[at], devices[at],
+    const NodeRun& at = *held_at;
+    error = make_request_error(ErrorKind::kCancelled, meta, at.index, at.name, at.device_id,
                                "was not run: the stream was cancelled");
   }
   answerer->answer_error(meta, std::move(error));
@@ -195,7 +247,7 @@ std::shared_ptr<const RequestError> StreamRunState::failure() const {
 
 void StreamRunState::segment_done() noexcept {
   if (ending_.fetch_sub(1, std::memory_order_seq_cst) == 1 && on_end_) {
-    // The last segment: no other touches the rings or the queue any more.
+    // The last segment: no other touches the ports or the queue any more.
     try {
       on_end_();
     } catch (...) {  // out of memory while answering: the host's wait() sweeps again
@@ -209,307 +261,204 @@ void StreamRunState::wait_done() {
   done_.wait([&] { return remaining_.load(std::memory_order_seq_cst) == 0; });
 }
 
-StreamCore::StreamCore(DeviceList d, StreamConfig c) : devices(d), config(std::move(c)) {
-  if (devices.size() == 0) throw Error("StreamBuilder: a stream needs at least one device");
-  config.validate(devices.size());
-  replicas = config.replicas;
-  per_replica = devices.size() / replicas;
-  ring_depths.resize(replicas);
-}
-
-StreamCore::~StreamCore() {
-  if (running_) {
-    cancel();
-    wait_segments();
-  }
-}
-
-bool StreamCore::share_core(std::uint32_t replica, std::uint32_t a, std::uint32_t b) const {
-  const auto& pa = devices[device_of(replica, a)].placement();
-  const auto& pb = devices[device_of(replica, b)].placement();
-  return pa.core.has_value() && pb.core.has_value() && *pa.core == *pb.core;
-}
-
-void StreamCore::finish_build() {
-  const auto stages = static_cast<std::uint32_t>(stage_names.size());
-  stage_meters.clear();
-  meter_ptrs.clear();
-  for (std::uint32_t i = 0; i < replicas * stages; ++i) {
-    stage_meters.push_back(std::make_unique<StageMeter>());
-    meter_ptrs.push_back(stage_meters.back().get());
-  }
-  for (std::uint32_t r = 0; r < replicas; ++r) {
-    replica_meters.push_back(std::make_unique<ReplicaMeter>());
-  }
-  // The modeled clock: each stage's device clock and declared cost (StreamBuilder::cost).
-  stage_costs.resize(stages);
-  stage_models.assign(static_cast<std::size_t>(replicas) * stages, StageModel{});
-  for (std::uint32_t r = 0; r < replicas; ++r) {
-    for (std::uint32_t k = 0; k < stages; ++k) {
-      Device& device = devices[device_of(r, stage_devices[k])];
-      StageModel& m = stage_models[static_cast<std::size_t>(r) * stages + k];
-      m.clock = &device.clock();
-      if (!stage_costs[k]) continue;
-      const DeviceModel& dm = device.config().model;
-      const std::uint32_t tiles = device.config().tiles;
-      // A call's fixed part (with its on-chip sync), and each item's share beyond it.
-      m.per_call_ns = dm.ns(dm.compute_cycles(stage_costs[k]->second, tiles));
-      m.per_item_ns =
-          dm.ns(dm.compute_cycles(stage_costs[k]->first, tiles) - dm.sync_cycles_on_chip);
-      m.declared = true;
-    }
-  }
-  for (auto& seg : segments) {
-    seg->meters = meter_ptrs.data() + static_cast<std::size_t>(seg->replica) * stages;
-    seg->models = stage_models.data() + static_cast<std::size_t>(seg->replica) * stages;
-    seg->replica_meter = replica_meters[seg->replica].get();
-    seg->timing = timing();
-    if (BatchHeadBase* b = seg->batch_head()) {
-      b->meters = seg->meters;
-      b->models = seg->models;
-      b->stages = stages;
-      b->timing = timing();
-    }
-  }
-  // Replicas on shared cores take turns: say so once, at build time.
-  if (replicas > 1) {
-    for (std::uint32_t i = 0; i < devices.size(); ++i) {
-      for (std::uint32_t j = i + 1; j < devices.size(); ++j) {
-        const auto& pi = devices[i].placement();
-        const auto& pj = devices[j].placement();
-        if (i / per_replica == j / per_replica || !pi.core || !pj.core || *pi.core != *pj.core) {
-          continue;
-        }
-        log(LogLevel::kWarning,
-            "stream: replica " + std::to_string(i / per_replica) + " (device " +
-                std::to_string(devices[i].id()) + ") and replica " +
-                std::to_string(j / per_replica) + " (device " + std::to_string(devices[j].id()) +
-                ") share core " + std::to_string(*pi.core) +
-                ": they take turns on it, so the second replica adds no throughput there; "
-                "give each replica cores of its own (fewer replicas or devices)");
-        return;
-      }
-    }
-  }
-}
-
-WaitPolicy StreamCore::policy_for(std::uint32_t index) const {
-  const WaitPolicy policy = config.device_wait.empty() ? config.wait : config.device_wait.at(index);
-  const Placement& place = devices[index].placement();
-  if (place.shares_core() && !place.shares_host && place.core) {
-    // The core's other devices are all this stream's, and none of them runs a segment (their
-    // stages were fused onto this device's thread): nobody there to yield to. Waits spin
-    // tight, still bounded (busy-spin becomes spin-then-park), since the idle devices may
-    // get other work later.
-    std::uint32_t ours = 0;
-    bool others_busy = false;
-    for (std::uint32_t i = 0; i < devices.size(); ++i) {
-      const Placement& p = devices[i].placement();
-      if (!p.core || *p.core != *place.core) continue;
-      ++ours;
-      if (i == index) continue;
-      for (const auto& seg : segments) others_busy = others_busy || seg->device_index == i;
-    }
-    if (ours == place.sharing && !others_busy) {
-      return policy.strategy == WaitStrategy::kBusySpin ? WaitPolicy::spin_then_park() : policy;
-    }
-  }
-  return place.wait_policy(policy);
-}
-
-void StreamCore::open_run(std::stop_token stop) {
-  scope_.emplace(gate_, std::move(stop));
-}
-
-void StreamCore::close_run() noexcept {
-  on_stop_.reset();
-  scope_.reset();
-}
+// ---- a graph being built ----
 
 namespace {
-// Ends a stream's stall monitor thread, if it runs (its members, passed by StreamCore).
-void stop_monitor(std::thread& monitor, std::mutex& mutex, std::condition_variable& cv,
-                  bool& stop) noexcept {
-  if (!monitor.joinable()) return;
-  {
-    std::lock_guard lock(mutex);
-    stop = true;
+const char* kind_name(NodeKind k) {
+  switch (k) {
+    case NodeKind::kInput:
+      return "input";
+    case NodeKind::kStage:
+      return "stage";
+    case NodeKind::kBatch:
+      return "batch stage";
+    case NodeKind::kJoin:
+      return "join";
+    case NodeKind::kRoute:
+      return "route";
+    case NodeKind::kBranch:
+      return "branch";
+    case NodeKind::kMerge:
+      return "merge";
   }
-  cv.notify_all();
-  monitor.join();
+  return "node";
 }
 }  // namespace
 
-void StreamCore::start(std::function<void()> wake_intake) {
-  for (auto& reset : ring_resets) reset();
-  for (auto& m : replica_meters) {
-    m->stalled.store(false, std::memory_order_relaxed);
-    m->failed.store(false, std::memory_order_relaxed);
-  }
-  state_ = std::make_shared<StreamRunState>(static_cast<std::uint32_t>(segments.size()));
-  state_->set_waker([wakes = ring_wakes, wake_intake = std::move(wake_intake)] {
-    for (const auto& w : wakes) w();
-    wake_intake();
-  });
-  // Whoever ends last answers what a stopped run still holds: queued, or between devices.
-  state_->set_on_end([this] { answer_leftovers(); });
-  // The run's stop, watched from here (after the waker, before any segment starts).
-  if (scope_) on_stop_.emplace(scope_->token(), CancelStream{state_});
-  // The stall monitor before any device starts: if its thread cannot start (out of memory, no
-  // threads left), start() throws with nothing running. (Started last, it left a run going.)
-  if (timing() && config.call_stall_limit > std::chrono::nanoseconds::zero()) {
-    monitor_stop_ = false;
-    try {
-      monitor_ = std::thread([this, limit = config.call_stall_limit] { monitor_loop(limit); });
-    } catch (...) {
-      on_stop_.reset();
-      throw;
+std::uint32_t GraphBuild::add(NodeSpec spec, std::unique_ptr<NodeType> type, OpMaker maker,
+                              BatchMaker batch) {
+  if (built) throw Error("StreamGraph: the graph was built already; build a new one");
+  StreamCore& c = *core;
+  const std::string what = std::string(kind_name(spec.kind)) + " '" + spec.name + "'";
+  if (spec.kind != NodeKind::kInput && spec.kind != NodeKind::kBranch) {
+    if (spec.name.empty())
+      throw Error("StreamGraph: a " + std::string(kind_name(spec.kind)) +
+                  " needs a name (stats, errors and swaps name it)");
+    for (const NodeSpec& n : c.nodes) {
+      if (n.name == spec.name) {
+        throw Error(what + ": the name is taken by another node of the stream; names are unique");
+      }
+    }
+    if (spec.device >= c.per_replica) {
+      throw_bad_value(
+          what + " device", spec.device,
+          c.replicas > 1
+              ? "must be below the " + std::to_string(c.per_replica) + " device(s) of each replica"
+              : "must be below the stream's " + std::to_string(c.per_replica) + " device(s)");
     }
   }
-  started_ = std::chrono::steady_clock::now();
-  running_ = true;
-  // Every device's modeled clock starts with the one host call that launches the serving loop
-  // (no device thread runs this stream's stages yet).
-  for (std::uint32_t d = 0; d < devices.size(); ++d) {
-    devices[d].clock().reset(static_cast<double>(devices[d].config().model.host_call.count()));
-  }
-  for (std::size_t i = 0; i < segments.size(); ++i) {
-    SegmentBase* seg = segments[i].get();
-    seg->origin = started_;
-    if (BatchHeadBase* b = seg->batch_head()) b->origin = started_;
-    seg->answerer = answerer;
-    Device& device = devices[seg->device_index];
-    auto state = state_;
-    const OnError on_error = config.on_error;
-    try {
-      const WaitPolicy policy = policy_for(seg->device_index);
-      device.submit(DeviceJob{[seg, policy, on_error, state] {
-                                seg->run(policy, on_error, *state);
-                                state->segment_done();
-                              },
-                              [state] { state->cancel(); }});
-    } catch (...) {
-      // This device refused the job: stop the ones started, let them end, then report.
-      state_->cancel();
-      for (std::size_t k = i; k < segments.size(); ++k) state_->segment_done();
-      state_->wait_done();
-      stop_monitor(monitor_, monitor_mutex_, monitor_cv_, monitor_stop_);
-      on_stop_.reset();
-      running_ = false;
-      throw;
+  const auto id = static_cast<std::uint32_t>(c.nodes.size());
+  for (std::uint32_t in : spec.inputs) {
+    NodeSpec& p = c.nodes.at(in);
+    if (in == 0 && p.consumers.empty()) p.device = spec.device;  // the input: its first reader's
+    if (std::find(p.consumers.begin(), p.consumers.end(), id) == p.consumers.end()) {
+      p.consumers.push_back(id);
     }
+  }
+  if (spec.kind != NodeKind::kInput && spec.kind != NodeKind::kBranch) {
+    spec.index = static_cast<std::uint32_t>(c.named.size());
+    c.named.push_back(id);
+  }
+  c.nodes.push_back(std::move(spec));
+  types.push_back(std::move(type));
+  makers.push_back(std::move(maker));
+  batch_makers.push_back(std::move(batch));
+  return id;
+}
+
+void GraphBuild::check_node(const GraphBuild* owner, std::uint32_t id,
+                            const std::string& where) const {
+  if (built) throw Error("StreamGraph: the graph was built already (" + where + ")");
+  if (owner != this || id >= core->nodes.size()) {
+    throw Error(where + ": a node of another StreamGraph (a graph's nodes read its own only)");
   }
 }
 
-void StreamCore::monitor_loop(std::chrono::nanoseconds limit) {
-  detail::name_this_thread("bspflow-smon");
-  // Out of memory here must not end the process (an exception leaving a thread does): without
-  // room for its bookkeeping the monitor stops for this run; a report it cannot write is
-  // skipped (the stall is still counted and its replica still marked).
-  std::vector<std::int64_t> reported;  // the call reported, by start
-  try {
-    reported.assign(stage_meters.size(), 0);
-  } catch (...) {
-    return;
+void GraphBuild::check(std::uint32_t output) {
+  StreamCore& c = *core;
+  if (c.named.empty()) throw Error("StreamGraph::build: a stream needs at least one stage");
+  const auto n = static_cast<std::uint32_t>(c.nodes.size());
+  // Every node reaches the output.
+  std::vector<bool> reaches(n, false);
+  reaches[output] = true;
+  for (std::uint32_t i = output + 1; i-- > 0;) {
+    if (!reaches[i]) continue;
+    for (std::uint32_t p : c.nodes[i].inputs) reaches[p] = true;
   }
-  const auto stages = static_cast<std::uint32_t>(stage_names.size());
-  const auto period = std::clamp<std::chrono::nanoseconds>(limit / 4, std::chrono::milliseconds(1),
-                                                           std::chrono::milliseconds(100));
-  std::unique_lock lock(monitor_mutex_);
-  while (!monitor_cv_.wait_for(lock, period, [&] { return monitor_stop_; })) {
-    const std::int64_t now = stream_ns(StreamClock::now());
-    for (std::uint32_t r = 0; r < replicas; ++r) {
-      bool stalled = false;
-      for (std::uint32_t s = 0; s < stages; ++s) {
-        const std::size_t i = static_cast<std::size_t>(r) * stages + s;
-        StageMeter& m = *stage_meters[i];
-        const std::int64_t since = m.busy_since.load(std::memory_order_relaxed);
-        if (since == 0 || now - since < limit.count()) continue;
-        stalled = true;
-        if (reported[i] == since) continue;
-        reported[i] = since;
-        bump(m.stalls);
-        const std::uint32_t device = devices[device_of(r, stage_devices[s])].id();
-        try {
-          log(LogLevel::kWarning,
-              "stream stall: stage '" + stage_names[s] + "' (" + std::to_string(s) +
-                  ") on device " + std::to_string(device) + " of replica " + std::to_string(r) +
-                  " has held request " +
-                  std::to_string(m.busy_sequence.load(std::memory_order_relaxed)) + " of client " +
-                  std::to_string(m.busy_client.load(std::memory_order_relaxed)) + " for " +
-                  std::to_string((now - since) / 1'000'000) +
-                  " ms (StreamConfig::call_stall_limit " +
-                  std::to_string(limit.count() / 1'000'000) +
-                  " ms); its replica takes no new requests until it moves");
-        } catch (...) {
+  for (std::uint32_t i = 0; i < n; ++i) {
+    if (!reaches[i] && c.nodes[i].kind != NodeKind::kBranch) {
+      throw Error(std::string(kind_name(c.nodes[i].kind)) + " '" + c.nodes[i].name +
+                  "' reaches no output: every node must lead to the stream's output '" +
+                  c.nodes[output].name + "' (join or merge its branch)");
+    }
+    if (!reaches[i]) {
+      throw Error("branch '" + c.nodes[i].name + "' of route '" +
+                  c.nodes[c.nodes[i].inputs[0]].name +
+                  "' reaches no output: every branch must lead to a merge");
+    }
+  }
+  // Which branches of which routes a node depends on: route id -> the branches reaching it.
+  std::vector<std::map<std::uint32_t, std::set<std::uint32_t>>> cond(n);
+  for (std::uint32_t i = 0; i < n; ++i) {
+    NodeSpec& s = c.nodes[i];
+    const std::string what = std::string(kind_name(s.kind)) + " '" + s.name + "'";
+    if (s.kind == NodeKind::kBranch) {
+      cond[i] = cond[s.inputs[0]];
+      cond[i][s.inputs[0]] = {s.branch};
+    } else if (s.kind == NodeKind::kMerge) {
+      std::map<std::uint32_t, std::set<std::uint32_t>> all;
+      for (std::uint32_t p : s.inputs) {
+        for (const auto& [route, branches] : cond[p])
+          all[route].insert(branches.begin(), branches.end());
+      }
+      // The merged route: the last one some input depends on; every input must come through
+      // a different branch of it.
+      std::uint32_t route = 0;
+      for (const auto& [r, b] : all) route = std::max(route, r);
+      if (route == 0) throw Error(what + ": its inputs come through no route; use a join");
+      std::set<std::uint32_t> seen;
+      for (std::uint32_t p : s.inputs) {
+        const auto it = cond[p].find(route);
+        if (it == cond[p].end()) {
+          throw Error(what + ": input '" + c.nodes[p].name + "' does not come through route '" +
+                      c.nodes[route].name + "' as its other inputs do");
+        }
+        for (std::uint32_t b : it->second) {
+          if (!seen.insert(b).second) {
+            throw Error(what + ": two inputs come through branch " + std::to_string(b) +
+                        " of route '" + c.nodes[route].name + "'");
+          }
         }
       }
-      replica_meters[r]->stalled.store(stalled, std::memory_order_relaxed);
+      cond[i] = all;
+      std::uint32_t k = 0;
+      for (const NodeSpec& b : c.nodes) {
+        if (b.kind == NodeKind::kBranch && b.inputs[0] == route) ++k;
+      }
+      if (seen.size() == k) {
+        cond[i].erase(route);
+      } else {
+        cond[i][route] = seen;
+      }
+    } else {
+      for (std::uint32_t p : s.inputs) {
+        for (const auto& [route, branches] : cond[p]) {
+          auto it = cond[i].find(route);
+          if (it != cond[i].end() && it->second != branches) {
+            throw Error(what + " takes inputs reached through different branches of route '" +
+                        c.nodes[route].name +
+                        "': a request runs one branch only, so it would "
+                        "never have them all; merge the branches instead");
+          }
+          cond[i][route] = branches;
+        }
+      }
     }
+    s.routed = !cond[i].empty();
   }
-}
-
-void StreamCore::wait_segments() {
-  if (!running_) return;
-  state_->wait_done();
-  stop_monitor(monitor_, monitor_mutex_, monitor_cv_, monitor_stop_);
-  answer_leftovers();  // done by the last segment already, unless it ran out of memory
-  state_->disarm();
-  running_ = false;
-  close_run();
-}
-
-void StreamCore::answer_leftovers() {
-  intake->close();
-  if (state_->stop.requested()) {
-    // Every request still queued or between devices gets its answer.
-    for (const auto& sweep : ring_cancels) sweep(*answerer);
-    intake->cancel_all(*answerer);
+  if (!cond[output].empty()) {
+    throw Error("output '" + c.nodes[output].name +
+                "' is reached through only some branches of "
+                "route '" +
+                c.nodes[cond[output].begin()->first].name +
+                "': merge the branches so every request is answered");
   }
+  c.output = output;
 }
 
-void StreamCore::cancel() noexcept {
-  gate_.cancel();
-}
-
-std::int64_t StreamCore::per_request_ns() const noexcept {
-  const auto stages = stage_names.size();
-  std::int64_t sum = 0;
-  for (std::uint32_t r = 0; r < replicas; ++r) {
-    std::int64_t worst = 0;
-    for (std::size_t s = 0; s < stages; ++s) {
-      const StageMeter& m = *meter_ptrs[r * stages + s];
-      const std::int64_t drain = m.drain_ns.load(std::memory_order_relaxed);
-      worst = std::max(worst, drain > 0 ? drain : m.per_item_ns.load(std::memory_order_relaxed));
+Placement2 place_nodes(const StreamCore& core, std::uint32_t replica) {
+  const auto n = static_cast<std::uint32_t>(core.nodes.size());
+  Placement2 pl;
+  pl.segment_of.assign(n, 0);
+  std::map<std::uint32_t, std::uint32_t> seg_of_device;
+  for (std::uint32_t i = 0; i < n; ++i) {
+    const NodeSpec& s = core.nodes[i];
+    if (s.kind == NodeKind::kBranch) {  // filled by its route, where the route runs
+      pl.segment_of[i] = pl.segment_of[s.inputs[0]];
+      continue;
     }
-    sum += worst;
-  }
-  return sum / replicas;
-}
-
-std::int64_t StreamCore::path_ns() const noexcept {
-  const auto stages = stage_names.size();
-  std::int64_t sum = 0;
-  for (std::uint32_t r = 0; r < replicas; ++r) {
-    std::int64_t path = 0, longest = 0;
-    for (std::size_t s = 0; s < stages; ++s) {
-      const std::int64_t call = meter_ptrs[r * stages + s]->call_ns.load(std::memory_order_relaxed);
-      path += call;
-      longest = std::max(longest, call);
+    const auto it = seg_of_device.find(s.device);
+    if (it != seg_of_device.end()) {
+      pl.segment_of[i] = it->second;
+      continue;
     }
-    sum += path + longest;
-  }
-  return sum / static_cast<std::int64_t>(replicas);
-}
-
-std::uint32_t StreamCore::live_replicas() const noexcept {
-  std::uint32_t n = 0;
-  for (const auto& m : replica_meters) {
-    if (!m->stalled.load(std::memory_order_relaxed) && !m->failed.load(std::memory_order_relaxed)) {
-      ++n;
+    // A device that takes its first node's one input from a segment on its core runs in
+    // that segment (no hand-off between two threads of one core). A batch stage heads a
+    // segment of its own.
+    if (core.config.fuse_shared_cores && i != 0 && s.kind != NodeKind::kBatch &&
+        s.inputs.size() == 1) {
+      const std::uint32_t from = pl.segment_of[s.inputs[0]];
+      if (core.share_core(replica, pl.device_of[from], s.device)) {
+        pl.segment_of[i] = from;
+        seg_of_device[s.device] = from;
+        continue;
+      }
     }
+    pl.segment_of[i] = static_cast<std::uint32_t>(pl.device_of.size());
+    seg_of_device[s.device] = pl.segment_of[i];
+    pl.device_of.push_back(s.device);
   }
-  return n == 0 ? 1 : n;
+  return pl;
 }
 
 }  // namespace detail

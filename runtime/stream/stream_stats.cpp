@@ -1,6 +1,7 @@
 // Streams: batch configuration checks, a run's result, and Stream::stats() with its
 // OpenMetrics and .hgrm writers (see bspflow/stream/stream_serving.hpp).
 #include <algorithm>
+#include <map>
 #include <ostream>
 #include <sstream>
 #include <string>
@@ -115,6 +116,28 @@ void write_stage_histograms(std::ostream& out, const std::string& name, const st
   }
 }
 
+// The same for one sample set per priority class.
+void write_class_latency(std::ostream& out, const std::string& name, const MetricLabels& labels,
+                         const std::vector<ClassStats>& classes) {
+  bool first = true;
+  for (const ClassStats& c : classes) {
+    MetricLabels l = labels;
+    l.emplace_back("class", std::to_string(c.priority));
+    HistogramSnapshot h = c.latency_ns;
+    if (h.highest_trackable() == 0) h.merge(HistogramSnapshot(detail::kMeterHighestNs));
+    std::ostringstream family;
+    h.write_openmetrics(family, name, "push to answer, by priority class", l, 1e9);
+    std::string text = family.str();
+    if (!first) {
+      std::size_t pos = 0;
+      while (text.compare(pos, 2, "# ") == 0) pos = text.find('\n', pos) + 1;
+      text = text.substr(pos);
+    }
+    out << text;
+    first = false;
+  }
+}
+
 }  // namespace
 
 void StreamStats::write_openmetrics(std::ostream& out, std::string_view prefix,
@@ -125,25 +148,52 @@ void StreamStats::write_openmetrics(std::ostream& out, std::string_view prefix,
     std::ostringstream probe;
     HistogramSnapshot(2).write_openmetrics(probe, p + "_latency_seconds", "", labels);
   }
+  for (const auto& [k, v] : labels) {
+    if (std::find(kStreamMetricLabels.begin(), kStreamMetricLabels.end(), k) !=
+        kStreamMetricLabels.end()) {
+      detail::throw_bad_value("label name", "\"" + k + "\"",
+                              "the stream's families set a label of that name themselves "
+                              "(stage, replica, outcome, reason, hop, class, version, le): "
+                              "name it otherwise");
+    }
+  }
   std::string l;
   for (const auto& [k, v] : labels) l += (l.empty() ? "" : ",") + k + "=\"" + escape(v) + '"';
-  write_counter(out, p + "_requests", "requests admitted", l, "", accepted, true);
-  write_counter(out, p + "_responses", "responses delivered, by outcome", l, "outcome=\"ok\"", ok,
-                true);
-  for (std::size_t k = 0; k < errors.size(); ++k) {
-    write_counter(out, p + "_responses", "", l,
-                  std::string("outcome=\"") + to_string(static_cast<ErrorKind>(k)) + '"', errors[k],
-                  false);
-  }
+  const auto cls = [](const ClassStats& c) {
+    return "class=\"" + std::to_string(c.priority) + '"';
+  };
   bool header = true;
-  for (std::size_t r = 1; r < refusals.size(); ++r) {
-    write_counter(out, p + "_refusals", "StreamClient pushes refused, by reason", l,
-                  std::string("reason=\"") + to_string(static_cast<Refusal>(r)) + '"', refusals[r],
-                  header);
+  for (const ClassStats& c : by_class) {
+    write_counter(out, p + "_requests", "requests admitted, by priority class", l, cls(c),
+                  c.accepted, header);
     header = false;
   }
-  write_gauge(out, p + "_queued", "requests admitted, not yet taken by a replica", l, "", queued,
-              true);
+  header = true;
+  for (const ClassStats& c : by_class) {
+    write_counter(out, p + "_responses", "responses delivered, by class and outcome", l,
+                  cls(c) + ",outcome=\"ok\"", c.ok, header);
+    header = false;
+    for (std::size_t k = 0; k < c.errors.size(); ++k) {
+      write_counter(out, p + "_responses", "", l,
+                    cls(c) + ",outcome=\"" + to_string(static_cast<ErrorKind>(k)) + '"',
+                    c.errors[k], false);
+    }
+  }
+  header = true;
+  for (const ClassStats& c : by_class) {
+    for (std::size_t r = 1; r < c.refusals.size(); ++r) {
+      write_counter(out, p + "_refusals", "StreamClient pushes refused, by class and reason", l,
+                    cls(c) + ",reason=\"" + to_string(static_cast<Refusal>(r)) + '"', c.refusals[r],
+                    header);
+      header = false;
+    }
+  }
+  header = true;
+  for (const ClassStats& c : by_class) {
+    write_gauge(out, p + "_queued", "requests admitted, not yet taken by a replica, by class", l,
+                cls(c), c.queued, header);
+    header = false;
+  }
   header = true;
   for (const ReplicaStats& r : replicas) {
     write_gauge(out, p + "_replica_stalled", "1 while a stage of the replica is stalled", l,
@@ -152,9 +202,29 @@ void StreamStats::write_openmetrics(std::ostream& out, std::string_view prefix,
   }
   header = true;
   for (const ReplicaStats& r : replicas) {
+    write_gauge(out, p + "_replica_ejected",
+                "1 while the replica is out of rotation after consecutive stage failures", l,
+                "replica=\"" + std::to_string(r.replica) + '"', r.ejected ? 1 : 0, header);
+    header = false;
+  }
+  header = true;
+  for (const ReplicaStats& r : replicas) {
+    write_counter(out, p + "_replica_ejections", "times the replica was ejected", l,
+                  "replica=\"" + std::to_string(r.replica) + '"', r.ejections, header);
+    header = false;
+  }
+  header = true;
+  for (const ReplicaStats& r : replicas) {
+    write_gauge(out, p + "_replica_draining", "1 while a rolling swap drains the replica", l,
+                "replica=\"" + std::to_string(r.replica) + '"', r.draining ? 1 : 0, header);
+    header = false;
+  }
+  header = true;
+  for (const ReplicaStats& r : replicas) {
     for (std::size_t hop = 0; hop < r.ring_depths.size(); ++hop) {
       write_gauge(
-          out, p + "_ring_depth", "requests waiting between two devices of a replica", l,
+          out, p + "_ring_depth",
+          "requests waiting in a hop between two devices of a replica (hop: in build order)", l,
           "replica=\"" + std::to_string(r.replica) + "\",hop=\"" + std::to_string(hop) + '"',
           r.ring_depths[hop], header);
       header = false;
@@ -166,9 +236,16 @@ void StreamStats::write_openmetrics(std::ostream& out, std::string_view prefix,
                   "stage=\"" + escape(s.name) + '"', s.stalls, header);
     header = false;
   }
-  HistogramSnapshot lat = latency_ns;
-  if (lat.highest_trackable() == 0) lat.merge(HistogramSnapshot(detail::kMeterHighestNs));
-  lat.write_openmetrics(out, p + "_latency_seconds", "push to answer", labels, 1e9);
+  header = true;
+  for (const StageStats& s : stages) {
+    for (const VersionStats& v : s.versions) {
+      write_counter(out, p + "_stage_version_calls", "calls made, by stage and version", l,
+                    "stage=\"" + escape(s.name) + "\",version=\"" + std::to_string(v.version) + '"',
+                    v.calls, header);
+      header = false;
+    }
+  }
+  write_class_latency(out, p + "_latency_seconds", labels, by_class);
   write_stage_histograms(out, p + "_stage_service_seconds",
                          "time of one call (a request or a batch)", labels, stages,
                          &StageStats::service_ns, 1e9, false);
@@ -189,7 +266,9 @@ namespace detail {
 
 std::uint64_t StreamCore::refused_total() const noexcept {
   std::uint64_t n = 0;
-  for (std::size_t i = 1; i < 7; ++i) n += intake->refused(static_cast<Refusal>(i));
+  for (std::uint32_t c = 0; c < config.priority_classes; ++c) {
+    for (std::size_t i = 1; i < 8; ++i) n += intake->refused(c, static_cast<Refusal>(i));
+  }
   return n;
 }
 
@@ -234,26 +313,54 @@ StreamResult StreamCore::finish(std::uint64_t accepted, std::uint64_t delivered,
 
 StreamStats StreamCore::stats() const {
   StreamStats s;
-  const auto stages = static_cast<std::uint32_t>(stage_names.size());
   s.latency_ns = HistogramSnapshot(kMeterHighestNs);
-  for (std::uint32_t k = 0; k < stages; ++k) {
+  const std::uint32_t classes = config.priority_classes;
+  for (std::uint32_t c = 0; c < classes; ++c) {
+    ClassStats cs;
+    cs.priority = c;
+    cs.latency_ns = HistogramSnapshot(kMeterHighestNs);
+    cs.accepted = intake->accepted_of(c);
+    cs.queued = intake->size_of(c);
+    for (std::size_t i = 0; i < cs.refusals.size(); ++i) {
+      cs.refusals[i] = intake->refused(c, static_cast<Refusal>(i));
+      s.refusals[i] += cs.refusals[i];
+    }
+    s.accepted += cs.accepted;
+    s.by_class.push_back(std::move(cs));
+  }
+  std::lock_guard versions(versions_mutex_);
+  for (const std::uint32_t n : named) {
+    const NodeSpec& spec = nodes[n];
     StageStats st;
-    st.name = stage_names[k];
-    st.stage = k;
-    st.device = stage_devices[k];
-    st.batched = stage_batched[k];
+    st.name = spec.name;
+    st.stage = spec.index;
+    st.device = spec.device;
+    st.batched = spec.kind == NodeKind::kBatch;
     st.service_ns = HistogramSnapshot(kMeterHighestNs);
     st.queue_wait_ns = HistogramSnapshot(kMeterHighestNs);
     st.batch_size = HistogramSnapshot(kMeterHighestBatch);
-    for (std::uint32_t r = 0; r < replicas && !meter_ptrs.empty(); ++r) {
-      const StageMeter& m = *meter_ptrs[static_cast<std::size_t>(r) * stages + k];
+    std::map<std::uint32_t, VersionStats> by_version;
+    for (std::uint32_t r = 0; r < replicas && n < runs[r].meters.size(); ++r) {
+      const StageMeter& m = *runs[r].meters[n];
       st.service_ns.merge(m.service.snapshot());
       st.queue_wait_ns.merge(m.wait.snapshot());
       st.batch_size.merge(m.batch.snapshot());
       st.calls += m.calls.load(std::memory_order_relaxed);
       st.padded += m.padded.load(std::memory_order_relaxed);
       st.stalls += m.stalls.load(std::memory_order_relaxed);
+      const VersionCell* cell = runs[r].cells[n];
+      for (const auto& [node, v] : runs[r].versions) {
+        if (node != n) continue;
+        VersionStats& vs = by_version[v->version];
+        vs.version = v->version;
+        vs.calls += v->calls.load(std::memory_order_relaxed);
+        if (cell != nullptr &&
+            (cell->current.load() == v.get() || cell->in_use.load() == v.get())) {
+          ++vs.replicas;
+        }
+      }
     }
+    for (auto& [v, vs] : by_version) st.versions.push_back(vs);
     s.stages.push_back(std::move(st));
   }
   for (std::uint32_t r = 0; r < replica_meters.size(); ++r) {
@@ -261,20 +368,33 @@ StreamStats StreamCore::stats() const {
     ReplicaStats rs;
     rs.replica = r;
     rs.taken = m.taken.load(std::memory_order_relaxed);
-    rs.answered = m.answered.load(std::memory_order_relaxed);
     rs.stalled = m.stalled.load(std::memory_order_relaxed);
     rs.failed = m.failed.load(std::memory_order_relaxed);
-    for (const auto& depth : ring_depths[r]) rs.ring_depths.push_back(depth());
-    s.latency_ns.merge(m.latency.snapshot());
+    rs.ejected = m.ejected.load(std::memory_order_relaxed);
+    rs.ejections = m.ejections.load(std::memory_order_relaxed);
+    rs.draining = m.draining.load(std::memory_order_relaxed);
+    for (const auto& port : runs[r].ports) rs.ring_depths.push_back(port->size());
+    for (std::uint32_t c = 0; c < classes; ++c) {
+      const ClassMeter& cm = *m.by_class[c];
+      ClassStats& cs = s.by_class[c];
+      const auto lat = cm.latency.snapshot();
+      cs.latency_ns.merge(lat);
+      s.latency_ns.merge(lat);
+      const auto answered = cm.answered.load(std::memory_order_relaxed);
+      const auto ok = cm.ok.load(std::memory_order_relaxed);
+      rs.answered += answered;
+      cs.answered += answered;
+      cs.ok += ok;
+      s.ok += ok;
+      for (std::size_t k = 0; k < 4; ++k) {
+        const auto e = cm.errors[k].load(std::memory_order_relaxed);
+        cs.errors[k] += e;
+        s.errors[k] += e;
+      }
+    }
     s.answered += rs.answered;
-    s.ok += m.ok.load(std::memory_order_relaxed);
-    for (std::size_t k = 0; k < 4; ++k) s.errors[k] += m.errors[k].load(std::memory_order_relaxed);
     s.replicas.push_back(std::move(rs));
   }
-  for (std::size_t i = 0; i < s.refusals.size(); ++i) {
-    s.refusals[i] = intake->refused(static_cast<Refusal>(i));
-  }
-  s.accepted = intake->total_accepted();
   s.queued = intake->size();
   return s;
 }

@@ -65,7 +65,7 @@ TEST_CASE("a served stream's stats as prometheus-cpp families, named as the Open
               BatchConfig{.max_batch = 4})
           .build();
   const auto metrics = collect_stream(stream, "svc", {{"model", "m1"}});
-  CHECK(metrics->Collect().size() == 10);  // before the run: every family, zero counts
+  CHECK(metrics->Collect().size() == 15);  // before the run: every family, zero counts
   stream.start();
   auto client = stream.client();
   CHECK(client.push(0, StreamClock::now() - 1s).refusal == Refusal::kDeadlinePassed);
@@ -87,14 +87,17 @@ TEST_CASE("a served stream's stats as prometheus-cpp families, named as the Open
   for (const auto& f : families) names.insert(f.name);
   CHECK(names == std::set<std::string>{"svc_requests_total", "svc_responses_total",
                                        "svc_refusals_total", "svc_queued", "svc_replica_stalled",
-                                       "svc_stage_stalls_total", "svc_latency_seconds",
-                                       "svc_stage_service_seconds", "svc_stage_queue_wait_seconds",
-                                       "svc_stage_batch_size"});
+                                       "svc_replica_ejected", "svc_replica_ejections_total",
+                                       "svc_replica_draining", "svc_ring_depth",
+                                       "svc_stage_stalls_total", "svc_stage_version_calls_total",
+                                       "svc_latency_seconds", "svc_stage_service_seconds",
+                                       "svc_stage_queue_wait_seconds", "svc_stage_batch_size"});
   const auto& requests = family(families, "svc_requests_total");
   CHECK(requests.type == prometheus::MetricType::Counter);
   REQUIRE(requests.metric.size() == 1);
   CHECK(requests.metric[0].counter.value == static_cast<double>(n));
   CHECK(label_of(requests.metric[0], "model") == "m1");
+  CHECK(label_of(requests.metric[0], "class") == "0");
   const auto& responses = family(families, "svc_responses_total");
   double total = 0;
   std::map<std::string, double> by_outcome;
@@ -109,7 +112,7 @@ TEST_CASE("a served stream's stats as prometheus-cpp families, named as the Open
   for (const auto& m : family(families, "svc_refusals_total").metric) {
     by_reason[label_of(m, "reason")] = m.counter.value;
   }
-  CHECK(by_reason.size() == 6);
+  CHECK(by_reason.size() == 7);
   CHECK(by_reason[to_string(Refusal::kDeadlinePassed)] == 1.0);
 
   const auto& latency = family(families, "svc_latency_seconds");
@@ -141,8 +144,8 @@ TEST_CASE("a served stream's stats as prometheus-cpp families, named as the Open
   // writes for the same stats (same names, labels and values).
   const std::string text = prometheus::TextSerializer().Serialize(families);
   CHECK(contains(text, "# TYPE svc_requests_total counter\n"));
-  CHECK(contains(text, "svc_responses_total{model=\"m1\",outcome=\"ok\"} "));
-  CHECK(contains(text, "svc_latency_seconds_bucket{model=\"m1\",le=\"+Inf\"} 200\n"));
+  CHECK(contains(text, "svc_responses_total{model=\"m1\",class=\"0\",outcome=\"ok\"} "));
+  CHECK(contains(text, "svc_latency_seconds_bucket{model=\"m1\",class=\"0\",le=\"+Inf\"} 200\n"));
   CHECK(contains(text, "svc_stage_batch_size_count{model=\"m1\",stage=\"model\"} "));
   std::ostringstream openmetrics;
   st.write_openmetrics(openmetrics, "svc", {{"model", "m1"}});
@@ -158,15 +161,23 @@ TEST_CASE("a served stream's stats as prometheus-cpp families, named as the Open
 }
 
 TEST_CASE("StreamCollectable refuses the names the OpenMetrics writer refuses, and its own") {
+  // A label named like one a family sets itself would appear twice on a sample: every name
+  // of kStreamMetricLabels is refused, by both writers.
   DeviceGroup group(1);
   auto stream = StreamBuilder<U64>(group).stage("inc", [](U64 x) { return x + 1; }).build();
   CHECK_THROWS_AS(collect_stream(stream, "9 bad"), Error);
   CHECK_THROWS_AS(collect_stream(stream, "svc", {{"le", "x"}}), Error);
   CHECK_THROWS_AS(collect_stream(stream, "svc", {{"bad-name", "x"}}), Error);
-  CHECK(contains(test::error_of([&] {
-                   collect_stream(stream, "svc", {{"stage", "x"}});
-                 }),
-                 "stage"));
+  for (const std::string_view reserved : kStreamMetricLabels) {
+    CAPTURE(reserved);
+    const MetricLabels labels{{std::string(reserved), "x"}};
+    CHECK(contains(test::error_of([&] { collect_stream(stream, "svc", labels); }),
+                   std::string(reserved)));
+    std::ostringstream out;
+    CHECK(contains(test::error_of([&] { stream.stats().write_openmetrics(out, "svc", labels); }),
+                   std::string(reserved)));
+    CHECK(out.str().empty());  // nothing written before the refusal
+  }
   CHECK_THROWS_AS(StreamCollectable(nullptr), Error);
   CHECK(collect_stream(stream)->Collect().front().name == "bspflow_stream_requests_total");
 }

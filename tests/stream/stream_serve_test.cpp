@@ -605,9 +605,13 @@ TEST_CASE("deadlines: an expired request is answered kDeadlineExceeded without r
   CHECK(past.refusal == Refusal::kDeadlinePassed);
   CHECK(c.outstanding() == 0);
   REQUIRE(c.push(0).accepted());  // no deadline: holds the stage 30 ms
-  // Due 10 ms after t0: the stage takes them 30 ms after t0 at the earliest.
+  // Once the stage runs it: the queue serves the earliest deadline first, and a request with
+  // no deadline after the others.
+  while (calls.load() == 0) std::this_thread::yield();
+  const auto t1 = StreamClock::now();
+  // Due 10 ms after t1: the stage takes them 30 ms after t1 at the earliest.
   std::vector<Submission> near;
-  for (U64 i = 1; i <= 5; ++i) near.push_back(c.push(i, t0 + 10ms));
+  for (U64 i = 1; i <= 5; ++i) near.push_back(c.push(i, t1 + 10ms));
   REQUIRE(c.push(6).accepted());  // no deadline: runs
   std::uint64_t near_accepted = 0, near_refused = 0;
   for (const Submission& s : near) {

@@ -461,6 +461,95 @@ TEST_CASE("stream errors name the problem") {
   CHECK(stream.wait().drained());
 }
 
+TEST_CASE("destroying a Stream while 4 clients push in a tight loop (50 rounds)") {
+  // Clients may outlive their Stream: a push racing the destructor is either accepted (then
+  // answered kCancelled) or refused, and never touches the Stream once it is gone.
+  for (int round = 0; round < 50; ++round) {
+    CAPTURE(round);
+    DeviceGroup group(1, test::kSmall);
+    std::vector<StreamClient<int, int>> clients;
+    std::atomic<bool> go{false}, stop{false};
+    std::vector<std::thread> threads;
+    std::atomic<std::uint64_t> refused_closed{0}, accepted{0};
+    {
+      auto stream = StreamBuilder<int>(group).stage("inc", [](int x) { return x + 1; }).build();
+      for (int k = 0; k < 4; ++k) clients.push_back(stream.client());
+      stream.start();
+      for (int k = 0; k < 4; ++k) {
+        threads.emplace_back([&, k] {
+          while (!go.load()) std::this_thread::yield();
+          auto& c = clients[static_cast<std::size_t>(k)];
+          while (!stop.load()) {
+            const Submission s = c.try_push(int(k));
+            if (s.accepted()) {
+              ++accepted;
+            } else if (s.refusal == Refusal::kClosed) {
+              ++refused_closed;
+            }
+            while (c.try_pop()) {
+            }
+          }
+        });
+      }
+      go = true;
+      std::this_thread::sleep_for(std::chrono::microseconds(200 + 50 * round));
+    }  // ~Stream() while the clients push
+    std::this_thread::sleep_for(1ms);
+    stop = true;
+    for (auto& th : threads) th.join();
+    CHECK(refused_closed.load() > 0);  // pushes after the Stream went away are refused
+  }
+}
+
+TEST_CASE("a batch stage's first estimates err towards lateness") {
+  // One size measured (batches of 2 costing 4 ms each): a lone request is estimated at the
+  // whole 4 ms (the cost could all be fixed), a larger batch proportionally more.
+  detail::BatchCostModel fixed(8);
+  for (int i = 0; i < 4; ++i) fixed.add(2, 4e6);
+  CHECK(fixed.estimate(2) == doctest::Approx(4e6));
+  CHECK(fixed.estimate(1) >= 4e6);
+  CHECK(fixed.estimate(4) >= 8e6);
+  // Two sizes measured on a + b*n (1 ms + 0.5 ms per item): the line is learnt.
+  detail::BatchCostModel line(8);
+  for (int i = 0; i < 20; ++i) {
+    line.add(2, 1e6 + 2 * 0.5e6);
+    line.add(6, 1e6 + 6 * 0.5e6);
+  }
+  CHECK(line.estimate(1) == doctest::Approx(1.5e6).epsilon(0.05));
+  CHECK(line.estimate(4) == doctest::Approx(3e6).epsilon(0.05));
+  CHECK(line.estimate(8) == doctest::Approx(5e6).epsilon(0.05));
+}
+
+TEST_CASE("a request that cannot make its deadline is not run, from the first estimates") {
+  // A stage whose every call takes 4 ms, measured only on batches of 2: a lone request with
+  // 2.9 ms left is answered kDeadlineExceeded without running.
+  DeviceGroup group(1, test::kSmall);
+  std::atomic<int> lone_ran{0};
+  auto stream = StreamBuilder<int>(group, StreamConfig{.admission = {.predict = false}})
+                    .batch_stage(
+                        "model",
+                        [&](std::span<int> xs) {
+                          if (xs.size() == 1 && xs[0] == -1) ++lone_ran;
+                          std::this_thread::sleep_for(4ms);
+                          return std::vector<int>(xs.begin(), xs.end());
+                        },
+                        BatchConfig{.max_batch = 2, .max_delay = 50ms})
+                    .build();
+  auto client = stream.client();
+  stream.start();
+  for (int i = 0; i < 6; ++i) REQUIRE(client.push(i));  // batches of 2: the measured size
+  for (int i = 0; i < 6; ++i) REQUIRE(client.pop().has_value());
+  const Submission lone = client.push(-1, StreamClock::now() + 2900us);
+  REQUIRE(lone.accepted());
+  auto r = client.pop();
+  REQUIRE(r.has_value());
+  REQUIRE_FALSE(r->ok());
+  CHECK(r->kind() == ErrorKind::kDeadlineExceeded);
+  CHECK(lone_ran.load() == 0);
+  stream.close();
+  CHECK(stream.wait().drained());
+}
+
 TEST_CASE("StreamConfig::from takes the replicas of a run's Options") {
   CHECK(StreamConfig::from(Options().replicas(2)).replicas == 2);
   CHECK(StreamConfig::from(Options()).hop_capacity == StreamConfig{}.hop_capacity);

@@ -1,22 +1,14 @@
-// Optional adapter: a Stream's stats (Stream::stats(), see stream_serving.hpp) as a
-// prometheus-cpp Collectable, for an application that already exposes metrics with
-// prometheus-cpp (1.0, Debian prometheus-cpp-dev). Not part of <bspflow/bspflow.hpp>: include it
-// by name and link prometheus-cpp-core (pkg-config prometheus-cpp-core). Installed when the
-// build found prometheus-cpp.
-//
-//   auto metrics = bspflow::collect_stream(stream);  // a shared_ptr: keep it
-//   exposer.RegisterCollectable(metrics);             // prometheus::Exposer (or a Gateway)
-//
-// The families and samples are those of StreamStats::write_openmetrics, under the same names:
-// counters <prefix>_requests_total, _responses_total{outcome}, _refusals_total{reason},
-// _stage_stalls_total{stage}; gauges _queued, _replica_stalled{replica}; histograms
-// _latency_seconds, _stage_service_seconds{stage}, _stage_queue_wait_seconds{stage} (seconds)
-// and _stage_batch_size{stage} (batch stages only), with the same bucket bounds.
+/// @file
+/// Optional adapter: a Stream's stats (Stream::stats()) as a prometheus-cpp 1.0 Collectable,
+/// with the families of StreamStats::write_openmetrics under the same names and bucket bounds.
+/// Not in `<bspflow/bspflow.hpp>`: include it by name and link prometheus-cpp-core; installed
+/// when the build found prometheus-cpp. Guide: runtime/stream/README.md.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -56,9 +48,9 @@ inline prometheus::MetricFamily prometheus_family(std::string name, std::string 
   return f;
 }
 
-// A histogram's buckets with their bounds and sum divided by `unit` (1e9: ns -> seconds). A
-// snapshot with no layout is read as an empty one of Histogram(highest): the bounds stay the
-// same from scrape to scrape. The serializer adds le="+Inf" (= sample_count).
+/// A histogram's buckets with their bounds and sum divided by `unit` (1e9: ns -> seconds). A
+/// snapshot with no layout is read as an empty one of Histogram(highest): the bounds stay the
+/// same from scrape to scrape. The serializer adds le="+Inf" (= sample_count).
 inline prometheus::ClientMetric::Histogram prometheus_histogram(const HistogramSnapshot& h,
                                                                 std::uint64_t highest,
                                                                 double unit) {
@@ -75,59 +67,102 @@ inline prometheus::ClientMetric::Histogram prometheus_histogram(const HistogramS
 
 }  // namespace detail
 
-// Any thread. `stats` as prometheus-cpp MetricFamilies named `prefix`_... (see the file
-// comment), `labels` on every sample before the family's own. Allocates. Does not check the
-// names (StreamCollectable's constructor does).
+/// `stats` as prometheus-cpp MetricFamilies named `prefix`_... (the families of
+/// StreamStats::write_openmetrics), `labels` on every sample before the family's own. Does not
+/// check the names (StreamCollectable's constructor does).
+/// Contract: any; non-blocking; allocates; throws bad_alloc.
 inline std::vector<prometheus::MetricFamily> to_metric_families(
     const StreamStats& stats, const std::string& prefix = "bspflow_stream",
     const MetricLabels& labels = {}) {
   using prometheus::MetricType;
   std::vector<prometheus::MetricFamily> out;
-  auto counter = [&](prometheus::MetricFamily& f, const char* label, const std::string& value,
-                     std::uint64_t n) {
-    f.metric.push_back(detail::prometheus_sample(labels, label, value));
-    f.metric.back().counter.value = static_cast<double>(n);
+  // A sample with `labels`, then the family's own labels (name, value) in order.
+  auto sample = [&](std::initializer_list<std::pair<const char*, std::string>> own) {
+    prometheus::ClientMetric m = detail::prometheus_sample(labels);
+    for (const auto& [k, v] : own) m.label.push_back({k, v});
+    return m;
   };
-  auto requests = detail::prometheus_family(prefix + "_requests_total", "requests admitted",
+  auto add = [&](prometheus::MetricFamily& f, prometheus::ClientMetric m, double v, bool gauge) {
+    (gauge ? m.gauge.value : m.counter.value) = v;
+    f.metric.push_back(std::move(m));
+  };
+  auto requests = detail::prometheus_family(
+      prefix + "_requests_total", "requests admitted, by priority class", MetricType::Counter);
+  auto responses =
+      detail::prometheus_family(prefix + "_responses_total",
+                                "responses delivered, by class and outcome", MetricType::Counter);
+  auto refusals = detail::prometheus_family(prefix + "_refusals_total",
+                                            "StreamClient pushes refused, by class and reason",
                                             MetricType::Counter);
-  counter(requests, "", "", stats.accepted);
+  auto queued = detail::prometheus_family(prefix + "_queued",
+                                          "requests admitted, not yet taken by a replica, by class",
+                                          MetricType::Gauge);
+  auto latency = detail::prometheus_family(
+      prefix + "_latency_seconds", "push to answer, by priority class", MetricType::Histogram);
+  for (const ClassStats& c : stats.by_class) {
+    const std::string cls = std::to_string(c.priority);
+    add(requests, sample({{"class", cls}}), static_cast<double>(c.accepted), false);
+    add(responses, sample({{"class", cls}, {"outcome", "ok"}}), static_cast<double>(c.ok), false);
+    for (std::size_t k = 0; k < c.errors.size(); ++k) {
+      add(responses, sample({{"class", cls}, {"outcome", to_string(static_cast<ErrorKind>(k))}}),
+          static_cast<double>(c.errors[k]), false);
+    }
+    for (std::size_t r = 1; r < c.refusals.size(); ++r) {  // 0 is kNone: accepted
+      add(refusals, sample({{"class", cls}, {"reason", to_string(static_cast<Refusal>(r))}}),
+          static_cast<double>(c.refusals[r]), false);
+    }
+    add(queued, sample({{"class", cls}}), static_cast<double>(c.queued), true);
+    latency.metric.push_back(sample({{"class", cls}}));
+    latency.metric.back().histogram =
+        detail::prometheus_histogram(c.latency_ns, detail::kMeterHighestNs, 1e9);
+  }
   out.push_back(std::move(requests));
-  auto responses = detail::prometheus_family(
-      prefix + "_responses_total", "responses delivered, by outcome", MetricType::Counter);
-  counter(responses, "outcome", "ok", stats.ok);
-  for (std::size_t k = 0; k < stats.errors.size(); ++k) {
-    counter(responses, "outcome", to_string(static_cast<ErrorKind>(k)), stats.errors[k]);
-  }
   out.push_back(std::move(responses));
-  auto refusals = detail::prometheus_family(
-      prefix + "_refusals_total", "StreamClient pushes refused, by reason", MetricType::Counter);
-  for (std::size_t r = 1; r < stats.refusals.size(); ++r) {  // 0 is kNone: accepted
-    counter(refusals, "reason", to_string(static_cast<Refusal>(r)), stats.refusals[r]);
-  }
   out.push_back(std::move(refusals));
-  auto queued = detail::prometheus_family(
-      prefix + "_queued", "requests admitted, not yet taken by a replica", MetricType::Gauge);
-  queued.metric.push_back(detail::prometheus_sample(labels));
-  queued.metric.back().gauge.value = static_cast<double>(stats.queued);
   out.push_back(std::move(queued));
   auto stalled = detail::prometheus_family(
       prefix + "_replica_stalled", "1 while a stage of the replica is stalled", MetricType::Gauge);
+  auto ejected = detail::prometheus_family(
+      prefix + "_replica_ejected",
+      "1 while the replica is out of rotation after consecutive stage failures", MetricType::Gauge);
+  auto ejections = detail::prometheus_family(prefix + "_replica_ejections_total",
+                                             "times the replica was ejected", MetricType::Counter);
+  auto draining = detail::prometheus_family(
+      prefix + "_replica_draining", "1 while a rolling swap drains the replica", MetricType::Gauge);
+  auto depth = detail::prometheus_family(
+      prefix + "_ring_depth",
+      "requests waiting in a hop between two devices of a replica (hop: in build order)",
+      MetricType::Gauge);
   for (const ReplicaStats& r : stats.replicas) {
-    stalled.metric.push_back(
-        detail::prometheus_sample(labels, "replica", std::to_string(r.replica)));
-    stalled.metric.back().gauge.value = r.stalled ? 1.0 : 0.0;
+    const std::string rep = std::to_string(r.replica);
+    add(stalled, sample({{"replica", rep}}), r.stalled ? 1.0 : 0.0, true);
+    add(ejected, sample({{"replica", rep}}), r.ejected ? 1.0 : 0.0, true);
+    add(ejections, sample({{"replica", rep}}), static_cast<double>(r.ejections), false);
+    add(draining, sample({{"replica", rep}}), r.draining ? 1.0 : 0.0, true);
+    for (std::size_t hop = 0; hop < r.ring_depths.size(); ++hop) {
+      add(depth, sample({{"replica", rep}, {"hop", std::to_string(hop)}}),
+          static_cast<double>(r.ring_depths[hop]), true);
+    }
   }
   out.push_back(std::move(stalled));
+  out.push_back(std::move(ejected));
+  out.push_back(std::move(ejections));
+  out.push_back(std::move(draining));
+  if (!depth.metric.empty()) out.push_back(std::move(depth));
   auto stalls = detail::prometheus_family(
       prefix + "_stage_stalls_total", "calls that outlived the stall limit", MetricType::Counter);
-  for (const StageStats& s : stats.stages) counter(stalls, "stage", s.name, s.stalls);
+  auto versions =
+      detail::prometheus_family(prefix + "_stage_version_calls_total",
+                                "calls made, by stage and version", MetricType::Counter);
+  for (const StageStats& s : stats.stages) {
+    add(stalls, sample({{"stage", s.name}}), static_cast<double>(s.stalls), false);
+    for (const VersionStats& v : s.versions) {
+      add(versions, sample({{"stage", s.name}, {"version", std::to_string(v.version)}}),
+          static_cast<double>(v.calls), false);
+    }
+  }
   out.push_back(std::move(stalls));
-
-  auto latency = detail::prometheus_family(prefix + "_latency_seconds", "push to answer",
-                                           MetricType::Histogram);
-  latency.metric.push_back(detail::prometheus_sample(labels));
-  latency.metric.back().histogram =
-      detail::prometheus_histogram(stats.latency_ns, detail::kMeterHighestNs, 1e9);
+  if (!versions.metric.empty()) out.push_back(std::move(versions));
   out.push_back(std::move(latency));
   auto per_stage = [&](const char* suffix, const char* help, HistogramSnapshot StageStats::*which,
                        std::uint64_t highest, double unit, bool batched_only) {
@@ -148,29 +183,26 @@ inline std::vector<prometheus::MetricFamily> to_metric_families(
   return out;
 }
 
-// A prometheus-cpp Collectable that reads `stats` on every scrape (Collect(), on the
-// exposer's thread) and returns to_metric_families(stats(), prefix, labels).
+/// A prometheus-cpp Collectable that reads `stats` on every scrape (Collect(), on the
+/// exposer's thread) and returns to_metric_families(stats(), prefix, labels).
 class StreamCollectable : public prometheus::Collectable {
  public:
-  // Setup path. Throws bspflow::Error (as StreamStats::write_openmetrics) on an invalid prefix
-  // or label name, a label named "le", or a label named like a family's own (outcome, reason,
-  // replica, stage).
+  /// Checks `prefix` and `labels` now: throws bspflow::Error (as
+  /// StreamStats::write_openmetrics) on an invalid prefix or label name, or a label named like
+  /// one the families set themselves (kStreamMetricLabels); also without `stats`.
+  /// Contract: any; non-blocking; allocates; throws Error.
   explicit StreamCollectable(std::function<StreamStats()> stats,
                              std::string prefix = "bspflow_stream", MetricLabels labels = {})
       : stats_(std::move(stats)), prefix_(std::move(prefix)), labels_(std::move(labels)) {
     if (!stats_) throw Error("StreamCollectable: no stats function");
-    std::ostringstream probe;  // the OpenMetrics writer's checks: prefix and label names
+    // The OpenMetrics writer's checks: the prefix, the label names, and no label named like
+    // one the families set themselves (kStreamMetricLabels).
+    std::ostringstream probe;
     StreamStats{}.write_openmetrics(probe, prefix_, labels_);
-    for (const auto& [name, value] : labels_) {
-      if (name == "outcome" || name == "reason" || name == "replica" || name == "stage") {
-        detail::throw_bad_value("StreamCollectable label", name,
-                                "a name other than outcome, reason, replica and stage (the "
-                                "families' own labels)");
-      }
-    }
   }
 
-  // The exposer's thread (any thread). Allocates.
+  /// One scrape, on the exposer's thread: to_metric_families(stats(), prefix, labels).
+  /// Contract: any; non-blocking; allocates; throws bad_alloc.
   std::vector<prometheus::MetricFamily> Collect() const override {
     return to_metric_families(stats_(), prefix_, labels_);
   }
@@ -181,9 +213,10 @@ class StreamCollectable : public prometheus::Collectable {
   MetricLabels labels_;
 };
 
-// Setup path. A collectable of `stream`'s stats. `stream` must outlive every scrape: before
-// the Stream goes, call exposer.RemoveCollectable(metrics) (it waits out a scrape in
-// progress; dropping the shared_ptr alone does not, a scrape holds its own).
+/// A collectable of `stream`'s stats. `stream` must outlive every scrape: before the Stream
+/// goes, call exposer.RemoveCollectable(metrics) (it waits out a scrape in progress; dropping
+/// the shared_ptr alone does not, a scrape holds its own).
+/// Contract: any; non-blocking; allocates; throws Error.
 template <class In, class Out>
 std::shared_ptr<StreamCollectable> collect_stream(const Stream<In, Out>& stream,
                                                   std::string prefix = "bspflow_stream",

@@ -1,5 +1,6 @@
-// A stream's requests and responses (see stream.hpp): who sent a request, what comes back,
-// and why a request was answered with an error or refused.
+/// @file
+/// A stream's requests and responses (see stream.hpp): who sent a request, what comes back,
+/// and why a request was answered with an error or refused.
 #pragma once
 
 #include <chrono>
@@ -12,76 +13,89 @@
 
 namespace bspflow {
 
-// Who sent a request and which of theirs it is.
+/// Who sent a request and which of theirs it is.
 struct RequestId {
-  std::uint32_t client = 0;    // StreamClient::id(): unique in the process
-  std::uint64_t sequence = 0;  // 0, 1, 2, ... per client
+  std::uint32_t client = 0;    ///< StreamClient::id(): unique in the process
+  std::uint64_t sequence = 0;  ///< 0, 1, 2, ... per client
   friend bool operator==(const RequestId&, const RequestId&) = default;
 };
 
-// The clock of deadlines and latencies.
+/// The clock of deadlines and latencies.
 using StreamClock = std::chrono::steady_clock;
-// A request's deadline; kNoDeadline (the default) means none.
+/// A request's deadline; kNoDeadline (the default) means none.
 using Deadline = StreamClock::time_point;
 inline constexpr Deadline kNoDeadline = Deadline::max();
 
-// Why a request was answered with an error, for callers that branch on it.
+/// How many priority classes a stream can have (StreamConfig::priority_classes). Class 0 is
+/// served first at every queue, then 1, and so on, each keeping its minimum share.
+inline constexpr std::uint32_t kPriorityClasses = 4;
+
+/// Why a request was answered with an error, for callers that branch on it.
 enum class ErrorKind : std::uint8_t {
-  kStageFailed,       // a stage threw for it (or its batch), or the runtime failed
-  kDeadlineExceeded,  // a stage took it after its deadline: not run
-  kRejected,          // admitted, then shed for a request with more slack (AdmissionPolicy::kShed)
-  kCancelled,         // its client cancelled it, or the stream was cancelled: not run further
+  kStageFailed,       ///< a stage threw for it (or its batch), or the runtime failed
+  kDeadlineExceeded,  ///< a stage took it after its deadline: not run
+  kRejected,          ///< admitted, then shed: for one with more slack, or of a higher class
+  kCancelled,         ///< its client cancelled it, or the stream was cancelled: not run further
 };
-// Any thread: "stage_failed", "deadline_exceeded", "rejected", "cancelled". Never throws.
+/// The kind's name: "stage_failed", "deadline_exceeded", "rejected" or "cancelled".
+/// Contract: any; non-blocking; no-alloc; noexcept.
 const char* to_string(ErrorKind kind) noexcept;
 
-// Why a request was answered with an error: its kind, the stage that answered it and why.
+/// Why a request was answered with an error: its kind, the stage (graph node) that answered it
+/// and why.
 struct RequestError {
   ErrorKind kind = ErrorKind::kStageFailed;
-  std::uint32_t stage = 0;  // index of the stage in the stream (0 = first)
+  std::uint32_t stage = 0;  ///< index of the stage (node) in the stream (0 = first)
   std::string stage_name{};
-  std::uint32_t device = 0;  // Device::id() of the device it ran on
+  std::uint32_t device = 0;  ///< Device::id() of the device it ran on
   RequestId id{};
-  std::string message{};  // "stage 'conv' (1) on device 0 failed on request 3 of client 1: ..."
-  std::exception_ptr cause{};  // kStageFailed: what the stage threw
+  std::string message{};  ///< "stage 'conv' (1) on device 0 failed on request 3 of client 1: ..."
+  std::exception_ptr cause{};  ///< kStageFailed: what the stage threw
 };
 
-// One answer: the request's id and its value, or the error that replaced it.
+/// One answer: the request's id and its value, or the error that replaced it.
 template <class T>
 struct Response {
   RequestId id{};
-  std::optional<T> value{};                     // set when ok()
-  std::shared_ptr<const RequestError> error{};  // set when it was not answered with a value
-  // From the push to the answer being made (before it waits for the client's earlier ones).
+  std::optional<T> value{};                     ///< set when ok()
+  std::shared_ptr<const RequestError> error{};  ///< set when it was not answered with a value
+  /// From the push to the answer being made (before it waits for the client's earlier ones).
   std::chrono::nanoseconds latency{0};
+  /// The version that answered it: the newest stage version it ran through (versions are
+  /// numbered per stream: 1 at build, each Stream::swap() the next). 0 if it ran no stage.
+  std::uint32_t version = 0;
+  std::uint32_t priority = 0;  ///< its priority class
   bool ok() const noexcept { return error == nullptr; }
-  // The error's kind; only when !ok().
+  /// The error's kind; only when !ok().
   ErrorKind kind() const noexcept { return error->kind; }
 };
 
-// Why a StreamClient's push was refused (nothing was queued then).
+/// Why a StreamClient's push was refused (nothing was queued then).
 enum class Refusal : std::uint8_t {
-  kNone,       // accepted
-  kQueueFull,  // the admission queue is at Admission::queue_capacity (kReject, or try_push)
-  kDeadlineUnreachable,  // the predicted completion (queue x measured service) is past it
-  kDeadlinePassed,       // the deadline was already past at push
-  kClientFull,           // this client has response_capacity requests unpopped: pop first
-  kShed,                 // AdmissionPolicy::kShed: this request had the least slack
-  kClosed,               // the stream is closed or not serving
+  kNone,       ///< accepted
+  kQueueFull,  ///< the admission queue is at Admission::queue_capacity (kReject, or try_push)
+  kDeadlineUnreachable,  ///< the predicted completion (queue x measured service) is past it
+  kDeadlinePassed,       ///< the deadline was already past at push
+  kClientFull,           ///< this client has response_capacity requests unpopped: pop first
+  kShed,                 ///< AdmissionPolicy::kShed: this request had the least slack
+  kClosed,               ///< the stream is closed or not serving
+  kOutranked,            ///< the admission queue is full of requests of a higher priority class
 };
-// Any thread: "accepted", "queue_full", ... Never throws.
+/// The refusal's name: "accepted", "queue_full", ...
+/// Contract: any; non-blocking; no-alloc; noexcept.
 const char* to_string(Refusal r) noexcept;
 
-// What a StreamClient's push returns: the request's id, or why it was refused.
+/// What a StreamClient's push returns: the request's id, or why it was refused.
 struct Submission {
-  RequestId id{};  // valid when accepted()
+  RequestId id{};  ///< valid when accepted()
   Refusal refusal = Refusal::kNone;
   bool accepted() const noexcept { return refusal == Refusal::kNone; }
   explicit operator bool() const noexcept { return accepted(); }
 };
 
 namespace detail {
-// Any thread: the next process-unique StreamClient id. Never blocks.
+/// The next process-unique StreamClient id.
+/// Contract: any; non-blocking; no-alloc; noexcept.
 std::uint32_t next_client_id() noexcept;
 }  // namespace detail
 

@@ -1,7 +1,8 @@
-// StreamClient: one client thread's handle on a serving Stream (see stream.hpp): pushes
-// requests with deadlines through admission control, cancels them, and pops its own
-// responses, in the order it pushed them (or as they come, Ordering::kNone), with no router
-// thread between the stream and the client.
+/// @file
+/// StreamClient: one client thread's handle on a serving Stream (see stream.hpp): pushes
+/// requests with deadlines through admission control, cancels them, and pops its own
+/// responses, in the order it pushed them (or as they come, Ordering::kNone), with no router
+/// thread between the stream and the client.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -24,43 +26,47 @@ namespace bspflow {
 template <class In, class Out>
 class Stream;
 
-// One per client thread (not thread-safe; movable). Made by Stream::client(); may outlive
-// the Stream (pushes then say kClosed). Every accepted request is answered exactly once:
-// with its value, or an error of its kind (also on close, cancel and failure).
+/// One per client thread (movable). Made by Stream::client(); may outlive the Stream (pushes
+/// then say kClosed). Every accepted request is answered exactly once: with its value, or an
+/// error of its kind (also on close, cancel and failure).
+/// Contract of every member: client; non-blocking; no-alloc; noexcept, unless tagged.
 template <class In, class Out>
 class StreamClient {
  public:
   StreamClient(StreamClient&&) noexcept = default;
   StreamClient& operator=(StreamClient&&) = delete;
-  // Responses still on their way are dropped; requests still queued or in flight are
-  // cancelled (answered kCancelled to nobody).
+  /// Responses still on their way are dropped; requests still queued or in flight are
+  /// cancelled (answered kCancelled to nobody).
   ~StreamClient() {
     if (!ring_) return;
     for (std::uint64_t s = head_; s < next_; ++s) ring_->cancel(s);
     ring_->abandoned.store(true, std::memory_order_seq_cst);
   }
 
-  // Client thread. Sends `value` (moved from only if accepted). Blocks only under
-  // AdmissionPolicy::kBlock while the stream's queue is full. The Submission has the
-  // request's id, or why it was refused (nothing queued then): kClosed when the stream is
-  // not serving, kClientFull when response_capacity responses are unpopped, kDeadlinePassed,
-  // kDeadlineUnreachable, kQueueFull (kReject), kShed. Never throws except std::bad_alloc.
+  /// Sends `value` (moved from only if accepted). Blocks only under AdmissionPolicy::kBlock
+  /// while the stream's queue is full, until there is room or the stream closes. The
+  /// Submission has the request's id, or why it was refused (nothing queued then): kClosed
+  /// when the stream is not serving, kClientFull when response_capacity responses are
+  /// unpopped, kDeadlinePassed, kDeadlineUnreachable, kQueueFull (kReject), kShed.
+  /// Contract: client; blocks; allocates (kShed: the shed request's error); throws bad_alloc.
   Submission push(In value, Deadline deadline = kNoDeadline) {
     return submit(value, deadline, true);
   }
-  // Client thread. push() with a deadline `timeout` from now.
+  /// push() with a deadline `timeout` from now.
+  /// Contract: client; blocks; allocates (kShed: the shed request's error); throws bad_alloc.
   Submission push_for(In value, std::chrono::nanoseconds timeout) {
     return submit(value, StreamClock::now() + timeout, true);
   }
-  // Client thread. Never blocks: under kBlock a full queue refuses with kQueueFull. `value`
-  // is untouched when refused.
+  /// push() without waiting: under kBlock a full queue refuses with kQueueFull. `value` is
+  /// untouched when refused.
+  /// Contract: client; non-blocking; allocates (kShed: the shed request's error); throws bad_alloc.
   Submission try_push(In&& value, Deadline deadline = kNoDeadline) {
     return submit(value, deadline, false);
   }
 
-  // Client thread. Cancels request `id` of this client: it is answered kCancelled at its
-  // next stage boundary (a stage already running it finishes first; a response already made
-  // stays). False if `id` is not an unanswered request of this client.
+  /// Cancels request `id` of this client: it is answered kCancelled at its next stage boundary
+  /// (a stage already running it finishes first; a response already made stays). False if `id`
+  /// is not an unanswered request of this client.
   bool cancel(const RequestId& id) noexcept {
     if (id.client != id_ || id.sequence >= next_ || id.sequence < head_) return false;
     if (ring_->ready(id.sequence)) return false;  // answered, not yet popped
@@ -69,15 +75,17 @@ class StreamClient {
     return true;
   }
 
-  // Client thread. The next response (in push order, unless Ordering::kNone): blocks until
-  // it arrives; nullopt at once if no request is outstanding.
+  /// The next response (in push order, unless Ordering::kNone): blocks until it arrives;
+  /// nullopt at once if no request is outstanding.
+  /// Contract: client; blocks; no-alloc; noexcept.
   std::optional<Response<Out>> pop() { return pop_until(Deadline::max()); }
-  // Client thread. Never blocks.
+  /// The next response if one is ready; else nullopt.
   std::optional<Response<Out>> try_pop() {
     if (head_ == next_) return std::nullopt;
     return take_ready();
   }
-  // Client thread. Blocks until a response arrives or `until`.
+  /// The next response: blocks until one arrives, or until `until` (then nullopt).
+  /// Contract: client; blocks; no-alloc; noexcept.
   std::optional<Response<Out>> pop_until(Deadline until) {
     if (head_ == next_) return std::nullopt;
     if (auto r = take_ready()) return r;
@@ -92,21 +100,21 @@ class StreamClient {
     return take_ready();
   }
 
-  // Client thread. How pop() and pop_until() wait for a response (see wait_policy.hpp).
-  // Default: spin-then-park; on a thread pinned to a core one of the stream's devices is
-  // pinned to as well, capped as for sharing (it yields, spins at most
-  // tunables::kSharedCoreSpinBudget, then parks), so a waiting client never takes the core
-  // from the device it waits for. Setting a policy turns the automatic choice off. Throws
-  // bspflow::Error on an invalid policy.
+  /// How pop() and pop_until() wait for a response (see wait_policy.hpp).
+  /// Default: spin-then-park; on a thread pinned to a core one of the stream's devices is
+  /// pinned to as well, capped as for sharing (it yields, spins at most
+  /// tunables::kSharedCoreSpinBudget, then parks), so a waiting client never takes the core
+  /// from the device it waits for. Setting a policy turns the automatic choice off. Throws
+  /// bspflow::Error on an invalid policy.
+  /// Contract: client; non-blocking; no-alloc; throws Error.
   void set_wait(WaitPolicy policy) {
     policy.validate();
     wait_ = policy;
     wait_chosen_ = true;
   }
 
-  // Client thread. The policy pop() and pop_until() wait with: set_wait()'s, or the
-  // automatic choice, made on the first call from where the calling thread is pinned.
-  // Never blocks.
+  /// The policy pop() and pop_until() wait with: set_wait()'s, or the automatic choice, made
+  /// on the first call from where the calling thread is pinned.
   const WaitPolicy& wait_policy() {
     if (!wait_chosen_) {
       wait_chosen_ = true;
@@ -119,9 +127,25 @@ class StreamClient {
     return wait_;
   }
 
-  // Requests sent and not yet popped.
+  /// The priority class of this client's later pushes: 0 (served first at every queue) up
+  /// to StreamConfig::priority_classes - 1. Throws Error outside that range.
+  /// Contract: client; non-blocking; no-alloc; throws Error.
+  void set_priority(std::uint32_t priority) {
+    if (priority >= classes_) {
+      detail::throw_bad_value(
+          "StreamClient priority", priority,
+          "must be below StreamConfig::priority_classes (" + std::to_string(classes_) + ")");
+    }
+    priority_ = priority;
+  }
+  /// The priority class of this client's pushes.
+  std::uint32_t priority() const noexcept { return priority_; }
+
+  /// Requests sent and not yet popped.
   std::uint64_t outstanding() const noexcept { return next_ - popped_; }
+  /// This client's id (RequestId::client).
   std::uint32_t id() const noexcept { return id_; }
+  /// Requests sent (pushes accepted).
   std::uint64_t sent() const noexcept { return next_; }
 
  private:
@@ -129,12 +153,13 @@ class StreamClient {
   friend class Stream;
   StreamClient(std::shared_ptr<detail::Intake<In>> intake,
                std::shared_ptr<detail::ClientRing<Out>> ring, std::uint32_t id, Ordering ordering,
-               std::vector<std::uint32_t> device_cores)
+               std::vector<std::uint32_t> device_cores, std::uint32_t classes)
       : intake_(std::move(intake)), ring_(std::move(ring)), id_(id), ordering_(ordering),
-        device_cores_(std::move(device_cores)) {}
+        classes_(classes), device_cores_(std::move(device_cores)) {}
 
   Submission submit(In& value, Deadline deadline, bool blocking) {
-    Submission s = intake_->push(*ring_, id_, next_, next_ - head_, value, deadline, blocking);
+    Submission s =
+        intake_->push(*ring_, id_, next_, next_ - head_, priority_, value, deadline, blocking);
     if (s.accepted()) {
       ++next_;
       ring_->sent.store(next_, std::memory_order_relaxed);
@@ -169,12 +194,14 @@ class StreamClient {
   std::shared_ptr<detail::ClientRing<Out>> ring_;
   std::uint32_t id_;
   Ordering ordering_;
-  std::uint64_t next_ = 0;                   // the next request's sequence number
-  std::uint64_t head_ = 0;                   // the oldest sequence not popped
-  std::uint64_t popped_ = 0;                 // responses popped
-  std::vector<std::uint32_t> device_cores_;  // cores the stream's devices are pinned to
+  std::uint32_t classes_;
+  std::uint32_t priority_ = 0;
+  std::uint64_t next_ = 0;                   ///< the next request's sequence number
+  std::uint64_t head_ = 0;                   ///< the oldest sequence not popped
+  std::uint64_t popped_ = 0;                 ///< responses popped
+  std::vector<std::uint32_t> device_cores_;  ///< cores the stream's devices are pinned to
   WaitPolicy wait_{};
-  bool wait_chosen_ = false;  // set_wait() was called, or the first wait chose
+  bool wait_chosen_ = false;  ///< set_wait() was called, or the first wait chose
 };
 
 }  // namespace bspflow

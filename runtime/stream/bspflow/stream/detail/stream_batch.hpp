@@ -1,8 +1,9 @@
-// Internal to streams: a batch stage at the head of its segment (StreamBuilder::batch_stage):
-// forms batches from whatever is waiting, bounded by max_batch and max_delay from the first
-// request's arrival, flushes early when waiting would make the oldest request miss its
-// deadline (from its own service time per batch size, measured online), pads to the allowed
-// sizes, and answers each request on its own.
+// Internal to streams (installed because the stream templates use it): a batch stage at the
+// head of its segment (batch_stage): forms batches from whatever is waiting (the higher
+// priority class first), bounded by max_batch and max_delay from the first request's
+// arrival, flushes early when waiting would make the tightest deadline waiting miss it (from
+// its own service time per batch size, measured online), runs no request that can no longer
+// make its deadline, pads to the allowed sizes, and answers each request on its own.
 #pragma once
 
 #include <algorithm>
@@ -14,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "bspflow/stream/detail/stream_ops.hpp"
 #include "bspflow/stream/detail/stream_segment.hpp"
 #include "bspflow/stream/stream_serving.hpp"
 
@@ -33,6 +35,8 @@ struct BatchElement<ItemResult<T>> {
 
 // The stage's service time per (padded) batch size: an EWMA per size seen, and a straight
 // line a + b*n fitted to all of them (exponentially forgotten) for sizes not seen lately.
+// While a single size has been measured the line is unknown, and the estimate errs towards
+// lateness: the whole measured cost is taken as fixed for smaller sizes.
 // Robust to outliers: a sample above twice the current estimate for its size counts as twice
 // the estimate (a preempted call on a VM takes milliseconds; taken at face value it would
 // make the stage drop and refuse what it can serve). A size not measured in the last
@@ -64,11 +68,14 @@ class BatchCostModel {
     }
     if (w_ == 0.0) return 0.0;
     const double den = w_ * snn_ - sn_ * sn_;
-    double b = 0.0;
-    if (den > 1e-9 * w_ * snn_)
-      b = std::max(0.0, (w_ * snt_ - sn_ * st_) / den);
-    else if (sn_ > 0.0)
-      return st_ / sn_ * static_cast<double>(n);  // one size only: proportional
+    if (den <= 1e-9 * w_ * snn_) {
+      // One size measured so far: nothing tells a call's fixed cost from its cost per item.
+      // Err towards lateness: a smaller batch costs as much as the one measured (all fixed),
+      // a larger one proportionally more (all per item).
+      const double size = sn_ / w_, cost = st_ / w_;
+      return cost * std::max(1.0, static_cast<double>(n) / size);
+    }
+    const double b = std::max(0.0, (w_ * snt_ - sn_ * st_) / den);
     const double a = std::max(0.0, (st_ - b * sn_) / w_);
     return a + b * static_cast<double>(n);
   }
@@ -83,41 +90,87 @@ class BatchCostModel {
   double w_ = 0, sn_ = 0, st_ = 0, snn_ = 0, snt_ = 0;
 };
 
-template <class Cur, class Elem, class F>
+// One version of a batch stage's callable.
+template <class X, class Elem>
+class BatchFn : public Versioned {
+ public:
+  virtual std::vector<Elem> call(std::span<X> batch) = 0;
+};
+template <class X, class Elem, class F>
+class BatchFnOf final : public BatchFn<X, Elem> {
+ public:
+  explicit BatchFnOf(F f) : f_(std::move(f)) {}
+  std::vector<Elem> call(std::span<X> batch) override { return f_(batch); }
+
+ private:
+  F f_;
+};
+
+// A batch stage at the head of its segment, untyped for the segment's loop.
+class BatchHeadBase {
+ public:
+  virtual ~BatchHeadBase() = default;
+  // Device thread: collects the next batch from `entry` (blocking for its first request;
+  // `before_wait` runs before a blocking wait). False (nothing collected) at the end or on
+  // stop.
+  virtual bool collect(Entry& entry, const WaitPolicy& policy, const StopFlag& stop,
+                       const std::function<void()>& before_wait) = 0;
+  // Device thread: runs the collected batch; then entries 0..size()-1 are ready. `f` is the
+  // frame of the batch (its time and modeled time).
+  virtual void run(Frame& f) = 0;
+  virtual std::size_t size() const noexcept = 0;
+  virtual const RequestMeta& meta(std::size_t i) const = 0;
+  // Entry i's error before the run (taken with one, cancelled, expired, or would end late):
+  // answered or forwarded without the batch.
+  virtual const std::shared_ptr<const RequestError>& early_error(std::size_t i) const = 0;
+  virtual bool skipped(std::size_t i) const = 0;
+  // Entry i into the batch node's slot (its output, its error or its skip mark).
+  virtual void fill(std::size_t i) = 0;
+  virtual void clear() = 0;
+  VersionCell cell;
+  const NodeRun* node = nullptr;
+  double downstream_ns = 0;          // the measured time of the stages after it (set per batch)
+  std::vector<StageMeter*> after;    // the meters of the stages after it, for downstream_ns
+  StreamClock::time_point origin{};  // the run's start (modeled time 0)
+  bool first_node = false;           // its input is the stream's input (modeled arrival = the push)
+};
+
+template <class Cur, class Elem>
 class BatchHead final : public BatchHeadBase {
   using Mid = typename BatchElement<Elem>::type;
   static constexpr bool kFallible = BatchElement<Elem>::fallible;
 
  public:
-  BatchHead(F f, BatchConfig config)
-      : f_(std::move(f)), config_(std::move(config)), cost_(config_.padded(config_.max_batch)) {
+  BatchHead(BatchConfig config, Slot<Mid>& out)
+      : config_(std::move(config)), cost_(config_.padded(config_.max_batch)), out_(out) {
     inputs_.reserve(config_.padded(config_.max_batch));
     entries_.reserve(4 * config_.max_batch);
   }
 
-  bool collect(Source& source, const WaitPolicy& policy, const StopFlag& stop,
+  bool collect(Entry& entry, const WaitPolicy& policy, const StopFlag& stop,
                const std::function<void()>& before_wait) override {
     Item item;
-    if (!source.try_next(item)) {
+    if (!entry.try_next(item)) {
       before_wait();
-      if (!source.next(item, policy, stop)) return false;
+      if (!entry.next(item, policy, stop)) return false;
     }
     add(item);
+    downstream_ns = downstream();
     const std::size_t max = config_.max_batch;
     for (;;) {
-      while (live_ < max && entries_.size() < 2 * max && source.try_next(item)) add(item);
+      while (live_ < max && entries_.size() < 2 * max && entry.try_next(item)) add(item);
       if (live_ == 0 || live_ >= max || entries_.size() >= 2 * max) break;
       const auto now = StreamClock::now();
       const auto flush_by = flush_time(now);
       if (now >= flush_by) break;
       if (config_.deadline_aware && !config_.max_delay && !worth_waiting(now, flush_by)) break;
-      if (!source.next_until(item, flush_by, policy, stop)) break;
+      if (!entry.next_until(item, flush_by, policy, stop)) break;
       add(item);
     }
     // Requests that would finish late are answered now; their places go to others waiting.
     while (config_.deadline_aware && drop_late(StreamClock::now())) {
       bool added = false;
-      while (live_ < max && entries_.size() < 4 * max && source.try_next(item)) {
+      while (live_ < max && entries_.size() < 4 * max && entry.try_next(item)) {
         add(item);
         added = true;
       }
@@ -126,7 +179,7 @@ class BatchHead final : public BatchHeadBase {
     return true;
   }
 
-  void run(StageCtx& ctx) override {
+  void run(Frame& f) override {
     if (live_ == 0) return;
     const auto t0 = StreamClock::now();
     const std::size_t n = live_;
@@ -134,9 +187,9 @@ class BatchHead final : public BatchHeadBase {
     if constexpr (std::is_default_constructible_v<Cur>) {
       while (inputs_.size() < padded) inputs_.emplace_back();
     }
-    StageMeter* meter = timing ? meters[stage] : nullptr;
+    StageMeter* meter = f.timing ? node->meter : nullptr;
     if (meter != nullptr) {
-      for (const Entry& e : entries_) {
+      for (const Entry_& e : entries_) {
         if (e.input >= 0) {
           const auto w = (t0 - e.meta.enqueued).count();
           meter->wait.record(static_cast<std::uint64_t>(w > 0 ? w : 0));
@@ -146,26 +199,31 @@ class BatchHead final : public BatchHeadBase {
     }
     std::exception_ptr failed;
     results_.clear();
+    // The version is read and its count bumped before it is let go: a swap frees it after.
+    auto* fn = static_cast<BatchFn<Cur, Elem>*>(cell.acquire());
+    version_ = fn->version;
     try {
-      results_ = f_(std::span<Cur>(inputs_.data(), inputs_.size()));
+      results_ = fn->call(std::span<Cur>(inputs_.data(), inputs_.size()));
     } catch (...) {
       failed = std::current_exception();
     }
+    bump(fn->calls);
+    cell.release();
     const auto t1 = StreamClock::now();
     cost_.add(inputs_.size(), static_cast<double>((t1 - t0).count()));
-    if (models != nullptr) {
+    if (node->model != nullptr) {
       // Modeled: the batch starts once its last request has arrived (real time since the
-      // run's start for the first device, else when the previous device was done with it).
+      // run's start for the stream's first node, else when the previous device was done).
       double ready = 0;
-      for (const Entry& e : entries_) {
+      for (const Entry_& e : entries_) {
         if (e.input < 0) continue;
-        ready = std::max(ready, stage == 0 ? static_cast<double>(std::max<std::int64_t>(
+        ready = std::max(ready, first_node ? static_cast<double>(std::max<std::int64_t>(
                                                  0, (e.meta.arrival - origin).count()))
                                            : e.meta.modeled_ns);
       }
-      ctx.modeled = ready;
-      charge_stage(ctx, stage, inputs_.size());
-      for (Entry& e : entries_) e.meta.modeled_ns = ctx.modeled;
+      f.modeled = ready;
+      charge(f, *node, inputs_.size());
+      for (Entry_& e : entries_) e.meta.modeled_ns = f.modeled;
     }
     if (meter != nullptr) {
       const std::size_t full = config_.padded(config_.max_batch);
@@ -176,39 +234,51 @@ class BatchHead final : public BatchHeadBase {
       meter->batch.record(n);
       bump(meter->padded, inputs_.size() - n);
     }
-    ctx.t = t1;
+    f.t = t1;
     if (!failed && results_.size() < n) {
       failed = std::make_exception_ptr(
-          Error("batch stage '" + name + "' returned " + std::to_string(results_.size()) +
+          Error("batch stage '" + node->name + "' returned " + std::to_string(results_.size()) +
                 " result(s) for a batch of " + std::to_string(n) + " request(s)"));
     }
-    for (Entry& e : entries_) {
+    for (Entry_& e : entries_) {
       if (e.input < 0) continue;
+      e.meta.version = std::max(e.meta.version, version_);
       if (failed) {
-        e.error = make_request_error(
-            ErrorKind::kStageFailed, e.meta, stage, name, device_id,
+        e.late_error = make_request_error(
+            ErrorKind::kStageFailed, e.meta, node->index, node->name, node->device_id,
             "failed in its batch of " + std::to_string(n) + ": " + describe_exception(failed),
             failed);
       } else if constexpr (kFallible) {
         auto& r = results_[static_cast<std::size_t>(e.input)];
         if (!r.ok()) {
-          e.error = make_request_error(ErrorKind::kStageFailed, e.meta, stage, name, device_id,
-                                       "failed: " + r.error());
+          e.late_error = make_request_error(ErrorKind::kStageFailed, e.meta, node->index,
+                                            node->name, node->device_id, "failed: " + r.error());
         }
       }
     }
   }
 
   std::size_t size() const noexcept override { return entries_.size(); }
-  RequestMeta& meta(std::size_t i) override { return entries_[i].meta; }
-  std::shared_ptr<const RequestError>& error(std::size_t i) override { return entries_[i].error; }
-  bool live(std::size_t i) const override { return entries_[i].input >= 0; }
-  void* output(std::size_t i) override {
-    auto& r = results_[static_cast<std::size_t>(entries_[i].input)];
-    if constexpr (kFallible) {
-      return &r.value();
+  const RequestMeta& meta(std::size_t i) const override { return entries_[i].meta; }
+  const std::shared_ptr<const RequestError>& early_error(std::size_t i) const override {
+    return entries_[i].early_error;
+  }
+  bool skipped(std::size_t i) const override { return entries_[i].skipped; }
+  void fill(std::size_t i) override {
+    Entry_& e = entries_[i];
+    if (e.early_error) {
+      out_.set_error(e.early_error);
+    } else if (e.skipped) {
+      out_.set_skipped();
+    } else if (e.late_error) {
+      out_.set_error(e.late_error);
     } else {
-      return &r;
+      auto& r = results_[static_cast<std::size_t>(e.input)];
+      if constexpr (kFallible) {
+        out_.set(std::move(r.value()));
+      } else {
+        out_.set(std::move(r));
+      }
     }
   }
   void clear() override {
@@ -218,23 +288,23 @@ class BatchHead final : public BatchHeadBase {
   }
 
  private:
-  struct Entry {
+  struct Entry_ {
     RequestMeta meta;
-    std::shared_ptr<const RequestError> error;
+    std::shared_ptr<const RequestError> early_error;  // not run: answered without the batch
+    std::shared_ptr<const RequestError> late_error;   // run, and failed
+    bool skipped = false;
     std::ptrdiff_t input = -1;  // index in inputs_, -1 if not run
   };
 
   void add(Item& item) {
-    Entry e{item.meta, std::move(item.error), -1};
-    if (e.error == nullptr) {
+    Entry_ e{item.meta, std::move(item.error), nullptr, item.skipped, -1};
+    if (e.early_error == nullptr && !e.skipped) {
       const auto now = StreamClock::now();
-      if (e.meta.client->cancelled(e.meta.id.sequence)) {
-        e.error = make_request_error(ErrorKind::kCancelled, e.meta, stage, name, device_id,
-                                     "was not run: its client cancelled it");
-      } else if (e.meta.deadline != kNoDeadline && now > e.meta.deadline) {
-        e.error = make_request_error(ErrorKind::kDeadlineExceeded, e.meta, stage, name, device_id,
-                                     "was not run: its deadline had passed");
-      } else {
+      Frame probe;
+      probe.meta = e.meta;
+      if (auto dead = check_live(probe, *node)) {
+        e.early_error = std::move(dead);
+      } else if (item.value != nullptr) {
         e.input = static_cast<std::ptrdiff_t>(inputs_.size());
         inputs_.emplace_back(std::move(*static_cast<Cur*>(item.value)));
         const auto arrived = e.meta.enqueued == StreamClock::time_point{} ? now : e.meta.enqueued;
@@ -250,6 +320,8 @@ class BatchHead final : public BatchHeadBase {
         }
         last_arrival_ = std::max(last_arrival_, arrived);
         ++live_;
+      } else {
+        e.skipped = true;
       }
     }
     entries_.push_back(std::move(e));
@@ -266,25 +338,28 @@ class BatchHead final : public BatchHeadBase {
     const double service = cost_.estimate(config_.padded(live_));
     if (service <= 0.0) return false;  // nothing measured yet
     const auto done =
-        now + std::chrono::nanoseconds(static_cast<std::int64_t>(service + downstream_ns()));
+        now + std::chrono::nanoseconds(static_cast<std::int64_t>(service + downstream_ns));
     bool dropped = false;
-    for (Entry& e : entries_) {
+    for (Entry_& e : entries_) {
       if (e.input < 0 || e.meta.deadline == kNoDeadline || e.meta.deadline >= done) continue;
-      e.error = make_request_error(ErrorKind::kDeadlineExceeded, e.meta, stage, name, device_id,
-                                   "was not run: its batch would have finished after its "
-                                   "deadline");
+      e.early_error = make_request_error(ErrorKind::kDeadlineExceeded, e.meta, node->index,
+                                         node->name, node->device_id,
+                                         "was not run: its batch would have finished after its "
+                                         "deadline");
       e.input = -2;
       dropped = true;
     }
     if (!dropped) return false;
     std::vector<Cur> kept;
     kept.reserve(inputs_.capacity());
-    for (Entry& e : entries_) {
+    oldest_deadline_ = kNoDeadline;
+    for (Entry_& e : entries_) {
       if (e.input == -2) {
         e.input = -1;
       } else if (e.input >= 0) {
         kept.push_back(std::move(inputs_[static_cast<std::size_t>(e.input)]));
         e.input = static_cast<std::ptrdiff_t>(kept.size() - 1);
+        oldest_deadline_ = std::min(oldest_deadline_, e.meta.deadline);
       }
     }
     inputs_ = std::move(kept);
@@ -292,11 +367,10 @@ class BatchHead final : public BatchHeadBase {
     return true;
   }
 
-  double downstream_ns() const {
+  double downstream() const {
     double d = 0;
-    if (meters == nullptr) return d;
-    for (std::uint32_t k = stage + 1; k < stages; ++k) {
-      d += static_cast<double>(meters[k]->per_item_ns.load(std::memory_order_relaxed));
+    for (const StageMeter* m : after) {
+      d += static_cast<double>(m->per_item_ns.load(std::memory_order_relaxed));
     }
     return d;
   }
@@ -311,40 +385,40 @@ class BatchHead final : public BatchHeadBase {
   bool worth_waiting(StreamClock::time_point now, StreamClock::time_point flush_by) const {
     if (gap_ns_ <= 0) return false;  // no arrival rate measured yet: greedy
     const double service = cost_.estimate(config_.padded(live_));
-    // Keep up with headroom: at most kBusy of the device's time, or queues grow under the
-    // bursts of random arrivals.
     constexpr double kBusy = 0.75;
     if (kBusy * static_cast<double>(live_) * static_cast<double>(gap_ns_) >= service) return false;
     return now + std::chrono::nanoseconds(gap_ns_) <= flush_by;
   }
 
-  // When the batch being formed must go.
+  // When the batch being formed must go: its max_delay, or (deadline-aware) the last moment
+  // the tightest deadline waiting can still be made.
   StreamClock::time_point flush_time(StreamClock::time_point now) const {
     auto t = StreamClock::time_point::max();
     if (config_.max_delay) t = first_arrival_ + *config_.max_delay;
     if (config_.deadline_aware && oldest_deadline_ != kNoDeadline) {
       const double next = cost_.estimate(config_.padded(std::min(live_ + 1, config_.max_batch)));
       const auto by = oldest_deadline_ - std::chrono::nanoseconds(static_cast<std::int64_t>(
-                                             next + downstream_ns() + guard_ns(next)));
+                                             next + downstream_ns + guard_ns(next)));
       t = std::min(t, by);
     }
     return t == StreamClock::time_point::max() ? now : t;
   }
 
   RequestId first_live_id() const {
-    for (const Entry& e : entries_) {
+    for (const Entry_& e : entries_) {
       if (e.input >= 0) return e.meta.id;
     }
     return {};
   }
 
-  F f_;
   BatchConfig config_;
   BatchCostModel cost_;
+  Slot<Mid>& out_;
   std::vector<Cur> inputs_;
   std::vector<Elem> results_;
-  std::vector<Entry> entries_;
+  std::vector<Entry_> entries_;
   std::size_t live_ = 0;
+  std::uint32_t version_ = 0;
   StreamClock::time_point first_arrival_{}, last_arrival_{};
   Deadline oldest_deadline_ = kNoDeadline;
   std::int64_t gap_ns_ = 0;  // EWMA of the gap between arrivals

@@ -1,7 +1,7 @@
-// Internal to streams: the typed ends of a stream. Requests come in through the StreamClients'
-// admission queue (Intake) and are taken by each replica's first segment (FirstSource);
-// answers leave through each replica's last segment (LastSink) to the Responder
-// (stream_responder.hpp).
+// Internal to streams (installed because the stream templates use it): the admission queue
+// (Intake: priority classes, each served earliest deadline first, admission policies), the
+// entries a segment takes its requests from (the admission queue, a Port), and the sink of a
+// replica's answers (to the Responder, stream_responder.hpp).
 #pragma once
 
 #include <algorithm>
@@ -23,25 +23,34 @@
 
 namespace bspflow::detail {
 
-// The admission queue of the StreamClients' requests, and the admission policy. Shared by
-// the Stream and its clients (a client may outlive the Stream): once detach()ed it refuses
-// every push without touching the Stream, and detach() waits for the pushes already inside.
+// The admission queue of the StreamClients' requests, and the admission policy. One queue
+// per priority class (a heap: the earliest deadline first, then push order), sharing one
+// capacity. Shared by the Stream and its clients (a client may outlive the Stream): once
+// detach()ed it refuses every push without touching the Stream, and detach() waits for the
+// pushes already inside.
 template <class In>
 class Intake final : public IntakeBase {
  public:
   explicit Intake(StreamCore& core)
-      : core_(&core), capacity_(core.config.admission.queue_capacity), buf_(capacity_) {}
+      : core_(&core), capacity_(core.config.admission.queue_capacity),
+        classes_(core.config.priority_classes), edf_(core.config.admission.earliest_deadline_first),
+        picker_(core.config.min_share) {
+    for (std::uint32_t c = 0; c < classes_; ++c) queue_[c].reserve(capacity_);
+  }
 
   // Client thread. Admits `value` (moved from only if accepted) or says why not.
   Submission push(ClientCore& client, std::uint32_t id, std::uint64_t sequence,
-                  std::uint64_t outstanding, In& value, Deadline deadline, bool blocking) {
+                  std::uint64_t outstanding, std::uint32_t priority, In& value, Deadline deadline,
+                  bool blocking) {
     Submission s{RequestId{id, sequence}, Refusal::kNone};
     const auto now = StreamClock::now();
-    if (deadline != kNoDeadline && deadline <= now) return refuse(s, Refusal::kDeadlinePassed);
-    if (outstanding >= client.capacity()) return refuse(s, Refusal::kClientFull);
+    if (deadline != kNoDeadline && deadline <= now) {
+      return refuse(s, Refusal::kDeadlinePassed, priority);
+    }
+    if (outstanding >= client.capacity()) return refuse(s, Refusal::kClientFull, priority);
     std::optional<RequestMeta> victim;
     std::unique_lock lock(mutex_);
-    if (!open_) return refuse(s, Refusal::kClosed);
+    if (!open_) return refuse(s, Refusal::kClosed, priority);
     // From here until the end of this call the Stream is in use: detach() waits for it.
     ++inside_;
     struct Leave {
@@ -52,13 +61,22 @@ class Intake final : public IntakeBase {
         if (--in.inside_ == 0) in.left_.notify_all();
       }
     } leave{*this, lock};
+    bool waiting = false;
     for (;;) {
-      if (!open_) return refuse(s, Refusal::kClosed);
-      const Refusal r = admit(now, deadline, victim);
+      if (!open_) {
+        if (waiting) --waiting_[priority];
+        return refuse(s, Refusal::kClosed, priority);
+      }
+      const Refusal r = admit(now, deadline, priority, victim, waiting);
       if (r == Refusal::kNone) break;
       if (r != Refusal::kQueueFull || !blocking ||
           core_->config.admission.policy != AdmissionPolicy::kBlock) {
-        return refuse(s, r);
+        if (waiting) --waiting_[priority];
+        return refuse(s, r, priority);
+      }
+      if (!waiting) {
+        waiting = true;
+        ++waiting_[priority];
       }
       lock.unlock();
       not_full_.wait([&] {
@@ -67,38 +85,46 @@ class Intake final : public IntakeBase {
       });
       lock.lock();
     }
-    Envelope<In>& e = buf_[(head_ + size_) % capacity_];
+    if (waiting) --waiting_[priority];
+    Envelope<In> e;
     e.meta = RequestMeta{s.id, deadline, now, now, &client};
+    e.meta.order = order_++;
+    e.meta.priority = static_cast<std::uint8_t>(priority);
     e.value.emplace(std::move(value));
-    e.error.reset();
+    auto& q = queue_[priority];
+    q.push_back(std::move(e));
+    std::push_heap(q.begin(), q.end(), Later{edf_});
     ++size_;
-    accepted_.store(accepted_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
-    total_.store(total_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    bump(accepted_[priority]);
+    accepted_run_.store(accepted_run_.load(std::memory_order_relaxed) + 1,
+                        std::memory_order_relaxed);
     count_.store(size_, std::memory_order_seq_cst);
     StreamCore* core = core_;
     lock.unlock();
     not_empty_.notify();
     if (victim) {
-      core->answerer->answer_error(
-          *victim, make_request_error(ErrorKind::kRejected, *victim, 0, core->stage_names.front(),
-                                      core->devices[0].id(),
-                                      "was shed by admission control (AdmissionPolicy::kShed): "
-                                      "the queue was full and it had the least slack"));
+      core->answerer->answer_error(*victim, shed_error(*core, *victim, priority), false);
     }
     return s;
   }
 
-  // Device thread. Never blocks long (the queue's mutex).
+  // Device thread: the next request by class (ClassPicker) and, in its class, by deadline.
+  // Never blocks long (the queue's mutex).
   bool try_take(Envelope<In>& out) {
     if (count_.load(std::memory_order_acquire) == 0) return false;
     {
       std::lock_guard lock(mutex_);
       if (size_ == 0) return false;
-      Envelope<In>& e = buf_[head_];
-      out.meta = e.meta;
-      out.value = std::move(e.value);
-      e.value.reset();
-      head_ = (head_ + 1) % capacity_;
+      std::uint32_t ready = 0;
+      for (std::uint32_t c = 0; c < classes_; ++c) {
+        if (!queue_[c].empty()) ready |= 1u << c;
+      }
+      const std::uint32_t c = picker_.pick(ready);
+      picker_.served(c);
+      auto& q = queue_[c];
+      std::pop_heap(q.begin(), q.end(), Later{edf_});
+      out = std::move(q.back());
+      q.pop_back();
       --size_;
       count_.store(size_, std::memory_order_seq_cst);
     }
@@ -121,7 +147,7 @@ class Intake final : public IntakeBase {
   void open() override {
     std::lock_guard lock(mutex_);
     if (core_ == nullptr) return;
-    accepted_.store(0, std::memory_order_relaxed);
+    accepted_run_.store(0, std::memory_order_relaxed);
     open_ = true;
     open_flag_.store(true, std::memory_order_seq_cst);
   }
@@ -147,8 +173,9 @@ class Intake final : public IntakeBase {
       if (!try_take(e)) return;
       answerer.answer_error(
           e.meta,
-          make_request_error(ErrorKind::kCancelled, e.meta, 0, core_->stage_names.front(),
-                             core_->devices[0].id(), "was not run: the stream was cancelled"));
+          make_request_error(ErrorKind::kCancelled, e.meta, 0, core_->node_name(0),
+                             core_->devices[0].id(), "was not run: the stream was cancelled"),
+          false);
     }
   }
   void wake() noexcept override {
@@ -156,58 +183,122 @@ class Intake final : public IntakeBase {
     not_full_.notify();
   }
   std::size_t size() const noexcept override { return count_.load(std::memory_order_relaxed); }
+  std::size_t size_of(std::uint32_t c) const override {
+    std::lock_guard lock(mutex_);
+    return c < classes_ ? queue_[c].size() : 0;
+  }
   std::uint64_t accepted() const noexcept override {
-    return accepted_.load(std::memory_order_relaxed);
+    return accepted_run_.load(std::memory_order_relaxed);
   }
-  std::uint64_t total_accepted() const noexcept override {
-    return total_.load(std::memory_order_relaxed);
+  std::uint64_t accepted_of(std::uint32_t c) const noexcept override {
+    return accepted_[c].load(std::memory_order_relaxed);
   }
-  std::uint64_t refused(Refusal r) const noexcept override {
-    return refusals_[static_cast<std::size_t>(r)].load(std::memory_order_relaxed);
+  std::uint64_t refused(std::uint32_t c, Refusal r) const noexcept override {
+    return refusals_[c][static_cast<std::size_t>(r)].load(std::memory_order_relaxed);
   }
 
  private:
-  // Under the lock: whether a request with `deadline` can be queued now; kShed may pick a
-  // victim (removed from the queue; answered by the caller once unlocked).
-  Refusal admit(StreamClock::time_point now, Deadline deadline,
-                std::optional<RequestMeta>& victim) {
+  // Heap order: the request served later compares less.
+  struct Later {
+    bool edf;
+    bool operator()(const Envelope<In>& a, const Envelope<In>& b) const noexcept {
+      if (edf && a.meta.deadline != b.meta.deadline) return a.meta.deadline > b.meta.deadline;
+      return a.meta.order > b.meta.order;
+    }
+  };
+
+  // Under the lock: whether a request of class `c` with `deadline` can be queued now. A full
+  // queue may shed a queued request (a lower class's, or under kShed the least slack among the
+  // lowest class's and the newcomer): removed from the queue, answered by the caller once
+  // unlocked.
+  Refusal admit(StreamClock::time_point now, Deadline deadline, std::uint32_t c,
+                std::optional<RequestMeta>& victim, bool waiting) {
     const Admission& a = core_->config.admission;
-    const std::int64_t per = core_->per_request_ns();
     // Only with a queue ahead: an empty queue admits, so the stages keep measuring (a
     // prediction that refused everything would never learn that the stream got faster).
-    if (a.predict && deadline != kNoDeadline && per > 0 && size_ > 0) {
+    std::size_t ahead = 0;
+    for (std::uint32_t k = 0; k <= c; ++k) ahead += queue_[k].size();
+    const std::int64_t per = core_->per_request_ns();
+    if (a.predict && deadline != kNoDeadline && per > 0 && ahead > 0) {
       learn_from_late();
-      const std::int64_t ahead = static_cast<std::int64_t>(size_) / core_->live_replicas();
       const auto wait =
-          static_cast<double>(ahead * per + core_->path_ns()) * (1.0 + late_feedback_.slack());
+          static_cast<double>(static_cast<std::int64_t>(ahead) /
+                                  static_cast<std::int64_t>(core_->live_replicas()) * per +
+                              core_->path_ns()) *
+          (1.0 + late_feedback_.slack());
       const auto done = now + std::chrono::nanoseconds(static_cast<std::int64_t>(wait));
       if (done > deadline) return Refusal::kDeadlineUnreachable;
     }
+    // A push of a higher class waiting (kBlock) takes the next free place first.
+    for (std::uint32_t k = 0; k < c; ++k) {
+      if (waiting_[k] != 0 && !waiting) return Refusal::kQueueFull;
+    }
     if (size_ < capacity_) return Refusal::kNone;
-    if (a.policy != AdmissionPolicy::kShed) return Refusal::kQueueFull;
-    // The least slack: the earliest deadline less the work ahead of it.
+    // Full. The lowest class queued, and whether a lower one than the newcomer's is there.
+    std::uint32_t lowest = 0;
+    for (std::uint32_t k = 0; k < classes_; ++k) {
+      if (!queue_[k].empty()) lowest = k;
+    }
+    if (a.policy == AdmissionPolicy::kBlock) return Refusal::kQueueFull;
+    if (lowest > c) {  // shed the lowest class's request served last
+      take_victim(lowest, pick_latest(lowest), victim);
+      return Refusal::kNone;
+    }
+    if (a.policy == AdmissionPolicy::kReject) {
+      return lowest < c ? Refusal::kOutranked : Refusal::kQueueFull;
+    }
+    // kShed: the least slack among the newcomer and the queued requests of its class (the
+    // lowest queued; a higher class is never shed for it).
+    if (lowest < c) return Refusal::kOutranked;
     const auto slack = [&](Deadline d, std::size_t pos) {
       if (d == kNoDeadline) return std::chrono::nanoseconds::max();
       return std::chrono::duration_cast<std::chrono::nanoseconds>(d - now) -
              std::chrono::nanoseconds(static_cast<std::int64_t>(pos + 1) * per);
     };
-    std::size_t worst = size_;
+    auto& q = queue_[c];
+    std::size_t worst = q.size();
     auto least = slack(deadline, size_);
-    for (std::size_t i = 0; i < size_; ++i) {
-      const auto sl = slack(buf_[(head_ + i) % capacity_].meta.deadline, i);
+    for (std::size_t i = 0; i < q.size(); ++i) {
+      const auto sl = slack(q[i].meta.deadline, i);
       if (sl < least) {
         least = sl;
         worst = i;
       }
     }
-    if (worst == size_) return Refusal::kShed;  // the newcomer has the least slack
-    victim = buf_[(head_ + worst) % capacity_].meta;
-    for (std::size_t i = worst; i + 1 < size_; ++i) {
-      buf_[(head_ + i) % capacity_] = std::move(buf_[(head_ + i + 1) % capacity_]);
-    }
-    buf_[(head_ + size_ - 1) % capacity_].value.reset();
-    --size_;
+    if (worst == q.size()) return Refusal::kShed;  // the newcomer has the least slack
+    take_victim(c, worst, victim);
     return Refusal::kNone;
+  }
+
+  // The index (in class c's heap) of the request served last.
+  std::size_t pick_latest(std::uint32_t c) const {
+    const auto& q = queue_[c];
+    std::size_t worst = 0;
+    for (std::size_t i = 1; i < q.size(); ++i) {
+      if (Later{edf_}(q[worst], q[i])) worst = i;
+    }
+    return worst;
+  }
+  void take_victim(std::uint32_t c, std::size_t i, std::optional<RequestMeta>& victim) {
+    auto& q = queue_[c];
+    victim = q[i].meta;
+    q[i] = std::move(q.back());
+    q.pop_back();
+    std::make_heap(q.begin(), q.end(), Later{edf_});
+    --size_;
+  }
+  static std::shared_ptr<const RequestError> shed_error(StreamCore& core, const RequestMeta& v,
+                                                        std::uint32_t newcomer) {
+    const std::string why =
+        newcomer < v.priority
+            ? "was shed by admission control: the queue was full and a request of priority "
+              "class " +
+                  std::to_string(newcomer) + " (higher than its " + std::to_string(v.priority) +
+                  ") needed its place"
+            : "was shed by admission control (AdmissionPolicy::kShed): the queue was full and "
+              "it had the least slack";
+    return make_request_error(ErrorKind::kRejected, v, 0, core.node_name(0), core.devices[0].id(),
+                              why);
   }
 
   // Under the lock: admission's feedback from the answers so far (LateFeedback).
@@ -221,49 +312,58 @@ class Intake final : public IntakeBase {
   }
 
   // Counts the refusal in the intake itself (never in the Stream, which may be gone).
-  Submission refuse(Submission s, Refusal r) noexcept {
+  Submission refuse(Submission s, Refusal r, std::uint32_t c) noexcept {
     s.refusal = r;
     // relaxed: a count read by stats(); any client thread adds to it.
-    refusals_[static_cast<std::size_t>(r)].fetch_add(1, std::memory_order_relaxed);
+    refusals_[c][static_cast<std::size_t>(r)].fetch_add(1, std::memory_order_relaxed);
     return s;
   }
 
   StreamCore* core_;  // under mutex_; nullptr once detached
   std::size_t capacity_;
-  std::mutex mutex_;
-  std::condition_variable left_;   // inside_ fell to 0
-  std::size_t inside_ = 0;         // pushes using the Stream now (under mutex_)
-  std::vector<Envelope<In>> buf_;  // a circular queue of capacity_
-  std::size_t head_ = 0, size_ = 0;
+  std::uint32_t classes_;
+  bool edf_;
+  mutable std::mutex mutex_;
+  std::condition_variable left_;  // inside_ fell to 0
+  std::size_t inside_ = 0;        // pushes using the Stream now (under mutex_)
+  std::array<std::vector<Envelope<In>>, kPriorityClasses> queue_;  // heaps, under mutex_
+  std::array<std::uint32_t, kPriorityClasses> waiting_{};  // kBlock pushes waiting, by class
+  std::size_t size_ = 0;
+  std::uint64_t order_ = 0;
+  ClassPicker picker_;  // under mutex_
   bool open_ = false;
   std::atomic<bool> open_flag_{false};
   std::atomic<std::size_t> count_{0};
-  std::atomic<std::uint64_t> accepted_{0}, total_{0};  // written under mutex_
-  std::array<std::atomic<std::uint64_t>, 7> refusals_{};
+  std::atomic<std::uint64_t> accepted_run_{0};                           // written under mutex_
+  std::array<std::atomic<std::uint64_t>, kPriorityClasses> accepted_{};  // under mutex_
+  std::array<std::array<std::atomic<std::uint64_t>, 8>, kPriorityClasses> refusals_{};
   LateFeedback late_feedback_;  // under mutex_
   WaitPoint not_empty_, not_full_;
 };
 
-// A replica's first segment's source: the admission queue (skipped while the replica is
-// stalled).
+// A replica's entry at the stream's input: the admission queue (skipped while the replica
+// takes nothing new: stalled, draining, or ejected until a probe is due).
 template <class In>
-class FirstSource final : public Source {
+class IntakeEntry final : public Entry {
  public:
-  explicit FirstSource(Intake<In>& intake) : intake_(intake) {}
-  // Host thread, at start.
-  void begin(ReplicaMeter* meter) {
-    meter_ = meter;
-    taken_ = 0;
-  }
+  IntakeEntry(Intake<In>& intake, ReplicaMeter& meter, std::uint32_t replica, bool ejecting)
+      : intake_(intake), meter_(meter), replica_(static_cast<std::uint8_t>(replica)),
+        ejecting_(ejecting) {}
   std::uint64_t taken() const noexcept { return taken_; }
+  void begin() noexcept { taken_ = 0; }
 
   bool try_next(Item& out) override {
-    if (meter_->stalled.load(std::memory_order_relaxed) || !intake_.try_take(env_)) return false;
+    bool probe = false;
+    if (!open_to_new(probe) || !intake_.try_take(env_)) return false;
+    if (probe) meter_.probing.store(true, std::memory_order_release);
     out.meta = env_.meta;
+    out.meta.replica = replica_;
+    out.meta.probe = probe;
     out.value = &*env_.value;
     out.error.reset();
+    out.skipped = false;
     ++taken_;
-    bump(meter_->taken);
+    bump(meter_.taken);
     return true;
   }
   bool next(Item& out, const WaitPolicy& policy, const StopFlag& stop) override {
@@ -271,8 +371,9 @@ class FirstSource final : public Source {
       if (stop.requested()) return false;
       if (try_next(out)) return true;
       if (intake_.ended()) return false;
-      if (meter_->stalled.load(std::memory_order_relaxed)) {
-        std::this_thread::sleep_for(std::chrono::microseconds(200));  // until it moves again
+      bool probe = false;
+      if (!open_to_new(probe)) {
+        std::this_thread::sleep_for(std::chrono::microseconds(200));  // until it takes again
         continue;
       }
       intake_.wait(policy, stop);
@@ -280,81 +381,59 @@ class FirstSource final : public Source {
   }
 
  private:
+  // Whether this replica takes a new request now. An ejected replica takes one (a probe,
+  // `probe` true) once its time out has passed; its answer decides (ReplicaSink).
+  bool open_to_new(bool& probe) noexcept {
+    probe = false;
+    if (meter_.closed_to_new()) return false;
+    if (!ejecting_ || !meter_.ejected.load(std::memory_order_acquire)) return true;
+    if (meter_.probing.load(std::memory_order_acquire)) return false;
+    if (stream_ns(StreamClock::now()) < meter_.ejected_until.load(std::memory_order_relaxed)) {
+      return false;
+    }
+    probe = true;
+    return true;
+  }
+
   Intake<In>& intake_;
-  ReplicaMeter* meter_ = nullptr;
+  ReplicaMeter& meter_;
+  std::uint8_t replica_;
+  bool ejecting_;
   Envelope<In> env_;
   std::uint64_t taken_ = 0;  // device thread only; read by the host after the run
 };
 
-// A replica's last segment's sink: hands each answer to its client (the Responder).
-template <class Out>
-class LastSink final : public Sink<Out> {
+// A segment's entry from another segment: its Port, the higher class first (ClassPicker).
+template <class T>
+class PortEntry final : public Entry {
  public:
-  explicit LastSink(Responder<Out>& responder) : responder_(responder) { to_notify_.reserve(16); }
-  // Host thread, at start.
-  void begin(ReplicaMeter* meter, bool timing) {
-    meter_ = meter;
-    timing_ = timing;
-    errors_ = delivered_ = 0;
-  }
-  std::uint64_t delivered() const noexcept { return delivered_; }
-  std::uint64_t errors() const noexcept { return errors_; }
-
-  bool put(Envelope<Out>&& e, const WaitPolicy&, const StopFlag&) override {
-    Response<Out> r;
-    r.id = e.meta.id;
-    r.value = std::move(e.value);
-    r.error = std::move(e.error);
-    const std::size_t kind = r.error ? static_cast<std::size_t>(r.error->kind) : 0;
-    const auto now = StreamClock::now();
-    r.latency = now - e.meta.arrival;
-    if (timing_) {
-      const std::int64_t ns = r.latency.count();
-      meter_->latency.record(static_cast<std::uint64_t>(ns > 0 ? ns : 0));
-      if (e.meta.deadline != kNoDeadline) {
-        bump(meter_->timed);
-        if (now > e.meta.deadline) bump(meter_->late);
-      }
-    }
-    if (r.error) {
-      ++errors_;
-      bump(meter_->errors[kind]);
-    } else {
-      bump(meter_->ok);
-    }
-    bump(meter_->answered);
-    ClientCore* client = e.meta.client;
-    if (in_batch_) {
-      auto it = std::find_if(to_notify_.begin(), to_notify_.end(),
-                             [client](const auto& n) { return n.first == client; });
-      if (it == to_notify_.end()) {
-        to_notify_.emplace_back(client, 1);
-      } else {
-        ++it->second;
-      }
-    }
-    responder_.deliver(e.meta, std::move(r), !in_batch_);
-    ++delivered_;
+  PortEntry(Port<T>& port, const std::array<double, kPriorityClasses>& min_share)
+      : port_(port), picker_(min_share) {}
+  bool try_next(Item& out) override {
+    const std::uint32_t ready = port_.ready();
+    if (ready == 0) return false;
+    const std::uint32_t c = picker_.pick(ready);
+    picker_.served(c);
+    Envelope<T>* e = port_.try_front(c);
+    current_ = std::move(*e);
+    port_.pop(c);
+    out.meta = current_.meta;
+    out.error = std::move(current_.error);
+    out.skipped = current_.skipped;
+    out.value = current_.value ? &*current_.value : nullptr;
     return true;
   }
-  void begin_batch() override { in_batch_ = true; }
-  void end_batch() override {
-    in_batch_ = false;
-    for (auto& [c, n] : to_notify_) c->notify_and_settle(n);
-    to_notify_.clear();
+  bool next(Item& out, const WaitPolicy& policy, const StopFlag& stop) override {
+    for (;;) {
+      if (try_next(out)) return true;
+      if (stop.requested() || !port_.wait_any(policy, stop)) return try_next(out);
+    }
   }
-  void flush(const StopFlag&) override {}
-  void close(bool, const StopFlag&) override {}
 
  private:
-  Responder<Out>& responder_;
-  ReplicaMeter* meter_ = nullptr;
-  bool timing_ = false;
-  std::uint64_t errors_ = 0;     // device thread only
-  std::uint64_t delivered_ = 0;  // read by the host after the run
-  bool in_batch_ = false;        // device thread: notify at end_batch()
-  // Device thread: clients answered in the batch, and how many of their responses.
-  std::vector<std::pair<ClientCore*, std::uint64_t>> to_notify_;
+  Port<T>& port_;
+  ClassPicker picker_;
+  Envelope<T> current_;  // the request being served (its value is moved from in place)
 };
 
 }  // namespace bspflow::detail

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "bspflow/base/detail/wait.hpp"
 #include "bspflow/devices/modeled_clock.hpp"
@@ -23,15 +24,20 @@ inline std::int64_t stream_ns(StreamClock::time_point t) noexcept {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
 }
 
-// The untyped part of a StreamClient: its cancel words and how many of its requests have
-// been answered. Shared by the client and the stream (whichever lives longer frees it).
+// The untyped part of a StreamClient: its cancel and abort words and how many of its
+// requests have been answered. Shared by the client and the stream (whichever lives longer
+// frees it).
 class ClientCore {
  public:
   static constexpr std::uint64_t kNone = ~std::uint64_t{0};
   // Setup path. `capacity`: a power of two.
   explicit ClientCore(std::size_t capacity)
-      : mask_(capacity - 1), cancel_(std::make_unique<std::atomic<std::uint64_t>[]>(capacity)) {
-    for (std::size_t i = 0; i < capacity; ++i) cancel_[i].store(kNone, std::memory_order_relaxed);
+      : mask_(capacity - 1), cancel_(std::make_unique<std::atomic<std::uint64_t>[]>(capacity)),
+        abort_(std::make_unique<std::atomic<std::uint64_t>[]>(capacity)) {
+    for (std::size_t i = 0; i < capacity; ++i) {
+      cancel_[i].store(kNone, std::memory_order_relaxed);
+      abort_[i].store(kNone, std::memory_order_relaxed);
+    }
   }
   virtual ~ClientCore() = default;
   std::size_t capacity() const noexcept { return mask_ + 1; }
@@ -43,6 +49,14 @@ class ClientCore {
   // Client thread.
   void cancel(std::uint64_t sequence) noexcept {
     cancel_[sequence & mask_].store(sequence, std::memory_order_relaxed);
+  }
+  // Any thread: request `sequence` failed on one branch of a graph; its other branches drop
+  // it at their next boundary. relaxed: as cancelled().
+  bool aborted(std::uint64_t sequence) const noexcept {
+    return abort_[sequence & mask_].load(std::memory_order_relaxed) == sequence;
+  }
+  void abort(std::uint64_t sequence) noexcept {
+    abort_[sequence & mask_].store(sequence, std::memory_order_relaxed);
   }
   std::atomic<std::uint64_t> delivered{0};  // responses given to this client
   std::atomic<std::uint64_t> sent{0};       // requests accepted (the client's own count)
@@ -63,6 +77,7 @@ class ClientCore {
 
  private:
   std::unique_ptr<std::atomic<std::uint64_t>[]> cancel_;
+  std::unique_ptr<std::atomic<std::uint64_t>[]> abort_;
 };
 
 // What travels with a request from stage to stage.
@@ -72,7 +87,12 @@ struct RequestMeta {
   StreamClock::time_point arrival{};   // the latency's origin: the push
   StreamClock::time_point enqueued{};  // arrival at the current device (queue wait's origin)
   ClientCore* client = nullptr;        // the StreamClient that pushed it
-  double modeled_ns = 0;  // modeled time it left its last device (StreamCore's modeled clocks)
+  double modeled_ns = 0;      // modeled time it left its last device (StreamCore's modeled clocks)
+  std::uint64_t order = 0;    // admission order (the admission queue's tie-break)
+  std::uint32_t version = 0;  // the newest stage version that ran it (Response::version)
+  std::uint8_t priority = 0;  // its priority class
+  std::uint8_t replica = 0;   // the replica that took it
+  bool probe = false;         // an ejected replica's probe (Ejection)
 };
 
 // One stage of one replica in modeled time: its device's clock and its declared cost
@@ -81,14 +101,6 @@ struct StageModel {
   ModeledClock* clock = nullptr;
   double per_item_ns = 0, per_call_ns = 0;
   bool declared = false;
-};
-
-// A request (or its error) between two devices.
-template <class T>
-struct Envelope {
-  RequestMeta meta{};
-  std::optional<T> value{};
-  std::shared_ptr<const RequestError> error{};
 };
 
 // One writer's relaxed counter: store(load + 1), no read-modify-write.
@@ -185,17 +197,45 @@ struct StageMeter {
   }
 };
 
-// One replica: written by its first segment's device (taken) and its last (the rest).
-struct ReplicaMeter {
-  ReplicaMeter() : latency(kMeterHighestNs) {}
+// One priority class's answers in one replica: written by the replica's last segment.
+struct ClassMeter {
+  ClassMeter() : latency(kMeterHighestNs) {}
   Histogram latency;
-  std::atomic<std::uint64_t> taken{0}, answered{0}, ok{0};
+  std::atomic<std::uint64_t> answered{0}, ok{0};
   std::atomic<std::uint64_t> errors[4] = {};
+};
+
+// One replica: written by its first segment's device (taken), its last (the answers, by
+// class), and whichever device answers a request of it (left).
+struct ReplicaMeter {
+  explicit ReplicaMeter(std::uint32_t classes) {
+    for (std::uint32_t c = 0; c < classes; ++c) by_class.push_back(std::make_unique<ClassMeter>());
+  }
+  std::vector<std::unique_ptr<ClassMeter>> by_class;
+  std::atomic<std::uint64_t> taken{0};
+  // Requests of this replica answered (by its last device or directly): taken - left are
+  // in the replica now. Several writers.
+  std::atomic<std::uint64_t> left{0};
   // Answers of requests with a deadline, and of those the ones made after it (admission's
   // feedback: how often its predictions were wrong).
   std::atomic<std::uint64_t> timed{0}, late{0};
-  std::atomic<bool> stalled{false};  // the monitor's
-  std::atomic<bool> failed{false};
+  std::atomic<bool> stalled{false};   // the monitor's
+  std::atomic<bool> failed{false};    // its runtime failed
+  std::atomic<bool> draining{false};  // a rolling swap: takes nothing new until swapped
+  // Outlier ejection (StreamConfig::ejection), written by the last segment: consecutive stage
+  // failures, whether it is out of rotation and until when (stream_ns), how many times, and
+  // whether a probe request is on its way (taken while ejected, not yet answered).
+  std::uint32_t consecutive_failures = 0;  // last segment only
+  std::atomic<bool> ejected{false};
+  std::atomic<std::int64_t> ejected_until{0};
+  std::atomic<std::uint64_t> ejections{0};
+  std::atomic<std::uint32_t> ejection_level{0};  // doubles the time out per repeat
+  std::atomic<bool> probing{false};
+  // Takes no new request now (stalled, failed, draining, or ejected and not due a probe).
+  bool closed_to_new() const noexcept {
+    return stalled.load(std::memory_order_relaxed) || failed.load(std::memory_order_relaxed) ||
+           draining.load(std::memory_order_relaxed);
+  }
 };
 
 }  // namespace bspflow::detail

@@ -1,0 +1,283 @@
+// Priority classes and outlier ejection (bspflow/stream/stream_config.hpp): the order of
+// service at one queue, the minimum share of a lower class, shedding the lowest class first,
+// stats by class, a replica that fails every request ejected and probed back, and the
+// errors a user can make.
+#include <doctest/doctest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <bspflow/bspflow.hpp>
+
+#include "runtime_test_util.hpp"
+#include "test_util.hpp"
+
+using namespace bspflow;
+using namespace std::chrono_literals;
+using test::contains;
+using test::error_of;
+using U64 = std::uint64_t;
+
+namespace {
+
+// A stage call that waits until the test opens it (at most 10 s).
+struct Gate {
+  std::atomic<bool> entered{false};
+  std::atomic<bool> open{false};
+  void hold() {
+    entered = true;
+    const auto until = StreamClock::now() + 10s;
+    while (!open.load() && StreamClock::now() < until) std::this_thread::sleep_for(100us);
+  }
+  bool wait_entered() const {
+    const auto until = StreamClock::now() + 5s;
+    while (!entered.load() && StreamClock::now() < until) std::this_thread::yield();
+    return entered.load();
+  }
+};
+
+}  // namespace
+
+TEST_SUITE_BEGIN("stream_priority");
+
+TEST_CASE("one queue serves the higher class first, both classes' requests answered") {
+  DeviceGroup group(1, test::kSmall);
+  Gate gate;
+  auto order = std::make_shared<std::vector<U64>>();  // device thread's; read after wait()
+  auto stream =
+      StreamBuilder<U64>(group, StreamConfig{.priority_classes = 2, .min_share = {0, 0, 0, 0}})
+          .stage("model",
+                 [&gate, order](U64 x) {
+                   order->push_back(x);
+                   if (x == 0) gate.hold();
+                   return x;
+                 })
+          .build();
+  auto low = stream.client(1), high = stream.client(0);
+  CHECK(low.priority() == 1);
+  stream.start();
+  REQUIRE(low.push(0));  // holds the stage
+  REQUIRE(gate.wait_entered());
+  for (U64 i = 1; i <= 5; ++i) REQUIRE(low.push(i));      // low: 1..5
+  for (U64 i = 100; i < 103; ++i) REQUIRE(high.push(i));  // high, pushed later
+  gate.open = true;
+  U64 lows = 0, highs = 0;
+  while (auto r = low.pop()) lows += r->ok() && r->priority == 1 ? 1 : 0;
+  while (auto r = high.pop()) highs += r->ok() && r->priority == 0 ? 1 : 0;
+  stream.close();
+  CHECK(stream.wait().drained());
+  CHECK(lows == 6);
+  CHECK(highs == 3);
+  REQUIRE(order->size() == 9);
+  CHECK((*order)[1] == 100);  // the high class first, then the low in push order
+  CHECK((*order)[2] == 101);
+  CHECK((*order)[3] == 102);
+  CHECK((*order)[4] == 1);
+  const StreamStats st = stream.stats();
+  REQUIRE(st.by_class.size() == 2);
+  CHECK(st.by_class[0].answered == 3);
+  CHECK(st.by_class[1].answered == 6);
+  CHECK(st.by_class[0].accepted == 3);
+  CHECK(st.by_class[1].latency_ns.count() == 6);
+  std::ostringstream text;
+  st.write_openmetrics(text, "svc");
+  CHECK(contains(text.str(), "svc_requests_total{class=\"0\"} 3\n"));
+  CHECK(contains(text.str(), "svc_requests_total{class=\"1\"} 6\n"));
+  CHECK(contains(text.str(), "svc_responses_total{class=\"1\",outcome=\"ok\"} 6\n"));
+}
+
+TEST_CASE("a lower class keeps its minimum share while the higher one floods the queue") {
+  DeviceGroup group(1, test::kSmall);
+  auto stream = StreamBuilder<U64>(group, StreamConfig{.admission = {.queue_capacity = 32},
+                                                       .priority_classes = 2,
+                                                       .min_share = {0, 0.25, 0, 0}})
+                    .stage("model",
+                           [](U64 x) {
+                             const auto until = StreamClock::now() + 20us;
+                             while (StreamClock::now() < until) {
+                             }
+                             return x;
+                           })
+                    .build();
+  stream.start();
+  std::atomic<bool> stop{false};
+  std::atomic<U64> served[2] = {};
+  auto flood = [&](std::uint32_t priority) {
+    auto client = stream.client(priority);
+    while (!stop.load()) {
+      if (!client.try_push(1)) {
+        if (auto r = client.pop()) ++served[priority];
+      }
+      while (auto r = client.try_pop()) ++served[priority];
+    }
+    while (auto r = client.pop()) ++served[priority];
+  };
+  std::thread high(flood, 0), low(flood, 1);
+  std::this_thread::sleep_for(300ms);
+  stop = true;
+  high.join();
+  low.join();
+  stream.close();
+  CHECK(stream.wait().drained());
+  const double total = static_cast<double>(served[0].load() + served[1].load());
+  REQUIRE(total > 100);
+  const double low_share = static_cast<double>(served[1].load()) / total;
+  CAPTURE(served[0].load());
+  CAPTURE(served[1].load());
+  CHECK(low_share >= 0.2);  // its minimum is 0.25; the high class takes the rest
+  CHECK(low_share <= 0.75);
+}
+
+TEST_CASE("a full queue sheds the lowest class first, and says so") {
+  DeviceGroup group(1, test::kSmall);
+  Gate gate;
+  auto stream =
+      StreamBuilder<U64>(group, StreamConfig{.admission = {.policy = AdmissionPolicy::kReject,
+                                                           .queue_capacity = 4,
+                                                           .predict = false},
+                                             .priority_classes = 3})
+          .stage("model",
+                 [&gate](U64 x) {
+                   if (x == 0) gate.hold();
+                   return x;
+                 })
+          .build();
+  auto low = stream.client(2), mid = stream.client(1), high = stream.client(0);
+  stream.start();
+  REQUIRE(low.push(0));
+  REQUIRE(gate.wait_entered());
+  for (U64 i = 1; i <= 4; ++i) REQUIRE(low.push(i));      // the queue is full of class 2
+  CHECK(low.push(5).refusal == Refusal::kQueueFull);      // the same class: full
+  for (U64 i = 0; i < 4; ++i) REQUIRE(mid.push(10 + i));  // each sheds a class 2 request
+  CHECK(low.push(6).refusal == Refusal::kOutranked);      // full of a higher class now
+  REQUIRE(high.push(20));                                 // sheds a class 1 request
+  gate.open = true;
+  U64 low_ok = 0, low_rejected = 0, mid_ok = 0, mid_rejected = 0;
+  while (auto r = low.pop()) {
+    if (r->ok()) {
+      ++low_ok;
+    } else {
+      CHECK(r->kind() == ErrorKind::kRejected);
+      CHECK(contains(r->error->message, "priority class 1 (higher than its 2)"));
+      ++low_rejected;
+    }
+  }
+  while (auto r = mid.pop()) (r->ok() ? mid_ok : mid_rejected)++;
+  auto h = high.pop();
+  REQUIRE(h.has_value());
+  CHECK(h->ok());
+  stream.close();
+  CHECK(stream.wait().drained());
+  CHECK(low_ok == 1);  // the one held in the stage
+  CHECK(low_rejected == 4);
+  CHECK(mid_ok == 3);
+  CHECK(mid_rejected == 1);
+  const StreamStats st = stream.stats();
+  CHECK(st.by_class[2].refusals[static_cast<std::size_t>(Refusal::kOutranked)] == 1);
+  CHECK(st.by_class[2].refusals[static_cast<std::size_t>(Refusal::kQueueFull)] == 1);
+  CHECK(st.by_class[2].errors[static_cast<std::size_t>(ErrorKind::kRejected)] == 4);
+}
+
+TEST_CASE("a replica that fails every request is ejected, then probed back once it recovers") {
+  DeviceGroup group(2, test::kSmall);
+  // The first copy of the stage to run fails every request until `healed`.
+  auto next = std::make_shared<std::atomic<int>>(0);
+  auto healed = std::make_shared<std::atomic<bool>>(false);
+  struct Model {
+    std::shared_ptr<std::atomic<int>> next;
+    std::shared_ptr<std::atomic<bool>> healed;
+    int me = -1;
+    U64 operator()(U64 x) {
+      if (me < 0) me = next->fetch_add(1);
+      if (me == 0 && !healed->load()) throw std::runtime_error("replica is broken");
+      return x + 1;
+    }
+  };
+  StreamConfig config;
+  config.replicas = 2;
+  config.ejection = {.consecutive_failures = 3, .base_time = 20ms, .max_time = 1s};
+  auto stream = StreamBuilder<U64>(group, config).stage("model", Model{next, healed}).build();
+  auto client = stream.client();
+  stream.start();
+  U64 failed = 0, ok = 0;
+  for (U64 i = 0; i < 400; ++i) {
+    REQUIRE(client.push(i));
+    auto r = client.pop();
+    REQUIRE(r.has_value());
+    (r->ok() ? ok : failed)++;
+  }
+  CHECK(failed >= 3);
+  CHECK(failed < 40);  // out of rotation after 3 in a row, probed every 20..40 ms
+  StreamStats st = stream.stats();
+  U64 ejections = 0;
+  for (const auto& rep : st.replicas) ejections += rep.ejections;
+  CHECK(ejections >= 1);
+  std::ostringstream text;
+  st.write_openmetrics(text, "svc");
+  CHECK(contains(text.str(), "svc_replica_ejections_total{replica="));
+  // Healed: a probe finds it answering, and it rejoins the rotation.
+  healed->store(true);
+  const auto until = StreamClock::now() + 5s;
+  bool back = false;
+  while (!back && StreamClock::now() < until) {
+    REQUIRE(client.push(1));
+    REQUIRE(client.pop().has_value());
+    st = stream.stats();
+    back = !st.replicas[0].ejected && !st.replicas[1].ejected;
+    std::this_thread::sleep_for(1ms);
+  }
+  CHECK(back);
+  stream.close();
+  CHECK(stream.wait().drained());
+}
+
+TEST_CASE("the last replica in rotation is never ejected") {
+  DeviceGroup group(1, test::kSmall);
+  auto stream = StreamBuilder<int>(group)
+                    .stage("broken", [](int) -> int { throw std::runtime_error("always"); })
+                    .build();
+  auto client = stream.client();
+  stream.start();
+  for (int i = 0; i < 20; ++i) REQUIRE(client.push(i));
+  int answered = 0;
+  while (auto r = client.pop()) answered += r->ok() ? 0 : 1;
+  stream.close();
+  CHECK(stream.wait().drained());
+  CHECK(answered == 20);
+  CHECK_FALSE(stream.stats().replicas[0].ejected);
+}
+
+TEST_CASE("priority and ejection settings are checked") {
+  DeviceGroup group(1, test::kSmall);
+  auto id = [](int x) { return x; };
+  CHECK(contains(
+      error_of([&] {
+        (void)StreamBuilder<int>(group, StreamConfig{.priority_classes = 5}).stage("a", id);
+      }),
+      "StreamConfig::priority_classes = 5 is not allowed: must be in 1..4"));
+  CHECK(contains(error_of([&] {
+                   (void)StreamBuilder<int>(
+                       group, StreamConfig{.priority_classes = 3, .min_share = {0, 0.6, 0.6, 0}})
+                       .stage("a", id);
+                 }),
+                 "must be at most 1"));
+  StreamConfig bad_time;
+  bad_time.ejection.base_time = -5ms;
+  CHECK(contains(error_of([&] { (void)StreamBuilder<int>(group, bad_time).stage("a", id); }),
+                 "StreamConfig::ejection.base_time = -5 ms is not allowed"));
+  auto stream = StreamBuilder<int>(group).stage("a", id).build();
+  CHECK(contains(error_of([&] { (void)stream.client(1); }),
+                 "StreamClient priority = 1 is not allowed: must be below "
+                 "StreamConfig::priority_classes (1)"));
+}
+
+TEST_SUITE_END();
