@@ -1,6 +1,7 @@
 // Stream graphs (bspflow/stream/stream_graph.hpp): exactly once and in each client's order
 // through a fan-out and a join, a branch that throws, routing, a cancel and a deadline that
-// reach every branch, close with work in every branch, and the errors the builder refuses.
+// reach every branch, close with work in every branch, a join's own service time, and the
+// errors the builder refuses.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -282,6 +283,24 @@ TEST_CASE("nodes on one core run on one thread; a graph on one device runs witho
   const StreamStats st = stream.stats();
   for (const auto& rep : st.replicas) CHECK(rep.ring_depths.empty());  // no hop at all
   CHECK(stream.wait().drained());
+}
+
+TEST_CASE("a join's service time is its own call, not the wait for its slowest branch") {
+  DeviceGroup group(4, test::kSmall);
+  // b holds each request 2 ms; the join on a's device waits for it, then adds.
+  auto stream = diamond(group, {}, {}, [](U64) { std::this_thread::sleep_for(2ms); });
+  auto client = stream.client();
+  stream.start();
+  for (U64 i = 0; i < 20; ++i) REQUIRE(client.push(i));
+  stream.close();
+  while (auto r = client.pop()) REQUIRE(r->ok());
+  CHECK(stream.wait().drained());
+  const StreamStats st = stream.stats();
+  REQUIRE(st.stages.size() == 4);
+  CHECK(st.stages[2].name == "b");
+  CHECK(st.stages[2].service_ns.value_at_percentile(50) >= 2'000'000);
+  CHECK(st.stages[3].name == "sum");
+  CHECK(st.stages[3].service_ns.value_at_percentile(50) < 1'000'000);  // an addition
 }
 
 TEST_CASE("the builder refuses a bad graph, naming the node") {

@@ -143,6 +143,9 @@ class ImportOp final : public OpBase {
     }
     f.modeled = std::max(f.modeled, e->meta.modeled_ns);
     f.meta.version = std::max(f.meta.version, e->meta.version);
+    // The next node's call starts now, not when this segment's last node ended: a join's
+    // service time leaves out the wait for its other branches.
+    if (f.timing) f.t = StreamClock::now();
     if (e->error) {
       out_.set_error(std::move(e->error));
     } else if (e->skipped || !e->value) {
