@@ -58,26 +58,31 @@ class ClientCore {
   void abort(std::uint64_t sequence) noexcept {
     abort_[sequence & mask_].store(sequence, std::memory_order_relaxed);
   }
-  std::atomic<std::uint64_t> delivered{0};  // responses given to this client
-  std::atomic<std::uint64_t> sent{0};       // requests accepted (the client's own count)
-  std::atomic<bool> abandoned{false};       // the StreamClient is gone: drop its responses
-  WaitPoint arrived;                        // a response arrived
-  // Responses whose deliverer is done with this object (delivered, then notified): the
-  // stream frees an abandoned client's core only once settled == sent, so a deliverer never
-  // touches freed memory between counting a response and waking the client.
-  std::atomic<std::uint64_t> settled{0};
   // Any deliverer, after delivering `n` responses: wakes the client, then lets go.
   void notify_and_settle(std::uint64_t n) noexcept {
     arrived.notify();
     settled.fetch_add(n, std::memory_order_release);  // the last touch of *this
   }
 
+  // Laid out by writer, a cache line each, so that the client's pushes and the devices'
+  // answers do not take each other's lines: read-mostly first (the slots' mask, the cancel
+  // words, `abandoned`), then what the client writes, then what deliverers write.
  protected:
   std::size_t mask_;
 
  private:
   std::unique_ptr<std::atomic<std::uint64_t>[]> cancel_;
   std::unique_ptr<std::atomic<std::uint64_t>[]> abort_;
+
+ public:
+  std::atomic<bool> abandoned{false};  // the StreamClient is gone: drop its responses
+  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> sent{0};       // requests accepted
+  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> delivered{0};  // responses given
+  // Responses whose deliverer is done with this object (delivered, then notified): the
+  // stream frees an abandoned client's core only once settled == sent, so a deliverer never
+  // touches freed memory between counting a response and waking the client.
+  std::atomic<std::uint64_t> settled{0};
+  WaitPoint arrived;  // a response arrived (a cache line of its own)
 };
 
 // What travels with a request from stage to stage.

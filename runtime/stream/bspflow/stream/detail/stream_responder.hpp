@@ -72,7 +72,9 @@ class ClientRing final : public ClientCore {
   static constexpr std::uint64_t kTaken = kNone - 1;
 
  private:
-  struct Slot {
+  // A cache line (or more) each: the deliverer of one answer and the client reading the one
+  // before do not share a line.
+  struct alignas(tunables::kCacheLine) Slot {
     std::atomic<std::uint64_t> ready{kNone};
     // The sequence whose answer took this slot: a second answer for it loses the exchange.
     std::atomic<std::uint64_t> claimed{kNone};
