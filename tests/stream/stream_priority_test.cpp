@@ -171,7 +171,14 @@ TEST_CASE("a full queue sheds the lowest class first, and says so") {
       ++low_rejected;
     }
   }
-  while (auto r = mid.pop()) (r->ok() ? mid_ok : mid_rejected)++;
+  while (auto r = mid.pop()) {
+    if (r->ok()) {
+      ++mid_ok;
+    } else {
+      CHECK(r->id.sequence == 3);  // the class's request served last: its newest
+      ++mid_rejected;
+    }
+  }
   auto h = high.pop();
   REQUIRE(h.has_value());
   CHECK(h->ok());
@@ -185,6 +192,37 @@ TEST_CASE("a full queue sheds the lowest class first, and says so") {
   CHECK(st.by_class[2].refusals[static_cast<std::size_t>(Refusal::kOutranked)] == 1);
   CHECK(st.by_class[2].refusals[static_cast<std::size_t>(Refusal::kQueueFull)] == 1);
   CHECK(st.by_class[2].errors[static_cast<std::size_t>(ErrorKind::kRejected)] == 4);
+}
+
+TEST_CASE("the request shed for a higher class is the one its class would serve last") {
+  DeviceGroup group(1, test::kSmall);
+  Gate gate;
+  auto stream =
+      StreamBuilder<U64>(group, StreamConfig{.admission = {.policy = AdmissionPolicy::kReject,
+                                                           .queue_capacity = 4,
+                                                           .predict = false},
+                                             .priority_classes = 2})
+          .stage("model",
+                 [&gate](U64 x) {
+                   if (x == 0) gate.hold();
+                   return x;
+                 })
+          .build();
+  auto low = stream.client(1), high = stream.client(0);
+  stream.start();
+  REQUIRE(low.push(0));
+  REQUIRE(gate.wait_entered());
+  // Earliest deadline first: of these, the 4 s one (sequence 3) is served last.
+  const auto now = StreamClock::now();
+  for (int s : {3, 1, 4, 2}) REQUIRE(low.push(U64(s), now + std::chrono::seconds(s)));
+  REQUIRE(high.push(99));
+  gate.open = true;
+  std::vector<U64> served, shed;
+  while (auto r = low.pop()) (r->ok() ? served : shed).push_back(r->id.sequence);
+  CHECK(shed == std::vector<U64>{3});
+  CHECK(high.pop()->ok());
+  stream.close();
+  CHECK(stream.wait().drained());
 }
 
 TEST_CASE("a replica that fails every request is ejected, then probed back once it recovers") {

@@ -8,7 +8,6 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -23,6 +22,28 @@
 
 namespace bspflow::detail {
 
+// The admission queue's lock: held for a few hundred nanoseconds at most, by one client push
+// or one device take, so a waiter spins briefly, then yields, and never sleeps on a futex (a
+// std::mutex's wake-up is a system call on each side whenever a client and a device meet).
+class QueueLock {
+ public:
+  void lock() noexcept {
+    for (unsigned spins = 0; held_.exchange(true, std::memory_order_acquire);) {
+      while (held_.load(std::memory_order_relaxed)) {
+        if (++spins < 128) {
+          cpu_relax();
+        } else {
+          std::this_thread::yield();  // the holder may share this core
+        }
+      }
+    }
+  }
+  void unlock() noexcept { held_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> held_{false};
+};
+
 // The admission queue of the StreamClients' requests, and the admission policy. One queue
 // per priority class (a heap: the earliest deadline first, then push order), sharing one
 // capacity. Shared by the Stream and its clients (a client may outlive the Stream): once
@@ -34,8 +55,11 @@ class Intake final : public IntakeBase {
   explicit Intake(StreamCore& core)
       : core_(&core), capacity_(core.config.admission.queue_capacity),
         classes_(core.config.priority_classes), edf_(core.config.admission.earliest_deadline_first),
+        reject_(core.config.admission.policy == AdmissionPolicy::kReject),
+        predict_(core.config.admission.predict),
+        fast_full_refusal_(classes_ == 1 && core.config.admission.policy != AdmissionPolicy::kShed),
         picker_(core.config.min_share) {
-    for (std::uint32_t c = 0; c < classes_; ++c) queue_[c].reserve(capacity_);
+    for (std::uint32_t c = 0; c < classes_; ++c) queue_[c].reserve(capacity_, edf_);
   }
 
   // Client thread. Admits `value` (moved from only if accepted) or says why not.
@@ -48,6 +72,13 @@ class Intake final : public IntakeBase {
       return refuse(s, Refusal::kDeadlinePassed, priority);
     }
     if (outstanding >= client.capacity()) return refuse(s, Refusal::kClientFull, priority);
+    // A full queue that this push can neither wait on nor shed from refuses it without the
+    // lock, so that a client retrying try_push() does not slow the devices taking from it.
+    if (fast_full_refusal_ && (!blocking || reject_) && (deadline == kNoDeadline || !predict_) &&
+        count_.load(std::memory_order_acquire) >= capacity_ &&
+        open_flag_.load(std::memory_order_acquire)) {
+      return refuse(s, Refusal::kQueueFull, priority);
+    }
     std::optional<RequestMeta> victim;
     std::unique_lock lock(mutex_);
     if (!open_) return refuse(s, Refusal::kClosed, priority);
@@ -55,10 +86,10 @@ class Intake final : public IntakeBase {
     ++inside_;
     struct Leave {
       Intake& in;
-      std::unique_lock<std::mutex>& lock;
+      std::unique_lock<QueueLock>& lock;
       ~Leave() {
         if (!lock.owns_lock()) lock.lock();
-        if (--in.inside_ == 0) in.left_.notify_all();
+        --in.inside_;
       }
     } leave{*this, lock};
     bool waiting = false;
@@ -91,9 +122,7 @@ class Intake final : public IntakeBase {
     e.meta.order = order_++;
     e.meta.priority = static_cast<std::uint8_t>(priority);
     e.value.emplace(std::move(value));
-    auto& q = queue_[priority];
-    q.push_back(std::move(e));
-    std::push_heap(q.begin(), q.end(), Later{edf_});
+    queue_[priority].push(std::move(e), edf_);
     ++size_;
     bump(accepted_[priority]);
     accepted_run_.store(accepted_run_.load(std::memory_order_relaxed) + 1,
@@ -121,10 +150,7 @@ class Intake final : public IntakeBase {
       }
       const std::uint32_t c = picker_.pick(ready);
       picker_.served(c);
-      auto& q = queue_[c];
-      std::pop_heap(q.begin(), q.end(), Later{edf_});
-      out = std::move(q.back());
-      q.pop_back();
+      queue_[c].pop(out);
       --size_;
       count_.store(size_, std::memory_order_seq_cst);
     }
@@ -165,7 +191,11 @@ class Intake final : public IntakeBase {
     close();
     std::unique_lock lock(mutex_);
     core_ = nullptr;
-    left_.wait(lock, [&] { return inside_ == 0; });
+    while (inside_ != 0) {  // a push blocked on a full queue was woken by close()
+      lock.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(20));
+      lock.lock();
+    }
   }
   void cancel_all(Answerer& answerer) override {
     for (;;) {
@@ -200,11 +230,78 @@ class Intake final : public IntakeBase {
  private:
   // Heap order: the request served later compares less.
   struct Later {
-    bool edf;
     bool operator()(const Envelope<In>& a, const Envelope<In>& b) const noexcept {
-      if (edf && a.meta.deadline != b.meta.deadline) return a.meta.deadline > b.meta.deadline;
+      if (a.meta.deadline != b.meta.deadline) return a.meta.deadline > b.meta.deadline;
       return a.meta.order > b.meta.order;
     }
+  };
+
+  // One class's requests. With earliest-deadline-first, those with a deadline in a heap
+  // (the earliest on top), served before the others; the others (all of them without
+  // earliest-deadline-first) in a ring, in push order: O(1) for requests without deadlines.
+  // Both hold `capacity` from the start, so the steady state allocates nothing.
+  class ClassQueue {
+   public:
+    void reserve(std::size_t capacity, bool edf) {
+      if (edf) heap_.reserve(capacity);
+      ring_.resize(capacity);
+    }
+    std::size_t size() const noexcept { return heap_.size() + count_; }
+    bool empty() const noexcept { return size() == 0; }
+    void push(Envelope<In>&& e, bool edf) {
+      if (edf && e.meta.deadline != kNoDeadline) {
+        heap_.push_back(std::move(e));
+        std::push_heap(heap_.begin(), heap_.end(), Later{});
+      } else {
+        ring_[(head_ + count_) % ring_.size()] = std::move(e);
+        ++count_;
+      }
+    }
+    // The next one served; the queue must not be empty.
+    void pop(Envelope<In>& out) {
+      if (!heap_.empty()) {
+        std::pop_heap(heap_.begin(), heap_.end(), Later{});
+        out = std::move(heap_.back());
+        heap_.pop_back();
+        return;
+      }
+      out = std::move(ring_[head_]);
+      head_ = (head_ + 1) % ring_.size();
+      --count_;
+    }
+    // Element i: the heap's (in heap order), then the ring's (in push order).
+    const Envelope<In>& at(std::size_t i) const {
+      return i < heap_.size() ? heap_[i] : ring_[(head_ + i - heap_.size()) % ring_.size()];
+    }
+    // The index of the request served last: the ring's newest, else the heap's latest.
+    std::size_t latest() const {
+      if (count_ > 0) return size() - 1;
+      std::size_t last = 0;
+      for (std::size_t i = 1; i < heap_.size(); ++i) {
+        if (Later{}(heap_[i], heap_[last])) last = i;
+      }
+      return last;
+    }
+    // Removes element i (shed).
+    void remove(std::size_t i) {
+      if (i < heap_.size()) {
+        heap_[i] = std::move(heap_.back());
+        heap_.pop_back();
+        std::make_heap(heap_.begin(), heap_.end(), Later{});
+        return;
+      }
+      // Close the gap in the ring: the later ones move up one place.
+      for (std::size_t k = i - heap_.size(); k + 1 < count_; ++k) {
+        ring_[(head_ + k) % ring_.size()] = std::move(ring_[(head_ + k + 1) % ring_.size()]);
+      }
+      ring_[(head_ + count_ - 1) % ring_.size()] = Envelope<In>{};
+      --count_;
+    }
+
+   private:
+    std::vector<Envelope<In>> heap_;
+    std::vector<Envelope<In>> ring_;
+    std::size_t head_ = 0, count_ = 0;
   };
 
   // Under the lock: whether a request of class `c` with `deadline` can be queued now. A full
@@ -218,7 +315,10 @@ class Intake final : public IntakeBase {
     // prediction that refused everything would never learn that the stream got faster).
     std::size_t ahead = 0;
     for (std::uint32_t k = 0; k <= c; ++k) ahead += queue_[k].size();
-    const std::int64_t per = core_->per_request_ns();
+    const std::int64_t per =
+        (a.predict && deadline != kNoDeadline) || a.policy == AdmissionPolicy::kShed
+            ? core_->per_request_ns()
+            : 0;
     if (a.predict && deadline != kNoDeadline && per > 0 && ahead > 0) {
       learn_from_late();
       const auto wait =
@@ -255,11 +355,13 @@ class Intake final : public IntakeBase {
       return std::chrono::duration_cast<std::chrono::nanoseconds>(d - now) -
              std::chrono::nanoseconds(static_cast<std::int64_t>(pos + 1) * per);
     };
-    auto& q = queue_[c];
+    // Only requests with a deadline have a finite slack: they are the heap's (or, without
+    // earliest-deadline-first, the ring's).
+    const ClassQueue& q = queue_[c];
     std::size_t worst = q.size();
     auto least = slack(deadline, size_);
     for (std::size_t i = 0; i < q.size(); ++i) {
-      const auto sl = slack(q[i].meta.deadline, i);
+      const auto sl = slack(q.at(i).meta.deadline, i);
       if (sl < least) {
         least = sl;
         worst = i;
@@ -270,21 +372,11 @@ class Intake final : public IntakeBase {
     return Refusal::kNone;
   }
 
-  // The index (in class c's heap) of the request served last.
-  std::size_t pick_latest(std::uint32_t c) const {
-    const auto& q = queue_[c];
-    std::size_t worst = 0;
-    for (std::size_t i = 1; i < q.size(); ++i) {
-      if (Later{edf_}(q[worst], q[i])) worst = i;
-    }
-    return worst;
-  }
+  // The index (ClassQueue::at) of class c's request served last.
+  std::size_t pick_latest(std::uint32_t c) const { return queue_[c].latest(); }
   void take_victim(std::uint32_t c, std::size_t i, std::optional<RequestMeta>& victim) {
-    auto& q = queue_[c];
-    victim = q[i].meta;
-    q[i] = std::move(q.back());
-    q.pop_back();
-    std::make_heap(q.begin(), q.end(), Later{edf_});
+    victim = queue_[c].at(i).meta;
+    queue_[c].remove(i);
     --size_;
   }
   static std::shared_ptr<const RequestError> shed_error(StreamCore& core, const RequestMeta& v,
@@ -323,10 +415,12 @@ class Intake final : public IntakeBase {
   std::size_t capacity_;
   std::uint32_t classes_;
   bool edf_;
-  mutable std::mutex mutex_;
-  std::condition_variable left_;  // inside_ fell to 0
-  std::size_t inside_ = 0;        // pushes using the Stream now (under mutex_)
-  std::array<std::vector<Envelope<In>>, kPriorityClasses> queue_;  // heaps, under mutex_
+  bool reject_;             // AdmissionPolicy::kReject
+  bool predict_;            // Admission::predict
+  bool fast_full_refusal_;  // one class, no shedding: a full queue refuses without the lock
+  mutable QueueLock mutex_;
+  std::size_t inside_ = 0;                          // pushes using the Stream now (under mutex_)
+  std::array<ClassQueue, kPriorityClasses> queue_;  // under mutex_
   std::array<std::uint32_t, kPriorityClasses> waiting_{};  // kBlock pushes waiting, by class
   std::size_t size_ = 0;
   std::uint64_t order_ = 0;
