@@ -250,10 +250,18 @@ void stream_trial(Rng& rng, Trial& t, DeviceGroup& group) {
   auto again = stream.client();
   stream.start();
   std::uint64_t ok = 0;
-  for (std::uint64_t i = 0; i < 20; ++i) REQUIRE(again.push(1000 + i));
+  auto take = [&](const Response<std::uint64_t>& resp) {
+    ok += resp.ok() && *resp.value == 1000 + resp.id.sequence + stages;
+  };
+  for (std::uint64_t i = 0; i < 20; ++i) {
+    // At most response_capacity unpopped (it may be below 20): pop the oldest first.
+    if (again.outstanding() >= cfg.response_capacity) take(*again.pop());
+    const Submission sub = again.push(1000 + i);
+    CAPTURE(std::string(to_string(sub.refusal)));
+    REQUIRE(sub);
+  }
   stream.close();
-  while (auto resp = again.pop())
-    ok += resp->ok() && *resp->value == 1000 + resp->id.sequence + stages;
+  while (auto resp = again.pop()) take(*resp);
   const StreamResult r2 = stream.wait();
   CHECK(r2.drained());
   CHECK(ok == 20);
