@@ -18,34 +18,13 @@
 #include <vector>
 
 #include "bspflow/stream/detail/stream_core.hpp"
+#include "bspflow/stream/detail/stream_queue.hpp"
 #include "bspflow/stream/detail/stream_responder.hpp"
 
 namespace bspflow::detail {
 
-// The admission queue's lock: held for a few hundred nanoseconds at most, by one client push
-// or one device take, so a waiter spins briefly, then yields, and never sleeps on a futex (a
-// std::mutex's wake-up is a system call on each side whenever a client and a device meet).
-class QueueLock {
- public:
-  void lock() noexcept {
-    for (unsigned spins = 0; held_.exchange(true, std::memory_order_acquire);) {
-      while (held_.load(std::memory_order_relaxed)) {
-        if (++spins < 128) {
-          cpu_relax();
-        } else {
-          std::this_thread::yield();  // the holder may share this core
-        }
-      }
-    }
-  }
-  void unlock() noexcept { held_.store(false, std::memory_order_release); }
-
- private:
-  std::atomic<bool> held_{false};
-};
-
 // The admission queue of the StreamClients' requests, and the admission policy. One queue
-// per priority class (a heap: the earliest deadline first, then push order), sharing one
+// per priority class (ClassQueue: the earliest deadline first, then push order), sharing one
 // capacity. Shared by the Stream and its clients (a client may outlive the Stream): once
 // detach()ed it refuses every push without touching the Stream, and detach() waits for the
 // pushes already inside.
@@ -228,82 +207,6 @@ class Intake final : public IntakeBase {
   }
 
  private:
-  // Heap order: the request served later compares less.
-  struct Later {
-    bool operator()(const Envelope<In>& a, const Envelope<In>& b) const noexcept {
-      if (a.meta.deadline != b.meta.deadline) return a.meta.deadline > b.meta.deadline;
-      return a.meta.order > b.meta.order;
-    }
-  };
-
-  // One class's requests. With earliest-deadline-first, those with a deadline in a heap
-  // (the earliest on top), served before the others; the others (all of them without
-  // earliest-deadline-first) in a ring, in push order: O(1) for requests without deadlines.
-  // Both hold `capacity` from the start, so the steady state allocates nothing.
-  class ClassQueue {
-   public:
-    void reserve(std::size_t capacity, bool edf) {
-      if (edf) heap_.reserve(capacity);
-      ring_.resize(capacity);
-    }
-    std::size_t size() const noexcept { return heap_.size() + count_; }
-    bool empty() const noexcept { return size() == 0; }
-    void push(Envelope<In>&& e, bool edf) {
-      if (edf && e.meta.deadline != kNoDeadline) {
-        heap_.push_back(std::move(e));
-        std::push_heap(heap_.begin(), heap_.end(), Later{});
-      } else {
-        ring_[(head_ + count_) % ring_.size()] = std::move(e);
-        ++count_;
-      }
-    }
-    // The next one served; the queue must not be empty.
-    void pop(Envelope<In>& out) {
-      if (!heap_.empty()) {
-        std::pop_heap(heap_.begin(), heap_.end(), Later{});
-        out = std::move(heap_.back());
-        heap_.pop_back();
-        return;
-      }
-      out = std::move(ring_[head_]);
-      head_ = (head_ + 1) % ring_.size();
-      --count_;
-    }
-    // Element i: the heap's (in heap order), then the ring's (in push order).
-    const Envelope<In>& at(std::size_t i) const {
-      return i < heap_.size() ? heap_[i] : ring_[(head_ + i - heap_.size()) % ring_.size()];
-    }
-    // The index of the request served last: the ring's newest, else the heap's latest.
-    std::size_t latest() const {
-      if (count_ > 0) return size() - 1;
-      std::size_t last = 0;
-      for (std::size_t i = 1; i < heap_.size(); ++i) {
-        if (Later{}(heap_[i], heap_[last])) last = i;
-      }
-      return last;
-    }
-    // Removes element i (shed).
-    void remove(std::size_t i) {
-      if (i < heap_.size()) {
-        heap_[i] = std::move(heap_.back());
-        heap_.pop_back();
-        std::make_heap(heap_.begin(), heap_.end(), Later{});
-        return;
-      }
-      // Close the gap in the ring: the later ones move up one place.
-      for (std::size_t k = i - heap_.size(); k + 1 < count_; ++k) {
-        ring_[(head_ + k) % ring_.size()] = std::move(ring_[(head_ + k + 1) % ring_.size()]);
-      }
-      ring_[(head_ + count_ - 1) % ring_.size()] = Envelope<In>{};
-      --count_;
-    }
-
-   private:
-    std::vector<Envelope<In>> heap_;
-    std::vector<Envelope<In>> ring_;
-    std::size_t head_ = 0, count_ = 0;
-  };
-
   // Under the lock: whether a request of class `c` with `deadline` can be queued now. A full
   // queue may shed a queued request (a lower class's, or under kShed the least slack among the
   // lowest class's and the newcomer): removed from the queue, answered by the caller once
@@ -357,7 +260,7 @@ class Intake final : public IntakeBase {
     };
     // Only requests with a deadline have a finite slack: they are the heap's (or, without
     // earliest-deadline-first, the ring's).
-    const ClassQueue& q = queue_[c];
+    const ClassQueue<In>& q = queue_[c];
     std::size_t worst = q.size();
     auto least = slack(deadline, size_);
     for (std::size_t i = 0; i < q.size(); ++i) {
@@ -419,8 +322,8 @@ class Intake final : public IntakeBase {
   bool predict_;            // Admission::predict
   bool fast_full_refusal_;  // one class, no shedding: a full queue refuses without the lock
   mutable QueueLock mutex_;
-  std::size_t inside_ = 0;                          // pushes using the Stream now (under mutex_)
-  std::array<ClassQueue, kPriorityClasses> queue_;  // under mutex_
+  std::size_t inside_ = 0;  // pushes using the Stream now (under mutex_)
+  std::array<ClassQueue<In>, kPriorityClasses> queue_;     // under mutex_
   std::array<std::uint32_t, kPriorityClasses> waiting_{};  // kBlock pushes waiting, by class
   std::size_t size_ = 0;
   std::uint64_t order_ = 0;
