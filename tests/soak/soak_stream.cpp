@@ -664,8 +664,13 @@ void serving_trial(Rng& rng, std::array<std::unique_ptr<DeviceGroup>, 5>& groups
   check_serve_stats(stream.stats(), r, all);
 }
 
-void serving_trials() {
-  const std::uint64_t trials = env_u64("BSPFLOW_SOAK_SERVE_TRIALS", 300);
+// Runs `trial` `env_name` times (default `fallback`), each with its own seed (`seed_offset`
+// past BSPFLOW_SOAK_SEED) and a watchdog, on groups of 1, 2 and 4 devices, then says how long
+// they took.
+template <class Trial>
+void run_trials(const char* what, const char* env_name, std::uint64_t fallback,
+                std::uint64_t seed_offset, Trial&& trial) {
+  const std::uint64_t trials = env_u64(env_name, fallback);
   const std::uint64_t base_seed = env_u64("BSPFLOW_SOAK_SEED", 20261124);
   const std::chrono::seconds limit(env_u64("BSPFLOW_SOAK_TRIAL_SECONDS", 60));
   std::array<std::unique_ptr<DeviceGroup>, 5> groups;
@@ -673,17 +678,21 @@ void serving_trials() {
   Watchdog watchdog;
   const auto t0 = Clock::now();
   for (std::uint64_t i = 0; i < trials; ++i) {
-    const std::uint64_t seed = base_seed + 1'000'000 + i;
+    const std::uint64_t seed = base_seed + seed_offset + i;
     const std::string name =
-        "serving trial " + std::to_string(i) + " (seed " + std::to_string(seed) + ")";
+        std::string(what) + " trial " + std::to_string(i) + " (seed " + std::to_string(seed) + ")";
     INFO(name);
     watchdog.arm(name, limit);
     Rng rng(seed);
-    serving_trial(rng, groups);
+    trial(rng, groups);
     watchdog.disarm();
   }
-  std::printf("soak: %llu Stream serving trials in %.1f s\n",
-              static_cast<unsigned long long>(trials), seconds_since(t0));
+  std::printf("soak: %llu Stream %s trials in %.1f s\n", static_cast<unsigned long long>(trials),
+              what, seconds_since(t0));
+}
+
+void serving_trials() {
+  run_trials("serving", "BSPFLOW_SOAK_SERVE_TRIALS", 300, 1'000'000, serving_trial);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -949,25 +958,7 @@ void graph_trial(Rng& rng, std::array<std::unique_ptr<DeviceGroup>, 5>& groups) 
 }
 
 void graph_trials() {
-  const std::uint64_t trials = env_u64("BSPFLOW_SOAK_GRAPH_TRIALS", 1000);
-  const std::uint64_t base_seed = env_u64("BSPFLOW_SOAK_SEED", 20261124);
-  const std::chrono::seconds limit(env_u64("BSPFLOW_SOAK_TRIAL_SECONDS", 60));
-  std::array<std::unique_ptr<DeviceGroup>, 5> groups;
-  for (std::uint32_t d : {1u, 2u, 4u}) groups[d] = std::make_unique<DeviceGroup>(d, kSmall);
-  Watchdog watchdog;
-  const auto t0 = Clock::now();
-  for (std::uint64_t i = 0; i < trials; ++i) {
-    const std::uint64_t seed = base_seed + 2'000'000 + i;
-    const std::string name =
-        "graph trial " + std::to_string(i) + " (seed " + std::to_string(seed) + ")";
-    INFO(name);
-    watchdog.arm(name, limit);
-    Rng rng(seed);
-    graph_trial(rng, groups);
-    watchdog.disarm();
-  }
-  std::printf("soak: %llu Stream graph trials (priority classes, swaps) in %.1f s\n",
-              static_cast<unsigned long long>(trials), seconds_since(t0));
+  run_trials("graph", "BSPFLOW_SOAK_GRAPH_TRIALS", 1000, 2'000'000, graph_trial);
 }
 
 }  // namespace soak

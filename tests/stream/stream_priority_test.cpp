@@ -45,6 +45,21 @@ struct Gate {
   }
 };
 
+// A stream of `classes` priority classes whose one stage holds request 0 at `gate`, with an
+// admission queue of 4 that refuses (kReject) when full and predicts nothing.
+Stream<U64, U64> held_at_zero(DeviceGroup& group, Gate& gate, std::uint32_t classes) {
+  return StreamBuilder<U64>(group, StreamConfig{.admission = {.policy = AdmissionPolicy::kReject,
+                                                              .queue_capacity = 4,
+                                                              .predict = false},
+                                                .priority_classes = classes})
+      .stage("model",
+             [&gate](U64 x) {
+               if (x == 0) gate.hold();
+               return x;
+             })
+      .build();
+}
+
 }  // namespace
 
 TEST_SUITE_BEGIN("stream_priority");
@@ -140,17 +155,7 @@ TEST_CASE("a lower class keeps its minimum share while the higher one floods the
 TEST_CASE("a full queue sheds the lowest class first, and says so") {
   DeviceGroup group(1, test::kSmall);
   Gate gate;
-  auto stream =
-      StreamBuilder<U64>(group, StreamConfig{.admission = {.policy = AdmissionPolicy::kReject,
-                                                           .queue_capacity = 4,
-                                                           .predict = false},
-                                             .priority_classes = 3})
-          .stage("model",
-                 [&gate](U64 x) {
-                   if (x == 0) gate.hold();
-                   return x;
-                 })
-          .build();
+  auto stream = held_at_zero(group, gate, 3);
   auto low = stream.client(2), mid = stream.client(1), high = stream.client(0);
   stream.start();
   REQUIRE(low.push(0));
@@ -197,17 +202,7 @@ TEST_CASE("a full queue sheds the lowest class first, and says so") {
 TEST_CASE("the request shed for a higher class is the one its class would serve last") {
   DeviceGroup group(1, test::kSmall);
   Gate gate;
-  auto stream =
-      StreamBuilder<U64>(group, StreamConfig{.admission = {.policy = AdmissionPolicy::kReject,
-                                                           .queue_capacity = 4,
-                                                           .predict = false},
-                                             .priority_classes = 2})
-          .stage("model",
-                 [&gate](U64 x) {
-                   if (x == 0) gate.hold();
-                   return x;
-                 })
-          .build();
+  auto stream = held_at_zero(group, gate, 2);
   auto low = stream.client(1), high = stream.client(0);
   stream.start();
   REQUIRE(low.push(0));
