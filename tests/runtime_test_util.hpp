@@ -1,6 +1,7 @@
 // Helpers shared by the runtime suite's files.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstddef>
@@ -14,6 +15,25 @@
 #include <bspflow/bspflow.hpp>
 
 namespace test {
+
+// Holds a stage's call until opened (at most 10 s, so a failing test cannot hang).
+struct Gate {
+  std::atomic<bool> entered{false};
+  std::atomic<bool> open{false};
+  void hold() {
+    entered = true;
+    const auto until = bspflow::StreamClock::now() + std::chrono::seconds(10);
+    while (!open.load() && bspflow::StreamClock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+  }
+  // Whether a call reached hold() within 5 s.
+  bool wait_entered() const {
+    const auto until = bspflow::StreamClock::now() + std::chrono::seconds(5);
+    while (!entered.load() && bspflow::StreamClock::now() < until) std::this_thread::yield();
+    return entered.load();
+  }
+};
 
 // Small devices (64 tiles x 16 KiB): tests do not need 897 MiB of address space each.
 inline const bspflow::DeviceConfig kSmall{64, 16 * 1024};

@@ -26,24 +26,9 @@ using namespace std::chrono_literals;
 using test::contains;
 using test::error_of;
 using U64 = std::uint64_t;
+using test::Gate;
 
 namespace {
-
-// A stage call that waits until the test opens it (at most 10 s).
-struct Gate {
-  std::atomic<bool> entered{false};
-  std::atomic<bool> open{false};
-  void hold() {
-    entered = true;
-    const auto until = StreamClock::now() + 10s;
-    while (!open.load() && StreamClock::now() < until) std::this_thread::sleep_for(100us);
-  }
-  bool wait_entered() const {
-    const auto until = StreamClock::now() + 5s;
-    while (!entered.load() && StreamClock::now() < until) std::this_thread::yield();
-    return entered.load();
-  }
-};
 
 // A stream of `classes` priority classes whose one stage holds request 0 at `gate`, with an
 // admission queue of 4 that refuses (kReject) when full and predicts nothing.

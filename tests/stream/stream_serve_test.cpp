@@ -39,6 +39,7 @@
 #include <bspflow/stream/stream_config.hpp>
 #include <bspflow/stream/stream_serving.hpp>
 
+#include "runtime_test_util.hpp"
 #include "test_util.hpp"
 
 using namespace bspflow;
@@ -49,6 +50,7 @@ using test::error_of;
 namespace {
 
 using U64 = std::uint64_t;
+using test::Gate;
 using Client = StreamClient<U64, U64>;
 
 // Client k's i-th value is k * kSpan + i.
@@ -73,23 +75,6 @@ void spin_for(std::chrono::nanoseconds d) {
   while (StreamClock::now() < until) {
   }
 }
-
-// Holds a stage's call until opened (at most 10 s, so a failing test cannot hang).
-struct Gate {
-  std::atomic<bool> entered{false};
-  std::atomic<bool> open{false};
-  void hold() {
-    entered = true;
-    const auto until = StreamClock::now() + 10s;
-    while (!open.load() && StreamClock::now() < until) std::this_thread::sleep_for(100us);
-  }
-  // Whether a call reached hold() within 5 s.
-  bool wait_entered() const {
-    const auto until = StreamClock::now() + 5s;
-    while (!entered.load() && StreamClock::now() < until) std::this_thread::yield();
-    return entered.load();
-  }
-};
 
 // Polls `f` until it is true or `limit` has passed; returns its last value.
 bool eventually(const std::function<bool()>& f, std::chrono::milliseconds limit = 2000ms) {
