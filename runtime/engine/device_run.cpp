@@ -7,7 +7,7 @@
 
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/log.hpp"
-#include "bspflow/run/detail/run_monitor.hpp"
+#include "bspflow/run/internal/wait_sites.hpp"
 
 namespace bspflow::detail {
 

@@ -12,7 +12,7 @@
 #include "bspflow/base/error.hpp"
 #include "bspflow/devices/io_engine.hpp"
 #include "bspflow/engine/detail/device_run.hpp"
-#include "bspflow/run/detail/cancel_gate.hpp"
+#include "bspflow/run/internal/cancel_gate.hpp"
 
 namespace bspflow {
 

@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "bspflow/base/error.hpp"
-#include "bspflow/instance/detail/instance_wire.hpp"
+#include "bspflow/instance/internal/instance_wire.hpp"
 
 #if BSPFLOW_HAVE_MPI
 // The C API only: Open MPI's deprecated C++ bindings do not compile warning-free.

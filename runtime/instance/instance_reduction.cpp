@@ -1,12 +1,13 @@
-// A distributed Pipeline's exchange across instances (see detail/instance_reduction.hpp).
-#include "bspflow/instance/detail/instance_reduction.hpp"
+// A distributed Pipeline's exchange across instances (see
+// bspflow/instance/internal/instance_reduction.hpp).
+#include "bspflow/instance/internal/instance_reduction.hpp"
 
 #include <algorithm>
 #include <cstdio>
 
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/log.hpp"
-#include "bspflow/instance/detail/instance_wire.hpp"
+#include "bspflow/instance/internal/instance_wire.hpp"
 
 namespace bspflow::detail {
 

@@ -1,14 +1,14 @@
 // A distributed Pipeline (PipelineConfig::distributed over several instances): joining the
 // other instances at construction, and making one run's end the same in every instance.
-// The per-step exchange is detail/instance_reduction.hpp; the device side of it is
-// stage_execution.cpp (exchange_across, finish_reduce).
+// The per-step exchange is bspflow/instance/internal/instance_reduction.hpp; the device side of it
+// is stage_execution.cpp (exchange_across, finish_reduce).
 #include <algorithm>
 #include <bit>
 #include <cstring>
 #include <limits>
 
 #include "bspflow/base/log.hpp"
-#include "bspflow/instance/detail/instance_wire.hpp"
+#include "bspflow/instance/internal/instance_wire.hpp"
 #include "bspflow/pipeline/detail/pipeline_impl.hpp"
 
 namespace bspflow {

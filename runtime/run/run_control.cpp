@@ -1,5 +1,5 @@
-// RunControl: the shared state of one run (see bspflow/run/detail/run_control.hpp).
-#include "bspflow/run/detail/run_control.hpp"
+// RunControl: the shared state of one run (see bspflow/run/internal/run_control.hpp).
+#include "bspflow/run/internal/run_control.hpp"
 
 #include <charconv>
 #include <cstdlib>

@@ -1,6 +1,6 @@
-// runtime/detail/instance_reduction.hpp (internal): the per-step exchange across instances
-// in buckets, one per device slot, called last slot first as each is posted. In one process
-// (one instance) every call is the identity, so these cases see the order and the turns:
+// bspflow/instance/internal/instance_reduction.hpp (internal): the per-step exchange across
+// instances in buckets, one per device slot, called last slot first as each is posted. In one
+// process (one instance) every call is the identity, so these cases see the order and the turns:
 // the last slot's bucket is exchanged while slot 0 still computes, a slot posted out of
 // order waits for its turn, and a stop makes the host finish the step, as stopped.
 #include <doctest/doctest.h>
@@ -12,7 +12,7 @@
 
 #include <bspflow/bspflow.hpp>
 
-#include "bspflow/instance/detail/instance_reduction.hpp"
+#include "bspflow/instance/internal/instance_reduction.hpp"
 
 using namespace bspflow;
 using namespace std::chrono_literals;

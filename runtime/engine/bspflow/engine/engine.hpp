@@ -19,7 +19,7 @@
 #include "bspflow/devices/host_io.hpp"
 #include "bspflow/devices/link_model.hpp"
 #include "bspflow/engine/program.hpp"
-#include "bspflow/run/detail/run_control.hpp"
+#include "bspflow/run/internal/run_control.hpp"
 #include "bspflow/run/options.hpp"
 #include "bspflow/run/run_result.hpp"
 #include "bspflow/run/stall.hpp"

@@ -24,7 +24,6 @@
 #include "bspflow/engine/sync_group.hpp"
 #include "bspflow/feeds/infeed_queue.hpp"
 #include "bspflow/feeds/outfeed_queue.hpp"
-#include "bspflow/run/detail/run_control.hpp"
 #include "bspflow/run/run_result.hpp"
 #include "bspflow/run/trace.hpp"
 

@@ -2,7 +2,7 @@
 /// `Run<State>`: the host's handle on a loop launched with loops::repeat_async, and what a
 /// loop returns: `RepeatResult<State>` (a RunResult, bspflow/run/run_result.hpp, with the
 /// loop's iterations and final states). Iteration: where one loop iteration runs. The shared
-/// state behind a Run is machinery (detail/run_control.hpp).
+/// state behind a Run is machinery (detail/run_state.hpp).
 /// Guide: runtime/loops/README.md.
 #pragma once
 
@@ -15,7 +15,7 @@
 
 #include "bspflow/base/error.hpp"
 #include "bspflow/devices/device_error.hpp"
-#include "bspflow/run/detail/run_control.hpp"
+#include "bspflow/loops/detail/run_state.hpp"
 #include "bspflow/run/run_result.hpp"
 #include "bspflow/run/trace.hpp"
 

@@ -23,7 +23,6 @@
 #include "bspflow/feeds/infeed_queue.hpp"
 #include "bspflow/feeds/outfeed_queue.hpp"
 #include "bspflow/pipeline/memory.hpp"
-#include "bspflow/run/detail/run_control.hpp"
 #include "bspflow/run/options.hpp"
 #include "bspflow/run/run_result.hpp"
 #include "bspflow/run/stall.hpp"

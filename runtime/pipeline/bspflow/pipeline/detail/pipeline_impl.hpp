@@ -15,10 +15,10 @@
 #include "bspflow/devices/host_link_timeline.hpp"
 #include "bspflow/engine/engine.hpp"
 #include "bspflow/feeds/spsc_ring.hpp"
-#include "bspflow/instance/detail/instance_reduction.hpp"
 #include "bspflow/instance/instance.hpp"
+#include "bspflow/instance/internal/instance_reduction.hpp"
 #include "bspflow/pipeline/pipeline.hpp"
-#include "bspflow/run/detail/cancel_gate.hpp"
+#include "bspflow/run/internal/cancel_gate.hpp"
 
 namespace bspflow {
 
@@ -268,8 +268,9 @@ struct Pipeline::Impl {
   // replica 0: into its slot's segment of the exchange across instances).
   void local_sum(StageRun& sr);
   // Distributed, replica 0's device of `slot`: the segment (its stages' local sums, from
-  // local_sum) summed across the instances in place (see detail/instance_reduction.hpp),
-  // with a checksum of their weights when one is due.
+  // local_sum) summed across the instances in place (see
+  // bspflow/instance/internal/instance_reduction.hpp), with a checksum of their weights when one is
+  // due.
   void exchange_across(const std::vector<StageRun*>& on_device, std::uint32_t slot,
                        std::uint64_t step);
   // Then the sum (distributed: from the segment, if the step is applied everywhere, else

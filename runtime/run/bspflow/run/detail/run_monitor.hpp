@@ -9,7 +9,8 @@
 #include <vector>
 
 #include "bspflow/base/error.hpp"
-#include "bspflow/run/detail/run_control.hpp"
+#include "bspflow/run/internal/run_control.hpp"
+#include "bspflow/run/internal/wait_sites.hpp"
 #include "bspflow/run/stall.hpp"
 
 namespace bspflow::detail {
@@ -37,12 +38,5 @@ void watch_run(StallWatch* watch);
 // Any thread: the monitor stops looking at `watch`, after a look at it in progress (its
 // sites' state() may read the run's feeds: they stay alive until this returns). Never throws.
 void unwatch_run(StallWatch* watch) noexcept;
-
-// The sites a note points at outside any wait: before its device started the run, and
-// after it ended. Any thread; never throws.
-const WaitSite& not_started_site() noexcept;
-const WaitSite& ended_site() noexcept;
-// Where a device waits at the end of an Engine run for the I/O engine's last transfers.
-const WaitSite& io_drain_site() noexcept;
 
 }  // namespace bspflow::detail

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "bspflow/devices/device.hpp"
-#include "bspflow/run/detail/cancel_gate.hpp"
+#include "bspflow/run/internal/cancel_gate.hpp"
 #include "bspflow/stream/detail/stream_loop.hpp"
 #include "bspflow/stream/stream_config.hpp"
 #include "bspflow/stream/stream_serving.hpp"

@@ -1,4 +1,5 @@
-// Internal (not installed): a distributed Pipeline's second level of gradient reduction,
+// The instance room's internal API for the pipeline room (not for users, not installed): a
+// distributed Pipeline's second level of gradient reduction,
 // across instances, in buckets. Per step, each device slot of local replica 0 writes its
 // stages' gradients (already summed over the local replicas) into its segment of one buffer
 // and posts it. Consecutive segments, in call order (last slot first: the order a backward

@@ -1,5 +1,6 @@
-// Internal (not installed): what a distributed Pipeline sends between instances besides the
-// public collectives (see bspflow/instance/instance.hpp).
+// The instance room's internal API for the pipeline room (not for users, not installed): what a
+// distributed Pipeline sends between instances besides the public collectives (see
+// bspflow/instance/instance.hpp).
 #pragma once
 
 #include <cstddef>

@@ -1,6 +1,7 @@
-// The stop of one blocking run() call (machinery, not API): detail::CancelGate behind
+// The run room's internal API (not for users; installed because the stream's templates
+// include it): the stop of one blocking run() call, detail::CancelGate behind
 // Engine::cancel(), Pipeline::cancel() and Stream::cancel(), and the std::stop_token a caller
-// gives run(). Included by the stream headers; Engine and Pipeline use it in their sources.
+// gives run().
 #pragma once
 
 #include <mutex>
