@@ -18,8 +18,8 @@
 #   ./dev.sh consumers     install the library (staged) and build a program against it
 #                          through pkg-config, CMake and a meson subproject
 #   ./dev.sh format [--check]  lay out every C++ file with clang-format 14 (.clang-format);
-#                          --check changes nothing and fails if a file is not laid out or
-#                          a library file (runtime/, devices/, feeds/) is over 500 lines
+#                          --check changes nothing and fails if a file is not laid out (it
+#                          names a library file over 500 lines, without failing)
 #   ./dev.sh ab REV [BENCH...] [--runs N] [--quick]
 #                          same-run A/B: builds REV's benchmarks in build-ab/<commit>
 #                          (cached), runs each BENCH (default: feed pipeline) alternately
@@ -189,12 +189,12 @@ case "$what" in
         exit 1
       fi
       echo "dev.sh format: $(cxx_files | wc -l) files laid out as .clang-format says"
-      # A library file stays readable: at most 500 lines (split machinery into detail/).
+      # A file holds one idea; its length is a hint to look, never the reason to split it or
+      # cut its comments. A library file over 500 lines is named, not failed.
       long=$(cxx_files | grep -e '^runtime/' -e '^devices/' -e '^feeds/' | xargs wc -l |
         awk '$2 != "total" && $1 > 500 { print $2 " (" $1 " lines)" }')
       if [ -n "$long" ]; then
-        echo "dev.sh format: library files over 500 lines: $long" >&2
-        exit 1
+        echo "dev.sh format: note: library files over 500 lines (does each hold one idea?): $long" >&2
       fi
     elif [ $# -eq 0 ]; then
       # shellcheck disable=SC2046

@@ -91,9 +91,11 @@ template <class T>
 class OutfeedQueue {
   using Queue = detail::BoundedQueue<OutfeedEntry<T>>;
   using Lane = detail::SpscLane<OutfeedEntry<T>>;
-  /// A run stopped while a bounded outfeed is full still hands over what its devices wrote,
-  /// past the capacity: each kSingle ring keeps room for this many more entries (a combining
-  /// batch and a final()/sum() value); a kMulti queue takes them whatever its capacity.
+  /// A run stopped while a bounded outfeed is full still hands over what its devices wrote:
+  /// past the capacity. With one reader (kSingle) each replica's ring keeps room for this
+  /// many more entries (one write-combining batch and a final()/sum() value; slot counts are
+  /// powers of two, so this may double a ring of capacity one; rings above 2^20 entries keep
+  /// only the power-of-two slack); a shared queue (kMulti) takes them whatever its capacity.
   static constexpr std::size_t kStoppedSpare = tunables::kOutfeedCombine + 1;
   static constexpr std::size_t spare_slots(std::size_t capacity) noexcept {
     return capacity <= (std::size_t{1} << 20) ? kStoppedSpare : 0;
@@ -256,17 +258,19 @@ class OutfeedQueue {
       if (q_ != nullptr) finish(false);
     }
 
-    /// Applies the output mode to iteration `i`'s value; fast iterations' entries are handed
-    /// over in bulk (tunables::kOutfeedCombine). Waits while a bounded outfeed is full, until
-    /// `stop` (flush()); false only if entries were dropped. The caller checks `stop`.
+    /// Applies the output mode to iteration `i`'s value. Entries of fast iterations are
+    /// staged and handed over in bulk (see tunables::kOutfeedCombine). Waits while a bounded
+    /// outfeed is full, until `stop` is set (see flush()); returns false only if entries were
+    /// dropped. The caller checks `stop` itself.
     /// Contract: device; blocks; allocates; throws bad_alloc.
     bool write(std::uint64_t i, T&& value, const StopFlag* stop = nullptr) {
       const OutputMode mode = q_->config_.mode;
       if (mode.emits_at(i)) {
         staged_.push_back(Entry{replica_, i, std::move(value)});
         if (staged_.size() >= tunables::kOutfeedCombine) return flush(stop);
-        // The (tick) clock is read every kOutfeedClockEvery entries while iterations are fast,
-        // and every entry once they are not.
+        // The clock is read every kOutfeedClockEvery entries while iterations are fast (it
+        // costs as much as a fast iteration), and every entry once they are not. It is the
+        // tick clock (detail/tick_clock.hpp): a third of steady_clock's cost here.
         if (++since_check_ < check_every_) return true;
         const std::uint64_t now = detail::ticks_now(*rate_);
         const bool fast = now - last_check_ < since_check_ * below_ticks_;
@@ -308,12 +312,16 @@ class OutfeedQueue {
       return true;
     }
 
-    /// Entries dropped: never handed to the host, because a stop found the outfeed full and
-    /// its spare room (kStoppedSpare) too.
+    /// Entries dropped: written, never handed to the host, because the stop found the
+    /// outfeed full and its spare room (kStoppedSpare) too (a reader that stopped for several
+    /// runs in a row).
     /// Contract: device; non-blocking; no-alloc; noexcept.
     std::uint64_t dropped() const noexcept { return dropped_; }
-    /// The entries this writer drops (dropped()) go into `*to` in the order written, instead
-    /// of being destroyed (null, the default: destroyed). `*to` must outlive the writer's use.
+    /// From now on the entries this writer drops (see dropped()) are moved into `*to`, in the
+    /// order written, instead of being destroyed, so the caller can tell which ones they were
+    /// (a stream counts the error responses among them); null (the default): destroyed.
+    /// `*to` must outlive the writer's use; only the dropping call (a write, flush or finish
+    /// after a stop) touches it.
     /// Contract: device; non-blocking; no-alloc; noexcept.
     void keep_dropped(std::vector<Entry>* to) noexcept { graveyard_ = to; }
 
@@ -329,9 +337,10 @@ class OutfeedQueue {
       OutfeedQueue* q = std::exchange(q_, nullptr);
       staged_.clear();  // kept for the next run (before the countdown begin_run() waits on)
       q->spare_staging_[replica_] = std::move(staged_);
-      // The last writer ends the run for the readers, after the count reached 0 (a reader that
-      // saw the end also sees running() false). No other writer pushes any more, so it closes
-      // their rings too, without the fence a close racing a push needs.
+      // The last writer ends the run for the readers, after the count reached 0: a reader
+      // that saw the end also sees running() false (and may attach the next run at once).
+      // No other writer pushes any more (each one's countdown released its last push to us), so
+      // it may close their rings too, without the fence a close racing a push needs.
       if (q->active_writers_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
         if (q->queue_) q->queue_->close();
         for (auto& lane : q->lanes_) lane->close_quiescent();
@@ -349,9 +358,10 @@ class OutfeedQueue {
       staged_ = std::move(q.spare_staging_[replica]);  // the last run's, its room kept
       staged_.reserve(tunables::kOutfeedCombine);
     }
-    // The stopped path of flush() and deliver(), out of line (the write path stays small
-    // enough to be inlined): hands staged_[pushed..] over past the bound, empties staged_ and
-    // returns how many of its entries are now with the host.
+    /// The stopped path of flush() and deliver(), out of line (the write path stays small
+    /// enough to be inlined into a device's loop). Hands
+    /// staged_[pushed..] over past the bound and empties staged_; returns how many of its entries
+    /// are now with the host.
     [[gnu::noinline, gnu::cold]] std::size_t keep_stopped(std::size_t pushed) {
       const std::size_t n = staged_.size();
       const auto rest = staged_.begin() + static_cast<std::ptrdiff_t>(pushed);
@@ -360,6 +370,7 @@ class OutfeedQueue {
                                      : q_->queue_->push_bulk_past_bound(*token_, rest, n - pushed));
       dropped_ += n - kept;
       if (graveyard_ != nullptr) {
+        // (insert: one more push_back caller stopped GCC inlining it in write(): -15%.)
         graveyard_->insert(
             graveyard_->end(),
             std::make_move_iterator(staged_.begin() + static_cast<std::ptrdiff_t>(kept)),
@@ -368,7 +379,7 @@ class OutfeedQueue {
       staged_.clear();
       return kept;
     }
-    // Not through flush(): a third caller would stop GCC inlining flush() in write().
+    /// (Not through flush(): a third caller stopped GCC inlining flush() in write(): -15%.)
     bool deliver(Entry&& e, const StopFlag* stop) {
       const detail::WaitSite* site = &q_->room_sites_[replica_];
       if (lane_ != nullptr ? lane_->push(std::move(e), stop, site)
@@ -386,15 +397,17 @@ class OutfeedQueue {
     std::vector<Entry> staged_;                   ///< write-combining: entries not yet handed over
     std::uint64_t dropped_ = 0;                   ///< staged entries a stop kept from the host
     const detail::TickRate* rate_ = &detail::tick_rate();
+    /// kOutfeedCombineBelow in ticks; last_check_: when the clock was last read (0: never).
     std::uint64_t below_ticks_ = detail::ticks_in(*rate_, tunables::kOutfeedCombineBelow);
-    std::uint64_t last_check_ = 0;   ///< when the clock was last read (0: never)
+    std::uint64_t last_check_ = 0;
     std::uint32_t since_check_ = 0;  ///< entries staged since the clock was last read
     std::uint32_t check_every_ = 1;
     std::optional<Entry> held_;
     std::vector<Entry>* graveyard_ = nullptr;  ///< keep_dropped(): where dropped entries go
   };
 
-  /// Attaches a run (the runtime does, at launch) and returns one writer per replica.
+  /// Attaches a run and returns one writer per replica (the runtime calls it when it
+  /// launches a run). Throws bspflow::Error if a run is already attached.
   /// Contract: host; non-blocking; allocates; throws Error.
   std::vector<Writer> begin_run() {
     std::uint32_t idle = 0;
@@ -429,8 +442,8 @@ class OutfeedQueue {
  private:
   bool single() const noexcept { return config_.consumer_type == ConsumerType::kSingle; }
 
-  // Moves up to `max` entries into out[0..); waits for the first one when `block`. 0: none
-  // available (not blocking), or the run ended and everything was read.
+  /// Moves up to `max` entries into out[0..); waits for the first one when `block`. 0: none
+  /// available (not blocking), or the run ended and everything was read.
   std::size_t read(Entry* out, std::size_t max, bool block,
                    typename Queue::ConsumerToken* ctok = nullptr) {
     if (queue_) {
@@ -466,7 +479,8 @@ class OutfeedQueue {
     }
     return 0;
   }
-  /// kSingle: catches two threads reading at once (an uncontended exchange).
+  /// kSingle: catches two threads reading at once (an uncontended exchange on a line only
+  /// the reader writes).
   class ReaderGuard {
    public:
     explicit ReaderGuard(std::atomic<bool>& flag) : flag_(flag) {
