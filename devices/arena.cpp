@@ -112,17 +112,17 @@ void Arena::release(void* ptr) noexcept {
   }
 }
 
-std::size_t Arena::used() const {
+std::size_t Arena::used() const noexcept {
   std::lock_guard lock(mutex_);
   return used_;
 }
 
-std::size_t Arena::free_bytes() const {
+std::size_t Arena::free_bytes() const noexcept {
   std::lock_guard lock(mutex_);
   return capacity_ - used_;
 }
 
-std::size_t Arena::largest_free_block() const {
+std::size_t Arena::largest_free_block() const noexcept {
   std::lock_guard lock(mutex_);
   return largest_free_locked();
 }

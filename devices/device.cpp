@@ -99,7 +99,7 @@ void Device::submit(DeviceJob job) {
   mailbox_.notify();
 }
 
-bool Device::pinned() const {
+bool Device::pinned() const noexcept {
   started_.wait([&] { return pin_state_.load() != 0; });
   return pin_state_.load() == 1;
 }

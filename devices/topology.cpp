@@ -198,7 +198,7 @@ std::vector<Placement> Topology::place(std::uint32_t devices, bool pin,
   return out;
 }
 
-bool Topology::pin_current_thread(std::uint32_t core) const {
+bool Topology::pin_current_thread(std::uint32_t core) const noexcept {
 #if BSPFLOW_HAVE_HWLOC
   if (hwloc_ == nullptr || core >= cores_.size()) return false;
   hwloc_bitmap_t set = hwloc_bitmap_alloc();

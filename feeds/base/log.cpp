@@ -27,7 +27,7 @@ LogState& log_state() {
 LogLevel level_from_env() {
   const char* v = std::getenv("BSPFLOW_LOG_LEVEL");
   if (v == nullptr) return LogLevel::kWarning;
-  const std::string s(v);
+  const std::string_view s(v);  // a view: reading the level never allocates
   if (s == "debug") return LogLevel::kDebug;
   if (s == "info") return LogLevel::kInfo;
   if (s == "warning") return LogLevel::kWarning;
@@ -47,7 +47,7 @@ std::atomic<int>& level_ref() {
 
 }  // namespace
 
-std::string_view to_string(LogLevel level) {
+std::string_view to_string(LogLevel level) noexcept {
   switch (level) {
     case LogLevel::kDebug:
       return "debug";
@@ -63,16 +63,16 @@ std::string_view to_string(LogLevel level) {
   return "?";
 }
 
-void set_log_handler(LogHandler handler) {
+void set_log_handler(LogHandler handler) noexcept {
   std::lock_guard lock(log_state().mutex);
   log_state().handler = std::move(handler);
 }
 
-void set_log_level(LogLevel level) {
+void set_log_level(LogLevel level) noexcept {
   level_ref().store(static_cast<int>(level), std::memory_order_relaxed);  // relaxed: a hint
 }
 
-LogLevel log_level() {
+LogLevel log_level() noexcept {
   return static_cast<LogLevel>(level_ref().load(std::memory_order_relaxed));  // relaxed: a hint
 }
 

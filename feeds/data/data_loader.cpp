@@ -363,7 +363,7 @@ std::span<Batch> LoaderStep::replica(std::uint32_t r) {
   return std::span<Batch>(core_->slots_[slot_]->batches).subspan(r * n, n);
 }
 
-std::span<Batch> LoaderStep::batches() {
+std::span<Batch> LoaderStep::batches() noexcept {
   return core_->slots_[slot_]->batches;
 }
 

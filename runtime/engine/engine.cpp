@@ -38,7 +38,7 @@ void EngineConfig::validate() const {
 }
 
 std::optional<std::uint32_t> Engine::suggest_io_tiles(std::size_t bytes,
-                                                      const DeviceConfig& config) {
+                                                      const DeviceConfig& config) noexcept {
   const double need =
       1.05 * static_cast<double>(bytes) / static_cast<double>(config.bytes_per_tile);
   for (std::uint64_t n = 2; n < config.tiles; n *= 2) {

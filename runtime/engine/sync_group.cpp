@@ -29,7 +29,7 @@ void SyncGroup::abort() noexcept {
   point_.notify();
 }
 
-bool SyncGroup::arrive_and_wait(const StopFlag& stop, Spin spin, double* modeled) {
+bool SyncGroup::arrive_and_wait(const StopFlag& stop, Spin spin, double* modeled) noexcept {
   // Every arrival reads arrivals_' line (aborted_, the count), then writes it (the modeled
   // slot, the count), and the line was last written by another participant: asked for
   // writing first, it comes over once, not once to read and again to write. On this 2-core

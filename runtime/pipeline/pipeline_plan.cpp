@@ -54,22 +54,22 @@ PipelineConfig PipelineConfig::from(const Options& options) {
   return c;
 }
 
-std::uint32_t PipelineConfig::devices_per_replica(std::uint32_t stages) const {
+std::uint32_t PipelineConfig::devices_per_replica(std::uint32_t stages) const noexcept {
   if (strategy == ExecutionStrategy::kSingle) return 1;
   return device_mapping.empty() ? stages : device_mapping.back() + 1;
 }
 
-std::uint32_t PipelineConfig::devices_needed(std::uint32_t stages) const {
+std::uint32_t PipelineConfig::devices_needed(std::uint32_t stages) const noexcept {
   return devices_per_replica(stages) * replicas;
 }
 
-PipelineSchedule PipelineConfig::effective_schedule() const {
+PipelineSchedule PipelineConfig::effective_schedule() const noexcept {
   if (schedule) return *schedule;
   return strategy == ExecutionStrategy::kPipelined ? PipelineSchedule::kGrouped
                                                    : PipelineSchedule::kSequential;
 }
 
-std::uint32_t PipelineConfig::min_gradient_accumulation(std::uint32_t stages) const {
+std::uint32_t PipelineConfig::min_gradient_accumulation(std::uint32_t stages) const noexcept {
   if (!training) return 1;
   switch (effective_schedule()) {
     case PipelineSchedule::kGrouped:

@@ -72,7 +72,7 @@ std::uint32_t TraceTrack::add_label(std::string label) {
   return static_cast<std::uint32_t>(labels_.size() - 1);
 }
 
-const std::string& TraceTrack::label(const TraceEvent& e) const {
+const std::string& TraceTrack::label(const TraceEvent& e) const noexcept {
   static const std::string kNone;
   return e.label < labels_.size() ? labels_[e.label] : kNone;
 }

@@ -45,7 +45,7 @@ const char* to_string(Refusal r) noexcept {
   return "unknown";
 }
 
-StreamConfig StreamConfig::from(const Options& options) {
+StreamConfig StreamConfig::from(const Options& options) noexcept {
   StreamConfig c;
   c.replicas = options.replicas();
   return c;

@@ -48,9 +48,9 @@ class Arena {
   void release(void* ptr) noexcept;
 
   std::size_t capacity() const noexcept { return capacity_; }
-  std::size_t used() const;
-  std::size_t free_bytes() const;
-  std::size_t largest_free_block() const;
+  std::size_t used() const noexcept;
+  std::size_t free_bytes() const noexcept;
+  std::size_t largest_free_block() const noexcept;
   /// Live allocations, largest first.
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
   std::vector<Allocation> allocations() const;

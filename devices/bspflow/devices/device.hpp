@@ -95,7 +95,7 @@ class Device {
   /// Whether the worker thread is actually pinned (false without hwloc, or if refused).
   /// Waits until the thread has tried.
   /// Contract: any; blocks; no-alloc; noexcept.
-  bool pinned() const;
+  bool pinned() const noexcept;
   /// True on this device's worker thread.
   bool on_device_thread() const noexcept { return std::this_thread::get_id() == thread_.get_id(); }
 
@@ -159,7 +159,7 @@ class DeviceList {
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
   DeviceList(Device& device) : list_{&device} {}  // NOLINT: implicit by design
   /// These devices, in this order.
-  explicit DeviceList(std::vector<Device*> devices) : list_(std::move(devices)) {}
+  explicit DeviceList(std::vector<Device*> devices) noexcept : list_(std::move(devices)) {}
   /// Every device of `group`, in order.
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
   DeviceList(DeviceGroup& group) {  // NOLINT: implicit by design

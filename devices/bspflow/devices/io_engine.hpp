@@ -87,10 +87,10 @@ class IoEngine {
   IoEngine(const IoEngine&) = delete;
   IoEngine& operator=(const IoEngine&) = delete;
 
-  /// Queues `t` on `channel` (takes Asio's queue lock). Throws bspflow::Error for a channel
-  /// out of range; a transfer it did not accept gets no done() call. The engine thread's own
-  /// work for an accepted transfer allocates only to arm a timer, and a failure there ends
-  /// that transfer (see Times::error), never the engine.
+  /// Queues `t` on `channel` (takes a short lock on Asio's queue). Throws bspflow::Error for
+  /// a channel out of range; a transfer it did not accept gets no done() call. The engine
+  /// thread's own work for an accepted transfer allocates only to arm a timer, and a failure
+  /// there ends that transfer (see Times::error), never the engine.
   /// Contract: any; non-blocking; allocates; throws Error.
   void submit(std::uint32_t channel, Transfer t);
 

@@ -73,7 +73,7 @@ class Topology {
   /// Binds the calling thread to `core`'s first hardware thread. Returns false (and leaves
   /// the thread unpinned) without hwloc or if the OS refuses.
   /// Contract: any; non-blocking; allocates; noexcept.
-  bool pin_current_thread(std::uint32_t core) const;
+  bool pin_current_thread(std::uint32_t core) const noexcept;
   /// The core the calling thread is bound to, when its affinity is one hardware thread of one
   /// core (as pin_current_thread() leaves it); nullopt otherwise. One system call.
   std::optional<std::uint32_t> current_thread_core() const noexcept;

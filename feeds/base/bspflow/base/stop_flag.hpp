@@ -15,7 +15,7 @@ namespace bspflow {
 class StopFlag {
  public:
   /// Not set.
-  StopFlag() = default;
+  StopFlag() noexcept = default;
   StopFlag(const StopFlag&) = delete;
   StopFlag& operator=(const StopFlag&) = delete;
 

@@ -78,7 +78,7 @@ class LoaderStep {
   /// Contract: consumer; non-blocking; no-alloc; throws Error.
   std::span<Batch> replica(std::uint32_t r);
   /// Every micro-batch of the step, replica by replica. Not on a moved-from Step.
-  std::span<Batch> batches();
+  std::span<Batch> batches() noexcept;
 
  private:
   friend class detail::LoaderCore;
@@ -158,7 +158,7 @@ class DataLoader : private detail::LoaderCore {
   class Iterator {
    public:
     /// The current step.
-    Step& operator*() { return *step_; }
+    Step& operator*() noexcept { return *step_; }
     /// Releases the current step, then takes the next, as next() does.
     /// Contract: consumer; blocks; allocates; throws Error.
     Iterator& operator++() {

@@ -71,17 +71,21 @@ concept RunShape = requires(const O& o) {
   { o.gradient_accumulation() } -> std::convertible_to<std::uint32_t>;
   { o.replicas() } -> std::convertible_to<std::uint32_t>;
 };
-/// The shape of `o`. It throws only what o's getters throw (bspflow::Options's never do).
+/// The shape of `o`. It throws only what o's getters throw (bspflow::Options's never do):
+/// noexcept when they are.
 /// Contract: any; non-blocking; no-alloc; noexcept.
 template <RunShape O>
-StepShape step_shape(const O& o) {
+StepShape step_shape(const O& o) noexcept(noexcept(StepShape{
+    static_cast<std::uint64_t>(o.device_iterations()),
+    static_cast<std::uint32_t>(o.gradient_accumulation()),
+    static_cast<std::uint32_t>(o.replicas())})) {
   return StepShape{static_cast<std::uint64_t>(o.device_iterations()),
                    static_cast<std::uint32_t>(o.gradient_accumulation()),
                    static_cast<std::uint32_t>(o.replicas())};
 }
 /// `s` itself.
 /// Contract: any; non-blocking; no-alloc; noexcept.
-inline StepShape step_shape(const StepShape& s) {
+inline StepShape step_shape(const StepShape& s) noexcept {
   return s;
 }
 

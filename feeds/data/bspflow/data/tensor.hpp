@@ -91,7 +91,7 @@ struct SampleSpec {
   /// "fp32[1x128x128]".
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
   std::string describe() const;
-  bool operator==(const SampleSpec&) const = default;
+  bool operator==(const SampleSpec&) const noexcept = default;
 };
 
 /// Recycles equal-sized tensor buffers (a DataLoader's micro-batches), so a steady stream of
@@ -109,7 +109,8 @@ class BufferPool {
  public:
   /// Blocks of `block_bytes`; at most `keep` spare ones are kept.
   /// Contract: host; non-blocking; no-alloc; noexcept.
-  BufferPool(std::size_t block_bytes, std::size_t keep) : block_(block_bytes), keep_(keep) {}
+  BufferPool(std::size_t block_bytes, std::size_t keep) noexcept
+      : block_(block_bytes), keep_(keep) {}
   /// Frees the spare blocks (blocks still taken are not its to free: do not destroy a pool
   /// while a block is out; a Tensor's shared_ptr sees to that).
   ~BufferPool();
@@ -158,7 +159,7 @@ class Tensor {
  public:
   enum class Init { kZero, kNone };
 
-  Tensor() = default;
+  Tensor() noexcept = default;
   /// Zero-filled, or (kNone) left for the caller to overwrite. Throws bspflow::Error if the
   /// shape is too large to address.
   /// Contract: any; non-blocking; allocates; throws Error.

@@ -207,9 +207,11 @@ class InfeedQueue {
 
     /// Moves the next element into `out`, waiting while the lane is empty as `policy` says
     /// (null: spin, then park). Returns false at end of data (closed and drained:
-    /// end_of_data() is then true) or when `stop` is set.
+    /// end_of_data() is then true) or when `stop` is set. Throws only what T's move
+    /// assignment throws: noexcept when it is.
     /// Contract: device; blocks; no-alloc; noexcept.
-    bool pop(T& out, const StopFlag* stop = nullptr, const WaitPolicy* policy = nullptr) {
+    bool pop(T& out, const StopFlag* stop = nullptr, const WaitPolicy* policy = nullptr) noexcept(
+        noexcept(std::declval<T&>() = std::declval<T&&>())) {
       if (pos_ == count_ && !refilled_from_carry() && !refilled(wait_for_more(stop, policy))) {
         end_of_data_ = lane_->drained();
         return false;
@@ -219,8 +221,9 @@ class InfeedQueue {
     }
 
     /// Moves the next element into `out` if one is ready (in the prefetch buffer or on the
-    /// lane) and returns true; else false.
-    bool try_pop(T& out) {
+    /// lane) and returns true; else false. Throws only what T's move assignment throws, as
+    /// pop().
+    bool try_pop(T& out) noexcept(noexcept(std::declval<T&>() = std::declval<T&&>())) {
       if (pos_ == count_ && !refilled_from_carry() &&
           !refilled(lane_->try_pop_bulk(buffer_.data(), buffer_.size()))) {
         return false;

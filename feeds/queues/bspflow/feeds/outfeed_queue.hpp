@@ -182,8 +182,8 @@ class OutfeedQueue {
     static constexpr std::size_t kBatch = 32;
     using value_type = Entry;
     using difference_type = std::ptrdiff_t;
-    Entry& operator*() const { return buffer_[pos_]; }
-    Entry* operator->() const { return &buffer_[pos_]; }
+    Entry& operator*() const noexcept { return buffer_[pos_]; }
+    Entry* operator->() const noexcept { return &buffer_[pos_]; }
     /// The next entry; once the batch is used up, waits for more (until an entry is
     /// available or the run ends).
     /// Contract: consumer; blocks; no-alloc; throws Error.

@@ -65,9 +65,9 @@ class SpscRing {
   // ---- producer ----
 
   /// Moves `value` in and returns true if there is room; false (value untouched) if the
-  /// ring is full.
+  /// ring is full. Throws only what T's move assignment throws: noexcept when it is.
   /// Contract: producer; non-blocking; no-alloc; noexcept.
-  bool try_push(T&& value) {
+  bool try_push(T&& value) noexcept(noexcept(std::declval<T&>() = std::declval<T&&>())) {
     const std::uint64_t t = producer_.tail;
     if (t - producer_.head_seen >= capacity_) {
       producer_.head_seen = head_.load(std::memory_order_acquire);
@@ -79,9 +79,11 @@ class SpscRing {
   }
 
   /// Moves `value` in, waiting while the ring is full as `policy` says. Returns false (value
-  /// untouched) if `stop` was set first.
+  /// untouched) if `stop` was set first. Throws only what T's move assignment throws:
+  /// noexcept when it is.
   /// Contract: producer; blocks; no-alloc; noexcept.
-  bool push(T&& value, const WaitPolicy& policy, const StopFlag& stop) {
+  bool push(T&& value, const WaitPolicy& policy,
+            const StopFlag& stop) noexcept(noexcept(std::declval<T&>() = std::declval<T&&>())) {
     T* slot = claim(policy, stop);
     if (slot == nullptr) return false;
     *slot = std::move(value);
@@ -93,7 +95,7 @@ class SpscRing {
   /// publish(); waits while the ring is full, as `policy` says; nullptr if `stop` was set
   /// first. The slot holds whatever it held before (its buffers are reused).
   /// Contract: producer; blocks; no-alloc; noexcept.
-  T* claim(const WaitPolicy& policy, const StopFlag& stop) {
+  T* claim(const WaitPolicy& policy, const StopFlag& stop) noexcept {
     const std::uint64_t t = producer_.tail;
     if (t - producer_.head_seen >= capacity_) {
       const detail::WaitMark mark(&room_site_);  // the stall check's record, while waiting
@@ -139,7 +141,7 @@ class SpscRing {
   /// pop()), the ring is closed and drained, or `stop` is set (both: nullptr). Waits as
   /// `policy` says.
   /// Contract: consumer; blocks; no-alloc; noexcept.
-  T* front(const WaitPolicy& policy, const StopFlag& stop) {
+  T* front(const WaitPolicy& policy, const StopFlag& stop) noexcept {
     if (T* f = try_front()) return f;
     const std::uint64_t h = consumer_.head;
     const detail::WaitMark mark(&next_site_);  // the stall check's record, while waiting

@@ -150,7 +150,7 @@ class Engine {
   /// like `config`: the smallest even power of two >= 1.05 x bytes / bytes per tile (at least
   /// 2). nullopt when even the largest allowed count (below the tile count) cannot hold it.
   static std::optional<std::uint32_t> suggest_io_tiles(std::size_t bytes,
-                                                       const DeviceConfig& config);
+                                                       const DeviceConfig& config) noexcept;
 
  private:
   friend void detail::name_runs(Engine&, std::string, std::vector<detail::WatchedDevice>);

@@ -77,13 +77,13 @@ struct Execute {
   /// (say, a codelet that only moves host data). Undeclared (the default), the step costs
   /// nothing in modeled time and is counted in ModeledTime::undeclared. Returns *this.
   /// Contract: any; non-blocking; no-alloc; noexcept.
-  Execute& declare(Work cost) & {
+  Execute& declare(Work cost) & noexcept {
     this->cost = cost;
     return *this;
   }
   /// declare() on a temporary (`Execute(...).declare(cost)`). Returns *this, moved.
   /// Contract: any; non-blocking; no-alloc; noexcept.
-  Execute&& declare(Work cost) && {
+  Execute&& declare(Work cost) && noexcept {
     this->cost = cost;
     return std::move(*this);
   }

@@ -33,7 +33,8 @@ class SyncGroup {
   /// `modeled`: this device's modeled clock in, the latest of every participant's out (the
   /// time they go on together; null: no modeled clock).
   /// Contract: device; blocks; no-alloc; noexcept.
-  bool arrive_and_wait(const StopFlag& stop, Spin spin = Spin::kTight, double* modeled = nullptr);
+  bool arrive_and_wait(const StopFlag& stop, Spin spin = Spin::kTight,
+                       double* modeled = nullptr) noexcept;
   /// Called by a participant that will not arrive again this run (its infeed ended). Every
   /// wait on the group, now and until reset(), returns false, so the others end at their
   /// next Sync instead of waiting for it forever; what they do before it still runs.

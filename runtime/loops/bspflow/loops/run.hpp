@@ -58,7 +58,7 @@ template <class State>
 class Run {
  public:
   /// An empty handle (valid() is false).
-  Run() = default;
+  Run() noexcept = default;
   /// Leaves the source empty.
   Run(Run&&) noexcept = default;
   /// First cancels the loop this handle holds (if any, and not yet ended) and blocks (spin,

@@ -132,31 +132,33 @@ struct StageCost {
 /// run(), while no pass runs. What a pass throws stops the run: Pipeline::run() throws it
 /// as StageError (what was thrown is its cause()). The tags below say what the Pipeline
 /// expects of an override: `any` marks a member called on the host thread and the device
-/// thread, never two calls at once.
+/// thread, never two calls at once. The queries below the destructor are not declared
+/// noexcept (that would oblige every override to say so too): an override should not throw
+/// from them, and one that does fails the Pipeline call that asked (its constructor or run()).
 class Stage {
  public:
   /// Called by the Pipeline's destructor (or its constructor, when it fails).
   /// Contract: host; non-blocking; no-alloc; noexcept.
   virtual ~Stage() = default;
   /// Names the stage in the trace and in errors.
-  /// Contract: any; non-blocking; allocates; noexcept.
+  /// Contract: any; non-blocking; allocates; throws bad_alloc.
   virtual std::string name() const = 0;
   /// Values this stage outputs per micro-batch (fixed: IPU programs have static shapes;
   /// read once, at construction, and must be at least 1). The last stage's output is what
   /// the outfeed receives (say, loss and correct count).
-  /// Contract: host; non-blocking; no-alloc; noexcept.
+  /// Contract: host; non-blocking; no-alloc; throws what the override throws.
   virtual std::size_t output_elements() const = 0;
   /// Size of the parameter gradient (0: nothing to train). Read once, at construction.
-  /// Contract: host; non-blocking; no-alloc; noexcept.
+  /// Contract: host; non-blocking; no-alloc; throws what the override throws.
   virtual std::size_t gradient_elements() const { return 0; }
   /// What the stage holds on its device (see StageMemory; the default declares nothing
   /// beyond gradient_elements() weights and optimizer_state()). Read once, at construction.
-  /// Contract: host; non-blocking; no-alloc; noexcept.
+  /// Contract: host; non-blocking; no-alloc; throws what the override throws.
   virtual StageMemory memory() const { return {}; }
   /// What the passes cost on a real IPU at `precision` (the run's: PipelineConfig::precision
   /// as WorkPrecision), for the modeled clock. Called once per run. The default declares
   /// nothing.
-  /// Contract: host; non-blocking; no-alloc; noexcept.
+  /// Contract: host; non-blocking; no-alloc; throws what the override throws.
   virtual StageCost cost(WorkPrecision precision) const {
     (void)precision;
     return {};
@@ -177,7 +179,7 @@ class Stage {
   /// PipelineConfig::offload_optimizer it lives in host memory between updates: the runtime
   /// streams it in just before update() and out just after, and zeroes this memory meanwhile.
   /// Must return the same span (size) every time.
-  /// Contract: any; non-blocking; no-alloc; noexcept.
+  /// Contract: any; non-blocking; no-alloc; throws what the override throws.
   virtual std::span<float> optimizer_state() { return {}; }
   /// The values update() changes (the weights; empty, the default: none). Called on the host
   /// thread, and on the device thread between updates; must return the same span (size)
@@ -185,7 +187,7 @@ class Stage {
   /// (and optimiser state) to every instance at construction and compares a checksum of them
   /// across instances every PipelineConfig::weight_check_interval steps. A stage that returns
   /// nothing is neither broadcast nor checked.
-  /// Contract: any; non-blocking; no-alloc; noexcept.
+  /// Contract: any; non-blocking; no-alloc; throws what the override throws.
   virtual std::span<float> weights() { return {}; }
 };
 using StageList = std::vector<std::unique_ptr<Stage>>;
@@ -281,21 +283,21 @@ struct PipelineConfig : HostIO {
 
   /// Devices the strategy needs for `stages` stages: devices_per_replica x replicas.
   /// Contract: any; non-blocking; no-alloc; noexcept.
-  std::uint32_t devices_needed(std::uint32_t stages) const;
+  std::uint32_t devices_needed(std::uint32_t stages) const noexcept;
   /// Devices one replica's stages use: single 1; else the device mapping's last entry + 1
   /// (without one: stages).
   /// Contract: any; non-blocking; no-alloc; noexcept.
-  std::uint32_t devices_per_replica(std::uint32_t stages) const;
+  std::uint32_t devices_per_replica(std::uint32_t stages) const noexcept;
   /// The schedule the pipeline runs: `schedule`, or when unset Grouped for pipelined and
   /// Sequential for sharded and single.
   /// Contract: any; non-blocking; no-alloc; noexcept.
-  PipelineSchedule effective_schedule() const;
+  PipelineSchedule effective_schedule() const noexcept;
   /// The smallest gradient accumulation for which the schedule reaches a steady state where
   /// every stage is busy in a cycle: Grouped 2N-1, Interleaved N, Sequential 1 (training;
   /// inference: 1, since all device iterations x K micro-batches of a run flow through one
   /// filled pipeline).
   /// Contract: any; non-blocking; no-alloc; noexcept.
-  std::uint32_t min_gradient_accumulation(std::uint32_t stages) const;
+  std::uint32_t min_gradient_accumulation(std::uint32_t stages) const noexcept;
   /// Throws bspflow::Error naming the field, the value and what is allowed (or the fields
   /// that conflict): stages 0, replicas 0, a bad precision, what the Engine refuses (odd
   /// io_tiles, prefetch_depth outside 1..255, a bad link), a device mapping of the wrong

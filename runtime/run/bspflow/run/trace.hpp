@@ -86,7 +86,7 @@ class TraceTrack final : public ModeledSpans {
   std::uint32_t id() const noexcept { return id_; }
   const std::vector<TraceEvent>& events() const noexcept { return events_; }
   /// The label of `e`; empty for label 0 (the phase's own name).
-  const std::string& label(const TraceEvent& e) const;
+  const std::string& label(const TraceEvent& e) const noexcept;
   /// Every label added, by index (0: none, the phase's own name).
   const std::vector<std::string>& labels() const noexcept { return labels_; }
   std::uint64_t iterations() const noexcept { return iterations_; }

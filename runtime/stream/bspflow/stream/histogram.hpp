@@ -73,7 +73,7 @@ class HistogramSnapshot {
   };
 
   /// An empty snapshot with no layout: the first merge() gives it the other's.
-  HistogramSnapshot() = default;
+  HistogramSnapshot() noexcept = default;
   /// An empty snapshot with the layout of Histogram(highest_trackable). Throws bspflow::Error
   /// if highest_trackable < 2.
   /// Contract: any; non-blocking; allocates; throws Error.

@@ -76,17 +76,21 @@ class StreamClient {
   }
 
   /// The next response (in push order, unless Ordering::kNone): blocks until it arrives;
-  /// nullopt at once if no request is outstanding.
+  /// nullopt at once if no request is outstanding. Throws only what Out's move constructor
+  /// throws: noexcept when it is (as try_pop() and pop_until()).
   /// Contract: client; blocks; no-alloc; noexcept.
-  std::optional<Response<Out>> pop() { return pop_until(Deadline::max()); }
+  std::optional<Response<Out>> pop() noexcept(noexcept(Out(std::declval<Out&&>()))) {
+    return pop_until(Deadline::max());
+  }
   /// The next response if one is ready; else nullopt.
-  std::optional<Response<Out>> try_pop() {
+  std::optional<Response<Out>> try_pop() noexcept(noexcept(Out(std::declval<Out&&>()))) {
     if (head_ == next_) return std::nullopt;
     return take_ready();
   }
   /// The next response: blocks until one arrives, or until `until` (then nullopt).
   /// Contract: client; blocks; no-alloc; noexcept.
-  std::optional<Response<Out>> pop_until(Deadline until) {
+  std::optional<Response<Out>> pop_until(Deadline until) noexcept(
+      noexcept(Out(std::declval<Out&&>()))) {
     if (head_ == next_) return std::nullopt;
     if (auto r = take_ready()) return r;
     const auto ready = [&] { return any_ready(); };
@@ -114,8 +118,9 @@ class StreamClient {
   }
 
   /// The policy pop() and pop_until() wait with: set_wait()'s, or the automatic choice, made
-  /// on the first call from where the calling thread is pinned.
-  const WaitPolicy& wait_policy() {
+  /// on the first call from where the calling thread is pinned (the topology it reads was
+  /// discovered when the stream's devices were made).
+  const WaitPolicy& wait_policy() noexcept {
     if (!wait_chosen_) {
       wait_chosen_ = true;
       const auto core = Topology::get().current_thread_core();

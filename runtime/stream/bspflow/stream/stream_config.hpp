@@ -106,7 +106,7 @@ struct StreamConfig {
   /// A stream's config from a run's Options: Options::replicas(); every other field keeps its
   /// default.
   /// Contract: any; non-blocking; no-alloc; noexcept.
-  static StreamConfig from(const Options& options);
+  static StreamConfig from(const Options& options) noexcept;
   /// Checks every field, for a stream on `devices` devices.
   /// Contract: any; non-blocking; no-alloc; throws Error.
   void validate(std::uint32_t devices) const;

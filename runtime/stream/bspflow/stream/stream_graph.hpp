@@ -245,7 +245,11 @@ class StreamGraph {
     input.kind = detail::NodeKind::kInput;
     g_->add(std::move(input), std::make_unique<detail::NodeTypeOf<In>>());
   }
+  /// Takes over the graph being built; the source is left with none.
+  /// Contract: host; non-blocking; no-alloc; noexcept.
   StreamGraph(StreamGraph&&) noexcept = default;
+  /// As the move constructor, dropping the graph this one was building.
+  /// Contract: host; non-blocking; no-alloc; noexcept.
   StreamGraph& operator=(StreamGraph&&) noexcept = default;
 
   /// The requests, as pushed by the StreamClients. Its device is its first reader's.

@@ -51,14 +51,17 @@ struct BatchConfig {
 template <class T>
 class ItemResult {
  public:
-  ItemResult(T value) : value_(std::move(value)) {}  // NOLINT: implicit, like std::optional
-  static ItemResult failure(std::string why) {
+  /// Implicit, like std::optional's. Throws only what T's move constructor throws: noexcept
+  /// when it is.
+  ItemResult(T value) noexcept(noexcept(T(std::declval<T&&>())))  // NOLINT: implicit by design
+      : value_(std::move(value)) {}
+  static ItemResult failure(std::string why) noexcept {
     ItemResult r;
     r.error_ = std::move(why);
     return r;
   }
   bool ok() const noexcept { return value_.has_value(); }
-  T& value() { return *value_; }
+  T& value() noexcept { return *value_; }
   const std::string& error() const noexcept { return error_; }
 
  private:
