@@ -148,7 +148,7 @@ std::shared_ptr<const RequestError> make_request_error(ErrorKind kind, const Req
   return e;
 }
 
-std::shared_ptr<const RequestError> check_live(const Frame& f, const NodeRun& n) {
+std::shared_ptr<const RequestError> check_live(const InFlight& f, const NodeRun& n) {
   const RequestMeta& m = f.meta;
   if (m.client->cancelled(m.id.sequence)) {
     return make_request_error(ErrorKind::kCancelled, m, n.index, n.name, n.device_id,
@@ -168,7 +168,7 @@ std::shared_ptr<const RequestError> check_live(const Frame& f, const NodeRun& n)
   return nullptr;
 }
 
-std::shared_ptr<const RequestError> failure_of(const Frame& f, const NodeRun& n,
+std::shared_ptr<const RequestError> failure_of(const InFlight& f, const NodeRun& n,
                                                std::exception_ptr cause) {
   auto e = std::make_shared<RequestError>();
   e->kind = ErrorKind::kStageFailed;
@@ -184,7 +184,7 @@ std::shared_ptr<const RequestError> failure_of(const Frame& f, const NodeRun& n,
   return e;
 }
 
-bool after_failure(Frame& f, SegmentCtx& ctx, const std::shared_ptr<const RequestError>& e) {
+bool after_failure(InFlight& f, SegmentCtx& ctx, const std::shared_ptr<const RequestError>& e) {
   if (ctx.abort_on_failure) f.meta.client->abort(f.meta.id.sequence);
   if (ctx.on_error == OnError::kFailFast) {
     f.failure = e;
@@ -213,7 +213,7 @@ void Segment::answer_held(const RequestMeta& meta, std::shared_ptr<const Request
     error = make_request_error(ErrorKind::kCancelled, meta, at.index, at.name, at.device_id,
                                "was not run: the stream was cancelled");
   }
-  answerer->answer_error(meta, std::move(error));
+  responder_base->answer_error(meta, std::move(error));
 }
 
 void StreamRunState::cancel() noexcept {
@@ -247,7 +247,7 @@ std::shared_ptr<const RequestError> StreamRunState::failure() const {
 
 void StreamRunState::segment_done() noexcept {
   if (ending_.fetch_sub(1, std::memory_order_seq_cst) == 1 && on_end_) {
-    // The last segment: no other touches the ports or the queue any more.
+    // The last segment: no other touches the hops or the queue any more.
     try {
       on_end_();
     } catch (...) {  // out of memory while answering: the host's wait() sweeps again
@@ -426,9 +426,9 @@ void GraphBuild::check(std::uint32_t output) {
   c.output = output;
 }
 
-Placement2 place_nodes(const StreamCore& core, std::uint32_t replica) {
+SegmentPlacement place_nodes(const StreamCore& core, std::uint32_t replica) {
   const auto n = static_cast<std::uint32_t>(core.nodes.size());
-  Placement2 pl;
+  SegmentPlacement pl;
   pl.segment_of.assign(n, 0);
   std::map<std::uint32_t, std::uint32_t> seg_of_device;
   for (std::uint32_t i = 0; i < n; ++i) {

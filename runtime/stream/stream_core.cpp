@@ -1,7 +1,7 @@
-// Streams: the untyped core (see bspflow/stream/detail/stream_core.hpp): building, starting
+// Streams: the untyped core (see bspflow/stream/detail/core.hpp): building, starting
 // one device job per segment, the stall monitor, cancel, the answers a stopped run still owes,
 // and the admission estimates.
-#include "bspflow/stream/detail/stream_core.hpp"
+#include "bspflow/stream/detail/core.hpp"
 
 #include <algorithm>
 #include <string>
@@ -112,9 +112,9 @@ void stop_monitor(std::thread& monitor, std::mutex& mutex, std::condition_variab
 }
 }  // namespace
 
-void StreamCore::start(std::function<void()> wake_intake) {
+void StreamCore::start(std::function<void()> wake_admission) {
   for (auto& run : runs) {
-    for (auto& p : run.ports) p->reset();
+    for (auto& p : run.hops) p->reset();
   }
   for (auto& m : replica_meters) {
     m->stalled.store(false, std::memory_order_relaxed);
@@ -122,13 +122,13 @@ void StreamCore::start(std::function<void()> wake_intake) {
     m->probing.store(false, std::memory_order_relaxed);
   }
   state_ = std::make_shared<StreamRunState>(static_cast<std::uint32_t>(segments.size()));
-  std::vector<PortBase*> ports;
+  std::vector<HopBase*> hops;
   for (auto& run : runs) {
-    for (auto& p : run.ports) ports.push_back(p.get());
+    for (auto& p : run.hops) hops.push_back(p.get());
   }
-  state_->set_waker([ports = std::move(ports), wake_intake = std::move(wake_intake)] {
-    for (PortBase* p : ports) p->wake();
-    wake_intake();
+  state_->set_waker([hops = std::move(hops), wake_admission = std::move(wake_admission)] {
+    for (HopBase* p : hops) p->wake();
+    wake_admission();
   });
   // Whoever ends last answers what a stopped run still holds: queued, or between devices.
   state_->set_on_end([this] { answer_leftovers(); });
@@ -239,14 +239,14 @@ void StreamCore::wait_segments() {
 }
 
 void StreamCore::answer_leftovers() {
-  intake->close();
+  admission->close();
   if (state_->stop.requested()) {
     // Every request still queued or between devices gets its answer (once: a request held
-    // in several ports is answered by the first sweep that finds it).
+    // in several hops is answered by the first sweep that finds it).
     for (auto& run : runs) {
-      for (const auto& sweep : run.sweeps) sweep(*answerer);
+      for (const auto& sweep : run.sweeps) sweep(*responder_base);
     }
-    intake->cancel_all(*answerer);
+    admission->cancel_all(*responder_base);
   }
 }
 

@@ -267,7 +267,7 @@ namespace detail {
 std::uint64_t StreamCore::refused_total() const noexcept {
   std::uint64_t n = 0;
   for (std::uint32_t c = 0; c < config.priority_classes; ++c) {
-    for (std::size_t i = 1; i < 8; ++i) n += intake->refused(c, static_cast<Refusal>(i));
+    for (std::size_t i = 1; i < 8; ++i) n += admission->refused(c, static_cast<Refusal>(i));
   }
   return n;
 }
@@ -319,10 +319,10 @@ StreamStats StreamCore::stats() const {
     ClassStats cs;
     cs.priority = c;
     cs.latency_ns = HistogramSnapshot(kMeterHighestNs);
-    cs.accepted = intake->accepted_of(c);
-    cs.queued = intake->size_of(c);
+    cs.accepted = admission->accepted_of(c);
+    cs.queued = admission->size_of(c);
     for (std::size_t i = 0; i < cs.refusals.size(); ++i) {
-      cs.refusals[i] = intake->refused(c, static_cast<Refusal>(i));
+      cs.refusals[i] = admission->refused(c, static_cast<Refusal>(i));
       s.refusals[i] += cs.refusals[i];
     }
     s.accepted += cs.accepted;
@@ -373,29 +373,18 @@ StreamStats StreamCore::stats() const {
     rs.ejected = m.ejected.load(std::memory_order_relaxed);
     rs.ejections = m.ejections.load(std::memory_order_relaxed);
     rs.draining = m.draining.load(std::memory_order_relaxed);
-    for (const auto& port : runs[r].ports) rs.ring_depths.push_back(port->size());
+    for (const auto& hop : runs[r].hops) rs.ring_depths.push_back(hop->size());
     for (std::uint32_t c = 0; c < classes; ++c) {
       const ClassMeter& cm = *m.by_class[c];
       ClassStats& cs = s.by_class[c];
-      const auto lat = cm.latency.snapshot();
-      cs.latency_ns.merge(lat);
-      s.latency_ns.merge(lat);
-      const auto answered = cm.answered.load(std::memory_order_relaxed);
+      rs.answered += cm.add_to(cs, s);
       const auto ok = cm.ok.load(std::memory_order_relaxed);
-      rs.answered += answered;
-      cs.answered += answered;
       cs.ok += ok;
       s.ok += ok;
-      for (std::size_t k = 0; k < 4; ++k) {
-        const auto e = cm.errors[k].load(std::memory_order_relaxed);
-        cs.errors[k] += e;
-        s.errors[k] += e;
-      }
     }
-    s.answered += rs.answered;
     s.replicas.push_back(std::move(rs));
   }
-  s.queued = intake->size();
+  s.queued = admission->size();
   return s;
 }
 

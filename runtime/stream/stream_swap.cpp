@@ -1,4 +1,4 @@
-// Streams: the untyped half of Stream::swap() (see bspflow/stream/detail/stream_core.hpp):
+// Streams: the untyped half of Stream::swap() (see bspflow/stream/detail/core.hpp):
 // where the new version fits, then each replica moved to it at a request boundary, in place
 // or one replica at a time.
 #include <algorithm>
@@ -7,7 +7,7 @@
 #include <thread>
 
 #include "bspflow/devices/device_error.hpp"
-#include "bspflow/stream/detail/stream_core.hpp"
+#include "bspflow/stream/detail/core.hpp"
 
 namespace bspflow::detail {
 

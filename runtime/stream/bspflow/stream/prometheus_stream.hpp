@@ -21,7 +21,7 @@
 #include <prometheus/metric_type.h>
 
 #include "bspflow/base/error.hpp"
-#include "bspflow/stream/detail/stream_meter.hpp"
+#include "bspflow/stream/detail/meters.hpp"
 #include "bspflow/stream/histogram.hpp"
 #include "bspflow/stream/request.hpp"
 #include "bspflow/stream/stream.hpp"

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <memory>
@@ -37,6 +38,8 @@ enum class ErrorKind : std::uint8_t {
   kRejected,          ///< admitted, then shed: for one with more slack, or of a higher class
   kCancelled,         ///< its client cancelled it, or the stream was cancelled: not run further
 };
+/// How many ErrorKinds there are: the size of every count kept by kind.
+inline constexpr std::size_t kErrorKinds = static_cast<std::size_t>(ErrorKind::kCancelled) + 1;
 /// The kind's name: "stage_failed", "deadline_exceeded", "rejected" or "cancelled".
 /// Contract: any; non-blocking; no-alloc; noexcept.
 const char* to_string(ErrorKind kind) noexcept;

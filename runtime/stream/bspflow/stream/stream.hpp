@@ -19,7 +19,7 @@
 
 #include "bspflow/base/error.hpp"
 #include "bspflow/devices/device.hpp"
-#include "bspflow/stream/detail/stream_wiring.hpp"
+#include "bspflow/stream/detail/graph_wiring.hpp"
 #include "bspflow/stream/request.hpp"
 #include "bspflow/stream/stream_builder.hpp"
 #include "bspflow/stream/stream_client.hpp"
@@ -47,7 +47,7 @@ class Stream {
       core_->cancel();
       wait();
     }
-    intake_->detach();
+    admission_->detach();
   }
 
   /// Starts serving the clients: returns at once, the devices then take requests. `stop`
@@ -61,15 +61,15 @@ class Stream {
     core_->open_run(std::move(stop));
     try {
       responder_->begin();
-      for (auto* e : entries_) e->begin();
+      for (auto* e : members_) e->begin();
       for (auto* s : sinks_) s->begin(core_->timing());
       refused_at_start_ = core_->refused_total();
-      intake_->open();
+      admission_->open();
       try {
         // A stop (cancel(), the token, a fail-fast failure) also ends admission.
-        core_->start([in = intake_.get()] { in->close(); });
+        core_->start([in = admission_.get()] { in->close(); });
       } catch (...) {
-        intake_->close();
+        admission_->close();
         throw;
       }
     } catch (...) {
@@ -88,7 +88,7 @@ class Stream {
     for (std::uint32_t d = 0; d < core_->devices.size(); ++d) {
       if (const auto& c = core_->devices[d].placement().core) cores.push_back(*c);
     }
-    StreamClient<In, Out> c(intake_, responder_->make_client(), detail::next_client_id(),
+    StreamClient<In, Out> c(admission_, responder_->make_client(), detail::next_client_id(),
                             core_->config.ordering, std::move(cores),
                             core_->config.priority_classes);
     c.set_priority(priority);
@@ -98,7 +98,7 @@ class Stream {
   /// Ends admission: later pushes are refused (kClosed); the stream answers every request it
   /// accepted, then the run ends and wait() returns kCompleted. A push racing with close() is
   /// either accepted (and answered) or refused.
-  void close() noexcept { intake_->close(); }
+  void close() noexcept { admission_->close(); }
 
   /// Waits until the run ends (closed and drained, cancel(), or a fail-fast failure) and
   /// every device has let go; returns what happened. Without a run in progress it returns at
@@ -106,7 +106,7 @@ class Stream {
   /// Contract: host; blocks; allocates (the result's message); throws bad_alloc.
   StreamResult wait() {
     core_->wait_segments();
-    const std::uint64_t accepted = intake_->accepted();
+    const std::uint64_t accepted = admission_->accepted();
     std::uint64_t answered = responder_->delivered(), errors = responder_->errors();
     for (const auto* sink : sinks_) {
       answered += sink->delivered();
@@ -225,8 +225,8 @@ class Stream {
   template <class>
   friend class StreamGraph;
   Stream(std::unique_ptr<detail::StreamCore> core, detail::Wired<In, Out> wired)
-      : core_(std::move(core)), intake_(std::move(wired.intake)),
-        responder_(std::move(wired.responder)), entries_(std::move(wired.entries)),
+      : core_(std::move(core)), admission_(std::move(wired.admission)),
+        responder_(std::move(wired.responder)), members_(std::move(wired.sources)),
         sinks_(std::move(wired.sinks)) {}
 
   template <class F>
@@ -239,10 +239,10 @@ class Stream {
   }
 
   std::unique_ptr<detail::StreamCore> core_;
-  std::shared_ptr<detail::Intake<In>> intake_;
+  std::shared_ptr<detail::AdmissionQueue<In>> admission_;
   std::unique_ptr<detail::Responder<Out>> responder_;
-  std::vector<detail::IntakeEntry<In>*> entries_;  // one per replica
-  std::vector<detail::ReplicaSink<Out>*> sinks_;   // likewise
+  std::vector<detail::AdmissionSource<In>*> members_;  // one per replica
+  std::vector<detail::ReplicaSink<Out>*> sinks_;       // likewise
   std::uint64_t refused_at_start_ = 0;
 };
 

@@ -17,7 +17,8 @@
 #include "bspflow/base/wait_policy.hpp"
 #include "bspflow/devices/topology.hpp"
 
-#include "bspflow/stream/detail/stream_hub.hpp"
+#include "bspflow/stream/detail/admission.hpp"
+#include "bspflow/stream/detail/responses.hpp"
 #include "bspflow/stream/request.hpp"
 #include "bspflow/stream/stream_config.hpp"
 
@@ -156,15 +157,15 @@ class StreamClient {
  private:
   template <class, class>
   friend class Stream;
-  StreamClient(std::shared_ptr<detail::Intake<In>> intake,
-               std::shared_ptr<detail::ClientRing<Out>> ring, std::uint32_t id, Ordering ordering,
+  StreamClient(std::shared_ptr<detail::AdmissionQueue<In>> admission,
+               std::shared_ptr<detail::ResponseRing<Out>> ring, std::uint32_t id, Ordering ordering,
                std::vector<std::uint32_t> device_cores, std::uint32_t classes)
-      : intake_(std::move(intake)), ring_(std::move(ring)), id_(id), ordering_(ordering),
+      : admission_(std::move(admission)), ring_(std::move(ring)), id_(id), ordering_(ordering),
         classes_(classes), device_cores_(std::move(device_cores)) {}
 
   Submission submit(In& value, Deadline deadline, bool blocking) {
     Submission s =
-        intake_->push(*ring_, id_, next_, next_ - head_, priority_, value, deadline, blocking);
+        admission_->push(*ring_, id_, next_, next_ - head_, priority_, value, deadline, blocking);
     if (s.accepted()) {
       ++next_;
       ring_->sent.store(next_, std::memory_order_relaxed);
@@ -195,8 +196,8 @@ class StreamClient {
     return std::nullopt;
   }
 
-  std::shared_ptr<detail::Intake<In>> intake_;
-  std::shared_ptr<detail::ClientRing<Out>> ring_;
+  std::shared_ptr<detail::AdmissionQueue<In>> admission_;
+  std::shared_ptr<detail::ResponseRing<Out>> ring_;
   std::uint32_t id_;
   Ordering ordering_;
   std::uint32_t classes_;

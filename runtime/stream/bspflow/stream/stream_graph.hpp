@@ -18,7 +18,7 @@
 
 #include "bspflow/base/error.hpp"
 #include "bspflow/devices/device.hpp"
-#include "bspflow/stream/detail/stream_wiring.hpp"
+#include "bspflow/stream/detail/graph_wiring.hpp"
 #include "bspflow/stream/stream_config.hpp"
 #include "bspflow/stream/stream_serving.hpp"
 
@@ -56,13 +56,8 @@ class Node {
                   "a stream stage's output type must be movable");
     g_->check_node(g_, id_, "stage '" + name + "'");
     copyable_or_throw<F>(name);
-    detail::NodeSpec spec;
-    spec.name = std::move(name);
-    spec.kind = detail::NodeKind::kStage;
-    spec.device = device;
-    spec.inputs = {id_};
-    spec.in_type = &typeid(T);
-    spec.out_type = &typeid(Y);
+    detail::NodeSpec spec = detail::NodeSpec::of(std::move(name), detail::NodeKind::kStage, device,
+                                                 {id_}, &typeid(T), &typeid(Y));
     auto fp = std::make_shared<F>(std::move(f));
     const std::uint32_t id = static_cast<std::uint32_t>(g_->core->nodes.size());
     const std::uint32_t replicas = g_->core->replicas;
@@ -107,13 +102,8 @@ class Node {
                   "stage's input type is not default-constructible");
     }
     copyable_or_throw<F>(name);
-    detail::NodeSpec spec;
-    spec.name = std::move(name);
-    spec.kind = detail::NodeKind::kBatch;
-    spec.device = device;
-    spec.inputs = {id_};
-    spec.in_type = &typeid(T);
-    spec.out_type = &typeid(Elem);
+    detail::NodeSpec spec = detail::NodeSpec::of(std::move(name), detail::NodeKind::kBatch, device,
+                                                 {id_}, &typeid(T), &typeid(Elem));
     auto fp = std::make_shared<F>(std::move(f));
     const std::uint32_t id = static_cast<std::uint32_t>(g_->core->nodes.size());
     const std::uint32_t replicas = g_->core->replicas;
@@ -144,11 +134,7 @@ class Node {
                   "a route's chooser must return the branch's index");
     g_->check_node(g_, id_, "route '" + name + "'");
     copyable_or_throw<C>(name);
-    detail::NodeSpec spec;
-    spec.name = name;
-    spec.kind = detail::NodeKind::kRoute;
-    spec.device = device();
-    spec.inputs = {id_};
+    detail::NodeSpec spec = detail::NodeSpec::of(name, detail::NodeKind::kRoute, device(), {id_});
     auto cp = std::make_shared<C>(std::move(choose));
     const std::uint32_t replicas = g_->core->replicas;
     detail::OpMaker make = [cp, replicas](const std::vector<detail::SlotBase*>& ins,
@@ -165,11 +151,8 @@ class Node {
         g_->add(std::move(spec), std::make_unique<detail::NodeTypeOf<T>>(), std::move(make));
     std::array<Node<T>, K> out;
     for (std::size_t i = 0; i < K; ++i) {
-      detail::NodeSpec b;
-      b.name = name + "[" + std::to_string(i) + "]";
-      b.kind = detail::NodeKind::kBranch;
-      b.device = device();
-      b.inputs = {route};
+      detail::NodeSpec b = detail::NodeSpec::of(name + "[" + std::to_string(i) + "]",
+                                                detail::NodeKind::kBranch, device(), {route});
       b.branch = static_cast<std::uint32_t>(i);
       out[i] = Node<T>(g_, g_->add(std::move(b), std::make_unique<detail::NodeTypeOf<T>>()));
     }
@@ -240,10 +223,8 @@ class StreamGraph {
  public:
   explicit StreamGraph(DeviceList devices, StreamConfig config = {})
       : g_(std::make_unique<detail::GraphBuild>(devices, std::move(config))) {
-    detail::NodeSpec input;
-    input.name = "input";
-    input.kind = detail::NodeKind::kInput;
-    g_->add(std::move(input), std::make_unique<detail::NodeTypeOf<In>>());
+    g_->add(detail::NodeSpec::of("input", detail::NodeKind::kInput, 0, {}),
+            std::make_unique<detail::NodeTypeOf<In>>());
   }
   /// Takes over the graph being built; the source is left with none.
   /// Contract: host; non-blocking; no-alloc; noexcept.
@@ -269,11 +250,8 @@ class StreamGraph {
     if (g_->core->replicas > 1 && !std::is_copy_constructible_v<F>) {
       throw Error("join '" + name + "' is move-only, and each replica needs its own copy");
     }
-    detail::NodeSpec spec;
-    spec.name = std::move(name);
-    spec.kind = detail::NodeKind::kJoin;
-    spec.device = device;
-    spec.inputs = {inputs.id_...};
+    detail::NodeSpec spec =
+        detail::NodeSpec::of(std::move(name), detail::NodeKind::kJoin, device, {inputs.id_...});
     auto fp = std::make_shared<F>(std::move(f));
     const std::uint32_t replicas = g_->core->replicas;
     detail::OpMaker make = [fp, replicas](const std::vector<detail::SlotBase*>& ins,
@@ -295,11 +273,8 @@ class StreamGraph {
     static_assert(sizeof...(Ts) >= 1, "a merge needs at least two branches");
     g_->check_node(first.g_, first.id_, "merge '" + name + "'");
     (g_->check_node(rest.g_, rest.id_, "merge '" + name + "'"), ...);
-    detail::NodeSpec spec;
-    spec.name = std::move(name);
-    spec.kind = detail::NodeKind::kMerge;
-    spec.device = device;
-    spec.inputs = {first.id_, rest.id_...};
+    detail::NodeSpec spec = detail::NodeSpec::of(std::move(name), detail::NodeKind::kMerge, device,
+                                                 {first.id_, rest.id_...});
     detail::OpMaker make = [](const std::vector<detail::SlotBase*>& ins,
                               const std::vector<detail::SlotBase*>& outs, const detail::NodeRun&,
                               std::uint32_t, detail::ReplicaRun&) {

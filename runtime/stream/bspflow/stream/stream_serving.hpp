@@ -117,13 +117,13 @@ inline constexpr std::array<std::string_view, 8> kStreamMetricLabels{
 /// One priority class's figures (StreamStats::by_class).
 struct ClassStats {
   std::uint32_t priority = 0;
-  HistogramSnapshot latency_ns;             ///< push to answer
-  std::uint64_t accepted = 0;               ///< requests admitted
-  std::uint64_t answered = 0;               ///< responses delivered, errors included
-  std::uint64_t ok = 0;                     ///< of those, with a value
-  std::array<std::uint64_t, 4> errors{};    ///< by ErrorKind
-  std::array<std::uint64_t, 8> refusals{};  ///< pushes refused, by Refusal
-  std::size_t queued = 0;                   ///< admitted, not yet taken by a replica
+  HistogramSnapshot latency_ns;                     ///< push to answer
+  std::uint64_t accepted = 0;                       ///< requests admitted
+  std::uint64_t answered = 0;                       ///< responses delivered, errors included
+  std::uint64_t ok = 0;                             ///< of those, with a value
+  std::array<std::uint64_t, kErrorKinds> errors{};  ///< by ErrorKind
+  std::array<std::uint64_t, 8> refusals{};          ///< pushes refused, by Refusal
+  std::size_t queued = 0;                           ///< admitted, not yet taken by a replica
 };
 
 /// What a stream has done so far. Stream::stats() reads it at any time from any thread; the
@@ -132,14 +132,14 @@ struct ClassStats {
 struct StreamStats {
   std::vector<StageStats> stages;
   std::vector<ReplicaStats> replicas;
-  HistogramSnapshot latency_ns;             ///< push to answer, every response
-  std::uint64_t accepted = 0;               ///< requests admitted
-  std::uint64_t answered = 0;               ///< responses delivered, errors included
-  std::uint64_t ok = 0;                     ///< of those, with a value
-  std::array<std::uint64_t, 4> errors{};    ///< by ErrorKind
-  std::array<std::uint64_t, 8> refusals{};  ///< StreamClient pushes refused, by Refusal
-  std::size_t queued = 0;                   ///< admitted, not yet taken by a replica
-  std::vector<ClassStats> by_class;         ///< one per priority class (the same, by class)
+  HistogramSnapshot latency_ns;                     ///< push to answer, every response
+  std::uint64_t accepted = 0;                       ///< requests admitted
+  std::uint64_t answered = 0;                       ///< responses delivered, errors included
+  std::uint64_t ok = 0;                             ///< of those, with a value
+  std::array<std::uint64_t, kErrorKinds> errors{};  ///< by ErrorKind
+  std::array<std::uint64_t, 8> refusals{};          ///< StreamClient pushes refused, by Refusal
+  std::size_t queued = 0;                           ///< admitted, not yet taken by a replica
+  std::vector<ClassStats> by_class;                 ///< one per priority class (the same, by class)
   std::uint64_t errors_of(ErrorKind k) const noexcept {
     return errors[static_cast<std::size_t>(k)];
   }

@@ -15,8 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include "bspflow/stream/detail/stream_ops.hpp"
-#include "bspflow/stream/detail/stream_segment.hpp"
+#include "bspflow/stream/detail/ops.hpp"
+#include "bspflow/stream/detail/segment.hpp"
 #include "bspflow/stream/stream_serving.hpp"
 
 namespace bspflow::detail {
@@ -69,7 +69,7 @@ class BatchCostModel {
     if (w_ == 0.0) return 0.0;
     const double den = w_ * snn_ - sn_ * sn_;
     if (den <= 1e-9 * w_ * snn_) {
-      // One size measured so far: nothing tells a call's fixed cost from its cost per item.
+      // One size measured so far: nothing tells a call's fixed cost from its cost per incoming.
       // Err towards lateness: a smaller batch costs as much as the one measured (all fixed),
       // a larger one proportionally more (all per item).
       const double size = sn_ / w_, cost = st_ / w_;
@@ -110,21 +110,21 @@ class BatchFnOf final : public BatchFn<X, Elem> {
 class BatchHeadBase {
  public:
   virtual ~BatchHeadBase() = default;
-  // Device thread: collects the next batch from `entry` (blocking for its first request;
+  // Device thread: collects the next batch from `source` (blocking for its first request;
   // `before_wait` runs before a blocking wait). False (nothing collected) at the end or on
   // stop.
-  virtual bool collect(Entry& entry, const WaitPolicy& policy, const StopFlag& stop,
+  virtual bool collect(Source& source, const WaitPolicy& policy, const StopFlag& stop,
                        const std::function<void()>& before_wait) = 0;
-  // Device thread: runs the collected batch; then entries 0..size()-1 are ready. `f` is the
-  // frame of the batch (its time and modeled time).
-  virtual void run(Frame& f) = 0;
+  // Device thread: runs the collected batch; then sources 0..size()-1 are ready. `f` is the
+  // in-flight record of the batch (its time and modeled time).
+  virtual void run(InFlight& f) = 0;
   virtual std::size_t size() const noexcept = 0;
   virtual const RequestMeta& meta(std::size_t i) const = 0;
-  // Entry i's error before the run (taken with one, cancelled, expired, or would end late):
+  // Source i's error before the run (taken with one, cancelled, expired, or would end late):
   // answered or forwarded without the batch.
   virtual const std::shared_ptr<const RequestError>& early_error(std::size_t i) const = 0;
   virtual bool skipped(std::size_t i) const = 0;
-  // Entry i into the batch node's slot (its output, its error or its skip mark).
+  // Source i into the batch node's slot (its output, its error or its skip mark).
   virtual void fill(std::size_t i) = 0;
   virtual void clear() = 0;
   VersionCell cell;
@@ -144,34 +144,34 @@ class BatchHead final : public BatchHeadBase {
   BatchHead(BatchConfig config, Slot<Mid>& out)
       : config_(std::move(config)), cost_(config_.padded(config_.max_batch)), out_(out) {
     inputs_.reserve(config_.padded(config_.max_batch));
-    entries_.reserve(4 * config_.max_batch);
+    members_.reserve(4 * config_.max_batch);
   }
 
-  bool collect(Entry& entry, const WaitPolicy& policy, const StopFlag& stop,
+  bool collect(Source& source, const WaitPolicy& policy, const StopFlag& stop,
                const std::function<void()>& before_wait) override {
-    Item item;
-    if (!entry.try_next(item)) {
+    Incoming incoming;
+    if (!source.try_next(incoming)) {
       before_wait();
-      if (!entry.next(item, policy, stop)) return false;
+      if (!source.next(incoming, policy, stop)) return false;
     }
-    add(item);
+    add(incoming);
     downstream_ns = downstream();
     const std::size_t max = config_.max_batch;
     for (;;) {
-      while (live_ < max && entries_.size() < 2 * max && entry.try_next(item)) add(item);
-      if (live_ == 0 || live_ >= max || entries_.size() >= 2 * max) break;
+      while (live_ < max && members_.size() < 2 * max && source.try_next(incoming)) add(incoming);
+      if (live_ == 0 || live_ >= max || members_.size() >= 2 * max) break;
       const auto now = StreamClock::now();
       const auto flush_by = flush_time(now);
       if (now >= flush_by) break;
       if (config_.deadline_aware && !config_.max_delay && !worth_waiting(now, flush_by)) break;
-      if (!entry.next_until(item, flush_by, policy, stop)) break;
-      add(item);
+      if (!source.next_until(incoming, flush_by, policy, stop)) break;
+      add(incoming);
     }
     // Requests that would finish late are answered now; their places go to others waiting.
     while (config_.deadline_aware && drop_late(StreamClock::now())) {
       bool added = false;
-      while (live_ < max && entries_.size() < 4 * max && entry.try_next(item)) {
-        add(item);
+      while (live_ < max && members_.size() < 4 * max && source.try_next(incoming)) {
+        add(incoming);
         added = true;
       }
       if (!added) break;
@@ -179,7 +179,7 @@ class BatchHead final : public BatchHeadBase {
     return true;
   }
 
-  void run(Frame& f) override {
+  void run(InFlight& f) override {
     if (live_ == 0) return;
     const auto t0 = StreamClock::now();
     const std::size_t n = live_;
@@ -189,7 +189,7 @@ class BatchHead final : public BatchHeadBase {
     }
     StageMeter* meter = f.timing ? node->meter : nullptr;
     if (meter != nullptr) {
-      for (const Entry_& e : entries_) {
+      for (const BatchMember& e : members_) {
         if (e.input >= 0) {
           const auto w = (t0 - e.meta.enqueued).count();
           meter->wait.record(static_cast<std::uint64_t>(w > 0 ? w : 0));
@@ -215,7 +215,7 @@ class BatchHead final : public BatchHeadBase {
       // Modeled: the batch starts once its last request has arrived (real time since the
       // run's start for the stream's first node, else when the previous device was done).
       double ready = 0;
-      for (const Entry_& e : entries_) {
+      for (const BatchMember& e : members_) {
         if (e.input < 0) continue;
         ready = std::max(ready, first_node ? static_cast<double>(std::max<std::int64_t>(
                                                  0, (e.meta.arrival - origin).count()))
@@ -223,7 +223,7 @@ class BatchHead final : public BatchHeadBase {
       }
       f.modeled = ready;
       charge(f, *node, inputs_.size());
-      for (Entry_& e : entries_) e.meta.modeled_ns = f.modeled;
+      for (BatchMember& e : members_) e.meta.modeled_ns = f.modeled;
     }
     if (meter != nullptr) {
       const std::size_t full = config_.padded(config_.max_batch);
@@ -240,7 +240,7 @@ class BatchHead final : public BatchHeadBase {
           Error("batch stage '" + node->name + "' returned " + std::to_string(results_.size()) +
                 " result(s) for a batch of " + std::to_string(n) + " request(s)"));
     }
-    for (Entry_& e : entries_) {
+    for (BatchMember& e : members_) {
       if (e.input < 0) continue;
       e.meta.version = std::max(e.meta.version, version_);
       if (failed) {
@@ -258,14 +258,14 @@ class BatchHead final : public BatchHeadBase {
     }
   }
 
-  std::size_t size() const noexcept override { return entries_.size(); }
-  const RequestMeta& meta(std::size_t i) const override { return entries_[i].meta; }
+  std::size_t size() const noexcept override { return members_.size(); }
+  const RequestMeta& meta(std::size_t i) const override { return members_[i].meta; }
   const std::shared_ptr<const RequestError>& early_error(std::size_t i) const override {
-    return entries_[i].early_error;
+    return members_[i].early_error;
   }
-  bool skipped(std::size_t i) const override { return entries_[i].skipped; }
+  bool skipped(std::size_t i) const override { return members_[i].skipped; }
   void fill(std::size_t i) override {
-    Entry_& e = entries_[i];
+    BatchMember& e = members_[i];
     if (e.early_error) {
       out_.set_error(e.early_error);
     } else if (e.skipped) {
@@ -282,13 +282,13 @@ class BatchHead final : public BatchHeadBase {
     }
   }
   void clear() override {
-    entries_.clear();
+    members_.clear();
     inputs_.clear();
     live_ = 0;
   }
 
  private:
-  struct Entry_ {
+  struct BatchMember {
     RequestMeta meta;
     std::shared_ptr<const RequestError> early_error;  // not run: answered without the batch
     std::shared_ptr<const RequestError> late_error;   // run, and failed
@@ -296,17 +296,17 @@ class BatchHead final : public BatchHeadBase {
     std::ptrdiff_t input = -1;  // index in inputs_, -1 if not run
   };
 
-  void add(Item& item) {
-    Entry_ e{item.meta, std::move(item.error), nullptr, item.skipped, -1};
+  void add(Incoming& incoming) {
+    BatchMember e{incoming.meta, std::move(incoming.error), nullptr, incoming.skipped, -1};
     if (e.early_error == nullptr && !e.skipped) {
       const auto now = StreamClock::now();
-      Frame probe;
+      InFlight probe;
       probe.meta = e.meta;
       if (auto dead = check_live(probe, *node)) {
         e.early_error = std::move(dead);
-      } else if (item.value != nullptr) {
+      } else if (incoming.value != nullptr) {
         e.input = static_cast<std::ptrdiff_t>(inputs_.size());
-        inputs_.emplace_back(std::move(*static_cast<Cur*>(item.value)));
+        inputs_.emplace_back(std::move(*static_cast<Cur*>(incoming.value)));
         const auto arrived = e.meta.enqueued == StreamClock::time_point{} ? now : e.meta.enqueued;
         if (live_ == 0) {
           first_arrival_ = arrived;
@@ -324,7 +324,7 @@ class BatchHead final : public BatchHeadBase {
         e.skipped = true;
       }
     }
-    entries_.push_back(std::move(e));
+    members_.push_back(std::move(e));
   }
 
   // Deadline-aware: a request this batch would answer after its deadline (by the measured
@@ -332,7 +332,7 @@ class BatchHead final : public BatchHeadBase {
   // kDeadlineExceeded now, which frees its place for a request that can still make it. The
   // estimate is a typical call's, with no margin: a request dropped on a pessimistic guess
   // is a sure loss, one run on an optimistic one may still make it, and the answers that do
-  // come late tell admission control to queue less (Intake::learn_from_late). Returns
+  // come late tell admission control to queue less (AdmissionQueue::learn_from_late). Returns
   // whether any was dropped (then inputs_ holds the others only).
   bool drop_late(StreamClock::time_point now) {
     const double service = cost_.estimate(config_.padded(live_));
@@ -340,7 +340,7 @@ class BatchHead final : public BatchHeadBase {
     const auto done =
         now + std::chrono::nanoseconds(static_cast<std::int64_t>(service + downstream_ns));
     bool dropped = false;
-    for (Entry_& e : entries_) {
+    for (BatchMember& e : members_) {
       if (e.input < 0 || e.meta.deadline == kNoDeadline || e.meta.deadline >= done) continue;
       e.early_error = make_request_error(ErrorKind::kDeadlineExceeded, e.meta, node->index,
                                          node->name, node->device_id,
@@ -353,7 +353,7 @@ class BatchHead final : public BatchHeadBase {
     std::vector<Cur> kept;
     kept.reserve(inputs_.capacity());
     oldest_deadline_ = kNoDeadline;
-    for (Entry_& e : entries_) {
+    for (BatchMember& e : members_) {
       if (e.input == -2) {
         e.input = -1;
       } else if (e.input >= 0) {
@@ -405,7 +405,7 @@ class BatchHead final : public BatchHeadBase {
   }
 
   RequestId first_live_id() const {
-    for (const Entry_& e : entries_) {
+    for (const BatchMember& e : members_) {
       if (e.input >= 0) return e.meta.id;
     }
     return {};
@@ -416,7 +416,7 @@ class BatchHead final : public BatchHeadBase {
   Slot<Mid>& out_;
   std::vector<Cur> inputs_;
   std::vector<Elem> results_;
-  std::vector<Entry_> entries_;
+  std::vector<BatchMember> members_;
   std::size_t live_ = 0;
   std::uint32_t version_ = 0;
   StreamClock::time_point first_arrival_{}, last_arrival_{};

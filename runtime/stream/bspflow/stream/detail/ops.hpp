@@ -1,5 +1,5 @@
 // Internal to streams (installed because the stream templates use it): the ops a segment
-// runs for each request. TakeOp starts a request from the segment's entry, ImportOp takes a
+// runs for each request. TakeOp starts a request from the segment's source, ImportOp takes a
 // node's value from another segment, StageOp / JoinOp / RouteOp / MergeOp run the graph's
 // nodes, ExportOp hands a value to another segment, OutputOp answers the client. A stage's
 // callable is versioned (VersionCell), so Stream::swap() can replace it between two calls.
@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-#include "bspflow/stream/detail/stream_segment.hpp"
+#include "bspflow/stream/detail/segment.hpp"
 
 namespace bspflow::detail {
 
@@ -77,13 +77,13 @@ class VersionCell {
 
 // Records the op's call in the node's meter (timing) around `call`.
 template <class Call>
-auto timed(Frame& f, const NodeRun& n, std::size_t items, Call&& call) {
+auto timed(InFlight& f, const NodeRun& n, std::size_t items, Call&& call) {
   if (!f.timing || n.meter == nullptr) return call();
   StageMeter& m = *n.meter;
   const auto t0 = f.t;
   m.begin(t0, f.meta.id);
   struct End {
-    Frame& f;
+    InFlight& f;
     StageMeter& m;
     StreamClock::time_point t0;
     std::size_t items;
@@ -96,44 +96,44 @@ auto timed(Frame& f, const NodeRun& n, std::size_t items, Call&& call) {
 }
 
 // The error a node answers a request with when its callable threw.
-std::shared_ptr<const RequestError> failure_of(const Frame& f, const NodeRun& n,
+std::shared_ptr<const RequestError> failure_of(const InFlight& f, const NodeRun& n,
                                                std::exception_ptr cause);
-// After node `n` failed for the frame's request: other branches drop it; fail-fast stops
+// After node `n` failed for the request in flight: other branches drop it; fail-fast stops
 // the run (false).
-bool after_failure(Frame& f, SegmentCtx& ctx, const std::shared_ptr<const RequestError>& e);
+bool after_failure(InFlight& f, SegmentCtx& ctx, const std::shared_ptr<const RequestError>& e);
 
-// Starts the request from the segment's entry: its value (or error, or skip mark) into the
-// entry node's slot.
+// Starts the request from the segment's source: its value (or error, or skip mark) into the
+// first node's slot.
 template <class T>
 class TakeOp final : public OpBase {
  public:
-  TakeOp(Item& item, Slot<T>& out) : item_(item), out_(out) {}
-  bool run(Frame&, SegmentCtx&) override {
-    if (item_.error) {
-      out_.set_error(std::move(item_.error));
-    } else if (item_.skipped || item_.value == nullptr) {
+  TakeOp(Incoming& incoming, Slot<T>& out) : incoming_(incoming), out_(out) {}
+  bool run(InFlight&, SegmentCtx&) override {
+    if (incoming_.error) {
+      out_.set_error(std::move(incoming_.error));
+    } else if (incoming_.skipped || incoming_.value == nullptr) {
       out_.set_skipped();
     } else {
-      out_.set(std::move(*static_cast<T*>(item_.value)));
+      out_.set(std::move(*static_cast<T*>(incoming_.value)));
     }
     return true;
   }
 
  private:
-  Item& item_;
+  Incoming& incoming_;
   Slot<T>& out_;
 };
 
-// Takes a node's value for the frame's request from another segment (the same request: every
+// Takes a node's value for the request in flight from another segment (the same request: every
 // path sees the requests of one class in one order).
 template <class T>
 class ImportOp final : public OpBase {
  public:
-  ImportOp(Port<T>& port, Slot<T>& out, std::string what)
-      : port_(port), out_(out), what_(std::move(what)) {}
-  bool run(Frame& f, SegmentCtx& ctx) override {
-    Envelope<T>* e = port_.front(f.meta.priority, *ctx.policy, ctx.state->stop);
-    if (e == nullptr) return false;  // stopped (a closed port cannot lack this request)
+  ImportOp(Hop<T>& hop, Slot<T>& out, std::string what)
+      : hop_(hop), out_(out), what_(std::move(what)) {}
+  bool run(InFlight& f, SegmentCtx& ctx) override {
+    Queued<T>* e = hop_.front(f.meta.priority, *ctx.policy, ctx.state->stop);
+    if (e == nullptr) return false;  // stopped (a closed hop cannot lack this request)
     if (!(e->meta.id == f.meta.id)) {
       throw Error("stream internal error: " + what_ + " received request " +
                   std::to_string(e->meta.id.sequence) + " of client " +
@@ -153,33 +153,33 @@ class ImportOp final : public OpBase {
     } else {
       out_.set(std::move(*e->value));
     }
-    port_.pop(f.meta.priority);
+    hop_.pop(f.meta.priority);
     return true;
   }
 
  private:
-  Port<T>& port_;
+  Hop<T>& hop_;
   Slot<T>& out_;
   std::string what_;
 };
 
-// Hands a node's value for the frame's request to another segment.
+// Hands a node's value for the request in flight to another segment.
 template <class T>
 class ExportOp final : public OpBase {
  public:
-  ExportOp(Slot<T>& in, Port<T>& port) : in_(in), port_(port) {}
-  bool run(Frame& f, SegmentCtx& ctx) override {
-    env_.meta = f.meta;
-    env_.meta.modeled_ns = f.modeled;
-    if (f.timing) env_.meta.enqueued = f.t;
-    in_.copy_state_to(env_);
-    return port_.push(f.meta.priority, std::move(env_), *ctx.policy, ctx.state->stop);
+  ExportOp(Slot<T>& in, Hop<T>& hop) : in_(in), hop_(hop) {}
+  bool run(InFlight& f, SegmentCtx& ctx) override {
+    queued_.meta = f.meta;
+    queued_.meta.modeled_ns = f.modeled;
+    if (f.timing) queued_.meta.enqueued = f.t;
+    in_.copy_state_to(queued_);
+    return hop_.push(f.meta.priority, std::move(queued_), *ctx.policy, ctx.state->stop);
   }
 
  private:
   Slot<T>& in_;
-  Port<T>& port_;
-  Envelope<T> env_;
+  Hop<T>& hop_;
+  Queued<T> queued_;
 };
 
 // A stage node: its callable on the input's value.
@@ -188,7 +188,7 @@ class StageOp final : public OpBase {
  public:
   StageOp(Slot<X>& in, Slot<Y>& out, const NodeRun& node) : in_(in), out_(out), node_(node) {}
   VersionCell cell;
-  bool run(Frame& f, SegmentCtx& ctx) override {
+  bool run(InFlight& f, SegmentCtx& ctx) override {
     if (in_.error) {
       out_.set_error(in_.error);
       return true;
@@ -241,7 +241,7 @@ class JoinOp final : public OpBase {
  public:
   JoinOp(F f, Slot<Y>& out, const NodeRun& node, Slot<Xs>&... ins)
       : f_(std::move(f)), out_(out), node_(node), ins_(ins...) {}
-  bool run(Frame& fr, SegmentCtx& ctx) override {
+  bool run(InFlight& fr, SegmentCtx& ctx) override {
     const std::shared_ptr<const RequestError>* err = nullptr;
     bool all_skipped = true, any_skipped = false;
     std::apply(
@@ -295,7 +295,7 @@ class RouteOp final : public OpBase {
  public:
   RouteOp(C choose, Slot<X>& in, std::vector<Slot<X>*> outs, const NodeRun& node)
       : choose_(std::move(choose)), in_(in), outs_(std::move(outs)), node_(node) {}
-  bool run(Frame& f, SegmentCtx& ctx) override {
+  bool run(InFlight& f, SegmentCtx& ctx) override {
     if (in_.error || in_.skipped) {
       for (Slot<X>* o : outs_) in_.skipped ? o->set_skipped() : o->set_error(in_.error);
       return true;
@@ -340,7 +340,7 @@ template <class T>
 class MergeOp final : public OpBase {
  public:
   MergeOp(std::vector<Slot<T>*> ins, Slot<T>& out) : ins_(std::move(ins)), out_(out) {}
-  bool run(Frame&, SegmentCtx&) override {
+  bool run(InFlight&, SegmentCtx&) override {
     const std::shared_ptr<const RequestError>* err = nullptr;
     for (Slot<T>* in : ins_) {
       if (in->skipped) continue;
@@ -366,9 +366,9 @@ class MergeOp final : public OpBase {
 
 // Where a replica's answers go (the Responder's side of the last segment).
 template <class Out>
-class OutputSink {
+class ResponseSink {
  public:
-  virtual ~OutputSink() = default;
+  virtual ~ResponseSink() = default;
   virtual void put(const RequestMeta& meta, Response<Out>&& r) = 0;
   virtual void begin_batch() {}
   virtual void end_batch() {}
@@ -378,9 +378,9 @@ class OutputSink {
 template <class T>
 class OutputOp final : public OpBase {
  public:
-  OutputOp(Slot<T>& in, OutputSink<T>& sink, const NodeRun& node)
+  OutputOp(Slot<T>& in, ResponseSink<T>& sink, const NodeRun& node)
       : in_(in), sink_(sink), node_(node) {}
-  bool run(Frame& f, SegmentCtx&) override {
+  bool run(InFlight& f, SegmentCtx&) override {
     Response<T> r;
     r.id = f.meta.id;
     r.version = f.meta.version;
@@ -400,7 +400,7 @@ class OutputOp final : public OpBase {
 
  private:
   Slot<T>& in_;
-  OutputSink<T>& sink_;
+  ResponseSink<T>& sink_;
   const NodeRun& node_;
 };
 

@@ -1,5 +1,5 @@
 // Internal to streams (installed because the stream templates use it): one segment's loop on
-// its device thread. It takes each request from its entry (or a batch of them, when a batch
+// its device thread. It takes each request from its source (or a batch of them, when a batch
 // stage heads the segment) and runs its ops for it in the graph's order.
 #pragma once
 
@@ -9,9 +9,9 @@
 #include <string>
 #include <vector>
 
-#include "bspflow/stream/detail/stream_batch.hpp"
-#include "bspflow/stream/detail/stream_ops.hpp"
-#include "bspflow/stream/detail/stream_segment.hpp"
+#include "bspflow/stream/detail/batch.hpp"
+#include "bspflow/stream/detail/ops.hpp"
+#include "bspflow/stream/detail/segment.hpp"
 
 namespace bspflow::detail {
 
@@ -19,23 +19,23 @@ class Segment {
  public:
   std::uint32_t replica = 0;
   std::uint32_t device_index = 0;            // the device (in the stream's DeviceList) it runs on
-  std::unique_ptr<Entry> entry;              // where each request starts here
+  std::unique_ptr<Source> source;            // where each request starts here
   std::unique_ptr<BatchHeadBase> batch;      // the batch stage heading it, if any
   std::vector<std::unique_ptr<OpBase>> ops;  // in the graph's order (after the batch stage)
-  std::vector<PortBase*> exports;            // closed when the loop ends
+  std::vector<HopBase*> exports;             // closed when the loop ends
   std::function<void()> begin_batch, end_batch;  // the output's per-batch notifications
-  Item item;                         // the request the entry gave last (TakeOp reads it)
-  const NodeRun* first = nullptr;    // the node whose queue wait the entry records
+  Incoming incoming;                 // the request the source gave last (TakeOp reads it)
+  const NodeRun* first = nullptr;    // the node whose queue wait the source records
   const NodeRun* held_at = nullptr;  // names a request held here when the run stops
   ReplicaMeter* replica_meter = nullptr;
-  Answerer* answerer = nullptr;
+  ResponderBase* responder_base = nullptr;
   bool timing = false;
-  bool from_input = false;    // its entry is the admission queue (modeled arrival = the push)
+  bool from_input = false;    // its source is the admission queue (modeled arrival = the push)
   bool answer_early = false;  // a batch's early errors are answered, not forwarded (a chain)
   bool abort_on_failure = false;
   StreamClock::time_point origin{};
 
-  // Device thread: serves requests until its entry ends or the run stops.
+  // Device thread: serves requests until its source ends or the run stops.
   void run(const WaitPolicy& policy, OnError on_error, StreamRunState& state) {
     SegmentCtx ctx{&policy, &state, on_error, abort_on_failure};
     try {
@@ -47,11 +47,11 @@ class Segment {
     } catch (...) {  // the runtime itself failed (not a stage): end the run, say why
       state.fail(runtime_failure(std::current_exception()));
     }
-    for (PortBase* p : exports) p->close();
+    for (HopBase* p : exports) p->close();
   }
 
  private:
-  void start_frame(Frame& f, const RequestMeta& meta) {
+  void start_frame(InFlight& f, const RequestMeta& meta) {
     f.meta = meta;
     f.timing = timing;
     f.origin = origin;
@@ -68,8 +68,8 @@ class Segment {
     }
   }
 
-  // Runs the ops for the frame's request; false when the run must stop.
-  bool run_ops(Frame& f, SegmentCtx& ctx, std::size_t from) {
+  // Runs the ops for the request in flight; false when the run must stop.
+  bool run_ops(InFlight& f, SegmentCtx& ctx, std::size_t from) {
     for (std::size_t i = from; i < ops.size(); ++i) {
       if (!ops[i]->run(f, ctx)) {
         answer_held(f.meta, f.failure);
@@ -81,11 +81,11 @@ class Segment {
 
   void serve(SegmentCtx& ctx) {
     const StopFlag& stop = ctx.state->stop;
-    Frame f;
+    InFlight f;
     for (;;) {
       if (stop.requested()) return;
-      if (!entry->try_next(item) && !entry->next(item, *ctx.policy, stop)) return;
-      start_frame(f, item.meta);
+      if (!source->try_next(incoming) && !source->next(incoming, *ctx.policy, stop)) return;
+      start_frame(f, incoming.meta);
       if (!run_ops(f, ctx, 0)) return;
     }
   }
@@ -93,21 +93,21 @@ class Segment {
   void serve_batches(SegmentCtx& ctx) {
     const StopFlag& stop = ctx.state->stop;
     const std::function<void()> nothing = [] {};
-    Frame f;
+    InFlight f;
     for (;;) {
       if (stop.requested()) return;
-      if (!batch->collect(*entry, *ctx.policy, stop, nothing)) return;
+      if (!batch->collect(*source, *ctx.policy, stop, nothing)) return;
       const std::size_t n = batch->size();
       if (answer_early) {
         // A chain: requests that will not run (expired, cancelled, would finish late, failed
         // earlier) are answered now, not after the batch: their clients learn at once.
         for (std::size_t i = 0; i < n; ++i) {
           if (batch->early_error(i) != nullptr) {
-            answerer->answer_error(batch->meta(i), batch->early_error(i));
+            responder_base->answer_error(batch->meta(i), batch->early_error(i));
           }
         }
       }
-      Frame bf;
+      InFlight bf;
       bf.timing = timing;
       bf.origin = origin;
       bf.t = StreamClock::now();

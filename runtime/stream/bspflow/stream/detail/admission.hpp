@@ -1,13 +1,14 @@
-// Internal to streams (installed because the stream templates use it): the admission queue
-// (Intake: priority classes, each served earliest deadline first, admission policies), the
-// entries a segment takes its requests from (the admission queue, a Port), and the sink of a
-// replica's answers (to the Responder, stream_responder.hpp).
+// Internal to streams (installed because the stream templates use it): the admission queue,
+// where every StreamClient's request waits for a replica: priority classes, each served
+// earliest deadline first, one shared capacity, and the admission policies (block, reject,
+// shed, predicted deadlines). Its parts: its lock, and one class's requests.
 #pragma once
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -17,11 +18,113 @@
 #include <utility>
 #include <vector>
 
-#include "bspflow/stream/detail/stream_core.hpp"
-#include "bspflow/stream/detail/stream_queue.hpp"
-#include "bspflow/stream/detail/stream_responder.hpp"
+#include "bspflow/base/detail/wait.hpp"
+#include "bspflow/stream/detail/class_picker.hpp"
+#include "bspflow/stream/detail/core.hpp"
+#include "bspflow/stream/detail/request_state.hpp"
+#include "bspflow/stream/detail/responses.hpp"
 
 namespace bspflow::detail {
+
+// The admission queue's lock: held for a few hundred nanoseconds at most, by one client push
+// or one device take, so a waiter spins briefly, then yields, and never sleeps on a futex (a
+// std::mutex's wake-up is a system call on each side whenever a client and a device meet).
+class AdmissionLock {
+ public:
+  void lock() noexcept {
+    for (unsigned spins = 0; held_.exchange(true, std::memory_order_acquire);) {
+      while (held_.load(std::memory_order_relaxed)) {
+        if (++spins < 128) {
+          cpu_relax();
+        } else {
+          std::this_thread::yield();  // the holder may share this core
+        }
+      }
+    }
+  }
+  void unlock() noexcept { held_.store(false, std::memory_order_release); }
+
+ private:
+  std::atomic<bool> held_{false};
+};
+
+// Heap order: the request served later compares less.
+template <class In>
+struct Later {
+  bool operator()(const Queued<In>& a, const Queued<In>& b) const noexcept {
+    if (a.meta.deadline != b.meta.deadline) return a.meta.deadline > b.meta.deadline;
+    return a.meta.order > b.meta.order;
+  }
+};
+
+// One class's requests. With earliest-deadline-first, those with a deadline in a heap
+// (the earliest on top), served before the others; the others (all of them without
+// earliest-deadline-first) in a ring, in push order: O(1) for requests without deadlines.
+// Both hold `capacity` from the start, so the steady state allocates nothing.
+template <class In>
+class ClassQueue {
+ public:
+  void reserve(std::size_t capacity, bool edf) {
+    if (edf) heap_.reserve(capacity);
+    ring_.resize(capacity);
+  }
+  std::size_t size() const noexcept { return heap_.size() + count_; }
+  bool empty() const noexcept { return size() == 0; }
+  void push(Queued<In>&& e, bool edf) {
+    if (edf && e.meta.deadline != kNoDeadline) {
+      heap_.push_back(std::move(e));
+      std::push_heap(heap_.begin(), heap_.end(), Later<In>{});
+    } else {
+      ring_[(head_ + count_) % ring_.size()] = std::move(e);
+      ++count_;
+    }
+  }
+  // The next one served; the queue must not be empty.
+  void pop(Queued<In>& out) {
+    if (!heap_.empty()) {
+      std::pop_heap(heap_.begin(), heap_.end(), Later<In>{});
+      out = std::move(heap_.back());
+      heap_.pop_back();
+      return;
+    }
+    out = std::move(ring_[head_]);
+    head_ = (head_ + 1) % ring_.size();
+    --count_;
+  }
+  // Element i: the heap's (in heap order), then the ring's (in push order).
+  const Queued<In>& at(std::size_t i) const {
+    return i < heap_.size() ? heap_[i] : ring_[(head_ + i - heap_.size()) % ring_.size()];
+  }
+  // The index of the request served last: the ring's newest, else the heap's latest.
+  std::size_t latest() const {
+    if (count_ > 0) return size() - 1;
+    std::size_t last = 0;
+    for (std::size_t i = 1; i < heap_.size(); ++i) {
+      if (Later<In>{}(heap_[i], heap_[last])) last = i;
+    }
+    return last;
+  }
+  // Removes element i (shed).
+  void remove(std::size_t i) {
+    if (i < heap_.size()) {
+      heap_[i] = std::move(heap_.back());
+      heap_.pop_back();
+      std::make_heap(heap_.begin(), heap_.end(), Later<In>{});
+      return;
+    }
+    // Close the gap in the ring: the later ones move up one place.
+    for (std::size_t k = i - heap_.size(); k + 1 < count_; ++k) {
+      ring_[(head_ + k) % ring_.size()] = std::move(ring_[(head_ + k + 1) % ring_.size()]);
+    }
+    ring_[(head_ + count_ - 1) % ring_.size()] = Queued<In>{};
+    --count_;
+  }
+
+ private:
+  std::vector<Queued<In>> heap_;
+  std::vector<Queued<In>> ring_;
+  std::size_t head_ = 0, count_ = 0;
+};
 
 // The admission queue of the StreamClients' requests, and the admission policy. One queue
 // per priority class (ClassQueue: the earliest deadline first, then push order), sharing one
@@ -29,9 +132,9 @@ namespace bspflow::detail {
 // detach()ed it refuses every push without touching the Stream, and detach() waits for the
 // pushes already inside.
 template <class In>
-class Intake final : public IntakeBase {
+class AdmissionQueue final : public AdmissionQueueBase {
  public:
-  explicit Intake(StreamCore& core)
+  explicit AdmissionQueue(StreamCore& core)
       : core_(&core), capacity_(core.config.admission.queue_capacity),
         classes_(core.config.priority_classes), edf_(core.config.admission.earliest_deadline_first),
         reject_(core.config.admission.policy == AdmissionPolicy::kReject),
@@ -42,7 +145,7 @@ class Intake final : public IntakeBase {
   }
 
   // Client thread. Admits `value` (moved from only if accepted) or says why not.
-  Submission push(ClientCore& client, std::uint32_t id, std::uint64_t sequence,
+  Submission push(ClientState& client, std::uint32_t id, std::uint64_t sequence,
                   std::uint64_t outstanding, std::uint32_t priority, In& value, Deadline deadline,
                   bool blocking) {
     Submission s{RequestId{id, sequence}, Refusal::kNone};
@@ -64,8 +167,8 @@ class Intake final : public IntakeBase {
     // From here until the end of this call the Stream is in use: detach() waits for it.
     ++inside_;
     struct Leave {
-      Intake& in;
-      std::unique_lock<QueueLock>& lock;
+      AdmissionQueue& in;
+      std::unique_lock<AdmissionLock>& lock;
       ~Leave() {
         if (!lock.owns_lock()) lock.lock();
         --in.inside_;
@@ -96,7 +199,7 @@ class Intake final : public IntakeBase {
       lock.lock();
     }
     if (waiting) --waiting_[priority];
-    Envelope<In> e;
+    Queued<In> e;
     e.meta = RequestMeta{s.id, deadline, now, now, &client};
     e.meta.order = order_++;
     e.meta.priority = static_cast<std::uint8_t>(priority);
@@ -111,14 +214,14 @@ class Intake final : public IntakeBase {
     lock.unlock();
     not_empty_.notify();
     if (victim) {
-      core->answerer->answer_error(*victim, shed_error(*core, *victim, priority), false);
+      core->responder_base->answer_error(*victim, shed_error(*core, *victim, priority), false);
     }
     return s;
   }
 
   // Device thread: the next request by class (ClassPicker) and, in its class, by deadline.
   // Never blocks long (the queue's mutex).
-  bool try_take(Envelope<In>& out) {
+  bool try_take(Queued<In>& out) {
     if (count_.load(std::memory_order_acquire) == 0) return false;
     {
       std::lock_guard lock(mutex_);
@@ -176,11 +279,11 @@ class Intake final : public IntakeBase {
       lock.lock();
     }
   }
-  void cancel_all(Answerer& answerer) override {
+  void cancel_all(ResponderBase& responder_base) override {
     for (;;) {
-      Envelope<In> e;
+      Queued<In> e;
       if (!try_take(e)) return;
-      answerer.answer_error(
+      responder_base.answer_error(
           e.meta,
           make_request_error(ErrorKind::kCancelled, e.meta, 0, core_->node_name(0),
                              core_->devices[0].id(), "was not run: the stream was cancelled"),
@@ -306,7 +409,7 @@ class Intake final : public IntakeBase {
     late_feedback_.update(timed, late);
   }
 
-  // Counts the refusal in the intake itself (never in the Stream, which may be gone).
+  // Counts the refusal in the admission itself (never in the Stream, which may be gone).
   Submission refuse(Submission s, Refusal r, std::uint32_t c) noexcept {
     s.refusal = r;
     // relaxed: a count read by stats(); any client thread adds to it.
@@ -321,7 +424,7 @@ class Intake final : public IntakeBase {
   bool reject_;             // AdmissionPolicy::kReject
   bool predict_;            // Admission::predict
   bool fast_full_refusal_;  // one class, no shedding: a full queue refuses without the lock
-  mutable QueueLock mutex_;
+  mutable AdmissionLock mutex_;
   std::size_t inside_ = 0;  // pushes using the Stream now (under mutex_)
   std::array<ClassQueue<In>, kPriorityClasses> queue_;     // under mutex_
   std::array<std::uint32_t, kPriorityClasses> waiting_{};  // kBlock pushes waiting, by class
@@ -336,101 +439,6 @@ class Intake final : public IntakeBase {
   std::array<std::array<std::atomic<std::uint64_t>, 8>, kPriorityClasses> refusals_{};
   LateFeedback late_feedback_;  // under mutex_
   WaitPoint not_empty_, not_full_;
-};
-
-// A replica's entry at the stream's input: the admission queue (skipped while the replica
-// takes nothing new: stalled, draining, or ejected until a probe is due).
-template <class In>
-class IntakeEntry final : public Entry {
- public:
-  IntakeEntry(Intake<In>& intake, ReplicaMeter& meter, std::uint32_t replica, bool ejecting)
-      : intake_(intake), meter_(meter), replica_(static_cast<std::uint8_t>(replica)),
-        ejecting_(ejecting) {}
-  std::uint64_t taken() const noexcept { return taken_; }
-  void begin() noexcept { taken_ = 0; }
-
-  bool try_next(Item& out) override {
-    bool probe = false;
-    if (!open_to_new(probe) || !intake_.try_take(env_)) return false;
-    if (probe) meter_.probing.store(true, std::memory_order_release);
-    out.meta = env_.meta;
-    out.meta.replica = replica_;
-    out.meta.probe = probe;
-    out.value = &*env_.value;
-    out.error.reset();
-    out.skipped = false;
-    ++taken_;
-    bump(meter_.taken);
-    return true;
-  }
-  bool next(Item& out, const WaitPolicy& policy, const StopFlag& stop) override {
-    for (;;) {
-      if (stop.requested()) return false;
-      if (try_next(out)) return true;
-      if (intake_.ended()) return false;
-      bool probe = false;
-      if (!open_to_new(probe)) {
-        std::this_thread::sleep_for(std::chrono::microseconds(200));  // until it takes again
-        continue;
-      }
-      intake_.wait(policy, stop);
-    }
-  }
-
- private:
-  // Whether this replica takes a new request now. An ejected replica takes one (a probe,
-  // `probe` true) once its time out has passed; its answer decides (ReplicaSink).
-  bool open_to_new(bool& probe) noexcept {
-    probe = false;
-    if (meter_.closed_to_new()) return false;
-    if (!ejecting_ || !meter_.ejected.load(std::memory_order_acquire)) return true;
-    if (meter_.probing.load(std::memory_order_acquire)) return false;
-    if (stream_ns(StreamClock::now()) < meter_.ejected_until.load(std::memory_order_relaxed)) {
-      return false;
-    }
-    probe = true;
-    return true;
-  }
-
-  Intake<In>& intake_;
-  ReplicaMeter& meter_;
-  std::uint8_t replica_;
-  bool ejecting_;
-  Envelope<In> env_;
-  std::uint64_t taken_ = 0;  // device thread only; read by the host after the run
-};
-
-// A segment's entry from another segment: its Port, the higher class first (ClassPicker).
-template <class T>
-class PortEntry final : public Entry {
- public:
-  PortEntry(Port<T>& port, const std::array<double, kPriorityClasses>& min_share)
-      : port_(port), picker_(min_share) {}
-  bool try_next(Item& out) override {
-    const std::uint32_t ready = port_.ready();
-    if (ready == 0) return false;
-    const std::uint32_t c = picker_.pick(ready);
-    picker_.served(c);
-    Envelope<T>* e = port_.try_front(c);
-    current_ = std::move(*e);
-    port_.pop(c);
-    out.meta = current_.meta;
-    out.error = std::move(current_.error);
-    out.skipped = current_.skipped;
-    out.value = current_.value ? &*current_.value : nullptr;
-    return true;
-  }
-  bool next(Item& out, const WaitPolicy& policy, const StopFlag& stop) override {
-    for (;;) {
-      if (try_next(out)) return true;
-      if (stop.requested() || !port_.wait_any(policy, stop)) return try_next(out);
-    }
-  }
-
- private:
-  Port<T>& port_;
-  ClassPicker picker_;
-  Envelope<T> current_;  // the request being served (its value is moved from in place)
 };
 
 }  // namespace bspflow::detail

@@ -1,6 +1,6 @@
 // Internal to streams (installed because the stream templates use it): the untyped part of a
 // Stream. Its graph (nodes and where each runs), each replica's runtime (meters, models,
-// version cells, ports), the segments, the run in progress with its stall monitor, stats,
+// version cells, hops), the segments, the run in progress with its stall monitor, stats,
 // and the untyped half of a swap.
 #pragma once
 
@@ -22,7 +22,7 @@
 
 #include "bspflow/devices/device.hpp"
 #include "bspflow/run/internal/cancel_gate.hpp"
-#include "bspflow/stream/detail/stream_loop.hpp"
+#include "bspflow/stream/detail/stage_loop.hpp"
 #include "bspflow/stream/stream_config.hpp"
 #include "bspflow/stream/stream_serving.hpp"
 #include "bspflow/stream/stream_swap.hpp"
@@ -46,17 +46,32 @@ struct NodeSpec {
   const std::type_info* out_type = nullptr;  // a stage's output, a batch stage's Elem
   std::uint32_t branch = 0;                  // kBranch: which branch of its route
   bool routed = false;  // reached through a route's branch (only some requests run it)
+
+  // A node as a builder verb declares it: what it is, where it runs, what it reads, and the
+  // types a stage or batch stage takes and gives (null: not a stage). Allocates.
+  static NodeSpec of(std::string name, NodeKind kind, std::uint32_t device,
+                     std::vector<std::uint32_t> inputs, const std::type_info* in_type = nullptr,
+                     const std::type_info* out_type = nullptr) {
+    NodeSpec s;
+    s.name = std::move(name);
+    s.kind = kind;
+    s.device = device;
+    s.inputs = std::move(inputs);
+    s.in_type = in_type;
+    s.out_type = out_type;
+    return s;
+  }
 };
 
 // The admission queue, untyped: what the core needs of it.
-class IntakeBase {
+class AdmissionQueueBase {
  public:
-  virtual ~IntakeBase() = default;
+  virtual ~AdmissionQueueBase() = default;
   // Host thread: takes pushes (start) / refuses them (close, the end of the run).
   virtual void open() = 0;
   virtual void close() noexcept = 0;
   // After a stopped run: answers every queued request kCancelled.
-  virtual void cancel_all(Answerer& answerer) = 0;
+  virtual void cancel_all(ResponderBase& responder_base) = 0;
   virtual void wake() noexcept = 0;
   virtual std::size_t size() const noexcept = 0;
   virtual std::size_t size_of(std::uint32_t priority) const = 0;
@@ -73,8 +88,8 @@ struct ReplicaRun {
   std::vector<VersionCell*> cells;        // stages and batch stages, else null
   std::vector<void*> memory;              // the current version's allocation on its device, or null
   std::vector<std::size_t> memory_bytes;  // its size
-  std::vector<std::unique_ptr<PortBase>> ports;        // the hops between its segments
-  std::vector<std::function<void(Answerer&)>> sweeps;  // a stopped run: answer what ports hold
+  std::vector<std::unique_ptr<HopBase>> hops;               // the hops between its segments
+  std::vector<std::function<void(ResponderBase&)>> sweeps;  // a stopped run: answer what hops hold
   // Every version alive, with its node id: the current ones, and during a swap the old.
   std::vector<std::pair<std::uint32_t, std::unique_ptr<Versioned>>> versions;
 };
@@ -94,8 +109,8 @@ class StreamCore {
   std::vector<ReplicaRun> runs;  // by replica
   std::vector<std::unique_ptr<Segment>> segments;
   std::vector<std::shared_ptr<void>> owned;  // typed objects the segments use
-  IntakeBase* intake = nullptr;
-  Answerer* answerer = nullptr;
+  AdmissionQueueBase* admission = nullptr;
+  ResponderBase* responder_base = nullptr;
   bool timing() const noexcept {
     return config.stats || config.call_stall_limit > std::chrono::nanoseconds::zero();
   }
@@ -117,9 +132,9 @@ class StreamCore {
   // start that throws calls close_run().
   void open_run(std::stop_token stop);
   void close_run() noexcept;
-  // Host thread, after open_run(): starts one job per segment; `wake_intake` ends admission
+  // Host thread, after open_run(): starts one job per segment; `wake_admission` ends admission
   // on a stop. A stop already requested cancels the run before any segment starts.
-  void start(std::function<void()> wake_intake);
+  void start(std::function<void()> wake_admission);
   // Host thread: blocks until the run ends; a stopped run's requests answered. Closes the
   // run (see open_run).
   void wait_segments();

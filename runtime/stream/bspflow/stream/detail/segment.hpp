@@ -1,7 +1,7 @@
 // Internal to streams (installed because the stream templates use it): what one device's
 // segment works with. A segment runs a replica's nodes placed on one device (or on devices
-// sharing a core) for one request at a time: it takes the request from its entry (the
-// admission queue, or a Port from another segment), then runs its ops in the graph's order.
+// sharing a core) for one request at a time: it takes the request from its source (the
+// admission queue, or a Hop from another segment), then runs its ops in the graph's order.
 // Each node's value for the request in flight lives in a Slot.
 #pragma once
 
@@ -22,8 +22,8 @@
 #include "bspflow/base/error.hpp"
 #include "bspflow/base/stop_flag.hpp"
 #include "bspflow/base/wait_policy.hpp"
-#include "bspflow/stream/detail/stream_meter.hpp"
-#include "bspflow/stream/detail/stream_port.hpp"
+#include "bspflow/stream/detail/hop.hpp"
+#include "bspflow/stream/detail/meters.hpp"
 #include "bspflow/stream/request.hpp"
 #include "bspflow/stream/stream_config.hpp"
 
@@ -74,9 +74,9 @@ class StreamRunState {
 
 // Answers a request straight to its client with an error: a request shed by admission, held
 // by a device when the run stopped, or (in a chain) one a batch stage will not run.
-class Answerer {
+class ResponderBase {
  public:
-  virtual ~Answerer() = default;
+  virtual ~ResponderBase() = default;
   // Any thread. The request's replica (meta.replica, if `in_replica`) counts it as left.
   virtual void answer_error(const RequestMeta& meta, std::shared_ptr<const RequestError> error,
                             bool in_replica = true) = 0;
@@ -93,7 +93,7 @@ struct NodeRun {
 };
 
 // What a segment's ops share while they run one request.
-struct Frame {
+struct InFlight {
   RequestMeta meta;
   bool timing = false;
   StreamClock::time_point t{};  // timing: when the previous op ended
@@ -150,8 +150,8 @@ class Slot final : public SlotBase {
       return std::move(*value);  // the builder refuses a move-only value read twice
     }
   }
-  // The same as an envelope's fields (for an export or the output).
-  void copy_state_to(Envelope<T>& e) {
+  // The same as a queued request's fields (for an export or the output).
+  void copy_state_to(Queued<T>& e) {
     e.error = error;
     e.skipped = skipped;
     if (value) {
@@ -174,31 +174,31 @@ struct SegmentCtx {
 class OpBase {
  public:
   virtual ~OpBase() = default;
-  // Device thread: runs for the frame's request. False: the run must stop here (stopped while
-  // waiting, or a fail-fast failure, kept in frame.failure).
-  virtual bool run(Frame& f, SegmentCtx& ctx) = 0;
+  // Device thread: runs for the request in flight. False: the run must stop here (stopped while
+  // waiting, or a fail-fast failure, kept in in_flight.failure).
+  virtual bool run(InFlight& f, SegmentCtx& ctx) = 0;
 };
 
 // What a segment takes next: the request's meta data, and its value or the error or skip
 // mark it carries. `value` stays valid until the next call.
-struct Item {
+struct Incoming {
   RequestMeta meta;
-  void* value = nullptr;  // the entry node's value type, nullptr if none
+  void* value = nullptr;  // the first node's value type, nullptr if none
   std::shared_ptr<const RequestError> error;
   bool skipped = false;
 };
 
-// Where a segment takes its requests from: the admission queue, or a Port.
-class Entry {
+// Where a segment takes its requests from: the admission queue, or a Hop.
+class Source {
  public:
-  virtual ~Entry() = default;
+  virtual ~Source() = default;
   // Never blocks: true with the next request in `out`.
-  virtual bool try_next(Item& out) = 0;
+  virtual bool try_next(Incoming& out) = 0;
   // Blocks as `policy` says: true with the next request, false at the end or on stop.
-  virtual bool next(Item& out, const WaitPolicy& policy, const StopFlag& stop) = 0;
+  virtual bool next(Incoming& out, const WaitPolicy& policy, const StopFlag& stop) = 0;
   // Waits at most until `until` (spinning, yielding if `policy` does): true with the next
   // request. A batch stage's bounded wait for more.
-  bool next_until(Item& out, StreamClock::time_point until, const WaitPolicy& policy,
+  bool next_until(Incoming& out, StreamClock::time_point until, const WaitPolicy& policy,
                   const StopFlag& stop) {
     bool got = false;
     const auto left = until - StreamClock::now();
@@ -213,13 +213,13 @@ class Entry {
   }
 };
 
-// Before node `n` runs for the frame's request: a cancelled, aborted or expired request is
+// Before node `n` runs for the request in flight: a cancelled, aborted or expired request is
 // not run. Returns the error to answer it with, or null. Reads the clock only for a request
 // with a deadline.
-std::shared_ptr<const RequestError> check_live(const Frame& f, const NodeRun& n);
+std::shared_ptr<const RequestError> check_live(const InFlight& f, const NodeRun& n);
 
 // Node `n` has run on `items` requests: its device's modeled clock takes its declared cost.
-inline void charge(Frame& f, const NodeRun& n, std::size_t items) noexcept {
+inline void charge(InFlight& f, const NodeRun& n, std::size_t items) noexcept {
   if (n.model == nullptr || n.model->clock == nullptr) return;
   ModeledClock& clock = *n.model->clock;
   clock.idle_until(f.modeled);

@@ -1,5 +1,5 @@
 // Internal to streams (installed because the stream templates use it): where a run's answers
-// go. Each client's own response slots (ClientRing), written by the Responder: the one
+// go. Each client's own response slots (ResponseRing), written by the Responder: the one
 // answer of a request wins its slot, any later one for it (a branch stopped at the same
 // time) is dropped. ReplicaSink is a replica's output node's side: counts by class, outlier
 // ejection, then the Responder.
@@ -16,18 +16,18 @@
 #include <utility>
 #include <vector>
 
-#include "bspflow/stream/detail/stream_core.hpp"
-#include "bspflow/stream/detail/stream_ops.hpp"
+#include "bspflow/stream/detail/core.hpp"
+#include "bspflow/stream/detail/ops.hpp"
 
 namespace bspflow::detail {
 
 // A StreamClient's responses, in slots indexed by its sequence numbers: any replica's last
 // device writes a slot, the client reads them in its order (or in any order).
 template <class Out>
-class ClientRing final : public ClientCore {
+class ResponseRing final : public ClientState {
  public:
-  explicit ClientRing(std::size_t capacity)
-      : ClientCore(capacity), slots_(std::make_unique<Slot[]>(capacity)) {}
+  explicit ResponseRing(std::size_t capacity)
+      : ClientState(capacity), slots_(std::make_unique<Slot[]>(capacity)) {}
   // Any thread: the answer to `sequence`, unless it was already answered (then r is dropped
   // and false). `notify` false: the caller calls notify_and_settle() soon (after a batch's
   // other responses), counting this one.
@@ -86,7 +86,7 @@ class ClientRing final : public ClientCore {
 // Where every answer of a run goes: the client's own ring. Also answers requests directly
 // (shed, cancelled, held on a stop) and keeps their figures, by class.
 template <class Out>
-class Responder final : public Answerer {
+class Responder final : public ResponderBase {
  public:
   explicit Responder(StreamCore& core) : core_(core) {
     for (std::uint32_t c = 0; c < core.config.priority_classes; ++c) {
@@ -104,7 +104,7 @@ class Responder final : public Answerer {
   // was already answered. `notify` false: the caller calls m.client->notify_and_settle() soon
   // (after a batch's other responses).
   bool deliver(const RequestMeta& m, Response<Out>&& r, bool notify = true) {
-    return static_cast<ClientRing<Out>*>(m.client)->deliver(m.id.sequence, std::move(r), notify);
+    return static_cast<ResponseRing<Out>*>(m.client)->deliver(m.id.sequence, std::move(r), notify);
   }
 
   void answer_error(const RequestMeta& m, std::shared_ptr<const RequestError> error,
@@ -136,30 +136,18 @@ class Responder final : public Answerer {
   void add_stats(StreamStats& s) const {
     std::lock_guard lock(stats_mutex_);
     for (std::size_t c = 0; c < direct_.size() && c < s.by_class.size(); ++c) {
-      const ClassMeter& cm = *direct_[c];
-      ClassStats& cs = s.by_class[c];
-      const auto lat = cm.latency.snapshot();
-      cs.latency_ns.merge(lat);
-      s.latency_ns.merge(lat);
-      const auto answered = cm.answered.load(std::memory_order_relaxed);
-      cs.answered += answered;
-      s.answered += answered;
-      for (std::size_t k = 0; k < 4; ++k) {
-        const auto e = cm.errors[k].load(std::memory_order_relaxed);
-        cs.errors[k] += e;
-        s.errors[k] += e;
-      }
+      direct_[c]->add_to(s.by_class[c], s);
     }
   }
 
   // Setup: a new client's ring, kept until the stream and the client are both done with it.
-  std::shared_ptr<ClientRing<Out>> make_client() {
+  std::shared_ptr<ResponseRing<Out>> make_client() {
     std::lock_guard lock(clients_mutex_);
-    std::erase_if(clients_, [](const std::shared_ptr<ClientRing<Out>>& c) {
+    std::erase_if(clients_, [](const std::shared_ptr<ResponseRing<Out>>& c) {
       // settled, not delivered: a deliverer may still be waking the client.
       return c->abandoned.load() && c->settled.load(std::memory_order_acquire) == c->sent.load();
     });
-    auto ring = std::make_shared<ClientRing<Out>>(std::bit_ceil(core_.config.response_capacity));
+    auto ring = std::make_shared<ResponseRing<Out>>(std::bit_ceil(core_.config.response_capacity));
     clients_.push_back(ring);
     return ring;
   }
@@ -170,14 +158,14 @@ class Responder final : public Answerer {
   std::vector<std::unique_ptr<ClassMeter>> direct_;   // by class
   std::uint64_t run_delivered_ = 0, run_errors_ = 0;  // under stats_mutex_
   std::mutex clients_mutex_;
-  std::vector<std::shared_ptr<ClientRing<Out>>> clients_;
+  std::vector<std::shared_ptr<ResponseRing<Out>>> clients_;
 };
 
 // A replica's output node's side: counts each answer by class (latency, kind, lateness),
 // keeps the outlier ejection's count of consecutive stage failures, then hands the answer
 // to its client.
 template <class Out>
-class ReplicaSink final : public OutputSink<Out> {
+class ReplicaSink final : public ResponseSink<Out> {
  public:
   ReplicaSink(Responder<Out>& responder, ReplicaMeter& meter, StreamCore& core,
               std::uint32_t replica)
@@ -197,7 +185,7 @@ class ReplicaSink final : public OutputSink<Out> {
     const bool failed = r.error && r.error->kind == ErrorKind::kStageFailed;
     const std::size_t kind = r.error ? static_cast<std::size_t>(r.error->kind) : 0;
     const bool is_error = r.error != nullptr;
-    ClientCore* client = meta.client;
+    ClientState* client = meta.client;
     const bool won = responder_.deliver(meta, std::move(r), !in_batch_);
     if (!won) return;  // answered already (a stop answered it first)
     meter_.left.fetch_add(1, std::memory_order_relaxed);
@@ -284,7 +272,7 @@ class ReplicaSink final : public OutputSink<Out> {
   std::uint64_t delivered_ = 0;  // read by the host after the run
   bool in_batch_ = false;        // device thread: notify at end_batch()
   // Device thread: clients answered in the batch, and how many of their responses.
-  std::vector<std::pair<ClientCore*, std::uint64_t>> to_notify_;
+  std::vector<std::pair<ClientState*, std::uint64_t>> to_notify_;
 };
 
 }  // namespace bspflow::detail

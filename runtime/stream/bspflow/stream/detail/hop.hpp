@@ -1,7 +1,6 @@
-// Internal to streams (installed because the stream templates use it): the queues inside a
-// stream. A Port joins one device's segment to another's: one single-producer
-// single-consumer lane per priority class, so a consumer serves the higher class first;
-// ClassPicker decides which class is served next, keeping each class's minimum share.
+// Internal to streams (installed because the stream templates use it): a hop, the queue that
+// joins one device's segment to another's: one single-producer single-consumer lane per
+// priority class, so its consumer serves the higher class first.
 #pragma once
 
 #include <algorithm>
@@ -19,64 +18,14 @@
 #include "bspflow/base/stop_flag.hpp"
 #include "bspflow/base/tunables.hpp"
 #include "bspflow/base/wait_policy.hpp"
-#include "bspflow/stream/detail/stream_meter.hpp"
+#include "bspflow/stream/detail/request_state.hpp"
 
 namespace bspflow::detail {
 
-// Which priority class a queue serves next. Class 0 first, then 1, ...; but a class with
-// work waiting whose share of what this queue served lately is below its minimum share is
-// served first (the most short of its share). Shares are counted over a sliding window: the
-// counts halve every kWindow services. Not thread-safe: one per consumer (or under a lock).
-class ClassPicker {
+// The untyped part of a Hop: what the stream's core needs (reset, wake, depth, close).
+class HopBase {
  public:
-  static constexpr std::uint32_t kWindow = 1024;
-  explicit ClassPicker(const std::array<double, kPriorityClasses>& min_share = {})
-      : min_share_(min_share) {}
-  // The class to serve among those whose bit is set in `ready` (not 0).
-  std::uint32_t pick(std::uint32_t ready) const noexcept {
-    const std::uint32_t first = static_cast<std::uint32_t>(std::countr_zero(ready));
-    if ((ready & (ready - 1)) == 0) return first;  // one class waits: it is served
-    std::uint32_t best = first;
-    double most_short = 0;
-    for (std::uint32_t c = first + 1; c < kPriorityClasses; ++c) {
-      if ((ready & (1u << c)) == 0 || min_share_[c] <= 0) continue;
-      // Owed a whole request or more: its share of what was served is below its minimum.
-      const double owed = min_share_[c] * static_cast<double>(total_) - count_[c];
-      if (owed >= 1.0 && owed > most_short) {
-        most_short = owed;
-        best = c;
-      }
-    }
-    return best;
-  }
-  // Class c was served once.
-  void served(std::uint32_t c) noexcept {
-    ++count_[c];
-    if (++total_ >= kWindow) {
-      total_ /= 2;
-      for (auto& n : count_) n /= 2;
-    }
-  }
-
- private:
-  std::array<double, kPriorityClasses> min_share_;
-  std::array<double, kPriorityClasses> count_{};
-  std::uint32_t total_ = 0;
-};
-
-// A request (or its error, or the mark that a route sent it elsewhere) between two devices.
-template <class T>
-struct Envelope {
-  RequestMeta meta{};
-  std::optional<T> value{};
-  std::shared_ptr<const RequestError> error{};
-  bool skipped = false;  // a route chose another branch: nothing runs on it here
-};
-
-// The untyped part of a Port: what the stream's core needs (reset, wake, depth, close).
-class PortBase {
- public:
-  virtual ~PortBase() = default;
+  virtual ~HopBase() = default;
   virtual void reset() noexcept = 0;
   virtual void wake() noexcept = 0;
   virtual void close() noexcept = 0;
@@ -86,9 +35,9 @@ class PortBase {
 // One producer segment to one consumer segment, `lanes` priority classes of `capacity`
 // requests each. Producer: push, close. Consumer: ready, try_front, front, wait_any, pop.
 template <class T>
-class Port final : public PortBase {
+class Hop final : public HopBase {
  public:
-  Port(std::size_t capacity, std::uint32_t lanes) : lanes_(lanes) {
+  Hop(std::size_t capacity, std::uint32_t lanes) : lanes_(lanes) {
     if (capacity < 1 || capacity > tunables::kMaxQueueCapacity) {
       throw_bad_value("StreamConfig::hop_capacity", capacity,
                       "must be in 1.." + std::to_string(tunables::kMaxQueueCapacity));
@@ -105,7 +54,7 @@ class Port final : public PortBase {
 
   // Moves `e` into lane `c`, waiting while it is full as `policy` says; false (e untouched)
   // if `stop` was set first.
-  bool push(std::uint32_t c, Envelope<T>&& e, const WaitPolicy& policy, const StopFlag& stop) {
+  bool push(std::uint32_t c, Queued<T>&& e, const WaitPolicy& policy, const StopFlag& stop) {
     Lane& l = lane_[c];
     const std::uint64_t t = l.tail;
     if (t - l.head_seen >= l.capacity) {
@@ -142,7 +91,7 @@ class Port final : public PortBase {
     return mask;
   }
   // The oldest request of lane c, or nullptr.
-  Envelope<T>* try_front(std::uint32_t c) noexcept {
+  Queued<T>* try_front(std::uint32_t c) noexcept {
     Lane& l = lane_[c];
     if (l.tail_seen <= l.head_local) {
       l.tail_seen = l.tail_pub.load(std::memory_order_acquire);
@@ -150,10 +99,10 @@ class Port final : public PortBase {
     }
     return &l.slots[l.head_local & l.mask];
   }
-  // Waits for the oldest request of lane c: nullptr if the port is closed and lane c drained,
+  // Waits for the oldest request of lane c: nullptr if the hop is closed and lane c drained,
   // or on stop.
-  Envelope<T>* front(std::uint32_t c, const WaitPolicy& policy, const StopFlag& stop) {
-    if (Envelope<T>* e = try_front(c)) return e;
+  Queued<T>* front(std::uint32_t c, const WaitPolicy& policy, const StopFlag& stop) {
+    if (Queued<T>* e = try_front(c)) return e;
     wait_with(
         not_empty_, policy,
         [&] {
@@ -162,7 +111,7 @@ class Port final : public PortBase {
         Fence::kAsymmetric);
     return try_front(c);
   }
-  // Waits until some lane holds a request (true), or the port is closed and drained, or
+  // Waits until some lane holds a request (true), or the hop is closed and drained, or
   // stop (false).
   bool wait_any(const WaitPolicy& policy, const StopFlag& stop) {
     if (ready() != 0) return true;
@@ -204,19 +153,19 @@ class Port final : public PortBase {
   void reset() noexcept override {
     for (std::uint32_t c = 0; c < lanes_; ++c) {
       Lane& l = lane_[c];
-      for (auto& s : l.slots) s = Envelope<T>{};
+      for (auto& s : l.slots) s = Queued<T>{};
       l.tail = l.head_seen = l.head_local = l.tail_seen = 0;
-      l.head.store(0, std::memory_order_relaxed);      // relaxed: nobody uses the port
+      l.head.store(0, std::memory_order_relaxed);      // relaxed: nobody uses the hop
       l.tail_pub.store(0, std::memory_order_relaxed);  // relaxed: likewise
     }
     closed_.store(false, std::memory_order_relaxed);  // relaxed: likewise
   }
-  // After a stopped run (neither side running): calls f(envelope) for every request still
-  // held, then empties the port.
+  // After a stopped run (neither side running): calls f(queued request) for every request still
+  // held, then empties the hop.
   template <class F>
   void sweep(F&& f) {
     for (std::uint32_t c = 0; c < lanes_; ++c) {
-      while (Envelope<T>* e = try_front(c)) {
+      while (Queued<T>* e = try_front(c)) {
         f(*e);
         pop(c);
       }
@@ -231,7 +180,7 @@ class Port final : public PortBase {
   }
 
   struct Lane {
-    std::vector<Envelope<T>> slots;
+    std::vector<Queued<T>> slots;
     std::size_t mask = 0, capacity = 0;
     alignas(tunables::kCacheLine) std::uint64_t tail = 0;  // producer's
     std::uint64_t head_seen = 0;

@@ -1,6 +1,6 @@
 // Internal to streams (installed because the stream templates use it): a graph while it is
 // built (GraphBuild: the core's node table, and for each node the typed makers of its slots,
-// ports and op), and the wiring that turns it into each replica's segments.
+// hops and op), and the wiring that turns it into each replica's segments.
 #pragma once
 
 #include <algorithm>
@@ -13,9 +13,10 @@
 #include <vector>
 
 #include "bspflow/base/error.hpp"
-#include "bspflow/stream/detail/stream_core.hpp"
-#include "bspflow/stream/detail/stream_hub.hpp"
-#include "bspflow/stream/detail/stream_responder.hpp"
+#include "bspflow/stream/detail/admission.hpp"
+#include "bspflow/stream/detail/core.hpp"
+#include "bspflow/stream/detail/responses.hpp"
+#include "bspflow/stream/detail/sources.hpp"
 
 namespace bspflow::detail {
 
@@ -24,15 +25,15 @@ class NodeType {
  public:
   virtual ~NodeType() = default;
   virtual std::unique_ptr<SlotBase> make_slot() const = 0;
-  virtual std::unique_ptr<PortBase> make_port(std::size_t capacity, std::uint32_t lanes) const = 0;
-  virtual std::unique_ptr<OpBase> make_take(Item& item, SlotBase& slot) const = 0;
-  virtual std::unique_ptr<OpBase> make_import(PortBase& port, SlotBase& slot,
+  virtual std::unique_ptr<HopBase> make_hop(std::size_t capacity, std::uint32_t lanes) const = 0;
+  virtual std::unique_ptr<OpBase> make_take(Incoming& incoming, SlotBase& slot) const = 0;
+  virtual std::unique_ptr<OpBase> make_import(HopBase& hop, SlotBase& slot,
                                               std::string what) const = 0;
-  virtual std::unique_ptr<OpBase> make_export(SlotBase& slot, PortBase& port) const = 0;
-  virtual std::unique_ptr<Entry> make_entry(
-      PortBase& port, const std::array<double, kPriorityClasses>& min_share) const = 0;
-  // After a stopped run: answers kCancelled every request `port` still holds.
-  virtual std::function<void(Answerer&)> make_sweep(PortBase& port, const NodeRun& at) const = 0;
+  virtual std::unique_ptr<OpBase> make_export(SlotBase& slot, HopBase& hop) const = 0;
+  virtual std::unique_ptr<Source> make_source(
+      HopBase& hop, const std::array<double, kPriorityClasses>& min_share) const = 0;
+  // After a stopped run: answers kCancelled every request `hop` still holds.
+  virtual std::function<void(ResponderBase&)> make_sweep(HopBase& hop, const NodeRun& at) const = 0;
   virtual bool copyable() const noexcept = 0;
 };
 
@@ -40,27 +41,27 @@ template <class T>
 class NodeTypeOf final : public NodeType {
  public:
   std::unique_ptr<SlotBase> make_slot() const override { return std::make_unique<Slot<T>>(); }
-  std::unique_ptr<PortBase> make_port(std::size_t capacity, std::uint32_t lanes) const override {
-    return std::make_unique<Port<T>>(capacity, lanes);
+  std::unique_ptr<HopBase> make_hop(std::size_t capacity, std::uint32_t lanes) const override {
+    return std::make_unique<Hop<T>>(capacity, lanes);
   }
-  std::unique_ptr<OpBase> make_take(Item& item, SlotBase& slot) const override {
-    return std::make_unique<TakeOp<T>>(item, static_cast<Slot<T>&>(slot));
+  std::unique_ptr<OpBase> make_take(Incoming& incoming, SlotBase& slot) const override {
+    return std::make_unique<TakeOp<T>>(incoming, static_cast<Slot<T>&>(slot));
   }
-  std::unique_ptr<OpBase> make_import(PortBase& port, SlotBase& slot,
+  std::unique_ptr<OpBase> make_import(HopBase& hop, SlotBase& slot,
                                       std::string what) const override {
-    return std::make_unique<ImportOp<T>>(static_cast<Port<T>&>(port), static_cast<Slot<T>&>(slot),
+    return std::make_unique<ImportOp<T>>(static_cast<Hop<T>&>(hop), static_cast<Slot<T>&>(slot),
                                          std::move(what));
   }
-  std::unique_ptr<OpBase> make_export(SlotBase& slot, PortBase& port) const override {
-    return std::make_unique<ExportOp<T>>(static_cast<Slot<T>&>(slot), static_cast<Port<T>&>(port));
+  std::unique_ptr<OpBase> make_export(SlotBase& slot, HopBase& hop) const override {
+    return std::make_unique<ExportOp<T>>(static_cast<Slot<T>&>(slot), static_cast<Hop<T>&>(hop));
   }
-  std::unique_ptr<Entry> make_entry(
-      PortBase& port, const std::array<double, kPriorityClasses>& min_share) const override {
-    return std::make_unique<PortEntry<T>>(static_cast<Port<T>&>(port), min_share);
+  std::unique_ptr<Source> make_source(
+      HopBase& hop, const std::array<double, kPriorityClasses>& min_share) const override {
+    return std::make_unique<HopSource<T>>(static_cast<Hop<T>&>(hop), min_share);
   }
-  std::function<void(Answerer&)> make_sweep(PortBase& port, const NodeRun& at) const override {
-    return [p = static_cast<Port<T>*>(&port), &at](Answerer& a) {
-      p->sweep([&](Envelope<T>& e) {
+  std::function<void(ResponderBase&)> make_sweep(HopBase& hop, const NodeRun& at) const override {
+    return [p = static_cast<Hop<T>*>(&hop), &at](ResponderBase& a) {
+      p->sweep([&](Queued<T>& e) {
         auto error = e.error;
         if (!error) {
           error = make_request_error(ErrorKind::kCancelled, e.meta, at.index, at.name, at.device_id,
@@ -118,29 +119,29 @@ class GraphBuild {
 // The typed ends the wiring gives the Stream.
 template <class In, class Out>
 struct Wired {
-  std::shared_ptr<Intake<In>> intake;
+  std::shared_ptr<AdmissionQueue<In>> admission;
   std::unique_ptr<Responder<Out>> responder;
-  std::vector<IntakeEntry<In>*> entries;  // one per replica
-  std::vector<ReplicaSink<Out>*> sinks;   // one per replica
+  std::vector<AdmissionSource<In>*> sources;  // one per replica
+  std::vector<ReplicaSink<Out>*> sinks;       // one per replica
 };
 
 // Where each node of a replica runs: the segment of each node (by device, a device fused
 // into the segment that feeds it when they share a core), and each segment's device.
-struct Placement2 {
+struct SegmentPlacement {
   std::vector<std::uint32_t> segment_of;  // by node id
   std::vector<std::uint32_t> device_of;   // by segment: the device within the replica
 };
-Placement2 place_nodes(const StreamCore& core, std::uint32_t replica);
+SegmentPlacement place_nodes(const StreamCore& core, std::uint32_t replica);
 
 // Builds every replica's segments for a checked graph whose output is node `output`.
 template <class In, class Out>
 Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
   StreamCore& core = *g.core;
   Wired<In, Out> w;
-  w.intake = std::make_shared<Intake<In>>(core);
-  core.intake = w.intake.get();
+  w.admission = std::make_shared<AdmissionQueue<In>>(core);
+  core.admission = w.admission.get();
   w.responder = std::make_unique<Responder<Out>>(core);
-  core.answerer = w.responder.get();
+  core.responder_base = w.responder.get();
   const bool joins = std::any_of(core.nodes.begin(), core.nodes.end(), [](const NodeSpec& n) {
     return n.kind == NodeKind::kJoin || n.kind == NodeKind::kMerge;
   });
@@ -148,7 +149,7 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
   bool mid_imports = false;  // a segment waits for another in the middle of its ops
   for (std::uint32_t r = 0; r < core.replicas; ++r) {
     ReplicaRun& run = core.runs[r];
-    const Placement2 pl = place_nodes(core, r);
+    const SegmentPlacement pl = place_nodes(core, r);
     const auto n_segs = static_cast<std::uint32_t>(pl.device_of.size());
     // The NodeRuns: names, devices, meters, models.
     run.nodes.resize(n_nodes);
@@ -186,18 +187,18 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
             "stream stage '" + spec.name + "' version 1 (replica " + std::to_string(r) + ")");
       }
     }
-    // Ports between segments: one per (producer node, consumer segment).
-    std::map<std::pair<std::uint32_t, std::uint32_t>, PortBase*> port_of;
+    // Hops between segments: one per (producer node, consumer segment).
+    std::map<std::pair<std::uint32_t, std::uint32_t>, HopBase*> hop_of;
     for (std::uint32_t n = 0; n < n_nodes; ++n) {
       for (std::uint32_t c : core.nodes[n].consumers) {
         const auto key = std::pair{n, pl.segment_of[c]};
-        if (pl.segment_of[c] == pl.segment_of[n] || port_of.count(key) != 0) continue;
-        run.ports.push_back(
-            g.types[n]->make_port(core.config.hop_capacity, core.config.priority_classes));
-        port_of[key] = run.ports.back().get();
-        // A request swept out of this port is answered as held at its reader.
+        if (pl.segment_of[c] == pl.segment_of[n] || hop_of.count(key) != 0) continue;
+        run.hops.push_back(
+            g.types[n]->make_hop(core.config.hop_capacity, core.config.priority_classes));
+        hop_of[key] = run.hops.back().get();
+        // A request swept out of this hop is answered as held at its reader.
         const std::uint32_t at = core.nodes[c].index != kNoIndex ? c : core.named.front();
-        run.sweeps.push_back(g.types[n]->make_sweep(*run.ports.back(), run.nodes[at]));
+        run.sweeps.push_back(g.types[n]->make_sweep(*run.hops.back(), run.nodes[at]));
       }
     }
     auto sink = std::make_shared<ReplicaSink<Out>>(*w.responder, *core.replica_meters[r], core, r);
@@ -208,7 +209,7 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
       seg->replica = r;
       seg->device_index = core.device_of(r, pl.device_of[s]);
       seg->replica_meter = core.replica_meters[r].get();
-      seg->answerer = core.answerer;
+      seg->responder_base = core.responder_base;
       seg->timing = core.timing();
       seg->abort_on_failure = joins;
       std::map<std::uint32_t, SlotBase*> slot;  // node id -> its slot in this segment
@@ -222,19 +223,19 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
         slot[n] = p;
         return p;
       };
-      bool started = false;  // the entry is chosen
+      bool started = false;  // the source is chosen
       std::vector<std::uint32_t> here;
       for (std::uint32_t n = 0; n < n_nodes; ++n) {
         if (pl.segment_of[n] == s) here.push_back(n);
       }
       for (std::uint32_t n : here) {
         const NodeSpec& spec = core.nodes[n];
-        // Inputs from other segments: the first is the entry, the others imports.
+        // Inputs from other segments: the first is the source, the others imports.
         for (std::uint32_t p : spec.inputs) {
           if (pl.segment_of[p] == s || slot.count(p) != 0) continue;
-          PortBase& port = *port_of.at({p, s});
+          HopBase& hop = *hop_of.at({p, s});
           if (!started) {
-            seg->entry = g.types[p]->make_entry(port, core.config.min_share);
+            seg->source = g.types[p]->make_source(hop, core.config.min_share);
             if (spec.kind != NodeKind::kBatch) {
               seg->ops.push_back(g.types[p]->make_take(seg->item, *slot_of(p)));
             }
@@ -242,16 +243,17 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
           } else {
             mid_imports = true;
             seg->ops.push_back(g.types[p]->make_import(
-                port, *slot_of(p),
+                hop, *slot_of(p),
                 "stage '" + spec.name + "' (input '" + core.nodes[p].name + "')"));
           }
           slot_of(p);
         }
         if (spec.kind == NodeKind::kInput) {
-          auto entry = std::make_unique<IntakeEntry<In>>(
-              *w.intake, *core.replica_meters[r], r, core.config.ejection.consecutive_failures > 0);
-          w.entries.push_back(entry.get());
-          seg->entry = std::move(entry);
+          auto source =
+              std::make_unique<AdmissionSource<In>>(*w.admission, *core.replica_meters[r], r,
+                                                    core.config.ejection.consecutive_failures > 0);
+          w.sources.push_back(source.get());
+          seg->source = std::move(source);
           seg->from_input = true;
           started = true;
           const bool batch_next = spec.consumers.size() == 1 &&
@@ -300,9 +302,9 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
           const std::uint32_t cs = pl.segment_of[c];
           if (cs == s || std::find(to.begin(), to.end(), cs) != to.end()) continue;
           to.push_back(cs);
-          PortBase& port = *port_of.at({n, cs});
-          seg->ops.push_back(g.types[n]->make_export(*slot_of(n), port));
-          seg->exports.push_back(&port);
+          HopBase& hop = *hop_of.at({n, cs});
+          seg->ops.push_back(g.types[n]->make_export(*slot_of(n), hop));
+          seg->exports.push_back(&hop);
           ++readers[n];
         }
         if (n == output) {

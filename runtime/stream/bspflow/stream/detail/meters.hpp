@@ -1,9 +1,10 @@
-// Internal to streams: what travels with a request through a stream (its meta data), the
-// client-side cancel words the stages check, and the per-stage and per-replica meters the
-// device threads write (one writer each) and Stream::stats() reads.
+// Internal to streams (installed because the stream templates use it): the per-stage,
+// per-class and per-replica meters the device threads write (one writer each) and
+// Stream::stats() reads, and the modeled cost of a stage.
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstddef>
@@ -14,91 +15,12 @@
 
 #include "bspflow/base/detail/wait.hpp"
 #include "bspflow/devices/modeled_clock.hpp"
+#include "bspflow/stream/detail/request_state.hpp"
 #include "bspflow/stream/histogram.hpp"
 #include "bspflow/stream/request.hpp"
+#include "bspflow/stream/stream_serving.hpp"
 
 namespace bspflow::detail {
-
-// Nanoseconds on the stream clock, for the meters' atomics.
-inline std::int64_t stream_ns(StreamClock::time_point t) noexcept {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
-}
-
-// The untyped part of a StreamClient: its cancel and abort words and how many of its
-// requests have been answered. Shared by the client and the stream (whichever lives longer
-// frees it).
-class ClientCore {
- public:
-  static constexpr std::uint64_t kNone = ~std::uint64_t{0};
-  // Setup path. `capacity`: a power of two.
-  explicit ClientCore(std::size_t capacity)
-      : mask_(capacity - 1), cancel_(std::make_unique<std::atomic<std::uint64_t>[]>(capacity)),
-        abort_(std::make_unique<std::atomic<std::uint64_t>[]>(capacity)) {
-    for (std::size_t i = 0; i < capacity; ++i) {
-      cancel_[i].store(kNone, std::memory_order_relaxed);
-      abort_[i].store(kNone, std::memory_order_relaxed);
-    }
-  }
-  virtual ~ClientCore() = default;
-  std::size_t capacity() const noexcept { return mask_ + 1; }
-  // Any thread: whether request `sequence` of this client was cancelled. relaxed: a stage
-  // sees a cancel at its next check; nothing else is published through the word.
-  bool cancelled(std::uint64_t sequence) const noexcept {
-    return cancel_[sequence & mask_].load(std::memory_order_relaxed) == sequence;
-  }
-  // Client thread.
-  void cancel(std::uint64_t sequence) noexcept {
-    cancel_[sequence & mask_].store(sequence, std::memory_order_relaxed);
-  }
-  // Any thread: request `sequence` failed on one branch of a graph; its other branches drop
-  // it at their next boundary. relaxed: as cancelled().
-  bool aborted(std::uint64_t sequence) const noexcept {
-    return abort_[sequence & mask_].load(std::memory_order_relaxed) == sequence;
-  }
-  void abort(std::uint64_t sequence) noexcept {
-    abort_[sequence & mask_].store(sequence, std::memory_order_relaxed);
-  }
-  // Any deliverer, after delivering `n` responses: wakes the client, then lets go.
-  void notify_and_settle(std::uint64_t n) noexcept {
-    arrived.notify();
-    settled.fetch_add(n, std::memory_order_release);  // the last touch of *this
-  }
-
-  // Laid out by writer, a cache line each, so that the client's pushes and the devices'
-  // answers do not take each other's lines: read-mostly first (the slots' mask, the cancel
-  // words, `abandoned`), then what the client writes, then what deliverers write.
- protected:
-  std::size_t mask_;
-
- private:
-  std::unique_ptr<std::atomic<std::uint64_t>[]> cancel_;
-  std::unique_ptr<std::atomic<std::uint64_t>[]> abort_;
-
- public:
-  std::atomic<bool> abandoned{false};  // the StreamClient is gone: drop its responses
-  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> sent{0};       // requests accepted
-  alignas(tunables::kCacheLine) std::atomic<std::uint64_t> delivered{0};  // responses given
-  // Responses whose deliverer is done with this object (delivered, then notified): the
-  // stream frees an abandoned client's core only once settled == sent, so a deliverer never
-  // touches freed memory between counting a response and waking the client.
-  std::atomic<std::uint64_t> settled{0};
-  WaitPoint arrived;  // a response arrived (a cache line of its own)
-};
-
-// What travels with a request from stage to stage.
-struct RequestMeta {
-  RequestId id{};
-  Deadline deadline = kNoDeadline;
-  StreamClock::time_point arrival{};   // the latency's origin: the push
-  StreamClock::time_point enqueued{};  // arrival at the current device (queue wait's origin)
-  ClientCore* client = nullptr;        // the StreamClient that pushed it
-  double modeled_ns = 0;      // modeled time it left its last device (StreamCore's modeled clocks)
-  std::uint64_t order = 0;    // admission order (the admission queue's tie-break)
-  std::uint32_t version = 0;  // the newest stage version that ran it (Response::version)
-  std::uint8_t priority = 0;  // its priority class
-  std::uint8_t replica = 0;   // the replica that took it
-  bool probe = false;         // an ejected replica's probe (Ejection)
-};
 
 // One stage of one replica in modeled time: its device's clock and its declared cost
 // (StreamBuilder::cost), in ns.
@@ -128,7 +50,7 @@ inline void ewma(std::atomic<std::int64_t>& avg, std::int64_t sample) noexcept {
   avg.store(a + (s - a) / 16, std::memory_order_relaxed);
 }
 
-// Admission's feedback (see Intake::admit): the widening of its predicted wait, learnt from
+// Admission's feedback (see AdmissionQueue::admit): the widening of its predicted wait, learnt from
 // how many answers came after their deadline. The prediction is the measured service times;
 // what they leave out (a descheduled device, a slower stretch, a burst) shows as late answers.
 // Over each kWindow answers with a deadline, more than kTarget of them late widens the wait by
@@ -207,7 +129,23 @@ struct ClassMeter {
   ClassMeter() : latency(kMeterHighestNs) {}
   Histogram latency;
   std::atomic<std::uint64_t> answered{0}, ok{0};
-  std::atomic<std::uint64_t> errors[4] = {};
+  std::array<std::atomic<std::uint64_t>, kErrorKinds> errors{};
+  // Any thread: adds its answers, latencies and errors to its class's and the stream's stats;
+  // returns the answers it added.
+  std::uint64_t add_to(ClassStats& cs, StreamStats& s) const {
+    const auto lat = latency.snapshot();
+    cs.latency_ns.merge(lat);
+    s.latency_ns.merge(lat);
+    const auto n = answered.load(std::memory_order_relaxed);
+    cs.answered += n;
+    s.answered += n;
+    for (std::size_t k = 0; k < kErrorKinds; ++k) {
+      const auto e = errors[k].load(std::memory_order_relaxed);
+      cs.errors[k] += e;
+      s.errors[k] += e;
+    }
+    return n;
+  }
 };
 
 // One replica: written by its first segment's device (taken), its last (the answers, by
