@@ -334,6 +334,45 @@ void GraphBuild::check_node(const GraphBuild* owner, std::uint32_t id,
   }
 }
 
+namespace {
+
+// "branch 0", "branches 0 and 2", "branches 0, 1 and 3".
+std::string branch_list(const std::set<std::uint32_t>& branches) {
+  std::string out = branches.size() == 1 ? "branch " : "branches ";
+  std::size_t k = 0;
+  for (std::uint32_t b : branches) {
+    if (k > 0) out += k + 1 == branches.size() ? " and " : ", ";
+    out += std::to_string(b);
+    ++k;
+  }
+  return out;
+}
+
+// A join's inputs must be reached by the same requests: one reached only through some
+// branches of a route, beside one reached whichever branch the route takes, would leave the
+// join without the first for the requests the route sends elsewhere. `cond` says, for each
+// node so far, which branches of which routes reach it.
+void check_join_inputs(const StreamCore& c, std::uint32_t join,
+                       const std::vector<std::map<std::uint32_t, std::set<std::uint32_t>>>& cond) {
+  const NodeSpec& s = c.nodes[join];
+  for (const auto& [route, branches] : cond[join]) {
+    const std::uint32_t rt = route;
+    const auto decided = [&](std::uint32_t p) { return cond[p].count(rt) != 0; };
+    const auto q = std::find_if(s.inputs.begin(), s.inputs.end(), decided);
+    const auto p = std::find_if_not(s.inputs.begin(), s.inputs.end(), decided);
+    if (p == s.inputs.end()) continue;
+    const std::string& r = c.nodes[rt].name;
+    throw Error("join '" + s.name + "' takes input '" + c.nodes[*q].name +
+                "', reached only through " + branch_list(cond[*q].at(rt)) + " of route '" + r +
+                "', and input '" + c.nodes[*p].name + "', reached whichever branch route '" + r +
+                "' takes: a request that route '" + r +
+                "' sends down another branch would reach the join without '" + c.nodes[*q].name +
+                "'; merge the branches of route '" + r + "' before the join");
+  }
+}
+
+}  // namespace
+
 void GraphBuild::check(std::uint32_t output) {
   StreamCore& c = *core;
   if (c.named.empty()) throw Error("StreamGraph::build: a stream needs at least one stage");
@@ -413,6 +452,7 @@ void GraphBuild::check(std::uint32_t output) {
           cond[i][route] = branches;
         }
       }
+      if (s.kind == NodeKind::kJoin) check_join_inputs(c, i, cond);
     }
     s.routed = !cond[i].empty();
   }

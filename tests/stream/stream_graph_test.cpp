@@ -323,6 +323,50 @@ TEST_CASE("the builder refuses a bad graph, naming the node") {
     CHECK(contains(error_of([&] { (void)std::move(g).build(j); }),
                    "join 'j' takes inputs reached through different branches of route 'r'"));
   }
+  {  // Regression: a join of a route's branch and a node every request reaches was not
+     // refused; the error named a later join that merged the branches correctly.
+    StreamGraph<int> g(group);
+    auto side = g.input().stage("side", id, 0);
+    auto [left, right] = side.route<2>("r", [](const int& v) { return v % 2; });
+    auto l = left.stage("left", id, 1);
+    auto rr = right.stage("right", id, 1);
+    auto halfjoin = g.join(
+        "halfjoin", [](int a, int b) { return a + b; }, 0, l, side);
+    auto j2 = g.join(
+        "j2", [](int a, int b) { return a + b; }, 0, halfjoin, g.merge("m", 1, l, rr));
+    const std::string e = error_of([&] { (void)std::move(g).build(j2); });
+    CHECK(contains(e,
+                   "join 'halfjoin' takes input 'left', reached only through branch 0 of "
+                   "route 'r', and input 'side', reached whichever branch route 'r' takes"));
+    CHECK(contains(e, "merge the branches of route 'r' before the join"));
+    CHECK_FALSE(contains(e, "j2"));
+  }
+  {  // A join inside one branch of a route is fine: every input is reached by the same
+     // requests, and the route's other branch skips it.
+    StreamGraph<int> g(group);
+    auto [even, odd] = g.input().route<2>("parity", [](const int& v) { return v % 2; });
+    auto a = odd.stage("a", id, 0), b = odd.stage("b", id, 1);
+    auto both = g.join(
+        "both", [](int x, int y) { return x + y; }, 0, a, b);
+    auto e = even.stage("e", id, 0);
+    auto out = g.merge("out", 0, both, e);
+    auto stream = std::move(g).build(out);
+    auto client = stream.client();
+    stream.start();
+    for (int v = 0; v < 6; ++v) REQUIRE(client.push(v));
+    int sum = 0, answers = 0;
+    for (int k = 0; k < 6; ++k) {
+      auto r = client.pop();
+      REQUIRE(r);
+      REQUIRE(r->ok());
+      sum += *r->value;
+      ++answers;
+    }
+    stream.close();
+    CHECK(stream.wait().drained());
+    CHECK(answers == 6);
+    CHECK(sum == (1 + 3 + 5) * 2 + (0 + 2 + 4));
+  }
   {  // An output reached through one branch only.
     StreamGraph<int> g(group);
     auto [p, q] = g.input().route<2>("r", [](const int& v) { return v % 2; });

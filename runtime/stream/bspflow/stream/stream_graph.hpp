@@ -236,8 +236,10 @@ class StreamGraph {
   /// The requests, as pushed by the StreamClients. Its device is its first reader's.
   Node<In> input() const { return Node<In>(g_.get(), 0); }
 
-  /// A join on `device`: `f(Ts&&...)` combines the inputs' values for one request (each
-  /// input must be reached by every request: not a route's branch) and returns its value.
+  /// A join on `device`: `f(Ts&&...)` combines the inputs' values for one request and returns
+  /// its value. Its inputs must be reached by the same requests: a join may sit inside one
+  /// branch of a route, or after the route's merge, but not take a branch beside a node that
+  /// every request reaches (build() refuses it, naming the join).
   template <class F, class... Ts>
   auto join(std::string name, F f, std::uint32_t device, Node<Ts>... inputs) {
     static_assert(sizeof...(Ts) >= 2, "a join needs at least two inputs");

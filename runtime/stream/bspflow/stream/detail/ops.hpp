@@ -259,7 +259,7 @@ class JoinOp final : public OpBase {
       out_.set_skipped();
       return true;
     }
-    if (any_skipped) {  // the builder refuses routed branches into a join
+    if (any_skipped) {  // not reached: the builder refuses a join whose inputs some request skips
       out_.set_error(failure_of(
           fr, node_,
           std::make_exception_ptr(Error("a branch of the join was skipped by a route"))));
