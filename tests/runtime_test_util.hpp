@@ -16,6 +16,18 @@
 
 namespace test {
 
+// Polls `f` until it is true or `limit` has passed; returns its last value. The limit only
+// keeps a failing test from hanging: the outcome never depends on it.
+inline bool eventually(const std::function<bool()>& f,
+                       std::chrono::milliseconds limit = std::chrono::milliseconds(2000)) {
+  const auto until = bspflow::StreamClock::now() + limit;
+  while (!f()) {
+    if (bspflow::StreamClock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
+}
+
 // Holds a stage's call until opened (at most 10 s, so a failing test cannot hang).
 struct Gate {
   std::atomic<bool> entered{false};

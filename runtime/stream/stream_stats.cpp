@@ -321,6 +321,8 @@ StreamStats StreamCore::stats() const {
     cs.latency_ns = HistogramSnapshot(kMeterHighestNs);
     cs.accepted = admission->accepted_of(c);
     cs.queued = admission->size_of(c);
+    cs.blocked = admission->blocked_of(c);
+    s.blocked += cs.blocked;
     for (std::size_t i = 0; i < cs.refusals.size(); ++i) {
       cs.refusals[i] = admission->refused(c, static_cast<Refusal>(i));
       s.refusals[i] += cs.refusals[i];

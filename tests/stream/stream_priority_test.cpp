@@ -26,6 +26,7 @@ using namespace std::chrono_literals;
 using test::contains;
 using test::error_of;
 using U64 = std::uint64_t;
+using test::eventually;
 using test::Gate;
 
 namespace {
@@ -45,9 +46,137 @@ Stream<U64, U64> held_at_zero(DeviceGroup& group, Gate& gate, std::uint32_t clas
       .build();
 }
 
+// A kBlock stream of two classes, an admission queue of 4, whose one stage logs each request
+// and holds request 0 at `first` and request 1 at `second`: once 0 is let go, exactly one
+// place frees in the full queue.
+Stream<U64, U64> blocking_two_gates(DeviceGroup& group, Gate& first, Gate& second,
+                                    std::shared_ptr<std::vector<U64>> order) {
+  return StreamBuilder<U64>(group, StreamConfig{.admission = {.policy = AdmissionPolicy::kBlock,
+                                                              .queue_capacity = 4,
+                                                              .predict = false},
+                                                .priority_classes = 2,
+                                                .min_share = {0, 0, 0, 0}})
+      .stage("model",
+             [&first, &second, order](U64 x) {
+               order->push_back(x);
+               if (x == 0) first.hold();
+               if (x == 1) second.hold();
+               return x;
+             })
+      .build();
+}
+
 }  // namespace
 
 TEST_SUITE_BEGIN("stream_priority");
+
+// Regression: a blocked push of the lower class that had waited first took the place a
+// blocked push of the higher class was owed.
+TEST_CASE("kBlock: a freed place goes to the waiting push of the higher class") {
+  DeviceGroup group(1, test::kSmall);
+  Gate first, second;
+  auto order = std::make_shared<std::vector<U64>>();  // device thread's; read after wait()
+  auto stream = blocking_two_gates(group, first, second, order);
+  auto low = stream.client(1), late_low = stream.client(1), high = stream.client(0);
+  stream.start();
+  REQUIRE(low.push(0));
+  REQUIRE(first.wait_entered());
+  for (U64 i = 1; i <= 4; ++i) REQUIRE(low.push(i));  // the queue is full: 1..4
+  const auto blocked = [&](std::uint32_t c) { return stream.stats().by_class[c].blocked; };
+  std::atomic<bool> low_in{false}, high_in{false};
+  std::thread low_thread([&] { low_in = late_low.push(5).accepted(); });
+  REQUIRE(eventually([&] { return blocked(1) == 1; }, 10s));  // the low push waits first
+  std::thread high_thread([&] { high_in = high.push(100).accepted(); });
+  REQUIRE(eventually([&] { return blocked(0) == 1; }, 10s));  // then the high one
+  CHECK(stream.stats().blocked == 2);
+  first.open = true;  // 0 ends; the stage takes 1 and holds it: exactly one place frees
+  REQUIRE(eventually([&] { return low_in.load() || high_in.load(); }, 10s));
+  CHECK(high_in.load());
+  CHECK_FALSE(low_in.load());  // the queue is full again (2, 3, 4, 100) and 1 is held
+  CHECK(blocked(0) == 0);
+  CHECK(blocked(1) == 1);
+  second.open = true;
+  high_thread.join();
+  low_thread.join();
+  CHECK(low_in.load());
+  CHECK(stream.stats().blocked == 0);
+  while (low.pop()) {
+  }
+  while (late_low.pop()) {
+  }
+  while (high.pop()) {
+  }
+  stream.close();
+  CHECK(stream.wait().drained());
+  CHECK(*order == std::vector<U64>{0, 1, 100, 2, 3, 4, 5});  // class 0 first, then push order
+}
+
+TEST_CASE("kBlock: blocked pushes of one class take freed places in the order they waited") {
+  DeviceGroup group(1, test::kSmall);
+  Gate first, second;
+  auto order = std::make_shared<std::vector<U64>>();
+  auto stream = blocking_two_gates(group, first, second, order);
+  auto low = stream.client(1), a = stream.client(1), b = stream.client(1);
+  stream.start();
+  REQUIRE(low.push(0));
+  REQUIRE(first.wait_entered());
+  for (U64 i = 1; i <= 4; ++i) REQUIRE(low.push(i));
+  const auto blocked = [&] { return stream.stats().by_class[1].blocked; };
+  std::atomic<bool> a_in{false}, b_in{false};
+  std::thread a_thread([&] { a_in = a.push(5).accepted(); });
+  REQUIRE(eventually([&] { return blocked() == 1; }, 10s));
+  std::thread b_thread([&] { b_in = b.push(6).accepted(); });
+  REQUIRE(eventually([&] { return blocked() == 2; }, 10s));
+  first.open = true;  // one place frees: it is the first waiter's
+  REQUIRE(eventually([&] { return a_in.load() || b_in.load(); }, 10s));
+  CHECK(a_in.load());
+  CHECK_FALSE(b_in.load());
+  second.open = true;
+  a_thread.join();
+  b_thread.join();
+  CHECK(b_in.load());
+  while (low.pop()) {
+  }
+  while (a.pop()) {
+  }
+  while (b.pop()) {
+  }
+  stream.close();
+  CHECK(stream.wait().drained());
+  CHECK(*order == std::vector<U64>{0, 1, 2, 3, 4, 5, 6});
+}
+
+TEST_CASE(
+    "kBlock: a push whose deadline passes while it waits is refused, and close ends the wait") {
+  DeviceGroup group(1, test::kSmall);
+  Gate first, second;
+  auto order = std::make_shared<std::vector<U64>>();
+  auto stream = blocking_two_gates(group, first, second, order);
+  auto low = stream.client(1), timed = stream.client(1), other = stream.client(0);
+  stream.start();
+  REQUIRE(low.push(0));
+  REQUIRE(first.wait_entered());
+  for (U64 i = 1; i <= 4; ++i) REQUIRE(low.push(i));
+  std::atomic<int> timed_refusal{-1}, other_refusal{-1};
+  std::thread timed_thread(
+      [&] { timed_refusal = static_cast<int>(timed.push_for(5, 50ms).refusal); });
+  std::thread other_thread([&] { other_refusal = static_cast<int>(other.push(6).refusal); });
+  // The timed push is refused once its deadline has passed (the queue stays full); the
+  // other waits until close().
+  REQUIRE(eventually([&] { return timed_refusal.load() >= 0; }, 10s));
+  CHECK(timed_refusal.load() == static_cast<int>(Refusal::kDeadlinePassed));
+  REQUIRE(eventually([&] { return stream.stats().blocked == 1; }, 10s));
+  stream.close();
+  other_thread.join();
+  timed_thread.join();
+  CHECK(other_refusal.load() == static_cast<int>(Refusal::kClosed));
+  first.open = true;
+  second.open = true;
+  while (low.pop()) {
+  }
+  CHECK(stream.wait().drained());
+  CHECK(stream.stats().blocked == 0);
+}
 
 TEST_CASE("one queue serves the higher class first, both classes' requests answered") {
   DeviceGroup group(1, test::kSmall);

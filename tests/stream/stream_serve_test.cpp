@@ -50,6 +50,7 @@ using test::error_of;
 namespace {
 
 using U64 = std::uint64_t;
+using test::eventually;
 using test::Gate;
 using Client = StreamClient<U64, U64>;
 
@@ -74,16 +75,6 @@ void spin_for(std::chrono::nanoseconds d) {
   const auto until = StreamClock::now() + d;
   while (StreamClock::now() < until) {
   }
-}
-
-// Polls `f` until it is true or `limit` has passed; returns its last value.
-bool eventually(const std::function<bool()>& f, std::chrono::milliseconds limit = 2000ms) {
-  const auto until = StreamClock::now() + limit;
-  while (!f()) {
-    if (StreamClock::now() >= until) return false;
-    std::this_thread::sleep_for(1ms);
-  }
-  return true;
 }
 
 std::size_t index_of(Refusal r) {

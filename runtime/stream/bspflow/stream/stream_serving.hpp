@@ -124,6 +124,7 @@ struct ClassStats {
   std::array<std::uint64_t, kErrorKinds> errors{};  ///< by ErrorKind
   std::array<std::uint64_t, 8> refusals{};          ///< pushes refused, by Refusal
   std::size_t queued = 0;                           ///< admitted, not yet taken by a replica
+  std::size_t blocked = 0;  ///< kBlock pushes waiting for a place now (the queue is full)
 };
 
 /// What a stream has done so far. Stream::stats() reads it at any time from any thread; the
@@ -139,7 +140,8 @@ struct StreamStats {
   std::array<std::uint64_t, kErrorKinds> errors{};  ///< by ErrorKind
   std::array<std::uint64_t, 8> refusals{};          ///< StreamClient pushes refused, by Refusal
   std::size_t queued = 0;                           ///< admitted, not yet taken by a replica
-  std::vector<ClassStats> by_class;                 ///< one per priority class (the same, by class)
+  std::size_t blocked = 0;           ///< kBlock pushes waiting for a place now (the queue is full)
+  std::vector<ClassStats> by_class;  ///< one per priority class (the same, by class)
   std::uint64_t errors_of(ErrorKind k) const noexcept {
     return errors[static_cast<std::size_t>(k)];
   }

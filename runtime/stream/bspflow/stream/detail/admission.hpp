@@ -174,31 +174,49 @@ class AdmissionQueue final : public AdmissionQueueBase {
         --in.inside_;
       }
     } leave{*this, lock};
+    // kBlock, full: this push waits in its class's line (me) for a place promised to it.
+    Blocked me;
+    me.cls = priority;
     bool waiting = false;
+    bool promoted = false;  // leaving the line made another waiter next up: wake it
     for (;;) {
+      Refusal r = Refusal::kNone;
+      const auto at = waiting ? StreamClock::now() : now;
       if (!open_) {
-        if (waiting) --waiting_[priority];
-        return refuse(s, Refusal::kClosed, priority);
+        r = Refusal::kClosed;
+      } else if (waiting && deadline != kNoDeadline && deadline <= at) {
+        r = Refusal::kDeadlinePassed;  // it passed while the push waited
+      } else {
+        r = admit(at, deadline, priority, victim, waiting ? &me : nullptr);
+        if (r == Refusal::kNone) break;
+        if (r == Refusal::kQueueFull && blocking &&
+            core_->config.admission.policy == AdmissionPolicy::kBlock) {
+          if (!waiting) {
+            waiting = true;
+            enlist(me);
+          }
+          lock.unlock();
+          const auto ready = [&] {
+            return (next_up_.load(std::memory_order_seq_cst) == &me &&
+                    count_.load(std::memory_order_seq_cst) < capacity_) ||
+                   !open_flag_.load(std::memory_order_seq_cst);
+          };
+          if (deadline == kNoDeadline) {
+            not_full_.wait(ready);
+          } else {
+            not_full_.wait_until(ready, deadline);  // then refused kDeadlinePassed
+          }
+          lock.lock();
+          continue;
+        }
       }
-      const Refusal r = admit(now, deadline, priority, victim, waiting);
-      if (r == Refusal::kNone) break;
-      if (r != Refusal::kQueueFull || !blocking ||
-          core_->config.admission.policy != AdmissionPolicy::kBlock) {
-        if (waiting) --waiting_[priority];
-        return refuse(s, r, priority);
+      if (waiting && delist(me)) {
+        lock.unlock();
+        not_full_.notify();
       }
-      if (!waiting) {
-        waiting = true;
-        ++waiting_[priority];
-      }
-      lock.unlock();
-      not_full_.wait([&] {
-        return count_.load(std::memory_order_seq_cst) < capacity_ ||
-               !open_flag_.load(std::memory_order_seq_cst);
-      });
-      lock.lock();
+      return refuse(s, r, priority);
     }
-    if (waiting) --waiting_[priority];
+    if (waiting) promoted = delist(me);
     Queued<In> e;
     e.meta = RequestMeta{s.id, deadline, now, now, &client};
     e.meta.order = order_++;
@@ -213,6 +231,7 @@ class AdmissionQueue final : public AdmissionQueueBase {
     StreamCore* core = core_;
     lock.unlock();
     not_empty_.notify();
+    if (promoted) not_full_.notify();  // the next waiter may have a place already
     if (victim) {
       core->responder_base->answer_error(*victim, shed_error(*core, *victim, priority), false);
     }
@@ -302,6 +321,9 @@ class AdmissionQueue final : public AdmissionQueueBase {
   std::uint64_t accepted() const noexcept override {
     return accepted_run_.load(std::memory_order_relaxed);
   }
+  std::uint32_t blocked_of(std::uint32_t c) const noexcept override {
+    return c < classes_ ? blocked_[c].load(std::memory_order_relaxed) : 0;
+  }
   std::uint64_t accepted_of(std::uint32_t c) const noexcept override {
     return accepted_[c].load(std::memory_order_relaxed);
   }
@@ -310,12 +332,20 @@ class AdmissionQueue final : public AdmissionQueueBase {
   }
 
  private:
-  // Under the lock: whether a request of class `c` with `deadline` can be queued now. A full
+  // A kBlock push waiting for a place, on the waiting push's own stack.
+  struct Blocked {
+    Blocked* prev = nullptr;
+    Blocked* next = nullptr;
+    std::uint32_t cls = 0;
+  };
+
+  // Under the lock: whether a request of class `c` with `deadline` can be queued now (`me`:
+  // the waiting push asking again, or null for a new push). A full
   // queue may shed a queued request (a lower class's, or under kShed the least slack among the
   // lowest class's and the newcomer): removed from the queue, answered by the caller once
   // unlocked.
   Refusal admit(StreamClock::time_point now, Deadline deadline, std::uint32_t c,
-                std::optional<RequestMeta>& victim, bool waiting) {
+                std::optional<RequestMeta>& victim, const Blocked* me) {
     const Admission& a = core_->config.admission;
     // Only with a queue ahead: an empty queue admits, so the stages keep measuring (a
     // prediction that refused everything would never learn that the stream got faster).
@@ -335,9 +365,12 @@ class AdmissionQueue final : public AdmissionQueueBase {
       const auto done = now + std::chrono::nanoseconds(static_cast<std::int64_t>(wait));
       if (done > deadline) return Refusal::kDeadlineUnreachable;
     }
-    // A push of a higher class waiting (kBlock) takes the next free place first.
-    for (std::uint32_t k = 0; k < c; ++k) {
-      if (waiting_[k] != 0 && !waiting) return Refusal::kQueueFull;
+    // kBlock: the next free place is promised to the oldest waiting push of the highest class
+    // that waits. Every other push leaves it alone, unless it is of a higher class than every
+    // waiter (it would have come first anyway).
+    if (blocked_total_ != 0) {
+      const Blocked* first = next_up_.load(std::memory_order_relaxed);
+      if (first != me && first->cls <= c) return Refusal::kQueueFull;
     }
     if (size_ < capacity_) return Refusal::kNone;
     // Full. The lowest class queued, and whether a lower one than the newcomer's is there.
@@ -376,6 +409,37 @@ class AdmissionQueue final : public AdmissionQueueBase {
     if (worst == q.size()) return Refusal::kShed;  // the newcomer has the least slack
     take_victim(c, worst, victim);
     return Refusal::kNone;
+  }
+
+  // Under the lock: `b` joins the end of its class's line. Its class's count is stats()'s
+  // `blocked`. Never allocates (b lives on the waiting push's stack).
+  void enlist(Blocked& b) noexcept {
+    b.prev = line_tail_[b.cls];
+    b.next = nullptr;
+    (b.prev != nullptr ? b.prev->next : line_head_[b.cls]) = &b;
+    line_tail_[b.cls] = &b;
+    ++blocked_total_;
+    blocked_[b.cls].store(blocked_[b.cls].load(std::memory_order_relaxed) + 1,
+                          std::memory_order_relaxed);  // relaxed: a figure for stats()
+    refresh_next_up();
+  }
+  // Under the lock: `b` leaves its line. True when another waiter became next up: the caller
+  // wakes the waiters once unlocked, as next_up_'s contract says.
+  bool delist(Blocked& b) noexcept {
+    (b.prev != nullptr ? b.prev->next : line_head_[b.cls]) = b.next;
+    (b.next != nullptr ? b.next->prev : line_tail_[b.cls]) = b.prev;
+    --blocked_total_;
+    blocked_[b.cls].store(blocked_[b.cls].load(std::memory_order_relaxed) - 1,
+                          std::memory_order_relaxed);
+    return refresh_next_up() && next_up_.load(std::memory_order_relaxed) != nullptr;
+  }
+  // Under the lock: next_up_ becomes the head of the highest class's line. True if it changed.
+  bool refresh_next_up() noexcept {
+    const Blocked* n = nullptr;
+    for (std::uint32_t c = 0; c < classes_ && n == nullptr; ++c) n = line_head_[c];
+    if (n == next_up_.load(std::memory_order_relaxed)) return false;
+    next_up_.store(n, std::memory_order_seq_cst);
+    return true;
   }
 
   // The index (ClassQueue::at) of class c's request served last.
@@ -426,8 +490,16 @@ class AdmissionQueue final : public AdmissionQueueBase {
   bool fast_full_refusal_;  // one class, no shedding: a full queue refuses without the lock
   mutable AdmissionLock mutex_;
   std::size_t inside_ = 0;  // pushes using the Stream now (under mutex_)
-  std::array<ClassQueue<In>, kPriorityClasses> queue_;     // under mutex_
-  std::array<std::uint32_t, kPriorityClasses> waiting_{};  // kBlock pushes waiting, by class
+  std::array<ClassQueue<In>, kPriorityClasses> queue_;  // under mutex_
+  // kBlock pushes waiting for a place (Blocked): a line per class, oldest first (under
+  // mutex_), their count by class (written under mutex_, read by stats()), and the one the
+  // next free place is promised to. next_up_ is stored seq_cst under mutex_, and whoever moves it
+  // to another waiter calls not_full_.notify() after unlocking: a waiter's predicate reads it, so
+  // no wake-up is lost (WaitPoint's contract).
+  std::array<Blocked*, kPriorityClasses> line_head_{}, line_tail_{};
+  std::uint32_t blocked_total_ = 0;
+  std::array<std::atomic<std::uint32_t>, kPriorityClasses> blocked_{};
+  std::atomic<const Blocked*> next_up_{nullptr};
   std::size_t size_ = 0;
   std::uint64_t order_ = 0;
   ClassPicker picker_;  // under mutex_

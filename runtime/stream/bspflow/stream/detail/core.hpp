@@ -75,6 +75,7 @@ class AdmissionQueueBase {
   virtual void wake() noexcept = 0;
   virtual std::size_t size() const noexcept = 0;
   virtual std::size_t size_of(std::uint32_t priority) const = 0;
+  virtual std::uint32_t blocked_of(std::uint32_t priority) const noexcept = 0;   // kBlock pushes
   virtual std::uint64_t accepted() const noexcept = 0;                           // this run
   virtual std::uint64_t accepted_of(std::uint32_t priority) const noexcept = 0;  // since built
   virtual std::uint64_t refused(std::uint32_t priority, Refusal r) const noexcept = 0;
