@@ -12,6 +12,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -65,6 +66,53 @@ Stream<U64, U64> blocking_two_gates(DeviceGroup& group, Gate& first, Gate& secon
              })
       .build();
 }
+
+// The ejection test's request that the healthy replica holds.
+constexpr U64 kPark = 1'000'000;
+
+// Each replica's copy decides its role on its first call: the copy that takes kPark first is
+// healthy and holds kPark at `gate`; the other fails every request until `healed`.
+struct EjectModel {
+  Gate* gate;
+  std::shared_ptr<std::atomic<bool>> healed;
+  enum class Role { kUnset, kHealthy, kBroken } role = Role::kUnset;
+  U64 operator()(U64 x) {
+    if (role == Role::kUnset) role = x == kPark ? Role::kHealthy : Role::kBroken;
+    if (role == Role::kHealthy && x == kPark) gate->hold();
+    if (role == Role::kBroken && !healed->load()) throw std::runtime_error("replica is broken");
+    return x + 1;
+  }
+};
+
+// Captures the log (warnings and above) while it lives; restores the handler and the level.
+class LogCapture {
+ public:
+  LogCapture() : before_(log_level()) {
+    set_log_level(LogLevel::kWarning);
+    set_log_handler([this](LogLevel, std::string_view m) {
+      std::lock_guard lock(mutex_);
+      lines_.emplace_back(m);
+    });
+  }
+  ~LogCapture() {
+    set_log_handler(nullptr);
+    set_log_level(before_);
+  }
+  LogCapture(const LogCapture&) = delete;
+  LogCapture& operator=(const LogCapture&) = delete;
+  bool has(const std::string& needle) {
+    std::lock_guard lock(mutex_);
+    for (const std::string& l : lines_) {
+      if (contains(l, needle)) return true;
+    }
+    return false;
+  }
+
+ private:
+  LogLevel before_;
+  std::mutex mutex_;
+  std::vector<std::string> lines_;
+};
 
 }  // namespace
 
@@ -334,57 +382,92 @@ TEST_CASE("the request shed for a higher class is the one its class would serve 
   CHECK(stream.wait().drained());
 }
 
+// Regression: which replica served which request was a race (the one that answered last kept
+// winning the queue), so the broken one sometimes answered fewer than 3 requests. Now one
+// replica holds a request at a gate, so the other takes every other request.
 TEST_CASE("a replica that fails every request is ejected, then probed back once it recovers") {
+  LogCapture log;  // first: outlives the stream's device threads
   DeviceGroup group(2, test::kSmall);
-  // The first copy of the stage to run fails every request until `healed`.
-  auto next = std::make_shared<std::atomic<int>>(0);
+  Gate gate;
   auto healed = std::make_shared<std::atomic<bool>>(false);
-  struct Model {
-    std::shared_ptr<std::atomic<int>> next;
-    std::shared_ptr<std::atomic<bool>> healed;
-    int me = -1;
-    U64 operator()(U64 x) {
-      if (me < 0) me = next->fetch_add(1);
-      if (me == 0 && !healed->load()) throw std::runtime_error("replica is broken");
-      return x + 1;
-    }
-  };
   StreamConfig config;
   config.replicas = 2;
-  config.ejection = {.consecutive_failures = 3, .base_time = 20ms, .max_time = 1s};
-  auto stream = StreamBuilder<U64>(group, config).stage("model", Model{next, healed}).build();
-  auto client = stream.client();
+  config.ejection = {.consecutive_failures = 3, .base_time = 5ms, .max_time = 1s};
+  config.call_stall_limit = 0ns;  // the held call is held on purpose
+  auto stream = StreamBuilder<U64>(group, config).stage("model", EjectModel{&gate, healed}).build();
+  auto holder = stream.client();  // its one request holds the healthy replica
+  auto client = stream.client();  // the broken replica's requests, answered in its order
   stream.start();
-  U64 failed = 0, ok = 0;
-  for (U64 i = 0; i < 400; ++i) {
-    REQUIRE(client.push(i));
+  REQUIRE(holder.push(kPark));
+  REQUIRE(gate.wait_entered());  // one replica holds kPark: the other is the only taker now
+  StreamStats st = stream.stats();
+  const std::uint32_t h = st.replicas[0].taken == 1 ? 0 : 1;  // healthy, held
+  const std::uint32_t b = 1 - h;                              // broken
+  REQUIRE(st.replicas[h].taken == 1);
+  REQUIRE(st.replicas[b].taken == 0);
+
+  // Three stage failures in a row: out of rotation for base_time.
+  for (U64 i = 1; i <= 3; ++i) REQUIRE(client.push(i));
+  for (U64 i = 1; i <= 3; ++i) {
     auto r = client.pop();
     REQUIRE(r.has_value());
-    (r->ok() ? ok : failed)++;
+    REQUIRE_FALSE(r->ok());
+    CHECK(r->kind() == ErrorKind::kStageFailed);
   }
-  CHECK(failed >= 3);
-  CHECK(failed < 40);  // out of rotation after 3 in a row, probed every 20..40 ms
-  StreamStats st = stream.stats();
-  U64 ejections = 0;
-  for (const auto& rep : st.replicas) ejections += rep.ejections;
-  CHECK(ejections >= 1);
-  std::ostringstream text;
-  st.write_openmetrics(text, "svc");
-  CHECK(contains(text.str(), "svc_replica_ejections_total{replica="));
-  // Healed: a probe finds it answering, and it rejoins the rotation.
+  // The replica's sink answers first, then ejects: wait for it.
+  REQUIRE(eventually([&] { return stream.stats().replicas[b].ejected; }, 10s));
+  st = stream.stats();
+  CHECK(st.replicas[b].ejections == 1);
+  CHECK(st.replicas[b].taken == 3);
+  CHECK_FALSE(st.replicas[h].ejected);
+
+  // Still broken: once its time out passes it takes the next request as a probe (the other
+  // replica is held), fails it, and is out twice as long.
+  REQUIRE(client.push(10));
+  auto probe = client.pop();
+  REQUIRE(probe.has_value());
+  REQUIRE_FALSE(probe->ok());
+  REQUIRE(eventually([&] { return stream.stats().replicas[b].ejections == 2; }, 10s));
+  CHECK(stream.stats().replicas[b].ejected);
+
+  // Healed: the next probe is answered, and the replica rejoins the rotation.
   healed->store(true);
-  const auto until = StreamClock::now() + 5s;
-  bool back = false;
-  while (!back && StreamClock::now() < until) {
-    REQUIRE(client.push(1));
-    REQUIRE(client.pop().has_value());
-    st = stream.stats();
-    back = !st.replicas[0].ejected && !st.replicas[1].ejected;
-    std::this_thread::sleep_for(1ms);
-  }
-  CHECK(back);
+  REQUIRE(client.push(20));
+  auto healed_probe = client.pop();
+  REQUIRE(healed_probe.has_value());
+  REQUIRE(healed_probe->ok());
+  CHECK(*healed_probe->value == 21);
+  REQUIRE(eventually([&] { return !stream.stats().replicas[b].ejected; }, 10s));
+
+  // Back in rotation: it takes a request at once.
+  REQUIRE(client.push(30));
+  auto again = client.pop();
+  REQUIRE(again.has_value());
+  REQUIRE(again->ok());
+  CHECK(*again->value == 31);
+
+  gate.open = true;  // the healthy replica answers its held request
+  auto held = holder.pop();
+  REQUIRE(held.has_value());
+  REQUIRE(held->ok());
+  CHECK(*held->value == kPark + 1);
   stream.close();
   CHECK(stream.wait().drained());
+
+  st = stream.stats();
+  CHECK(st.replicas[b].taken == 6);  // 3 failures, 2 probes, 1 in rotation again
+  CHECK(st.replicas[h].taken == 1);
+  CHECK(st.replicas[b].ejections == 2);
+  CHECK(st.replicas[h].ejections == 0);
+  CHECK_FALSE(st.replicas[b].ejected);
+  std::ostringstream text;
+  st.write_openmetrics(text, "svc");
+  CHECK(contains(text.str(),
+                 "svc_replica_ejections_total{replica=\"" + std::to_string(b) + "\"} 2\n"));
+  // The back-off, from the log: base_time, then twice that after the failed probe.
+  CHECK(log.has("replica " + std::to_string(b) + " answered 3 requests in a row"));
+  CHECK(log.has("out of rotation for 5 ms"));
+  CHECK(log.has("out of rotation for 10 ms"));
 }
 
 TEST_CASE("the last replica in rotation is never ejected") {
