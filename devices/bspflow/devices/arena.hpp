@@ -24,9 +24,9 @@ class Arena {
  public:
   /// A live allocation: its name, its offset in the arena and its size.
   struct Allocation {
-    std::string name;
-    std::size_t offset = 0;
-    std::size_t bytes = 0;
+    std::string name;        ///< What the allocation was made for, as allocate() was told.
+    std::size_t offset = 0;  ///< Where it starts, in bytes from the arena's start.
+    std::size_t bytes = 0;   ///< Its size in bytes, rounded up to the arena alignment.
   };
 
   /// Reserves `bytes` on `numa_node`. `owner` names the arena in messages ("device 0").
@@ -47,9 +47,13 @@ class Arena {
   /// Frees an allocation from this arena; a pointer it did not hand out is ignored.
   void release(void* ptr) noexcept;
 
+  /// The arena's size in bytes.
   std::size_t capacity() const noexcept { return capacity_; }
+  /// Bytes held by live allocations (each rounded up to the alignment).
   std::size_t used() const noexcept;
+  /// Bytes not held by any allocation: capacity() - used().
   std::size_t free_bytes() const noexcept;
+  /// The largest run of free bytes in one piece: the most one allocation can get.
   std::size_t largest_free_block() const noexcept;
   /// Live allocations, largest first.
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
@@ -58,6 +62,7 @@ class Arena {
   /// "12.0 MiB used of 897.0 MiB, held by: 'weights' 8.0 MiB, 'prefetch buffer' 4.0 MiB".
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
   std::string report() const;
+  /// The name the arena goes by in messages ("device 0").
   const std::string& owner() const noexcept { return owner_; }
 
  private:

@@ -55,8 +55,8 @@ struct DeviceConfig {
 /// called from any thread (the device's destructor calls it for queued and running jobs) and
 /// must make `run` return promptly.
 struct DeviceJob {
-  std::function<void()> run;
-  std::function<void()> cancel;
+  std::function<void()> run;     ///< The work; runs on the device thread.
+  std::function<void()> cancel;  ///< Makes a running `run` return promptly; any thread.
 };
 
 /// One emulated IPU: a worker thread that runs the device's jobs, its memory arena and its
@@ -82,15 +82,20 @@ class Device {
   /// Contract: any; non-blocking; allocates; throws Error.
   void submit(DeviceJob job);
 
+  /// The device's number, as given to the constructor.
   std::uint32_t id() const noexcept { return id_; }
+  /// The shape the device was built with.
   const DeviceConfig& config() const noexcept { return config_; }
+  /// Where the device sits: its core, NUMA node and whether it shares the core.
   const Placement& placement() const noexcept { return placement_; }
+  /// The device's memory.
   Arena& arena() noexcept { return arena_; }
   /// The time a real IPU would have taken for the device's last run. The runtime resets and
   /// advances it on the device thread during a run; any thread may read it once the run has
   /// ended.
   /// Contract: device; non-blocking; no-alloc; noexcept.
   ModeledClock& clock() noexcept { return clock_; }
+  /// The same clock, read-only.
   const ModeledClock& clock() const noexcept { return clock_; }
   /// Whether the worker thread is actually pinned (false without hwloc, or if refused).
   /// Waits until the thread has tried.
@@ -137,10 +142,15 @@ class DeviceGroup {
   /// Contract: host; non-blocking; allocates; throws Error.
   explicit DeviceGroup(std::uint32_t count, DeviceConfig config = {});
 
+  /// How many devices the group holds.
   std::uint32_t size() const noexcept { return static_cast<std::uint32_t>(devices_.size()); }
+  /// Device `i` (below size()).
   Device& operator[](std::uint32_t i) noexcept { return *devices_[i]; }
+  /// Device `i` (below size()), read-only.
   const Device& operator[](std::uint32_t i) const noexcept { return *devices_[i]; }
+  /// The first of the devices, in order; each element is a std::unique_ptr<Device>.
   auto begin() noexcept { return devices_.begin(); }
+  /// Past the last of the devices.
   auto end() noexcept { return devices_.end(); }
   /// Devices per core at the most (1 = every device has a core of its own).
   std::uint32_t max_sharing() const noexcept { return max_sharing_; }
@@ -165,7 +175,9 @@ class DeviceList {
   DeviceList(DeviceGroup& group) {  // NOLINT: implicit by design
     for (auto& d : group) list_.push_back(d.get());
   }
+  /// How many devices the list holds.
   std::uint32_t size() const noexcept { return static_cast<std::uint32_t>(list_.size()); }
+  /// Device `i` (below size()): the device replica `i` runs on.
   Device& operator[](std::uint32_t i) const noexcept { return *list_[i]; }
 
  private:

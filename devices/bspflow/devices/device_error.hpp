@@ -21,7 +21,9 @@ class OutOfMemoryError : public Error {
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
   OutOfMemoryError(const std::string& message, std::size_t requested, std::size_t free_bytes)
       : Error(message), requested_(requested), free_(free_bytes) {}
+  /// The bytes the failed allocation asked for.
   std::size_t requested() const noexcept { return requested_; }
+  /// The bytes that were free when it failed.
   std::size_t free_bytes() const noexcept { return free_; }
 
  private:
@@ -40,9 +42,13 @@ class DeviceError : public Error {
               std::uint64_t iteration, std::exception_ptr cause)
       : Error(message), device_(device), replica_(replica), iteration_(iteration),
         cause_(std::move(cause)) {}
+  /// The id of the device the code threw on.
   std::uint32_t device() const noexcept { return device_; }
+  /// The replica that device ran.
   std::uint32_t replica() const noexcept { return replica_; }
+  /// The iteration the replica was running when the code threw.
   std::uint64_t iteration() const noexcept { return iteration_; }
+  /// The exception the code threw.
   const std::exception_ptr& cause() const noexcept { return cause_; }
   /// Throws the original exception, whatever its type.
   /// Contract: any; non-blocking; no-alloc; throws the cause.

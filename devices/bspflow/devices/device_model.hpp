@@ -28,6 +28,7 @@ const char* to_string(WorkPrecision p) noexcept;
 struct Work {
   double flops = 0;  ///< floating-point operations (a multiply-add counts 2); >= 0
   double bytes = 0;  ///< tile memory traffic: bytes loaded and stored; >= 0
+  /// The arithmetic the operations use, which sets the FLOPs a tile does per cycle.
   WorkPrecision precision = WorkPrecision::kFloat32;
   double cycles = 0;  ///< extra cycles on the slowest tile (a vertex's own estimate); >= 0
 

@@ -12,9 +12,13 @@ namespace bspflow::tunables {
 
 /// Device memory: tiles x bytes per tile (IPU Mk2: 1472 tiles of 624 KiB).
 inline constexpr std::uint32_t kDefaultTiles = 1472;
+/// The most tiles a device may have.
 inline constexpr std::uint32_t kMaxTiles = 1u << 20;
+/// Memory per tile unless told otherwise: the Mk2's 624 KiB.
 inline constexpr std::size_t kDefaultBytesPerTile = 624 * 1024;
+/// The most memory a tile may have: 64 MiB.
 inline constexpr std::size_t kMaxBytesPerTile = std::size_t{64} << 20;
+/// Every arena allocation is rounded up to this many bytes; also the least memory per tile.
 inline constexpr std::size_t kArenaAlignment = 64;
 
 /// Modeled durations (the host link, exchange between devices): a thread that must wait until
@@ -50,6 +54,7 @@ inline constexpr std::chrono::nanoseconds kIoWakeWaitMax{20'000'000};
 /// The I/O engine polls an empty infeed for the next prefetch with this interval, doubling up
 /// to the maximum (the engine thread serves every device's link, so it must not block).
 inline constexpr std::chrono::nanoseconds kIoPollFirst{5'000};
+/// The longest interval the I/O engine's polling of an empty infeed doubles up to.
 inline constexpr std::chrono::nanoseconds kIoPollMax{200'000};
 
 }  // namespace bspflow::tunables

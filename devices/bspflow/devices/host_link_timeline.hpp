@@ -32,6 +32,7 @@ namespace bspflow {
 /// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 class HostLinkTimeline {
  public:
+  /// The clock the timeline's time points are on.
   using Clock = std::chrono::steady_clock;
 
   /// What the timeline models: one device's link and I/O tiles.
@@ -90,13 +91,18 @@ class HostLinkTimeline {
   /// Contract: device; blocks; no-alloc; noexcept.
   bool finish_out(const StopFlag* stop) noexcept;
 
-  /// Counts copies that ended (or, out with I/O tiles, were handed to them).
+  /// Bytes copied in. These counters count copies that ended (or, out with I/O tiles, were
+  /// handed to them).
   std::uint64_t bytes_in() const noexcept { return bytes_in_; }
+  /// Bytes copied out.
   std::uint64_t bytes_out() const noexcept { return bytes_out_; }
+  /// Copies in.
   std::uint64_t copies_in() const noexcept { return copies_in_; }
+  /// Copies out.
   std::uint64_t copies_out() const noexcept { return copies_out_; }
   /// How long the device waited for the link (both directions).
   std::chrono::nanoseconds waited() const noexcept { return waited_; }
+  /// The link and I/O tiles the timeline models.
   const Shape& shape() const noexcept { return shape_; }
 
  private:

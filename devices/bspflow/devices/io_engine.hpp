@@ -31,6 +31,7 @@ namespace bspflow {
 /// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 class IoEngine {
  public:
+  /// The clock transfers are timed on.
   using Clock = std::chrono::steady_clock;
 
   /// When a transfer ran.
@@ -51,8 +52,8 @@ class IoEngine {
 
   /// One transfer: its bytes, its modeled duration and the engine thread's callbacks.
   struct Transfer {
-    std::size_t bytes = 0;
-    std::chrono::nanoseconds modeled{0};
+    std::size_t bytes = 0;                ///< what the transfer moves
+    std::chrono::nanoseconds modeled{0};  ///< how long the link takes for it, from its start
     /// Engine thread: the real copy (see Start). If it throws, the transfer fails: done() is
     /// called at once, cancelled, with the exception in Times::error.
     std::function<Start()> start;
@@ -101,7 +102,9 @@ class IoEngine {
   /// Contract: any; blocks; allocates; throws bad_alloc.
   void wake();
 
+  /// How many independent links the engine serves.
   std::uint32_t channels() const noexcept;
+  /// The name the engine was given ("I/O engine").
   const std::string& name() const noexcept;
   /// Whether the engine thread's timer slack could be lowered (Linux prctl).
   bool low_timer_slack() const noexcept;

@@ -67,6 +67,7 @@ class ModeledClock {
     host_call_ = host_call_ns;
     span(ModeledPhase::kHostCall, 0, now_);
   }
+  /// The modeled time now, in nanoseconds since the run began.
   double now() const noexcept { return now_; }
   /// When the run's program started: after the host call.
   double launched() const noexcept { return host_call_; }

@@ -19,14 +19,16 @@ struct CoreInfo {
   std::uint32_t index = 0;     ///< logical core index 0..cores()-1
   std::uint32_t first_pu = 0;  ///< OS index of the core's first hardware thread
   std::uint32_t pus = 1;       ///< hardware threads on the core
-  int numa_node = 0;
+  int numa_node = 0;           ///< OS index of the NUMA node that holds the core
 };
 
 /// Where one device runs.
 /// Contract of every member: any; non-blocking; no-alloc; noexcept.
 struct Placement {
+  /// The device's index in its group.
   std::uint32_t device = 0;
   std::optional<std::uint32_t> core;  ///< nullopt: unpinned
+  /// The NUMA node of the device's core, where its memory is reserved.
   int numa_node = 0;
   std::uint32_t sharing = 1;  ///< devices placed on this core (1 = a core of its own)
   bool shares_host = false;   ///< on a core reserved for host threads (or unpinned beside them)
@@ -58,9 +60,13 @@ class Topology {
   /// Contract: any; blocks; allocates; throws bad_alloc.
   static const Topology& get();
 
+  /// Whether hwloc discovered the topology (false: devices run unpinned).
   bool has_hwloc() const noexcept { return hwloc_ != nullptr; }
+  /// The machine's physical cores.
   std::uint32_t cores() const noexcept { return static_cast<std::uint32_t>(cores_.size()); }
+  /// The machine's hardware threads (processing units).
   std::uint32_t pus() const noexcept { return pus_; }
+  /// The machine's NUMA nodes (at least 1).
   std::uint32_t numa_nodes() const noexcept { return numa_nodes_; }
 
   /// Where `devices` devices would be placed (see the policy above), keeping off `host_cores`
@@ -85,9 +91,9 @@ class Topology {
   /// Gives back `bytes` of memory that allocate() returned.
   void release(void* ptr, std::size_t bytes) const noexcept;
   /// This machine's memory in bytes (the larger of the physical pages the OS reports and
-  /// hwloc's total; 0 if neither says), and NUMA node `numa_node`'s own (0 if unknown: no
-  /// hwloc, or no such node).
+  /// hwloc's total; 0 if neither says).
   std::size_t memory_bytes() const noexcept;
+  /// NUMA node `numa_node`'s own memory in bytes (0 if unknown: no hwloc, or no such node).
   std::size_t numa_node_memory_bytes(int numa_node) const noexcept;
 
   /// "2 cores (2 hardware threads), 1 NUMA node, hwloc API 2.9.0" plus one line per core and
@@ -103,6 +109,7 @@ class Topology {
   /// slices of the cores (core i mod cores when there are more instances than cores);
   /// otherwise every core. Found once, when the topology is discovered.
   const std::vector<std::uint32_t>& instance_cores() const noexcept { return instance_cores_; }
+  /// Why instance_cores() holds those cores ("every core (one instance on this host)").
   const std::string& instance_cores_reason() const noexcept { return instance_reason_; }
   /// The slice rule above, pure: the cores of instance `local_index` of `local_count` on a
   /// host of `cores` cores. Throws bspflow::Error unless local_index < local_count and

@@ -10,8 +10,10 @@
 
 namespace bspflow {
 
+/// How severe a log message is; kOff, as a level, drops every message.
 enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3, kOff = 4 };
 
+/// Receives each message that passes the level, with its level.
 using LogHandler = std::function<void(LogLevel, std::string_view)>;
 
 /// Replaces the handler; an empty handler restores the default (stderr). Takes the lock

@@ -15,12 +15,15 @@ inline constexpr std::size_t kCacheLine = 64;
 /// Prefetch depth: how many elements per replica are moved toward the device ahead of use
 /// (TF-IPU's prefetch_depth). The device takes up to this many in one bulk dequeue.
 inline constexpr std::uint32_t kMinPrefetchDepth = 1;
+/// The largest prefetch depth.
 inline constexpr std::uint32_t kMaxPrefetchDepth = 255;
+/// The prefetch depth a feed uses unless told otherwise.
 inline constexpr std::uint32_t kDefaultPrefetchDepth = 1;
 
 /// Infeed capacity in elements per replica lane. A producer that finds its lane full blocks
 /// (push) or gets Full (try_push): memory never grows past capacity per lane.
 inline constexpr std::size_t kDefaultInfeedCapacity = 256;
+/// The largest capacity of a queue (an infeed lane, an outfeed, a stream hop): 2^30.
 inline constexpr std::size_t kMaxQueueCapacity = std::size_t{1} << 30;
 
 /// Outfeed capacity in entries. 0 = unbounded (host memory, as on the IPU, where the host
@@ -37,7 +40,9 @@ inline constexpr std::size_t kDefaultOutfeedCapacity = 0;
 /// once per entry otherwise, so an entry is held back by at most kOutfeedClockEvery
 /// iterations (none while the device waits for input).
 inline constexpr std::size_t kOutfeedCombine = 32;
+/// Iterations faster than this let a device stage its outfeed entries.
 inline constexpr std::chrono::nanoseconds kOutfeedCombineBelow{2'000};
+/// While iterations are fast, a device reads the clock once per this many entries.
 inline constexpr std::uint32_t kOutfeedClockEvery = 8;
 
 /// A bulk push into a single-producer lane (an infeed's push_bulk, an outfeed's staged
@@ -62,7 +67,9 @@ inline constexpr std::uint32_t kMaxReplicas = 1024;
 /// DataLoader: worker threads (kAsync needs at least one) and steps loaded ahead in kAsync
 /// mode (PopTorch's AsynchronousDataAccessor buffer_size, default 3).
 inline constexpr std::uint32_t kMaxLoaderWorkers = 256;
+/// Steps a kAsync DataLoader loads ahead unless told otherwise.
 inline constexpr std::uint32_t kDefaultLoaderBuffer = 3;
+/// The most steps a kAsync DataLoader may load ahead.
 inline constexpr std::uint32_t kMaxLoaderBuffer = 1024;
 
 /// Waiting: spin this long (with a CPU pause hint) before parking on a futex. Long enough to
@@ -74,6 +81,7 @@ inline constexpr std::chrono::nanoseconds kSpinBudget{20'000};
 /// spin a waiter that shares its core with a host thread the application reserved is capped
 /// to, yielding between checks, before it parks (beside devices only, see below).
 inline constexpr std::chrono::nanoseconds kMaxSpinBudget{1'000'000'000};
+/// The longest spin of a waiter that shares its core with a reserved host thread.
 inline constexpr std::chrono::nanoseconds kSharedCoreSpinBudget{5'000};
 /// The yielding spin of a waiter whose core is shared by devices only (no host thread): at
 /// least this long. Each check gives the core to whichever device has work, so a longer spin
@@ -96,7 +104,9 @@ inline constexpr std::chrono::nanoseconds kSyncSpinBudget{1'000'000};
 /// taken for a hang; a serving Pipeline idle on an open infeed says so once per run); 0
 /// turns it off. The monitor looks at a run every limit / 4, clamped to 1 ms..1 s.
 inline constexpr std::chrono::nanoseconds kDefaultRunStallLimit{30'000'000'000};
+/// The shortest stall limit a run accepts, other than 0 (off): 1 ms.
 inline constexpr std::chrono::nanoseconds kMinRunStallLimit{1'000'000};
+/// The longest stall limit a run accepts: 24 h.
 inline constexpr std::chrono::nanoseconds kMaxRunStallLimit{86'400'000'000'000};
 
 }  // namespace bspflow::tunables

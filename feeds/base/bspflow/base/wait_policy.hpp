@@ -28,14 +28,18 @@ const char* to_string(WaitStrategy s) noexcept;
 /// A strategy and, for kSpinThenPark, its spin budget. A plain value.
 /// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 struct WaitPolicy {
+  /// How a wait proceeds: busy-spin, spin then park, or park at once.
   WaitStrategy strategy = WaitStrategy::kSpinThenPark;
   std::chrono::nanoseconds spin = tunables::kSpinBudget;  ///< kSpinThenPark: 0..kMaxSpinBudget
 
+  /// A policy that spins until the condition holds.
   static WaitPolicy busy_spin() noexcept { return {WaitStrategy::kBusySpin, {}}; }
+  /// A policy that spins for `budget`, then parks until woken.
   static WaitPolicy spin_then_park(
       std::chrono::nanoseconds budget = tunables::kSpinBudget) noexcept {
     return {WaitStrategy::kSpinThenPark, budget};
   }
+  /// A policy that parks at once.
   static WaitPolicy park() noexcept { return {WaitStrategy::kPark, {}}; }
 
   /// Checks every field.
@@ -49,9 +53,10 @@ struct WaitPolicy {
   /// Whether waits yield the core between checks (a capped policy does).
   bool yields = false;
 
-  /// How a wait under this policy spins before it parks, and for how long (busy-spin: for
-  /// as long as it takes; park: not at all).
+  /// How a wait under this policy spins before it parks: yielding the core or not.
   Spin spin_mode() const noexcept { return yields ? Spin::kYield : Spin::kTight; }
+  /// How long a wait under this policy spins before it parks (busy-spin: for as long as it
+  /// takes; park: not at all).
   std::chrono::nanoseconds spin_budget() const noexcept {
     switch (strategy) {
       case WaitStrategy::kBusySpin:

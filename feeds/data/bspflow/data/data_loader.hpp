@@ -38,7 +38,9 @@ class LoaderError : public Error {
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
   LoaderError(const std::string& message, std::uint64_t sample, std::exception_ptr cause)
       : Error(message), sample_(sample), cause_(std::move(cause)) {}
+  /// The dataset index of the sample that failed.
   std::uint64_t sample_index() const noexcept { return sample_; }
+  /// What loading the sample threw.
   const std::exception_ptr& cause() const noexcept { return cause_; }
 
  private:
@@ -100,6 +102,7 @@ template <class D>
 requires RandomAccessDataset<D> || StreamingDataset<D>
 class DataLoader : private detail::LoaderCore {
  public:
+  /// A loaded step, leased to the consumer until destroyed.
   using Step = LoaderStep;
 
   /// `shape`: bspflow::Options (or a StepShape). The dataset is read, not owned. Allocates
@@ -166,6 +169,7 @@ class DataLoader : private detail::LoaderCore {
       step_ = loader_->next();
       return *this;
     }
+    /// Whether the epoch has no step left (the iterator equals end()).
     bool operator==(std::default_sentinel_t) const noexcept { return !step_.has_value(); }
 
    private:
@@ -180,6 +184,7 @@ class DataLoader : private detail::LoaderCore {
     start_epoch();
     return Iterator(this);
   }
+  /// The end of the epoch's steps.
   std::default_sentinel_t end() const noexcept { return {}; }
 
   /// Takes the next step and moves replica r's micro-batches into lane r of the producer's
@@ -211,6 +216,8 @@ class DataLoader : private detail::LoaderCore {
   }
 
  protected:
+  /// Loads micro-batch `t` into `b` (a worker, or the consumer in kSync): its samples, or
+  /// padding past the end of the data. Throws LoaderError for a sample that fails.
   void fill(Batch& b, const Task& t) override {
     const LoadPlan& p = plan();
     const SampleSpec& out = sample_spec();
@@ -311,6 +318,7 @@ class DataLoader : private detail::LoaderCore {
   std::uint64_t stream_pos_ = 0;
 };
 
+/// Deduces the dataset type: `bspflow::DataLoader loader(options, dataset, config);`.
 template <class O, class D>
 DataLoader(const O&, D&, LoaderConfig) -> DataLoader<D>;
 

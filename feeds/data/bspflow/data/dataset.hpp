@@ -19,8 +19,8 @@ namespace bspflow {
 
 /// One sample: its data and an integer label (class index; -1 marks padding in a batch).
 struct Sample {
-  Tensor data;
-  std::int32_t label = 0;
+  Tensor data;             ///< the sample's values, of the dataset's spec()
+  std::int32_t label = 0;  ///< its class index
 };
 
 /// A random-access dataset (PyTorch's map-style Dataset): size() samples, spec() (element
@@ -59,23 +59,27 @@ concept StreamingDataset = requires(D& d, Sample& s) {
 /// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 class SyntheticDataset {
  public:
+  /// What the sample values are drawn from.
   enum class Distribution {
     kNormal,   ///< N(0, 1)
     kUniform,  ///< U[0, 1) plus the label (PopTorch's data-loading tutorial), fp types only
-    kZeros,
+    kZeros,    ///< every value 0
   };
+  /// What to generate: how many samples, of what type and shape, drawn how.
   struct Config {
-    std::size_t size = 1000;
-    SampleSpec spec{DType::kFloat32, {1, 28, 28}};
-    std::int32_t classes = 10;  ///< >= 1
+    std::size_t size = 1000;                        ///< samples in the dataset
+    SampleSpec spec{DType::kFloat32, {1, 28, 28}};  ///< element type and shape of every sample
+    std::int32_t classes = 10;                      ///< >= 1
+    /// What the values are drawn from.
     Distribution distribution = Distribution::kNormal;
-    std::uint64_t seed = 0;
+    std::uint64_t seed = 0;  ///< with the index, fixes each sample's label and values
   };
   /// Throws bspflow::Error for an empty shape, classes below 1, or uint8/int32 with
   /// kUniform.
   /// Contract: any; non-blocking; no-alloc; throws Error.
   explicit SyntheticDataset(Config config);
 
+  /// How many samples the dataset holds (Config::size).
   std::size_t size() const noexcept { return config_.size; }
   /// Element type and shape of every sample.
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
@@ -125,6 +129,7 @@ class TensorDataset {
     return TensorDataset(spec, std::move(data), std::move(labels));
   }
 
+  /// How many samples the dataset holds.
   std::size_t size() const noexcept { return labels_.size(); }
   /// Element type and shape of every sample.
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
@@ -136,7 +141,9 @@ class TensorDataset {
   /// bspflow::Error if i is not below size() or `out` has another size.
   /// Contract: any; non-blocking; no-alloc; throws Error.
   std::int32_t read(std::size_t i, std::span<std::byte> out) const;
+  /// Every sample's label, in order.
   std::span<const std::int32_t> labels() const noexcept { return labels_; }
+  /// Every sample's data, contiguous: size() x spec().bytes() bytes.
   std::span<const std::byte> bytes() const noexcept { return data_; }
 
   /// Throws bspflow::Error unless `s` matches `spec` (what a loader checks for get()).

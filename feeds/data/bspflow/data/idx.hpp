@@ -14,6 +14,7 @@
 
 namespace bspflow::idx {
 
+/// An IDX element type, by the type code in the file's magic number.
 enum class Type : std::uint8_t {
   kUint8 = 0x08,
   kInt8 = 0x09,
@@ -33,9 +34,9 @@ const char* to_string(Type t) noexcept;
 /// One IDX file: its element type, dimensions, and elements in host byte order.
 /// Contract of every member: any; non-blocking; no-alloc; noexcept.
 struct Array {
-  Type type = Type::kUint8;
-  std::vector<std::uint32_t> dims;
-  std::vector<std::byte> data;
+  Type type = Type::kUint8;         ///< the element type
+  std::vector<std::uint32_t> dims;  ///< the dimensions, outermost first
+  std::vector<std::byte> data;      ///< the elements, in host byte order
 
   /// dims[0]: the number of items (images, labels).
   std::size_t items() const noexcept { return dims.empty() ? 0 : dims[0]; }

@@ -31,16 +31,23 @@ class LoadPlan {
 
   /// This instance's samples per epoch (the whole dataset with one instance).
   std::uint64_t dataset_size() const noexcept { return size_; }
+  /// The whole dataset's samples, over every instance.
   std::uint64_t total_size() const noexcept { return total_; }
+  /// Samples per micro-batch.
   std::size_t batch_size() const noexcept { return batch_; }
+  /// Replicas per step (this instance's).
   std::uint32_t replicas() const noexcept { return shape_.replicas; }
   /// Micro-batches per replica per step: device iterations x gradient accumulation.
   std::uint64_t per_replica() const noexcept { return per_replica_; }
+  /// Micro-batches per step over every replica: per_replica() x replicas().
   std::uint64_t micro_batches_per_step() const noexcept { return per_replica_ * shape_.replicas; }
+  /// Samples per step: micro_batches_per_step() x batch_size().
   std::uint64_t samples_per_step() const noexcept { return per_step_; }
+  /// Steps one epoch makes (the same in every instance).
   std::uint64_t steps_per_epoch() const noexcept { return steps_; }
   /// With several instances: dropped by all of them together (the remainder included).
   std::uint64_t dropped_per_epoch() const noexcept { return dropped_; }
+  /// Padding samples this instance adds to its last step each epoch (0 with drop_last).
   std::uint64_t padded_per_epoch() const noexcept { return padded_; }
   /// "combined batch 16 batch x 50 device iterations x 1 gradient accumulation x 2 replicas
   /// = 1600 samples; 10000 samples -> 6 steps per epoch, drop_last drops 400".

@@ -14,6 +14,8 @@
 
 namespace bspflow {
 
+/// kSync: a step loads when asked, on the calling thread plus helpers. kAsync: worker threads
+/// load steps ahead into a ring.
 enum class LoaderMode { kSync, kAsync };
 /// "sync" or "async".
 /// Contract: any; non-blocking; no-alloc; noexcept.
@@ -28,7 +30,7 @@ struct LoaderConfig {
   /// kAsync: 1..kMaxLoaderWorkers; kSync: helpers, 0..kMaxLoaderWorkers. A streaming
   /// dataset needs exactly 1 (kAsync) or 0 (kSync).
   std::uint32_t num_workers = 0;
-  LoaderMode mode = LoaderMode::kSync;
+  LoaderMode mode = LoaderMode::kSync;  ///< when and on which threads steps load
   /// kAsync: steps loaded ahead, 1..kMaxLoaderBuffer (kSync ignores it: one step at a time).
   std::uint32_t buffer_size = tunables::kDefaultLoaderBuffer;
   bool early_preload = false;  ///< kAsync only: start loading at construction
@@ -51,7 +53,7 @@ struct LoaderConfig {
   /// to the same number of steps. The replicas of the run shape are this instance's local
   /// replicas. instances 1..kMaxReplicas, instance below it.
   std::uint32_t instance = 0;
-  std::uint32_t instances = 1;
+  std::uint32_t instances = 1;  ///< how many instances share the dataset
   /// Checks every field, and options that conflict (the message names them).
   /// Contract: any; non-blocking; no-alloc; throws Error.
   void validate() const;
@@ -61,9 +63,9 @@ struct LoaderConfig {
 /// and replicas() (bspflow::Options), or a StepShape. Checked by the loader: device
 /// iterations and gradient accumulation >= 1, replicas 1..kMaxReplicas.
 struct StepShape {
-  std::uint64_t device_iterations = 1;
-  std::uint32_t gradient_accumulation = 1;
-  std::uint32_t replicas = 1;
+  std::uint64_t device_iterations = 1;      ///< loop trips per host call
+  std::uint32_t gradient_accumulation = 1;  ///< micro-batches per replica per weight update
+  std::uint32_t replicas = 1;               ///< replicas the loader feeds
 };
 template <class O>
 concept RunShape = requires(const O& o) {

@@ -83,14 +83,17 @@ constexpr DType dtype_of() noexcept {
 /// dimension).
 /// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 struct SampleSpec {
-  DType dtype = DType::kFloat32;
-  std::vector<std::size_t> shape;
+  DType dtype = DType::kFloat32;   ///< the element type
+  std::vector<std::size_t> shape;  ///< the dimensions, outermost first
 
+  /// Elements per sample: the product of the dimensions.
   std::size_t elements() const noexcept;
+  /// Bytes per sample: elements() times the element size.
   std::size_t bytes() const noexcept { return elements() * dtype_size(dtype); }
   /// "fp32[1x128x128]".
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
   std::string describe() const;
+  /// Whether both specs have the same element type and shape.
   bool operator==(const SampleSpec&) const noexcept = default;
 };
 
@@ -116,6 +119,7 @@ class BufferPool {
   ~BufferPool();
   BufferPool(const BufferPool&) = delete;
   BufferPool& operator=(const BufferPool&) = delete;
+  /// The size of every block, in bytes.
   std::size_t block_bytes() const noexcept { return block_; }
   /// A block of block_bytes() (uninitialised): a spare one, else a new one.
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
@@ -157,6 +161,7 @@ struct TensorDeleter {
 /// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 class Tensor {
  public:
+  /// How a new tensor's bytes start: zero-filled, or left for the caller to overwrite.
   enum class Init { kZero, kNone };
 
   Tensor() noexcept = default;
@@ -185,6 +190,7 @@ class Tensor {
         bytes_(std::move(other.bytes_)) {
     other.shape_.clear();
   }
+  /// Takes `other`'s contents; `other` is left empty.
   Tensor& operator=(Tensor&& other) noexcept {
     if (this != &other) {
       dtype_ = other.dtype_;
@@ -196,13 +202,20 @@ class Tensor {
     return *this;
   }
 
+  /// The element type.
   DType dtype() const noexcept { return dtype_; }
+  /// The dimensions, outermost first.
   const std::vector<std::size_t>& shape() const noexcept { return shape_; }
+  /// How many elements the tensor holds.
   std::size_t elements() const noexcept { return size_ / dtype_size(dtype_); }
+  /// The size of its contents in bytes.
   std::size_t bytes() const noexcept { return size_; }
+  /// Whether it holds no bytes (as a default-constructed or moved-from tensor).
   bool empty() const noexcept { return size_ == 0; }
 
+  /// The contents as bytes.
   std::span<std::byte> raw() noexcept { return {bytes_.get(), size_}; }
+  /// The contents as bytes, read-only.
   std::span<const std::byte> raw() const noexcept { return {bytes_.get(), size_}; }
 
   /// The elements as E. Throws bspflow::Error if E does not match dtype() (fp16 is read

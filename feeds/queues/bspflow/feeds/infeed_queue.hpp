@@ -28,6 +28,7 @@ namespace bspflow {
 /// Who pushes into an infeed: one Producer at a time, or several at once.
 enum class ProducerType { kMulti, kSingle };
 
+/// An infeed's shape: its replica lanes, their capacity, the prefetch depth and who pushes.
 struct InfeedConfig {
   std::uint32_t replicas = 1;                                      ///< 1..kMaxReplicas
   std::size_t capacity = tunables::kDefaultInfeedCapacity;         ///< per lane, >= prefetch_depth
@@ -116,8 +117,10 @@ class InfeedQueue {
                     : l.mpmc->push_bulk(tokens_[replica], values.begin(), values.size());
     }
 
+    /// The replica lanes of the infeed this producer pushes into.
     std::uint32_t replicas() const noexcept { return queue_->replicas(); }
 
+    /// Takes over `o`'s place as a producer; `o` is left without a queue.
     Producer(Producer&& o) noexcept
         : queue_(std::exchange(o.queue_, nullptr)), tokens_(std::move(o.tokens_)),
           cursor_(o.cursor_) {}
@@ -175,6 +178,7 @@ class InfeedQueue {
   /// Contract of every member: device; non-blocking; no-alloc; noexcept, unless tagged.
   class Reader {
    public:
+    /// Takes over `other`'s lane and prefetch buffer; `other` is left without a lane.
     Reader(Reader&& other) noexcept
         : lane_(std::exchange(other.lane_, nullptr)), owned_(std::move(other.owned_)),
           buffer_(other.buffer_), pos_(other.pos_), count_(other.count_),
@@ -232,6 +236,7 @@ class InfeedQueue {
       return true;
     }
 
+    /// Whether the last pop() returned false because the lane was closed and drained.
     bool end_of_data() const noexcept { return end_of_data_; }
     /// Elements already moved off the lane into the prefetch buffer, not yet popped.
     std::size_t prefetched() const noexcept { return count_ - pos_; }
@@ -308,6 +313,7 @@ class InfeedQueue {
   void close() noexcept {
     for (auto& l : lanes_) l->spsc ? l->spsc->close() : l->mpmc->close();
   }
+  /// Whether close() has been called.
   bool closed() const noexcept {
     const LaneSlot& l = *lanes_.front();
     return l.spsc ? l.spsc->is_closed() : l.mpmc->is_closed();
@@ -318,9 +324,13 @@ class InfeedQueue {
     for (auto& l : lanes_) l->spsc ? l->spsc->wake_all() : l->mpmc->wake_all();
   }
 
+  /// The replica lanes (InfeedConfig::replicas).
   std::uint32_t replicas() const noexcept { return config_.replicas; }
+  /// Elements a reader moves off its lane ahead of use (InfeedConfig::prefetch_depth).
   std::uint32_t prefetch_depth() const noexcept { return config_.prefetch_depth; }
+  /// Elements one lane holds at most (InfeedConfig::capacity).
   std::size_t capacity() const noexcept { return config_.capacity; }
+  /// The config the infeed was built with.
   const InfeedConfig& config() const noexcept { return config_; }
   /// Elements in a lane (pushed, not yet taken by its reader); approximate while running.
   std::size_t size_approx(std::uint32_t replica) const noexcept {

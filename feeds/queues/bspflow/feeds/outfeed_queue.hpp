@@ -32,9 +32,11 @@ namespace bspflow {
 /// Who reads an outfeed: one host thread at a time, or several at once.
 enum class ConsumerType { kMulti, kSingle };
 
+/// An outfeed's shape: its replicas, what the host sees of their values, its capacity and who
+/// reads.
 struct OutfeedConfig {
-  std::uint32_t replicas = 1;  ///< 1..kMaxReplicas
-  OutputMode mode = OutputMode::all();
+  std::uint32_t replicas = 1;           ///< 1..kMaxReplicas
+  OutputMode mode = OutputMode::all();  ///< what the host sees of each replica's values
   /// Entries (kMulti: in all, 0 = unbounded; kSingle: per replica, 1..kMaxQueueCapacity).
   std::size_t capacity = tunables::kDefaultOutfeedCapacity;
   /// kSingle: one reading thread at a time (faster; needs a capacity); kMulti: any number.
@@ -44,11 +46,12 @@ struct OutfeedConfig {
   void validate() const;
 };
 
+/// One value a replica wrote to an outfeed, with where it came from.
 template <class T>
 struct OutfeedEntry {
-  std::uint32_t replica = 0;
+  std::uint32_t replica = 0;    ///< the replica that wrote it
   std::uint64_t iteration = 0;  ///< for sum(): the last iteration summed
-  T value{};
+  T value{};                    ///< what the device wrote (sum(): the sum)
 };
 
 namespace detail {
@@ -102,7 +105,9 @@ class OutfeedQueue {
   }
 
  public:
+  /// One entry: a value and the replica and iteration that wrote it.
   using Entry = OutfeedEntry<T>;
+  /// What the outfeed holds: an Entry.
   using value_type = Entry;
 
   /// Validates the config. A sum() outfeed needs a T with += or an array/vector of such
@@ -179,10 +184,15 @@ class OutfeedQueue {
   /// Contract of every member: consumer; non-blocking; no-alloc; noexcept, unless tagged.
   class Iterator {
    public:
+    /// The most entries the iterator reads at once.
     static constexpr std::size_t kBatch = 32;
+    /// What the iterator yields: an Entry.
     using value_type = Entry;
+    /// Distance between iterators, as an input iterator declares it.
     using difference_type = std::ptrdiff_t;
+    /// The current entry.
     Entry& operator*() const noexcept { return buffer_[pos_]; }
+    /// The current entry's members.
     Entry* operator->() const noexcept { return &buffer_[pos_]; }
     /// The next entry; once the batch is used up, waits for more (until an entry is
     /// available or the run ends).
@@ -194,6 +204,7 @@ class OutfeedQueue {
     /// As the prefix increment.
     /// Contract: consumer; blocks; no-alloc; throws Error.
     void operator++(int) { ++*this; }
+    /// Whether reading is over: the run ended and every entry was read (`it` equals end()).
     friend bool operator==(const Iterator& it, std::default_sentinel_t) { return it.count_ == 0; }
 
    private:
@@ -215,6 +226,7 @@ class OutfeedQueue {
   /// An iterator at the first entry: waits for it as pop() does.
   /// Contract: consumer; blocks; allocates; throws Error.
   Iterator begin() { return Iterator(this); }
+  /// The end of the entries.
   std::default_sentinel_t end() const noexcept { return {}; }
 
   /// A run is attached and at least one of its replicas has not finished.
@@ -434,9 +446,13 @@ class OutfeedQueue {
     for (auto& lane : lanes_) lane->wake_all();
   }
 
+  /// The replicas that write (OutfeedConfig::replicas).
   std::uint32_t replicas() const noexcept { return config_.replicas; }
+  /// What the host sees of each replica's values (OutfeedConfig::mode).
   OutputMode mode() const noexcept { return config_.mode; }
+  /// The capacity in entries (OutfeedConfig::capacity: kMulti in all, kSingle per replica).
   std::size_t capacity() const noexcept { return config_.capacity; }
+  /// The config the outfeed was built with.
   const OutfeedConfig& config() const noexcept { return config_; }
 
  private:

@@ -14,6 +14,7 @@ namespace bspflow {
 /// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 class OutputMode {
  public:
+  /// Which of the modes: all(), final(), sum() or every_n().
   enum class Kind { kAll, kFinal, kSum, kEveryN };
 
   /// One entry per iteration (with gradient accumulation, per accumulation step) per
@@ -33,7 +34,9 @@ class OutputMode {
   /// Contract: any; non-blocking; allocates; throws Error.
   static OutputMode parse(std::string_view text);
 
+  /// Which mode this is.
   constexpr Kind kind() const noexcept { return kind_; }
+  /// every_n()'s n; 1 for the other modes.
   constexpr std::uint64_t n() const noexcept { return n_; }
 
   /// Does iteration `i` (0-based) of a loop produce a host-visible entry right away?
@@ -63,6 +66,7 @@ class OutputMode {
   /// "all", "final", "sum" or "every_n:N" (what parse() reads back).
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
   std::string to_string() const;
+  /// Whether both are the same mode with the same n.
   friend constexpr bool operator==(OutputMode, OutputMode) noexcept = default;
 
  private:

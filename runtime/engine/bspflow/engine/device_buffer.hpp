@@ -28,12 +28,19 @@ class DeviceBuffer {
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
 
+  /// The device whose arena holds the buffer.
   Device& device() const noexcept { return *device_; }
+  /// The name its memory goes by in the arena's reports.
   const std::string& name() const noexcept { return name_; }
+  /// The element type.
   DType dtype() const noexcept { return dtype_; }
+  /// How many elements it holds.
   std::size_t elements() const noexcept { return elements_; }
+  /// Its size in bytes: elements() times the element size.
   std::size_t bytes() const noexcept { return elements_ * dtype_size(dtype_); }
+  /// The contents as bytes.
   std::span<std::byte> raw() noexcept { return {data_, bytes()}; }
+  /// The contents as bytes, read-only.
   std::span<const std::byte> raw() const noexcept { return {data_, bytes()}; }
   /// The elements as E (uint8_t, uint16_t for fp16, float, int32_t). Throws bspflow::Error
   /// if E does not match dtype().

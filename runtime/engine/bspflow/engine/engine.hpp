@@ -36,6 +36,7 @@ enum class SyntheticFill { kZeros, kRandomNormal };
 /// synthetic_data; for an Engine io_tiles must hold one micro-batch and prefetch_depth counts
 /// micro-batches) and the Engine's own fields. EngineConfig::from(options) derives one.
 struct EngineConfig : HostIO {
+  /// The modeled link between devices: a Copy between devices and an AllReduce take its time.
   LinkModel device_link = LinkModel::device();
   SyntheticFill synthetic_fill = SyntheticFill::kRandomNormal;  ///< with synthetic_data
   std::uint64_t seed = 0;                                       ///< for kRandomNormal
@@ -140,7 +141,9 @@ class Engine {
   /// Contract: host; non-blocking; allocates; throws bad_alloc.
   TraceSummary summary() const;
 
+  /// The config the Engine was built with.
   const EngineConfig& config() const noexcept;
+  /// How many devices it runs programs on.
   std::uint32_t devices() const noexcept;
   std::uint32_t compute_tiles() const noexcept;  ///< per device: tiles - io_tiles
   /// Whether the I/O engine thread runs with 1 ns timer slack.

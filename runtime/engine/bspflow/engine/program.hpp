@@ -31,7 +31,7 @@ namespace bspflow {
 
 /// Where an Execute's vertex runs.
 struct ComputeContext {
-  std::uint32_t device = 0;
+  std::uint32_t device = 0;         ///< the device's id (Device::id())
   std::uint32_t replica = 0;        ///< the device's index in the engine's device list
   std::uint64_t iteration = 0;      ///< trip of the outermost Repeat (0 outside one)
   std::uint32_t compute_tiles = 0;  ///< tiles - io_tiles
@@ -41,9 +41,9 @@ struct ComputeContext {
 };
 /// The share of an Execute's work items one tile gets: [begin, end).
 struct TileWork {
-  std::uint32_t tile = 0;
-  std::size_t begin = 0;
-  std::size_t end = 0;
+  std::uint32_t tile = 0;  ///< the compute tile, 0..compute_tiles-1
+  std::size_t begin = 0;   ///< its first work item
+  std::size_t end = 0;     ///< one past its last work item
 };
 
 class Program;
@@ -57,10 +57,11 @@ struct Sequence {
   /// The steps of a vector.
   /// Contract: host; non-blocking; allocates; throws bad_alloc.
   explicit Sequence(std::vector<Program> steps);
-  std::vector<Program> steps;
+  std::vector<Program> steps;  ///< run in this order
 };
 /// A compute set, run by the device thread.
 struct Execute {
+  /// Called once per tile that got work items, with its share.
   using Vertex = std::function<void(const ComputeContext&, const TileWork&)>;
   /// `work_items` split evenly over the compute tiles, `vertex` called once per tile that got
   /// some; work_items = 0: called once for the whole device (tile 0, range [0, 0)). Throws
@@ -87,7 +88,9 @@ struct Execute {
     this->cost = cost;
     return std::move(*this);
   }
+  /// The compute set's label in the trace.
   std::string name;
+  /// Items split over the compute tiles (0: the codelet, or one vertex call for the device).
   std::size_t work_items = 0;
   Vertex vertex;                                       ///< set by the first constructor
   std::function<void(const ComputeContext&)> codelet;  ///< set by the second
@@ -98,7 +101,7 @@ struct Sync {
   /// Throws bspflow::Error if `group` is null.
   /// Contract: host; non-blocking; no-alloc; throws Error.
   explicit Sync(std::shared_ptr<SyncGroup> group);
-  std::shared_ptr<SyncGroup> group;
+  std::shared_ptr<SyncGroup> group;  ///< the barrier every participant arrives at
 };
 /// A copy between device buffers; between devices it also takes the device link's modeled
 /// time.
@@ -106,7 +109,8 @@ struct Copy {
   /// Throws bspflow::Error if a buffer is null or the two differ in dtype or size.
   /// Contract: host; non-blocking; no-alloc; throws Error.
   Copy(Buffer src, Buffer dst);
-  Buffer src, dst;
+  /// The buffer copied from.
+  Buffer src, dst;  ///< the buffer copied into
 };
 /// A copy between host and device over the modeled host link.
 struct StreamCopy {
@@ -119,9 +123,9 @@ struct StreamCopy {
   /// outermost Repeat's trip as the iteration. Throws bspflow::Error if `src` is null.
   /// Contract: host; non-blocking; no-alloc; throws Error.
   StreamCopy(Buffer src, OutfeedQueue<Tensor>& to);
-  InfeedQueue<Tensor>* infeed = nullptr;
-  OutfeedQueue<Tensor>* outfeed = nullptr;
-  Buffer buffer;
+  InfeedQueue<Tensor>* infeed = nullptr;    ///< host -> device: the infeed read (else null)
+  OutfeedQueue<Tensor>* outfeed = nullptr;  ///< device -> host: the outfeed written (else null)
+  Buffer buffer;                            ///< the device side: `dst` or `src`
 };
 /// A copy between device memory and host memory the program owns (Poplar's remote buffers:
 /// offloaded optimiser state, weights): `copy` moves the data and returns the bytes it moved;
@@ -132,8 +136,9 @@ struct RemoteCopy {
   /// Contract: host; non-blocking; allocates; throws Error.
   RemoteCopy(std::string name, bool to_host,
              std::function<std::size_t(const ComputeContext&)> copy);
-  std::string name;
-  bool to_host;
+  std::string name;  ///< the copy's label in the trace
+  bool to_host;      ///< the direction: true from device to host
+  /// Moves the data and returns the bytes it moved.
   std::function<std::size_t(const ComputeContext&)> copy;
   /// Takes its modeled time to the end even when the run stops (and the Sequence goes on):
   /// for work that must complete once started (a distributed training step's tail).
@@ -153,8 +158,9 @@ struct AllReduce {
   /// Contract: host; non-blocking; allocates; throws Error.
   AllReduce(std::string name, std::uint32_t replicas,
             std::function<std::size_t(const ComputeContext&)> bytes);
-  std::string name;
-  std::uint32_t replicas;
+  std::string name;        ///< the exchange's label in the trace
+  std::uint32_t replicas;  ///< the devices taking part (the size of the Sync's group)
+  /// Returns this device's contribution, in bytes.
   std::function<std::size_t(const ComputeContext&)> bytes;
   bool finish_on_stop = false;  ///< as RemoteCopy::finish_on_stop
 };
@@ -162,9 +168,10 @@ struct AllReduce {
 struct Repeat {
   /// Contract: host; non-blocking; allocates; throws bad_alloc.
   Repeat(std::uint64_t count, Program body);
-  std::uint64_t count;
+  std::uint64_t count;        ///< trips of the body
   std::vector<Program> body;  ///< one element (a vector only to break the type cycle)
 };
+/// Runs its body while a condition holds, at most a number of trips.
 struct RepeatWhile {
   /// Runs body while condition(context) holds, checked before each trip; at most
   /// `max_trips` trips (a guard against a condition that never turns false). Throws
@@ -172,9 +179,10 @@ struct RepeatWhile {
   /// Contract: host; non-blocking; allocates; throws Error.
   RepeatWhile(std::function<bool(const ComputeContext&)> condition, Program body,
               std::uint64_t max_trips = UINT64_MAX);
+  /// Checked before each trip: the body runs while it returns true.
   std::function<bool(const ComputeContext&)> condition;
-  std::vector<Program> body;
-  std::uint64_t max_trips;
+  std::vector<Program> body;  ///< one element (a vector only to break the type cycle)
+  std::uint64_t max_trips;    ///< the most trips, whatever the condition says
 };
 }  // namespace program
 
@@ -183,19 +191,30 @@ struct RepeatWhile {
 /// Contract of every member: host; non-blocking; allocates; throws bad_alloc, unless tagged.
 class Program {
  public:
+  /// The node types a program tree is made of.
   using Node = std::variant<program::Sequence, program::Execute, program::Sync, program::Copy,
                             program::StreamCopy, program::Repeat, program::RepeatWhile,
                             program::FusedRepeat, program::RemoteCopy, program::AllReduce>;
-  Program(program::Sequence n);     // NOLINT: implicit, like Poplar's program classes
-  Program(program::Execute n);      // NOLINT
-  Program(program::Sync n);         // NOLINT
-  Program(program::Copy n);         // NOLINT
-  Program(program::StreamCopy n);   // NOLINT
-  Program(program::Repeat n);       // NOLINT
+  /// A program of one Sequence node.
+  Program(program::Sequence n);  // NOLINT: implicit, like Poplar's program classes
+  /// A program of one Execute node.
+  Program(program::Execute n);  // NOLINT
+  /// A program of one Sync node.
+  Program(program::Sync n);  // NOLINT
+  /// A program of one Copy node.
+  Program(program::Copy n);  // NOLINT
+  /// A program of one StreamCopy node.
+  Program(program::StreamCopy n);  // NOLINT
+  /// A program of one Repeat node.
+  Program(program::Repeat n);  // NOLINT
+  /// A program of one RepeatWhile node.
   Program(program::RepeatWhile n);  // NOLINT
+  /// A program of one FusedRepeat node.
   Program(program::FusedRepeat n);  // NOLINT (loops::repeat's; see detail/fused_repeat.hpp)
-  Program(program::RemoteCopy n);   // NOLINT
-  Program(program::AllReduce n);    // NOLINT
+  /// A program of one RemoteCopy node.
+  Program(program::RemoteCopy n);  // NOLINT
+  /// A program of one AllReduce node.
+  Program(program::AllReduce n);  // NOLINT
   /// The node this program is.
   /// Contract: any; non-blocking; no-alloc; noexcept.
   const Node& node() const noexcept { return *node_; }

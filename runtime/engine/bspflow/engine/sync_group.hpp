@@ -55,6 +55,7 @@ class SyncGroup {
     modeled_[1].store(0, std::memory_order_relaxed);
     aborted_.store(false, std::memory_order_relaxed);
   }
+  /// How many devices each round waits for.
   std::uint32_t participants() const noexcept { return participants_; }
   /// Participants arrived in the current round (approximate while they arrive).
   std::uint32_t arrived() const noexcept {

@@ -39,6 +39,7 @@ struct InstanceLayout {
   /// Returns "instance 1 of 2: replicas 2..3 of 4".
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
   std::string describe() const;
+  /// Whether both layouts are the same in every field.
   bool operator==(const InstanceLayout&) const = default;
 };
 
@@ -53,8 +54,10 @@ class InstanceError : public Error {
   InstanceError(const std::string& message, std::uint32_t instance, std::uint32_t replica,
                 std::uint64_t step)
       : Error(message), instance_(instance), replica_(replica), step_(step) {}
+  /// The instance whose run failed.
   std::uint32_t instance() const noexcept { return instance_; }
   std::uint32_t replica() const noexcept { return replica_; }  ///< global replica index
+  /// The step that failed.
   std::uint64_t step() const noexcept { return step_; }
 
  private:

@@ -24,10 +24,10 @@ namespace bspflow {
 /// Where one loop iteration runs; an optional last argument of a loop body (passed by const
 /// reference, valid for that call).
 struct Iteration {
-  std::uint32_t device = 0;
-  std::uint32_t replica = 0;
-  std::uint64_t index = 0;  ///< 0-based iteration
-  std::uint64_t count = 0;  ///< iterations requested
+  std::uint32_t device = 0;   ///< the device's id (Device::id())
+  std::uint32_t replica = 0;  ///< the device's index in the loop's device list
+  std::uint64_t index = 0;    ///< 0-based iteration
+  std::uint64_t count = 0;    ///< iterations requested
 };
 
 /// How a loop ended (RunResult; the host link is counted for a loop with a HostIO), and

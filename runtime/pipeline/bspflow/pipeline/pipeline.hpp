@@ -58,9 +58,9 @@ const char* to_string(SyncMode v) noexcept;
 
 /// Where a stage's pass runs (passed by const reference, valid for that call).
 struct StageContext {
-  std::uint32_t stage = 0;
-  std::uint32_t device = 0;
-  std::uint32_t replica = 0;
+  std::uint32_t stage = 0;        ///< the stage's index in its replica, from 0
+  std::uint32_t device = 0;       ///< the id of the device it runs on (Device::id())
+  std::uint32_t replica = 0;      ///< the replica (this instance's), from 0
   std::uint64_t step = 0;         ///< 0-based step of this run
   std::uint64_t micro_batch = 0;  ///< within the step
   /// PipelineConfig::precision.storage: with kFloat16 the runtime rounds activations and
@@ -80,8 +80,10 @@ struct ForwardArgs {
   /// push_back, its room serves the next pass).
   std::vector<float>& saved;
 };
+/// A backward pass's arguments. The spans and references point into runtime buffers: valid
+/// for that call only.
 struct BackwardArgs {
-  const Batch& batch;
+  const Batch& batch;  ///< the micro-batch, as the forward pass got it
   /// As the forward pass saw it. Empty for stage 0, and for a stage whose memory() says
   /// backward_reads_input = false (unless PipelineConfig::recompute, which keeps inputs).
   std::span<const float> input;
@@ -95,6 +97,7 @@ struct BackwardArgs {
 /// Pipeline multiplies by the bytes of the storage type; optimiser state is fp32).
 /// A plain value type.
 struct StageMemory {
+  /// A field left at kAuto is not declared: the Pipeline works it out (see each field).
   static constexpr std::size_t kAuto = ~std::size_t{0};
   /// Weights. kAuto: gradient_elements().
   std::size_t parameters = kAuto;
@@ -121,7 +124,10 @@ struct StageMemory {
 /// optimiser step, each spread over its device's compute tiles. A pass left unset declares no
 /// cost: it costs nothing in modeled time and is counted in ModeledTime::undeclared.
 struct StageCost {
-  std::optional<Work> forward, backward, update;
+  /// One micro-batch's forward pass.
+  std::optional<Work> forward, backward, update;  ///< one optimiser step
+  /// \var backward
+  /// One micro-batch's backward pass.
 };
 
 /// One pipeline stage (a forward function, a backward function and its parameters and
@@ -190,6 +196,7 @@ class Stage {
   /// Contract: any; non-blocking; no-alloc; throws what the override throws.
   virtual std::span<float> weights() { return {}; }
 };
+/// One replica's stages, in pipeline order.
 using StageList = std::vector<std::unique_ptr<Stage>>;
 /// Makes replica r's stages (every replica must start from the same weights). Called on the
 /// host thread by the Pipeline constructor, for r = 0, 1, ... in order; must return the same
@@ -212,15 +219,19 @@ using StageFactory = std::function<StageList(std::uint32_t replica)>;
 /// read from the infeed, and nothing goes back to it on a cancel. Outputs still reach the
 /// outfeed, without link time.
 struct PipelineConfig : HostIO {
+  /// Where the stages run: pipelined, sharded or single.
   ExecutionStrategy strategy = ExecutionStrategy::kPipelined;
   /// Unset (the default): each strategy's own, Grouped for pipelined and Sequential for sharded
   /// and single (which run one stage at a time). Sharded and single over several stages take
   /// only Sequential: another schedule is refused, since they cannot honour it.
   std::optional<PipelineSchedule> schedule;
+  /// How a replica's stages exchange: BSP supersteps, or dataflow hand-off.
   SyncMode sync = SyncMode::kBsp;
   /// K: micro-batches per step; >= min_gradient_accumulation(stages).
   std::uint32_t gradient_accumulation = 1;
+  /// How gradients are combined over micro-batches and replicas: mean or sum.
   ReductionType reduction = ReductionType::kMean;
+  /// With kMean: the sum divided once at the end (kPost), or a running mean.
   MeanStyle mean = MeanStyle::kPost;
   std::uint32_t replicas = 1;  ///< >= 1
   bool training = true;        ///< false: inference, forward passes only
@@ -310,17 +321,18 @@ struct PipelineConfig : HostIO {
 
 /// One cycle of one stage: which micro-batch it runs forward and/or backward (-1: none).
 struct CycleWork {
-  std::int64_t forward = -1;
-  std::int64_t backward = -1;
+  std::int64_t forward = -1;   ///< the micro-batch it runs forward
+  std::int64_t backward = -1;  ///< the micro-batch it runs backward
 };
 /// The schedule as numbers (tests and tools use it; the runtime compiles from it). A plain
 /// value type.
 /// Contract of every member: any; non-blocking; no-alloc; noexcept.
 struct PipelinePlan {
+  /// The schedule the numbers are for.
   PipelineSchedule schedule = PipelineSchedule::kGrouped;
-  std::uint32_t stages = 1;
+  std::uint32_t stages = 1;         ///< N: stages per replica
   std::uint64_t micro_batches = 1;  ///< K (inference: every micro-batch of the run)
-  bool training = true;
+  bool training = true;             ///< false: forward passes only
   /// Cycles of one step (inference: of the whole run).
   std::uint64_t cycles() const noexcept;
   /// What `stage` (< stages) runs in `cycle`.
@@ -343,11 +355,17 @@ class StageError : public Error {
              std::exception_ptr cause)
       : Error(message), stage_(stage), device_(device), replica_(replica), step_(step),
         micro_batch_(micro_batch), cause_(std::move(cause)) {}
+  /// The stage that threw, by its index in the replica.
   std::uint32_t stage() const noexcept { return stage_; }
+  /// The id of the device it ran on.
   std::uint32_t device() const noexcept { return device_; }
+  /// Its replica (this instance's).
   std::uint32_t replica() const noexcept { return replica_; }
+  /// The step of the run it threw in, from 0.
   std::uint64_t step() const noexcept { return step_; }
+  /// The micro-batch within that step.
   std::uint64_t micro_batch() const noexcept { return micro_batch_; }
+  /// What the stage threw.
   const std::exception_ptr& cause() const noexcept { return cause_; }
 
  private:
@@ -452,7 +470,9 @@ class Pipeline {
   /// nothing: to stop a run that may not have started yet, give run() a std::stop_token.
   void cancel() noexcept;
 
+  /// The config the Pipeline was built with.
   const PipelineConfig& config() const noexcept;
+  /// Stages per replica.
   std::uint32_t stages() const noexcept;
   /// Replica r's stage s (read its weights between runs). Throws bspflow::Error naming both
   /// indices and the counts if either is out of range.

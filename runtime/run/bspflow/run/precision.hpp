@@ -17,9 +17,9 @@ namespace bspflow {
 ///             before update() (static loss scaling); > 0 and finite; 1 = none
 /// The optimiser state stays fp32 (as mixed-precision training keeps it).
 struct Precision {
-  DType storage = DType::kFloat32;
-  DType partials = DType::kFloat32;
-  float loss_scaling = 1.0f;
+  DType storage = DType::kFloat32;   ///< how values are stored: kFloat32 or kFloat16
+  DType partials = DType::kFloat32;  ///< how gradients accumulate: kFloat32 or kFloat16
+  float loss_scaling = 1.0f;         ///< the static loss scale; 1 = none
 
   /// fp16 storage with fp32 partials (the common mixed-precision choice).
   /// Contract: any; non-blocking; no-alloc; noexcept.
@@ -30,6 +30,7 @@ struct Precision {
   /// finite and above 0.
   /// Contract: any; non-blocking; no-alloc; throws Error.
   void validate() const;
+  /// Whether both are the same in every field.
   bool operator==(const Precision&) const = default;
 };
 

@@ -31,6 +31,7 @@ const char* to_string(RunStatus s) noexcept;
 /// it once the run has returned it.
 /// Contract of every member: any; non-blocking; no-alloc; noexcept.
 struct RunResult {
+  /// How the run ended.
   RunStatus status = RunStatus::kCompleted;
   std::string message;                  ///< one line saying how the run ended
   std::chrono::nanoseconds elapsed{0};  ///< wall time of the run
@@ -40,8 +41,8 @@ struct RunResult {
   /// time, except where the device cannot tell them apart: an Engine with I/O tiles counts
   /// the whole wait for an I/O-tile buffer (its element may be late, or a full outfeed may
   /// hold the buffer), so a starved Engine feed shows there too.
-  std::uint64_t host_bytes_in = 0, host_bytes_out = 0;
-  std::chrono::nanoseconds host_wait{0};
+  std::uint64_t host_bytes_in = 0, host_bytes_out = 0;  ///< bytes of outputs out
+  std::chrono::nanoseconds host_wait{0};  ///< how long devices waited for the link's copies
   /// The same run in modeled IPU time (the modeled clock: what a real IPU would take for the
   /// work the devices declared, with the devices' DeviceModel): the slowest device's time and
   /// where it went. `elapsed` is the CPU's. modeled.undeclared counts compute steps that
@@ -50,8 +51,11 @@ struct RunResult {
 
   /// Whether status is kCompleted; end_of_data(), cancelled() and failed() test the others.
   bool completed() const noexcept { return status == RunStatus::kCompleted; }
+  /// Whether status is kEndOfData.
   bool end_of_data() const noexcept { return status == RunStatus::kEndOfData; }
+  /// Whether status is kCancelled.
   bool cancelled() const noexcept { return status == RunStatus::kCancelled; }
+  /// Whether status is kFailed.
   bool failed() const noexcept { return status == RunStatus::kFailed; }
 };
 

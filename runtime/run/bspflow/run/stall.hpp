@@ -26,7 +26,7 @@ struct StallCheck {
   /// How long no device may move while every running device waits; 0: no check.
   /// 0, or tunables::kMinRunStallLimit..kMaxRunStallLimit (default kDefaultRunStallLimit).
   std::chrono::nanoseconds limit = tunables::kDefaultRunStallLimit;
-  OnStall on_stall = OnStall::kLog;
+  OnStall on_stall = OnStall::kLog;  ///< what a stalled run does besides logging once
 
   /// Checks that limit is 0 or in kMinRunStallLimit..kMaxRunStallLimit.
   /// Contract: any; non-blocking; no-alloc; throws Error.

@@ -29,6 +29,7 @@ enum class Phase : std::uint8_t {
   kIdle,             ///< waiting for anything else (a free I/O buffer, outbound transfers)
   kTransfer,         ///< I/O engine tracks: one modeled host-link transfer
 };
+/// How many Phase values there are.
 inline constexpr std::size_t kPhaseCount = 8;
 /// The phase's name: "StreamCopyBegin", "Compute", "Transfer"...
 /// Contract: any; non-blocking; no-alloc; noexcept.
@@ -36,12 +37,12 @@ const char* to_string(Phase p) noexcept;
 
 /// One recorded span of a track.
 struct TraceEvent {
-  Phase phase;
+  Phase phase;                ///< what the span was spent on
   bool to_host = false;       ///< kTransfer / stream copies: the direction
   std::uint32_t label = 0;    ///< index into the track's labels (0 = the phase's own name)
   std::int64_t begin_ns = 0;  ///< since the trace's origin
-  std::int64_t end_ns = 0;
-  std::uint64_t bytes = 0;
+  std::int64_t end_ns = 0;    ///< since the trace's origin
+  std::uint64_t bytes = 0;    ///< what the span moved (0: nothing)
 };
 
 /// One timeline: a device, or one channel of the I/O engine. Written by one thread at a time
@@ -52,7 +53,9 @@ struct TraceEvent {
 /// Contract of every member: host; non-blocking; no-alloc; noexcept, unless tagged.
 class TraceTrack final : public ModeledSpans {
  public:
+  /// The clock events are timed on.
   using Clock = std::chrono::steady_clock;
+  /// A device's timeline, or one channel of the I/O engine.
   enum class Kind { kDevice, kIo };
 
   /// A track named `name`, its times counted from `origin` (Trace::add_track() makes them).
@@ -81,14 +84,19 @@ class TraceTrack final : public ModeledSpans {
   /// Contract: device; non-blocking; no-alloc; noexcept.
   void count_iteration() noexcept { ++iterations_; }
 
+  /// The track's name ("device 0", "I/O engine: link 0").
   const std::string& name() const noexcept { return name_; }
+  /// Whether it is a device's timeline or an I/O channel's.
   Kind kind() const noexcept { return kind_; }
+  /// The number it was added with: its device's index in the run's device list.
   std::uint32_t id() const noexcept { return id_; }
+  /// The recorded spans, in the order recorded.
   const std::vector<TraceEvent>& events() const noexcept { return events_; }
   /// The label of `e`; empty for label 0 (the phase's own name).
   const std::string& label(const TraceEvent& e) const noexcept;
   /// Every label added, by index (0: none, the phase's own name).
   const std::vector<std::string>& labels() const noexcept { return labels_; }
+  /// Completed iterations of the device's outermost Repeat.
   std::uint64_t iterations() const noexcept { return iterations_; }
 
  private:
@@ -107,18 +115,20 @@ class TraceTrack final : public ModeledSpans {
 
 /// One track of a TraceSummary.
 struct TrackSummary {
+  /// The track's name.
   std::string name;
+  /// Whether it is a device's timeline or an I/O channel's.
   TraceTrack::Kind kind = TraceTrack::Kind::kDevice;
   std::int64_t total_ns = 0;                   ///< the run's wall time
   std::array<std::int64_t, kPhaseCount> ns{};  ///< per phase; kIdle includes unrecorded time
   std::array<double, kPhaseCount> share{};     ///< of total_ns, adding up to 1
-  std::uint64_t bytes_to_device = 0;
-  std::uint64_t bytes_to_host = 0;
-  std::uint64_t iterations = 0;
-  std::uint64_t events = 0;
-  Phase longest_phase = Phase::kIdle;
-  std::string longest_label;
-  std::int64_t longest_ns = 0;
+  std::uint64_t bytes_to_device = 0;           ///< bytes moved to the device
+  std::uint64_t bytes_to_host = 0;             ///< bytes moved to the host
+  std::uint64_t iterations = 0;                ///< TraceTrack::iterations()
+  std::uint64_t events = 0;                    ///< spans recorded
+  Phase longest_phase = Phase::kIdle;          ///< the longest span's phase
+  std::string longest_label;                   ///< the longest span's label (empty: none)
+  std::int64_t longest_ns = 0;                 ///< the longest span's duration
   /// Time of labelled events by label, largest first ("optimiser state in", "all-reduce",
   /// "forward"...): say what share of the run remote-buffer copies or the reduction take.
   std::vector<std::pair<std::string, std::int64_t>> label_ns;
@@ -126,14 +136,16 @@ struct TrackSummary {
   /// time, and per phase (kIdle: the host call and waiting after it ended, until the slowest
   /// device's end) and shares of the slowest device's.
   std::int64_t modeled_ns = 0;
-  std::array<std::int64_t, kPhaseCount> modeled_phase_ns{};
+  std::array<std::int64_t, kPhaseCount> modeled_phase_ns{};  ///< modeled time per phase
+  /// Per phase, the share of the slowest device's modeled time.
   std::array<double, kPhaseCount> modeled_share{};
 };
 
 /// What Trace::summary() returns: per track, where its time went.
 struct TraceSummary {
-  std::int64_t run_ns = 0;
+  std::int64_t run_ns = 0;          ///< the run's wall time (Trace::run_ns())
   std::int64_t modeled_run_ns = 0;  ///< the slowest device's modeled time (0: none kept)
+  /// One per track, in the order the tracks were added.
   std::vector<TrackSummary> tracks;
   /// A table: per track the share of each phase, bytes each way, iterations, longest phase.
   /// Contract: host; non-blocking; allocates; throws bad_alloc.
@@ -145,6 +157,7 @@ struct TraceSummary {
 /// Contract of every member: host; non-blocking; no-alloc; noexcept, unless tagged.
 class Trace {
  public:
+  /// The clock the trace's times are on.
   using Clock = std::chrono::steady_clock;
   /// A trace whose times count from `origin`.
   /// Contract: host; non-blocking; allocates; throws bad_alloc.
@@ -158,6 +171,7 @@ class Trace {
   /// Sets the end to the latest event's end (for runs nobody timed from outside).
   void end_at_last_event() noexcept;
 
+  /// Every track, in the order added.
   const std::deque<TraceTrack>& tracks() const noexcept { return tracks_; }
   /// The run's wall time, from the origin to the end; 0 while no end is set.
   std::int64_t run_ns() const noexcept;

@@ -68,8 +68,8 @@ class HistogramSnapshot {
  public:
   /// An upper bound of the OpenMetrics output and the count of values at or below it.
   struct CumulativeBucket {
-    std::uint64_t le;
-    std::uint64_t count;
+    std::uint64_t le;     ///< the upper bound (OpenMetrics' `le` label)
+    std::uint64_t count;  ///< values at or below it
   };
 
   /// An empty snapshot with no layout: the first merge() gives it the other's.
@@ -83,8 +83,11 @@ class HistogramSnapshot {
   /// and mean().
   std::uint64_t count() const noexcept { return count_; }
   std::uint64_t sum() const noexcept { return sum_; }  ///< wraps after 2^64 - 1
+  /// The smallest value counted.
   std::uint64_t min() const noexcept { return min_; }
+  /// The largest value counted.
   std::uint64_t max() const noexcept { return max_; }
+  /// The mean: sum() / count(), kept within min()..max().
   double mean() const noexcept;
   /// From the buckets (each counted at its midpoint), around mean().
   double stddev() const noexcept;
@@ -188,7 +191,9 @@ class alignas(tunables::kCacheLine) Histogram {
   /// Contract: any; non-blocking; allocates (the snapshot's buckets); throws bad_alloc.
   HistogramSnapshot snapshot() const;
 
+  /// The largest value counted as itself; larger ones count as it.
   std::uint64_t highest_trackable() const noexcept { return highest_; }
+  /// How many buckets cover 0..highest_trackable().
   std::size_t bucket_count() const noexcept { return bucket_count_; }
 
   /// The lowest value that shares `value`'s bucket.

@@ -18,6 +18,7 @@ namespace bspflow {
 struct RequestId {
   std::uint32_t client = 0;    ///< StreamClient::id(): unique in the process
   std::uint64_t sequence = 0;  ///< 0, 1, 2, ... per client
+  /// Whether both name the same request: the same client and sequence number.
   friend bool operator==(const RequestId&, const RequestId&) = default;
 };
 
@@ -25,6 +26,7 @@ struct RequestId {
 using StreamClock = std::chrono::steady_clock;
 /// A request's deadline; kNoDeadline (the default) means none.
 using Deadline = StreamClock::time_point;
+/// No deadline: the latest time point there is.
 inline constexpr Deadline kNoDeadline = Deadline::max();
 
 /// How many priority classes a stream can have (StreamConfig::priority_classes). Class 0 is
@@ -47,10 +49,13 @@ const char* to_string(ErrorKind kind) noexcept;
 /// Why a request was answered with an error: its kind, the stage (graph node) that answered it
 /// and why.
 struct RequestError {
+  /// What went wrong, for callers that branch on it.
   ErrorKind kind = ErrorKind::kStageFailed;
   std::uint32_t stage = 0;  ///< index of the stage (node) in the stream (0 = first)
+  /// The name of that stage.
   std::string stage_name{};
   std::uint32_t device = 0;  ///< Device::id() of the device it ran on
+  /// The request the error answers.
   RequestId id{};
   std::string message{};  ///< "stage 'conv' (1) on device 0 failed on request 3 of client 1: ..."
   std::exception_ptr cause{};  ///< kStageFailed: what the stage threw
@@ -59,7 +64,7 @@ struct RequestError {
 /// One answer: the request's id and its value, or the error that replaced it.
 template <class T>
 struct Response {
-  RequestId id{};
+  RequestId id{};                               ///< the request it answers
   std::optional<T> value{};                     ///< set when ok()
   std::shared_ptr<const RequestError> error{};  ///< set when it was not answered with a value
   /// From the push to the answer being made (before it waits for the client's earlier ones).
@@ -68,6 +73,7 @@ struct Response {
   /// numbered per stream: 1 at build, each Stream::swap() the next). 0 if it ran no stage.
   std::uint32_t version = 0;
   std::uint32_t priority = 0;  ///< its priority class
+  /// Whether it was answered with a value (no error).
   bool ok() const noexcept { return error == nullptr; }
   /// The error's kind; only when !ok().
   ErrorKind kind() const noexcept { return error->kind; }
@@ -91,8 +97,11 @@ const char* to_string(Refusal r) noexcept;
 /// What a StreamClient's push returns: the request's id, or why it was refused.
 struct Submission {
   RequestId id{};  ///< valid when accepted()
+  /// Why the push was refused; kNone when it was accepted.
   Refusal refusal = Refusal::kNone;
+  /// Whether the request was queued.
   bool accepted() const noexcept { return refusal == Refusal::kNone; }
+  /// accepted().
   explicit operator bool() const noexcept { return accepted(); }
 };
 

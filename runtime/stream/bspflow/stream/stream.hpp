@@ -205,8 +205,9 @@ class Stream {
     return s;
   }
 
-  /// How many stages (graph nodes with a callable) and replicas the stream has.
+  /// How many stages (graph nodes with a callable) the stream has.
   std::uint32_t stages() const noexcept { return static_cast<std::uint32_t>(core_->named.size()); }
+  /// How many replicas the stream has.
   std::uint32_t replicas() const noexcept { return core_->replicas; }
   /// How stage s's device (of replica 0) waits: the configured policy, adjusted when the
   /// device shares its core (Placement::wait_policy).

@@ -34,6 +34,8 @@ class Stream;
 template <class In, class Out>
 class StreamClient {
  public:
+  /// Takes over the other client's requests and responses; the other is left empty, only to be
+  /// destroyed.
   StreamClient(StreamClient&&) noexcept = default;
   StreamClient& operator=(StreamClient&&) = delete;
   /// Responses still on their way are dropped; requests still queued or in flight are

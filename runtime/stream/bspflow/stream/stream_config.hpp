@@ -17,6 +17,7 @@
 
 namespace bspflow {
 
+/// What a stream does when a stage throws.
 enum class OnError {
   kRespond,   ///< answer the failing request with a RequestError and go on (default)
   kFailFast,  ///< stop the stream at the first exception (kFailed)
@@ -45,7 +46,7 @@ enum class AdmissionPolicy {
 
 /// Admission control of a StreamClient's requests.
 struct Admission {
-  AdmissionPolicy policy = AdmissionPolicy::kBlock;
+  AdmissionPolicy policy = AdmissionPolicy::kBlock;  ///< what a push does when the queue is full
   /// The admission queue: requests admitted and not yet taken by a replica, 1..2^20.
   std::size_t queue_capacity = 1024;
   /// Refuse (Refusal::kDeadlineUnreachable) a request whose predicted completion, from the
@@ -71,18 +72,20 @@ struct Ejection {
 /// The most replicas a stream takes (StreamConfig::replicas).
 inline constexpr std::uint32_t kMaxStreamReplicas = 64;
 
+/// A Stream's shape: its hops, error handling, waiting, replicas, ordering, admission,
+/// priority classes, outlier ejection and statistics. validate() states the rules.
 struct StreamConfig {
   /// The ring between two devices of a replica (a hop), requests: 1..kMaxQueueCapacity.
   std::size_t hop_capacity = tunables::kDefaultStreamCapacity;
-  OnError on_error = OnError::kRespond;
+  OnError on_error = OnError::kRespond;   ///< what the stream does when a stage throws
   WaitPolicy wait = {};                   ///< how every device waits for its next request
   std::vector<WaitPolicy> device_wait{};  ///< empty, or one per stream device (overrides wait)
   /// Copies of the chain, each on its own devices: replica r uses devices r*D/R .. (r+1)*D/R-1
   /// of the D given; a stage's device index counts within its replica.
   /// 1..kMaxStreamReplicas, and D % R == 0.
   std::uint32_t replicas = 1;
-  Ordering ordering = Ordering::kPerClient;
-  Admission admission{};
+  Ordering ordering = Ordering::kPerClient;  ///< whether responses keep their client's order
+  Admission admission{};                     ///< admission control of the clients' requests
   /// Priority classes (1..kPriorityClasses): a request's class is its client's
   /// (StreamClient::set_priority), 0 by default. Every queue serves class 0 first.
   std::uint32_t priority_classes = 1;
@@ -90,7 +93,7 @@ struct StreamConfig {
   /// a lower class is never starved: 0..1 each, summing to at most 1. Class 0, served first,
   /// needs none.
   std::array<double, kPriorityClasses> min_share{0.0, 0.1, 0.1, 0.1};
-  Ejection ejection{};
+  Ejection ejection{};  ///< outlier ejection of replicas whose stages keep failing
   /// A StreamClient's response slots: requests it may have pushed and not yet popped, 1..2^20.
   std::size_t response_capacity = 1024;
   /// Histograms and counts for Stream::stats(); off saves two clock reads per stage.
@@ -121,6 +124,7 @@ struct StreamResult : RunResult {
   std::uint64_t unanswered = 0;  ///< accepted - answered: cut short by cancel or fail-fast
   std::uint64_t refused = 0;     ///< pushes refused in this run (stats().refused(): since built)
   std::shared_ptr<const RequestError> failure{};  ///< kFailed: the error that stopped it
+  /// Whether the stream was closed and every accepted request answered (kCompleted).
   bool drained() const noexcept { return status == RunStatus::kCompleted; }
 };
 

@@ -38,6 +38,7 @@ class StreamGraph;
 template <class T>
 class Node {
  public:
+  /// The value the node gives its readers.
   using value_type = T;
   /// A stage reading this node: `f(T&&)` returns its value. On this node's device (no
   /// hand-off), or on `device`.
@@ -45,6 +46,7 @@ class Node {
   auto stage(std::string name, F f) const {
     return stage(std::move(name), std::move(f), device());
   }
+  /// The same stage on `device` of each replica (a hand-off when it is not this node's).
   template <class F>
   auto stage(std::string name, F f, std::uint32_t device) const {
     static_assert(std::is_move_constructible_v<F>, "a stream stage must be movable");
@@ -79,9 +81,10 @@ class Node {
   }
 
   /// A batch stage reading this node, on `device` (where it must be the first stage, and
-  /// this node's only reader): `f(std::span<T>)` takes as many requests as are waiting, up to
-  /// config.max_batch (padded to an allowed size), and returns a std::vector of one output
-  /// (or ItemResult) per element, at least as many as requests.
+  /// this node's only reader on that device; readers on other devices get their own copy, and
+  /// the stream's input takes a stage before any fan-out): `f(std::span<T>)` takes as many
+  /// requests as are waiting, up to config.max_batch (padded to an allowed size), and returns
+  /// a std::vector of one output (or ItemResult) per element, at least as many as requests.
   template <class F>
   auto batch_stage(std::string name, F f, BatchConfig config, std::uint32_t device) const {
     static_assert(std::is_move_constructible_v<F>, "a batch stage must be movable");
@@ -176,8 +179,9 @@ class Node {
     return *this;
   }
 
-  /// The node's name and its device within a replica. Throws Error once the graph is built.
+  /// The node's name. Throws Error once the graph is built.
   const std::string& name() const { return spec().name; }
+  /// The node's device within a replica. Throws Error once the graph is built.
   std::uint32_t device() const { return spec().device; }
 
   /// An empty handle (no node); only to be assigned.
@@ -221,6 +225,8 @@ class Node {
 template <class In>
 class StreamGraph {
  public:
+  /// A graph holding its input node (on device 0), for a stream on `devices` shaped by
+  /// `config`. Throws Error for a config StreamConfig::validate() refuses.
   explicit StreamGraph(DeviceList devices, StreamConfig config = {})
       : g_(std::make_unique<detail::GraphBuild>(devices, std::move(config))) {
     g_->add(detail::NodeSpec::of("input", detail::NodeKind::kInput, 0, {}),

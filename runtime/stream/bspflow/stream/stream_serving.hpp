@@ -55,13 +55,17 @@ class ItemResult {
   /// when it is.
   ItemResult(T value) noexcept(noexcept(T(std::declval<T&&>())))  // NOLINT: implicit by design
       : value_(std::move(value)) {}
+  /// An item that failed, for `why`: its request is answered ErrorKind::kStageFailed.
   static ItemResult failure(std::string why) noexcept {
     ItemResult r;
     r.error_ = std::move(why);
     return r;
   }
+  /// Whether it holds a value.
   bool ok() const noexcept { return value_.has_value(); }
+  /// The value; only when ok().
   T& value() noexcept { return *value_; }
+  /// Why the item failed; empty when ok().
   const std::string& error() const noexcept { return error_; }
 
  private:
@@ -73,14 +77,14 @@ class ItemResult {
 /// How many requests one version of a stage has run, and on how many replicas it serves now
 /// (0 once a swap has moved every replica off it and its last call has ended).
 struct VersionStats {
-  std::uint32_t version = 0;
+  std::uint32_t version = 0;   ///< its number: 1 at build, each Stream::swap() the next
   std::uint32_t replicas = 0;  ///< replicas whose requests it runs (or that still run a call)
   std::uint64_t calls = 0;     ///< calls made by this version (requests, or batches)
 };
 
 /// One stage's (graph node's) figures, over all replicas (Stream::stats()).
 struct StageStats {
-  std::string name;
+  std::string name;                 ///< the stage's name
   std::uint32_t stage = 0;          ///< index in the stream (the order of the builder's calls)
   std::uint32_t device = 0;         ///< device index within a replica (StreamBuilder's)
   bool batched = false;             ///< a batch stage
@@ -97,7 +101,7 @@ struct StageStats {
 
 /// One replica's state.
 struct ReplicaStats {
-  std::uint32_t replica = 0;
+  std::uint32_t replica = 0;    ///< the replica's index
   std::uint64_t taken = 0;      ///< requests its first stage took
   std::uint64_t answered = 0;   ///< responses it delivered
   bool stalled = false;         ///< a stage's call is past call_stall_limit now (takes nothing new)
@@ -116,7 +120,7 @@ inline constexpr std::array<std::string_view, 8> kStreamMetricLabels{
 
 /// One priority class's figures (StreamStats::by_class).
 struct ClassStats {
-  std::uint32_t priority = 0;
+  std::uint32_t priority = 0;                       ///< the class (0: served first)
   HistogramSnapshot latency_ns;                     ///< push to answer
   std::uint64_t accepted = 0;                       ///< requests admitted
   std::uint64_t answered = 0;                       ///< responses delivered, errors included
@@ -131,8 +135,8 @@ struct ClassStats {
 /// histograms are merged from the device threads' own (snapshots: counts may lag by the
 /// requests in flight). Counts are since the Stream was built.
 struct StreamStats {
-  std::vector<StageStats> stages;
-  std::vector<ReplicaStats> replicas;
+  std::vector<StageStats> stages;                   ///< one per stage, in stream order
+  std::vector<ReplicaStats> replicas;               ///< one per replica
   HistogramSnapshot latency_ns;                     ///< push to answer, every response
   std::uint64_t accepted = 0;                       ///< requests admitted
   std::uint64_t answered = 0;                       ///< responses delivered, errors included
@@ -142,9 +146,11 @@ struct StreamStats {
   std::size_t queued = 0;                           ///< admitted, not yet taken by a replica
   std::size_t blocked = 0;           ///< kBlock pushes waiting for a place now (the queue is full)
   std::vector<ClassStats> by_class;  ///< one per priority class (the same, by class)
+  /// Responses that were errors of kind `k`.
   std::uint64_t errors_of(ErrorKind k) const noexcept {
     return errors[static_cast<std::size_t>(k)];
   }
+  /// Pushes refused for reason `r`.
   std::uint64_t refused(Refusal r) const noexcept { return refusals[static_cast<std::size_t>(r)]; }
   std::uint64_t refused() const noexcept;  ///< every reason
 
