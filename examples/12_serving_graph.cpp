@@ -6,7 +6,11 @@
 //   pre (device 0)          f = 10 x
 //   -> classify (device 0)  v1: f % 7, v2: f % 7 + 100   } two branches, side by side
 //   -> embed (device 1)     2 f                           }
-//   -> combine (device 0)   classify + embed: a join, one answer per request
+//   -> combine (device 1)   classify + embed: a join, one answer per request
+//
+// The join sits where its slower branch (embed) ends: classify's value waits for it there,
+// while device 0 takes the next request. On device 0 it would hold device 0 for each round
+// trip to device 1, and the graph would serve one request at a time (the build warns).
 //
 // The classify model holds 3/5 of its device's memory, so a new version does not fit beside
 // the old one: the swap rolls, one replica at a time (it drains, swaps, warms and rejoins).
@@ -211,7 +215,7 @@ int main(int argc, char** argv) {
       },
       1);
   auto out = g.join(
-      "combine", [](U64 c, U64 e) { return c + e; }, 0, cls, emb);
+      "combine", [](U64 c, U64 e) { return c + e; }, 1, cls, emb);
   auto stream = std::move(g).build(out);  // a Stream<U64, U64>
   stream.start();
 

@@ -9,8 +9,11 @@
 #include <functional>
 #include <mutex>
 #include <stop_token>
+#include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include <bspflow/bspflow.hpp>
 
@@ -27,6 +30,37 @@ inline bool eventually(const std::function<bool()>& f,
   }
   return true;
 }
+
+// Captures the log (warnings and above) while it lives; restores the handler and the level.
+class LogCapture {
+ public:
+  LogCapture() : before_(bspflow::log_level()) {
+    bspflow::set_log_level(bspflow::LogLevel::kWarning);
+    bspflow::set_log_handler([this](bspflow::LogLevel, std::string_view m) {
+      std::lock_guard lock(mutex_);
+      lines_.emplace_back(m);
+    });
+  }
+  ~LogCapture() {
+    bspflow::set_log_handler(nullptr);
+    bspflow::set_log_level(before_);
+  }
+  LogCapture(const LogCapture&) = delete;
+  LogCapture& operator=(const LogCapture&) = delete;
+  // Whether a line logged so far contains `needle`.
+  bool has(const std::string& needle) {
+    std::lock_guard lock(mutex_);
+    for (const std::string& l : lines_) {
+      if (l.find(needle) != std::string::npos) return true;
+    }
+    return false;
+  }
+
+ private:
+  bspflow::LogLevel before_;
+  std::mutex mutex_;
+  std::vector<std::string> lines_;
+};
 
 // Holds a stage's call until opened (at most 10 s, so a failing test cannot hang).
 struct Gate {

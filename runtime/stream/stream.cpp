@@ -501,5 +501,48 @@ SegmentPlacement place_nodes(const StreamCore& core, std::uint32_t replica) {
   return pl;
 }
 
+std::vector<std::string> round_trips(const StreamCore& core, const SegmentPlacement& pl) {
+  const auto n = static_cast<std::uint32_t>(core.nodes.size());
+  // The segments each node's value passed through on its way (itself included).
+  std::vector<std::set<std::uint32_t>> through(n);
+  for (std::uint32_t i = 0; i < n; ++i) {
+    through[i].insert(pl.segment_of[i]);
+    for (std::uint32_t p : core.nodes[i].inputs)
+      through[i].insert(through[p].begin(), through[p].end());
+  }
+  std::vector<std::string> found;
+  for (std::uint32_t s = 0; s < pl.device_of.size(); ++s) {
+    // As wire() lays the segment out: the first input from another segment is its source,
+    // every later one an import that the segment's thread waits for mid-request.
+    bool started = false;
+    std::set<std::uint32_t> taken;
+    for (std::uint32_t i = 0; i < n; ++i) {
+      if (pl.segment_of[i] != s) continue;
+      const NodeSpec& spec = core.nodes[i];
+      if (spec.kind == NodeKind::kInput) started = true;
+      for (std::uint32_t p : spec.inputs) {
+        if (pl.segment_of[p] == s || !taken.insert(p).second) continue;
+        if (!started) {
+          started = true;
+          continue;
+        }
+        if (through[p].count(s) == 0) continue;
+        const std::string here = std::to_string(pl.device_of[s]);
+        const std::string there = std::to_string(pl.device_of[pl.segment_of[p]]);
+        found.push_back(
+            "stream: '" + spec.name + "' on device " + here + " waits for '" + core.nodes[p].name +
+            "' from device " + there + ", which device " + here +
+            " handed the same request to: device " + here +
+            " takes no new request while it waits, so device " + there +
+            " is given one request at a time (a batch stage there runs batches of 1). Put '" +
+            spec.name + "' on device " + there +
+            ", where its input ends, or give it a device of its own "
+            "(the stream guide: where a join belongs)");
+      }
+    }
+  }
+  return found;
+}
+
 }  // namespace detail
 }  // namespace bspflow

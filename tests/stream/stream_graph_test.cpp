@@ -343,14 +343,17 @@ TEST_CASE("the builder refuses a bad graph, naming the node") {
   }
   {  // A join inside one branch of a route is fine: every input is reached by the same
      // requests, and the route's other branch skips it.
+    // Each join and merge sits where an input ends, so nothing waits for a round trip.
+    test::LogCapture log;
     StreamGraph<int> g(group);
     auto [even, odd] = g.input().route<2>("parity", [](const int& v) { return v % 2; });
     auto a = odd.stage("a", id, 0), b = odd.stage("b", id, 1);
     auto both = g.join(
-        "both", [](int x, int y) { return x + y; }, 0, a, b);
-    auto e = even.stage("e", id, 0);
-    auto out = g.merge("out", 0, both, e);
+        "both", [](int x, int y) { return x + y; }, 1, a, b);
+    auto e = even.stage("e", id, 1);
+    auto out = g.merge("out", 1, both, e);
     auto stream = std::move(g).build(out);
+    CHECK_FALSE(log.has("waits for"));
     auto client = stream.client();
     stream.start();
     for (int v = 0; v < 6; ++v) REQUIRE(client.push(v));
@@ -412,6 +415,41 @@ TEST_CASE("the builder refuses a bad graph, naming the node") {
     auto a = g.input().stage("a", id);
     auto s = std::move(g).build(a);
     CHECK(contains(error_of([&] { (void)a.stage("b", id); }), "was built already"));
+  }
+}
+
+TEST_CASE("the builder warns of a node that holds its device for a round trip") {
+  DeviceGroup group(2, test::kSmall);
+  auto id = [](int v) { return v; };
+  auto add = [](int a, int b) { return a + b; };
+  {  // The join on the fan-out's device waits for the branch that device handed on.
+    test::LogCapture log;
+    StreamGraph<int> g(group);
+    auto pre = g.input().stage("pre", id, 0);
+    auto left = pre.stage("left", id, 0);
+    auto right = pre.stage("right", id, 1);
+    auto s = std::move(g).build(g.join("join", add, 0, left, right));
+    CHECK(
+        log.has("'join' on device 0 waits for 'right' from device 1, which device 0 handed "
+                "the same request to"));
+    CHECK(log.has("Put 'join' on device 1"));
+  }
+  {  // The join where its slower branch ends: no round trip, no warning.
+    test::LogCapture log;
+    StreamGraph<int> g(group);
+    auto pre = g.input().stage("pre", id, 0);
+    auto left = pre.stage("left", id, 0);
+    auto right = pre.stage("right", id, 1);
+    auto s = std::move(g).build(g.join("join", add, 1, left, right));
+    CHECK_FALSE(log.has("waits for"));
+  }
+  {  // A path that comes back to its first device is the same round trip.
+    test::LogCapture log;
+    StreamGraph<int> g(group);
+    auto a = g.input().stage("a", id, 0);
+    auto b = a.stage("b", id, 1);
+    auto s = std::move(g).build(b.stage("c", id, 0));
+    CHECK(log.has("'c' on device 0 waits for 'b' from device 1"));
   }
 }
 

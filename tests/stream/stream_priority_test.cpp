@@ -29,6 +29,7 @@ using test::error_of;
 using U64 = std::uint64_t;
 using test::eventually;
 using test::Gate;
+using test::LogCapture;
 
 namespace {
 
@@ -82,36 +83,6 @@ struct EjectModel {
     if (role == Role::kBroken && !healed->load()) throw std::runtime_error("replica is broken");
     return x + 1;
   }
-};
-
-// Captures the log (warnings and above) while it lives; restores the handler and the level.
-class LogCapture {
- public:
-  LogCapture() : before_(log_level()) {
-    set_log_level(LogLevel::kWarning);
-    set_log_handler([this](LogLevel, std::string_view m) {
-      std::lock_guard lock(mutex_);
-      lines_.emplace_back(m);
-    });
-  }
-  ~LogCapture() {
-    set_log_handler(nullptr);
-    set_log_level(before_);
-  }
-  LogCapture(const LogCapture&) = delete;
-  LogCapture& operator=(const LogCapture&) = delete;
-  bool has(const std::string& needle) {
-    std::lock_guard lock(mutex_);
-    for (const std::string& l : lines_) {
-      if (contains(l, needle)) return true;
-    }
-    return false;
-  }
-
- private:
-  LogLevel before_;
-  std::mutex mutex_;
-  std::vector<std::string> lines_;
 };
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "bspflow/base/error.hpp"
+#include "bspflow/base/log.hpp"
 #include "bspflow/stream/detail/admission.hpp"
 #include "bspflow/stream/detail/core.hpp"
 #include "bspflow/stream/detail/responses.hpp"
@@ -132,6 +133,10 @@ struct SegmentPlacement {
   std::vector<std::uint32_t> device_of;   // by segment: the device within the replica
 };
 SegmentPlacement place_nodes(const StreamCore& core, std::uint32_t replica);
+// The nodes whose segment would wait, mid-request, for a value computed from what that
+// segment handed on for the same request (a round trip): one warning each. Such a segment
+// serves one request at a time, and so does every device on the round trip. Allocates.
+std::vector<std::string> round_trips(const StreamCore& core, const SegmentPlacement& pl);
 
 // Builds every replica's segments for a checked graph whose output is node `output`.
 template <class In, class Out>
@@ -150,6 +155,9 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
   for (std::uint32_t r = 0; r < core.replicas; ++r) {
     ReplicaRun& run = core.runs[r];
     const SegmentPlacement pl = place_nodes(core, r);
+    if (r == 0) {
+      for (const std::string& warning : round_trips(core, pl)) log(LogLevel::kWarning, warning);
+    }
     const auto n_segs = static_cast<std::uint32_t>(pl.device_of.size());
     // The NodeRuns: names, devices, meters, models.
     run.nodes.resize(n_nodes);
@@ -237,7 +245,7 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
           if (!started) {
             seg->source = g.types[p]->make_source(hop, core.config.min_share);
             if (spec.kind != NodeKind::kBatch) {
-              seg->ops.push_back(g.types[p]->make_take(seg->item, *slot_of(p)));
+              seg->ops.push_back(g.types[p]->make_take(seg->incoming, *slot_of(p)));
             }
             started = true;
           } else {
@@ -259,7 +267,7 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
           const bool batch_next = spec.consumers.size() == 1 &&
                                   core.nodes[spec.consumers[0]].kind == NodeKind::kBatch &&
                                   pl.segment_of[spec.consumers[0]] == s;
-          if (!batch_next) seg->ops.push_back(g.types[n]->make_take(seg->item, *slot_of(n)));
+          if (!batch_next) seg->ops.push_back(g.types[n]->make_take(seg->incoming, *slot_of(n)));
           slot_of(n);
         } else if (spec.kind == NodeKind::kBatch) {
           const std::uint32_t p = spec.inputs.front();
