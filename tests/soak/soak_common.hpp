@@ -3,7 +3,8 @@
 // Watchdog, the faults' helpers), the one outcome check every trial makes of a run that
 // returned (check_ending), the exactly-once check at the end of a trial, and the entry points
 // of each subsystem's file: soak_loops.cpp, soak_engine.cpp, soak_pipeline.cpp,
-// soak_stream.cpp.
+// soak_stream.cpp. What the serving files (soak_serving.cpp, soak_graph.cpp) share besides is
+// in soak_serve.hpp.
 #pragma once
 
 #include <array>

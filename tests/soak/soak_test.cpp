@@ -26,7 +26,9 @@
 // The files: soak_common.hpp/.cpp (what every part shares: the bookkeeping, the trial's
 // helpers, the one outcome check of a trial), soak_loops.cpp, soak_engine.cpp,
 // soak_pipeline.cpp and soak_stream.cpp (each subsystem's run at volume and trials), and this
-// one (the test cases and the trial loop).
+// one (the test cases and the trial loop). Serving through StreamClients has test cases of its
+// own: soak_serving.cpp (10^6 requests, the seeded serving trials) and soak_graph.cpp (the
+// seeded graph trials), sharing soak_serve.hpp (the client loop and checks of both trials).
 #include <doctest/doctest.h>
 
 #include <algorithm>
