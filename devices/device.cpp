@@ -58,7 +58,7 @@ std::size_t checked_memory(std::uint32_t id, const DeviceConfig& c, const Placem
 }
 }  // namespace
 
-Device::Device(std::uint32_t id, DeviceConfig config, std::optional<Placement> placement) try
+Device::Device(std::uint32_t id, const DeviceConfig& config, std::optional<Placement> placement) try
     : id_(id), config_(validated(config)), placement_(placement_for(id, config_, placement)),
       arena_(checked_memory(id, config_, placement_), placement_.numa_node,
              "device " + std::to_string(id)) {
@@ -149,7 +149,7 @@ void Device::thread_main() {
   }
 }
 
-DeviceGroup::DeviceGroup(std::uint32_t count, DeviceConfig config) {
+DeviceGroup::DeviceGroup(std::uint32_t count, const DeviceConfig& config) {
   if (count < 1 || count > tunables::kMaxReplicas) {
     detail::throw_bad_value("device count", count,
                             "must be in 1.." + std::to_string(tunables::kMaxReplicas));

@@ -42,7 +42,8 @@ double DeviceModel::compute_cycles(const Work& w, std::uint32_t tiles) const noe
 double DeviceModel::item_cycles(const Work& per_item, std::size_t items,
                                 std::uint32_t tiles) const noexcept {
   const std::size_t t = std::max<std::uint32_t>(tiles, 1);
-  const double busiest = static_cast<double>((items + t - 1) / t);
+  const std::size_t per_tile = (items + t - 1) / t;  // the busiest tile's items, rounded up
+  const double busiest = static_cast<double>(per_tile);
   const double arithmetic = per_item.flops / flops_per_tile_cycle(per_item.precision);
   const double memory = per_item.bytes / memory_bytes_per_tile_cycle;
   return busiest * (std::max(arithmetic, memory) / efficiency + per_item.cycles) +

@@ -79,7 +79,8 @@ Topology::Topology() {
 namespace {
 // A non-negative integer from the environment, or nullopt.
 std::optional<std::uint32_t> env_count(const char* name) {
-  const char* v = std::getenv(name);
+  // The library reads the environment and never writes it.
+  const char* v = std::getenv(name);  // NOLINT(concurrency-mt-unsafe)
   if (v == nullptr || *v == '\0') return std::nullopt;
   char* end = nullptr;
   const unsigned long n = std::strtoul(v, &end, 10);

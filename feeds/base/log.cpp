@@ -25,7 +25,8 @@ LogState& log_state() {
 }
 
 LogLevel level_from_env() {
-  const char* v = std::getenv("BSPFLOW_LOG_LEVEL");
+  // The library reads the environment and never writes it.
+  const char* v = std::getenv("BSPFLOW_LOG_LEVEL");  // NOLINT(concurrency-mt-unsafe)
   if (v == nullptr) return LogLevel::kWarning;
   const std::string_view s(v);  // a view: reading the level never allocates
   if (s == "debug") return LogLevel::kDebug;

@@ -37,15 +37,15 @@ struct LoaderCore::Slot {
   std::exception_ptr error;  // the step's first failure
 };
 
-LoaderCore::LoaderCore(StepShape shape, std::uint64_t dataset_size, SampleSpec spec,
+LoaderCore::LoaderCore(StepShape shape, std::uint64_t dataset_size, const SampleSpec& spec,
                        LoaderConfig config)
     : plan_(shape, dataset_size, config),
-      config_(std::move(config)), out_spec_{config_.output_dtype.value_or(spec.dtype), spec.shape},
+      config_(config), out_spec_{config_.output_dtype.value_or(spec.dtype), spec.shape},
       buffer_(config_.mode == LoaderMode::kAsync ? config_.buffer_size : 1),
       tasks_per_step_(plan_.micro_batches_per_step()),
       // Spare buffers: what the ring holds plus as much again in flight to the devices.
       pool_(std::make_shared<BufferPool>(plan_.batch_size() * out_spec_.bytes(),
-                                         2 * buffer_ * tasks_per_step_)) {
+                                         std::size_t{2} * buffer_ * tasks_per_step_)) {
   if (spec.bytes() == 0) {
     throw_bad_value("dataset sample shape", spec.describe(), "needs at least one element");
   }
@@ -326,7 +326,7 @@ std::optional<LoaderCore::Step> LoaderCore::next() {
               rel % plan_.steps_per_epoch());
 }
 
-void LoaderCore::fail(std::exception_ptr error) {
+void LoaderCore::fail(const std::exception_ptr& error) {
   failure_ = error;
   join_workers();
   std::rethrow_exception(error);

@@ -136,7 +136,7 @@ Array read(const std::filesystem::path& file) {
     fail(file, std::filesystem::exists(file, ec) ? "not a regular file" : "no such file");
   }
   Gz f(gzopen(file.c_str(), "rb"));
-  if (!f) fail(file, std::string("cannot open: ") + std::strerror(errno));
+  if (!f) fail(file, "cannot open: " + std::generic_category().message(errno));
   gzbuffer(f.get(), 1u << 17);
 
   std::array<unsigned char, 4> magic{};
@@ -173,7 +173,7 @@ Array read(const std::filesystem::path& file) {
   // absurd allocation.
   std::uint64_t bytes = element_size(a.type);
   for (int d = 0; d < ndims; ++d) {
-    const std::uint32_t n = big_endian_u32(raw_dims.data() + 4 * d);
+    const std::uint32_t n = big_endian_u32(raw_dims.data() + std::ptrdiff_t{4} * d);
     a.dims.push_back(n);
     if (n != 0 && bytes > kMaxDataBytes / n) {
       fail(file, "dimensions too large (over " + std::to_string(kMaxDataBytes >> 30) +
@@ -223,7 +223,7 @@ void write(const std::filesystem::path& file, const Array& a) {
                 std::to_string(elements * element_size(a.type)) + " bytes)");
   }
   Gz f(gzopen(file.c_str(), "wb"));
-  if (!f) fail(file, std::string("cannot create: ") + std::strerror(errno));
+  if (!f) fail(file, "cannot create: " + std::generic_category().message(errno));
   std::vector<unsigned char> header{0, 0, static_cast<unsigned char>(a.type),
                                     static_cast<unsigned char>(a.dims.size())};
   for (std::uint32_t d : a.dims) {
@@ -256,8 +256,8 @@ LabeledImages load_mnist(const std::filesystem::path& dir, std::string_view spli
     throw Error("MNIST split \"" + std::string(split) + "\" is not allowed: use train or t10k");
   }
   const auto pick = [&](const std::string& stem) {
-    const auto gz = dir / (stem + ".gz");
-    const auto plain = dir / stem;
+    auto gz = dir / (stem + ".gz");
+    auto plain = dir / stem;
     std::error_code ec;
     if (std::filesystem::exists(gz, ec) || !std::filesystem::exists(plain, ec)) return gz;
     return plain;

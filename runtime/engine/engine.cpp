@@ -130,7 +130,7 @@ struct Engine::Impl : EngineState {
   std::vector<detail::WatchedDevice> watched;
 };
 
-Engine::Engine(DeviceList devices, EngineConfig config) : impl_(std::make_unique<Impl>()) {
+Engine::Engine(const DeviceList& devices, EngineConfig config) : impl_(std::make_unique<Impl>()) {
   config.validate();
   if (devices.size() == 0) throw Error("Engine needs at least one device");
   for (std::uint32_t d = 0; d < devices.size(); ++d) {

@@ -71,7 +71,9 @@ void check_mpi(int rc, const char* call) {
 }
 // Launched by mpirun (Open MPI sets these; PMIx-based launchers the second).
 bool launched_by_mpirun() {
-  return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMIX_RANK") != nullptr;
+  // The library reads the environment and never writes it.
+  return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr ||  // NOLINT(concurrency-mt-unsafe)
+         std::getenv("PMIX_RANK") != nullptr;               // NOLINT(concurrency-mt-unsafe)
 }
 }  // namespace
 #endif

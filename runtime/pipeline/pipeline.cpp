@@ -9,13 +9,14 @@
 
 namespace bspflow {
 
-Pipeline::Pipeline(DeviceList group, PipelineConfig config, const StageFactory& make_stages)
+Pipeline::Pipeline(const DeviceList& group, const PipelineConfig& config,
+                   const StageFactory& make_stages)
     : impl_(std::make_unique<Impl>()) {
   // Distributed: with one instance (a plain process) the same machinery runs, its
   // exchanges the identity.
   Instance* inst = config.distributed ? &Instance::current() : nullptr;
   try {
-    impl_->build(group, std::move(config), make_stages);
+    impl_->build(group, config, make_stages);
   } catch (...) {
     // The other instances wait in the constructor's first collective: tell them.
     if (inst != nullptr) (void)inst->all_agree(false);
@@ -24,7 +25,7 @@ Pipeline::Pipeline(DeviceList group, PipelineConfig config, const StageFactory& 
   if (inst != nullptr) impl_->join_instances(*inst);
 }
 
-void Pipeline::Impl::build(const DeviceList& group, PipelineConfig config,
+void Pipeline::Impl::build(const DeviceList& group, const PipelineConfig& config,
                            const StageFactory& make_stages) {
   Impl& im = *this;
   if (!make_stages) throw Error("Pipeline: the stage factory is empty");

@@ -271,7 +271,7 @@ Program Pipeline::Impl::compile_inference(const std::vector<StageRun*>& on_devic
   std::vector<Program> body;
   for (StageRun* st : on_device) {
     const bool first = st->s == 0;
-    body.push_back(
+    body.emplace_back(
         codelet(st->stage->name() + " forward", [this, st, first, n](const ComputeContext& ctx) {
           const std::uint64_t c = st->cycle;
           std::int64_t id = -1;
@@ -348,7 +348,7 @@ Program Pipeline::Impl::compile_inference(const std::vector<StageRun*>& on_devic
 Program Pipeline::Impl::compile_single_inference(std::uint32_t replica) {
   StageRun* head = &run_of(replica, 0);
   std::vector<Program> body;
-  body.push_back(codelet("take", [this, head](const ComputeContext& ctx) {
+  body.emplace_back(codelet("take", [this, head](const ComputeContext& ctx) {
     head->got = false;
     const Take t = take(*head, ctx.stop, /*block=*/true);
     if (t == Take::kEnd) head->ended = head->done = true;

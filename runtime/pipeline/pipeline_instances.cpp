@@ -144,7 +144,8 @@ void Pipeline::Impl::join_instances(Instance& inst) {
       config.exchange_bucket_bytes);
 }
 
-PipelineResult Pipeline::Impl::settle_across(PipelineResult local, std::exception_ptr failure,
+PipelineResult Pipeline::Impl::settle_across(PipelineResult local,
+                                             const std::exception_ptr& failure,
                                              std::uint64_t steps) {
   Instance& inst = *instance;
   const std::uint32_t me = inst.index(), count = inst.count();

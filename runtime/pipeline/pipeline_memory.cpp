@@ -30,8 +30,8 @@ MemoryReport plan_memory(const MemoryInputs& in) {
   report.precision = c.precision;
   for (const auto& [id, available] : in.devices)
     report.devices.push_back(DeviceMemory{id, available, {}});
-  auto add = [&](const StageShape& st, std::uint32_t device, std::string what, MemoryCategory cat,
-                 Liveness live, std::size_t bytes, bool device_buffer = false) {
+  auto add = [&](const StageShape& st, std::uint32_t device, const std::string& what,
+                 MemoryCategory cat, Liveness live, std::size_t bytes, bool device_buffer = false) {
     if (bytes == 0) return;
     std::string name = stage_label(st) + " " + what;
     if (c.replicas > 1) name += " (replica " + std::to_string(st.r) + ")";

@@ -11,7 +11,7 @@ namespace bspflow {
 PipelineResult Pipeline::Impl::run_local(InfeedQueue<Batch>& infeed,
                                          std::uint64_t device_iterations,
                                          OutfeedQueue<std::vector<float>>* outfeed,
-                                         std::stop_token stop) {
+                                         const std::stop_token& stop) {
   Impl& im = *this;
   const std::uint64_t steps = device_iterations;  // a step: K micro-batches, one update
   im.ended_replica = 0;

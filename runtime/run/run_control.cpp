@@ -64,7 +64,7 @@ void RunControl::unwatch() noexcept {
   watch_.reset();  // the monitor no longer holds it
 }
 
-void RunControl::stall(std::string message, std::vector<StallError::Wait> waits) noexcept {
+void RunControl::stall(const std::string& message, std::vector<StallError::Wait> waits) noexcept {
   {
     std::lock_guard lock(mutex_);
     if (!failure_ && !stalled_) {
@@ -212,7 +212,8 @@ void write_trace_or_log(const Trace& trace, const std::string& path) noexcept {
 }
 
 std::string trace_path_from_env() {
-  const char* env = std::getenv("BSPFLOW_TRACE");
+  // The library reads the environment and never writes it.
+  const char* env = std::getenv("BSPFLOW_TRACE");  // NOLINT(concurrency-mt-unsafe)
   return env != nullptr ? std::string(env) : std::string();
 }
 

@@ -180,7 +180,7 @@ class Monitor {
       for (StallWatch* w : watches_) {
         if (!w->fail_pending) continue;
         w->fail_pending = false;
-        w->control->stall(std::move(w->fail_report), std::move(w->fail_waits));
+        w->control->stall(w->fail_report, std::move(w->fail_waits));
       }
     }
   }

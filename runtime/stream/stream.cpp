@@ -169,7 +169,7 @@ std::shared_ptr<const RequestError> check_live(const InFlight& f, const NodeRun&
 }
 
 std::shared_ptr<const RequestError> failure_of(const InFlight& f, const NodeRun& n,
-                                               std::exception_ptr cause) {
+                                               const std::exception_ptr& cause) {
   auto e = std::make_shared<RequestError>();
   e->kind = ErrorKind::kStageFailed;
   e->stage = n.index;

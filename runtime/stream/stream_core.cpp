@@ -5,13 +5,14 @@
 
 #include <algorithm>
 #include <string>
+#include <utility>
 
 #include "bspflow/base/detail/thread_name.hpp"
 #include "bspflow/base/log.hpp"
 
 namespace bspflow::detail {
 
-StreamCore::StreamCore(DeviceList d, StreamConfig c) : devices(d), config(std::move(c)) {
+StreamCore::StreamCore(DeviceList d, StreamConfig c) : devices(std::move(d)), config(std::move(c)) {
   if (devices.size() == 0) throw Error("StreamBuilder: a stream needs at least one device");
   config.validate(devices.size());
   replicas = config.replicas;

@@ -41,7 +41,7 @@ bool wait_for(Done&& done, const std::stop_token& stop) {
 }  // namespace
 
 SwapResult StreamCore::swap(std::uint32_t node, std::vector<std::unique_ptr<Versioned>> fresh,
-                            std::size_t memory, std::stop_token stop) {
+                            std::size_t memory, const std::stop_token& stop) {
   std::lock_guard lock(swap_mutex_);
   const NodeSpec& spec = nodes[node];
   SwapResult res;

@@ -36,7 +36,8 @@ namespace {
 struct SlowToDestroy {
   std::shared_ptr<int> token;
   void operator()(int& s) const { s += *token; }
-  SlowToDestroy(std::shared_ptr<int> t) : token(std::move(t)) {}  // NOLINT: implicit
+  // NOLINTNEXTLINE(google-explicit-constructor): made from its token where a body is expected
+  SlowToDestroy(std::shared_ptr<int> t) : token(std::move(t)) {}
   SlowToDestroy(const SlowToDestroy&) = default;
   SlowToDestroy(SlowToDestroy&&) noexcept = default;
   ~SlowToDestroy() {

@@ -67,7 +67,8 @@ TEST_CASE(
     } else {
       ++refused;
       reasons = reasons && sub.refusal == Refusal::kQueueFull;
-      untouched = untouched && s == "req-" + std::to_string(i);  // NOLINT: left untouched
+      // NOLINTNEXTLINE(bugprone-use-after-move): a refused push leaves the value untouched
+      untouched = untouched && s == "req-" + std::to_string(i);
     }
   }
   // push() refuses at once too under kReject (it blocks only under kBlock).

@@ -88,7 +88,7 @@ class Arena {
   /// Give back / take a node (the spare array full: the node is freed; empty: none).
   template <class Node, class Spares>
   static void keep_node(Node&& node, Spares& spares, std::size_t& count) noexcept {
-    if (count < spares.size()) spares[count++] = std::move(node);
+    if (count < spares.size()) spares[count++] = std::forward<Node>(node);
   }
   template <class Spares>
   static auto take_node(Spares& spares, std::size_t& count) noexcept {

@@ -69,7 +69,7 @@ class Device {
   /// Without an explicit placement, device `id` takes the place the Topology policy gives
   /// device `id` of a group (device 0: the highest core).
   /// Contract: host; non-blocking; allocates; throws Error.
-  explicit Device(std::uint32_t id, DeviceConfig config = {},
+  explicit Device(std::uint32_t id, const DeviceConfig& config = {},
                   std::optional<Placement> placement = std::nullopt);
   /// Cancels queued and running jobs, waits until they return, joins the thread.
   /// Contract: host; blocks; no-alloc; noexcept.
@@ -140,7 +140,7 @@ class DeviceGroup {
   /// `count` devices (1..kMaxReplicas) placed by Topology::place; logs a warning when they
   /// must share cores, or when together they hold more memory than the machine has.
   /// Contract: host; non-blocking; allocates; throws Error.
-  explicit DeviceGroup(std::uint32_t count, DeviceConfig config = {});
+  explicit DeviceGroup(std::uint32_t count, const DeviceConfig& config = {});
 
   /// How many devices the group holds.
   std::uint32_t size() const noexcept { return static_cast<std::uint32_t>(devices_.size()); }
@@ -165,14 +165,16 @@ class DeviceGroup {
 /// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
 class DeviceList {
  public:
+  // A device, or a group, converts to a list where a list is taken (NOLINT below:
+  // google-explicit-constructor).
   /// The one device.
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
-  DeviceList(Device& device) : list_{&device} {}  // NOLINT: implicit by design
+  DeviceList(Device& device) : list_{&device} {}  // NOLINT(google-explicit-constructor)
   /// These devices, in this order.
   explicit DeviceList(std::vector<Device*> devices) noexcept : list_(std::move(devices)) {}
   /// Every device of `group`, in order.
   /// Contract: any; non-blocking; allocates; throws bad_alloc.
-  DeviceList(DeviceGroup& group) {  // NOLINT: implicit by design
+  DeviceList(DeviceGroup& group) {  // NOLINT(google-explicit-constructor)
     for (auto& d : group) list_.push_back(d.get());
   }
   /// How many devices the list holds.

@@ -15,7 +15,7 @@ inline constexpr std::uint32_t kDefaultTiles = 1472;
 /// The most tiles a device may have.
 inline constexpr std::uint32_t kMaxTiles = 1u << 20;
 /// Memory per tile unless told otherwise: the Mk2's 624 KiB.
-inline constexpr std::size_t kDefaultBytesPerTile = 624 * 1024;
+inline constexpr std::size_t kDefaultBytesPerTile = std::size_t{624} * 1024;
 /// The most memory a tile may have: 64 MiB.
 inline constexpr std::size_t kMaxBytesPerTile = std::size_t{64} << 20;
 /// Every arena allocation is rounded up to this many bytes; also the least memory per tile.

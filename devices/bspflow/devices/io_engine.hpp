@@ -84,7 +84,7 @@ class IoEngine {
   /// Stops the thread and waits until it has returned; transfers not yet finished complete,
   /// on the destroying thread, with cancelled = true.
   /// Contract: host; blocks; no-alloc; noexcept.
-  ~IoEngine();
+  ~IoEngine();  // NOLINT(bugprone-exception-escape): io_engine.cpp says why nothing escapes
   IoEngine(const IoEngine&) = delete;
   IoEngine& operator=(const IoEngine&) = delete;
 

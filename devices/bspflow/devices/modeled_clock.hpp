@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -109,7 +110,7 @@ class ModeledClock {
   }
   /// What this device's clock says, as a ModeledTime of one device.
   ModeledTime time() const noexcept {
-    auto ns = [](double v) { return std::chrono::nanoseconds(static_cast<std::int64_t>(v + 0.5)); };
+    auto ns = [](double v) { return std::chrono::nanoseconds(std::llround(v)); };
     ModeledTime t;
     t.total = ns(now_);
     t.compute = ns(compute_);

@@ -31,7 +31,6 @@ constexpr std::size_t dtype_size(DType t) noexcept {
     case DType::kFloat16:
       return 2;
     case DType::kFloat32:
-      return 4;
     case DType::kInt32:
       return 4;
   }

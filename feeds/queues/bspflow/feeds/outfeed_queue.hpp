@@ -398,7 +398,8 @@ class OutfeedQueue {
                            : q_->queue_->push(*token_, std::move(e), stop, site)) {
         return true;
       }
-      staged_.push_back(std::move(e));  // a refused push leaves the value untouched
+      // A refused push leaves the value untouched.
+      staged_.push_back(std::move(e));  // NOLINT(bugprone-use-after-move)
       return keep_stopped(0) == 1;
     }
 

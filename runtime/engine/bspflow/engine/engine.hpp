@@ -77,7 +77,7 @@ class Engine {
   /// Validates the config (throws bspflow::Error) and starts the I/O engine thread. The
   /// devices must outlive the engine.
   /// Contract: host; non-blocking; allocates; throws Error.
-  Engine(DeviceList devices, EngineConfig config = {});
+  explicit Engine(const DeviceList& devices, EngineConfig config = {});
   /// Stops the I/O engine thread and waits until it has returned.
   /// Contract: host; blocks; no-alloc; noexcept.
   ~Engine();

@@ -195,26 +195,28 @@ class Program {
   using Node = std::variant<program::Sequence, program::Execute, program::Sync, program::Copy,
                             program::StreamCopy, program::Repeat, program::RepeatWhile,
                             program::FusedRepeat, program::RemoteCopy, program::AllReduce>;
+  // Each node converts to a program implicitly, as Poplar's program classes do: a tree is
+  // written as nested nodes (NOLINT below: google-explicit-constructor).
   /// A program of one Sequence node.
-  Program(program::Sequence n);  // NOLINT: implicit, like Poplar's program classes
+  Program(program::Sequence n);  // NOLINT(google-explicit-constructor)
   /// A program of one Execute node.
-  Program(program::Execute n);  // NOLINT
+  Program(program::Execute n);  // NOLINT(google-explicit-constructor)
   /// A program of one Sync node.
-  Program(program::Sync n);  // NOLINT
+  Program(program::Sync n);  // NOLINT(google-explicit-constructor)
   /// A program of one Copy node.
-  Program(program::Copy n);  // NOLINT
+  Program(program::Copy n);  // NOLINT(google-explicit-constructor)
   /// A program of one StreamCopy node.
-  Program(program::StreamCopy n);  // NOLINT
+  Program(program::StreamCopy n);  // NOLINT(google-explicit-constructor)
   /// A program of one Repeat node.
-  Program(program::Repeat n);  // NOLINT
+  Program(program::Repeat n);  // NOLINT(google-explicit-constructor)
   /// A program of one RepeatWhile node.
-  Program(program::RepeatWhile n);  // NOLINT
+  Program(program::RepeatWhile n);  // NOLINT(google-explicit-constructor)
   /// A program of one FusedRepeat node.
-  Program(program::FusedRepeat n);  // NOLINT (loops::repeat's; see detail/fused_repeat.hpp)
+  Program(program::FusedRepeat n);  // NOLINT(google-explicit-constructor)
   /// A program of one RemoteCopy node.
-  Program(program::RemoteCopy n);  // NOLINT
+  Program(program::RemoteCopy n);  // NOLINT(google-explicit-constructor)
   /// A program of one AllReduce node.
-  Program(program::AllReduce n);  // NOLINT
+  Program(program::AllReduce n);  // NOLINT(google-explicit-constructor)
   /// The node this program is.
   /// Contract: any; non-blocking; no-alloc; noexcept.
   const Node& node() const noexcept { return *node_; }

@@ -407,7 +407,8 @@ class Pipeline {
   /// hold its tensors: it names the device, the largest holders and what would help, and
   /// carries the whole report; whatever make_stages throws.
   /// Contract: host; blocks; allocates; throws Error.
-  Pipeline(DeviceList devices, PipelineConfig config, const StageFactory& make_stages);
+  Pipeline(const DeviceList& devices, const PipelineConfig& config,
+           const StageFactory& make_stages);
   /// Not during run(). Stops the Engine's I/O thread, waiting until it has returned, and
   /// frees the stages and buffers.
   /// Contract: host; blocks; no-alloc; noexcept.

@@ -137,8 +137,9 @@ class Stream {
   /// stage's, or a version of another type than the stage's.
   /// Contract: host; blocks; allocates; throws Error.
   template <class F, class X>
-  SwapResult swap(std::string_view stage, F version, std::vector<X> warmup,
-                  SwapOptions options = {}, std::stop_token stop = {}) {
+  SwapResult swap(std::string_view stage, F version,  // NOLINT(bugprone-exception-escape): a
+                  std::vector<X> warmup,              // model swap, which throws as tagged
+                  SwapOptions options = {}, const std::stop_token& stop = {}) {
     const std::uint32_t node = core_->swappable(stage);
     const detail::NodeSpec& spec = core_->nodes[node];
     if (*spec.in_type != typeid(X)) {
@@ -193,8 +194,7 @@ class Stream {
                         detail::describe_exception(refused.error);
       return refused;
     }
-    return core_->swap(node, std::move(fresh), options.memory.value_or(spec.memory),
-                       std::move(stop));
+    return core_->swap(node, std::move(fresh), options.memory.value_or(spec.memory), stop);
   }
 
   /// Histograms, counts and depths since the Stream was built.

@@ -247,6 +247,7 @@ class StreamGraph {
   /// branch of a route, or after the route's merge, but not take a branch beside a node that
   /// every request reaches (build() refuses it, naming the join).
   template <class F, class... Ts>
+  // NOLINTNEXTLINE(performance-unnecessary-value-param): a sink, moved into the node
   auto join(std::string name, F f, std::uint32_t device, Node<Ts>... inputs) {
     static_assert(sizeof...(Ts) >= 2, "a join needs at least two inputs");
     static_assert(std::is_move_constructible_v<F>, "a join must be movable");
@@ -276,6 +277,7 @@ class StreamGraph {
   /// A merge on `device`: the value of whichever of `branches` ran for the request (the ends
   /// of one route's branches: each request ran exactly one of them).
   template <class T, class... Ts>
+  // NOLINTNEXTLINE(performance-unnecessary-value-param): a sink, moved into the node
   Node<T> merge(std::string name, std::uint32_t device, Node<T> first, Node<Ts>... rest) {
     static_assert((std::is_same_v<T, Ts> && ...), "a merge's branches must have one type");
     static_assert(sizeof...(Ts) >= 1, "a merge needs at least two branches");

@@ -53,9 +53,10 @@ class ItemResult {
  public:
   /// Implicit, like std::optional's. Throws only what T's move constructor throws: noexcept
   /// when it is.
-  ItemResult(T value) noexcept(noexcept(T(std::declval<T&&>())))  // NOLINT: implicit by design
-      : value_(std::move(value)) {}
+  // NOLINTNEXTLINE(google-explicit-constructor): a batch stage returns plain values
+  ItemResult(T value) noexcept(noexcept(T(std::declval<T&&>()))) : value_(std::move(value)) {}
   /// An item that failed, for `why`: its request is answered ErrorKind::kStageFailed.
+  // NOLINTNEXTLINE(performance-unnecessary-value-param): a sink, moved from
   static ItemResult failure(std::string why) noexcept {
     ItemResult r;
     r.error_ = std::move(why);

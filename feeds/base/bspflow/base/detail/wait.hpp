@@ -18,8 +18,8 @@
 #if defined(__linux__)
 #include <linux/futex.h>
 #include <sys/syscall.h>
-#include <time.h>
 #include <unistd.h>
+#include <ctime>
 
 #include <climits>
 #endif

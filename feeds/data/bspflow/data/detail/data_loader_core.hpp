@@ -63,7 +63,8 @@ class LoaderCore {
   }
 
  protected:
-  LoaderCore(StepShape shape, std::uint64_t dataset_size, SampleSpec spec, LoaderConfig config);
+  LoaderCore(StepShape shape, std::uint64_t dataset_size, const SampleSpec& spec,
+             LoaderConfig config);
   // The derived class calls stop() first thing in its destructor: workers call fill().
   virtual ~LoaderCore();
   // Worker (or consumer, in kSync). Loads one micro-batch; may throw (LoaderError).
@@ -98,7 +99,7 @@ class LoaderCore {
   std::uint64_t async_limit(std::uint64_t first) const noexcept;
   void release_slot(std::size_t slot) noexcept;
   Slot& slot_of(std::uint64_t global) noexcept;
-  [[noreturn]] void fail(std::exception_ptr error);
+  [[noreturn]] void fail(const std::exception_ptr& error);
 
   const LoadPlan plan_;
   const LoaderConfig config_;

@@ -78,7 +78,8 @@ class BoundedQueue {
   bool push(Token& token, T&& value, const StopFlag* stop = nullptr,
             const WaitSite* site = nullptr) {
     for (;;) {
-      const PushResult r = try_push(token, std::move(value));
+      // try_push moves from `value` only when it takes it.
+      const PushResult r = try_push(token, std::move(value));  // NOLINT(bugprone-use-after-move)
       if (r == PushResult::kOk) return true;
       if (r == PushResult::kClosed) return false;
       if (stop != nullptr && stop->requested()) return false;

@@ -28,7 +28,7 @@ struct InstanceWire {
   }
 
   // Longest text broadcast_text sends (a failure's message): longer is cut.
-  static constexpr std::size_t kMaxText = 64 * 1024;
+  static constexpr std::size_t kMaxText = std::size_t{64} * 1024;
   // Host thread. MPI_Allreduce (sum, in place) of `values`, without Instance::allreduce_sum's
   // length check: for a per-step exchange whose length every instance agreed on beforehand.
   // Identity without MPI. Throws bspflow::Error naming MPI's message on an MPI error.

@@ -338,7 +338,7 @@ struct Pipeline::Impl {
   // `limit` trips of `body` per step; the condition keeps the trip in st->*trip (and the
   // step, from the outermost Repeat, at trip 0).
   // With several stages on the device, the first counts and the others follow.
-  static Program counted(std::vector<StageRun*> sts, std::uint64_t StageRun::*trip,
+  static Program counted(const std::vector<StageRun*>& sts, std::uint64_t StageRun::*trip,
                          std::uint64_t limit, Program body) {
     return program::RepeatWhile(
         [sts, trip, limit](const ComputeContext& ctx) {
@@ -360,11 +360,12 @@ struct Pipeline::Impl {
   }
   std::vector<std::shared_ptr<SyncGroup>> replica_groups, reduce_groups;
   // The constructor's work before any other instance is involved.
-  void build(const DeviceList& group, PipelineConfig config, const StageFactory& make_stages);
+  void build(const DeviceList& group, const PipelineConfig& config,
+             const StageFactory& make_stages);
   // The host call in this process (Pipeline::run without the agreement across instances).
   // `stop`: the run() call's (its CancelGate scope's token).
   PipelineResult run_local(InfeedQueue<Batch>& infeed, std::uint64_t steps,
-                           OutfeedQueue<std::vector<float>>* outfeed, std::stop_token stop);
+                           OutfeedQueue<std::vector<float>>* outfeed, const std::stop_token& stop);
   detail::CancelGate gate;          // cancel(): the run() call in progress
   std::uint32_t ended_replica = 0;  // the last run's kEndOfData: the replica whose lane ended
   // Distributed: at construction, checks every instance built its pipeline, and the same
@@ -373,7 +374,7 @@ struct Pipeline::Impl {
   void join_instances(Instance& inst);
   // Distributed, after run_local: every instance's end exchanged, and the run's result
   // (or exception) made the same everywhere. `failure`: what run_local threw.
-  PipelineResult settle_across(PipelineResult local, std::exception_ptr failure,
+  PipelineResult settle_across(PipelineResult local, const std::exception_ptr& failure,
                                std::uint64_t steps);
   // Distributed training over several instances (else null): the exchange across them.
   Instance* instance = nullptr;

@@ -44,7 +44,8 @@ struct CacheLineAllocator {
   static_assert(alignof(T) <= kAlign);
   CacheLineAllocator() noexcept = default;
   template <class U>
-  CacheLineAllocator(const CacheLineAllocator<U>&) noexcept {}  // NOLINT: rebinding
+  // NOLINTNEXTLINE(google-explicit-constructor): the allocator requirements rebind implicitly
+  CacheLineAllocator(const CacheLineAllocator<U>&) noexcept {}
   T* allocate(std::size_t n) {
     if (n > (std::numeric_limits<std::size_t>::max() - 2 * kAlign) / sizeof(T)) {
       throw std::bad_array_new_length();
@@ -113,7 +114,7 @@ class RunControl {
   // The monitor thread, once, when the run stalled with OnStall::kFail: records the report
   // (unless a failure came first: it wins) and cancels the run. finish() throws it as
   // StallError. Never blocks for long, never throws.
-  void stall(std::string message, std::vector<StallError::Wait> waits) noexcept;
+  void stall(const std::string& message, std::vector<StallError::Wait> waits) noexcept;
 
   // Any thread. Stops every replica at its next iteration or wait, and wakes feeds (calls
   // the waker while the run is open, under a mutex). Idempotent. Never blocks for long,

@@ -357,11 +357,10 @@ class AdmissionQueue final : public AdmissionQueueBase {
             : 0;
     if (a.predict && deadline != kNoDeadline && per > 0 && ahead > 0) {
       learn_from_late();
+      // The whole rounds ahead of it (each live replica takes one request a round).
+      const auto rounds = static_cast<std::int64_t>(ahead / core_->live_replicas());
       const auto wait =
-          static_cast<double>(static_cast<std::int64_t>(ahead) /
-                                  static_cast<std::int64_t>(core_->live_replicas()) * per +
-                              core_->path_ns()) *
-          (1.0 + late_feedback_.slack());
+          static_cast<double>(rounds * per + core_->path_ns()) * (1.0 + late_feedback_.slack());
       const auto done = now + std::chrono::nanoseconds(static_cast<std::int64_t>(wait));
       if (done > deadline) return Refusal::kDeadlineUnreachable;
     }

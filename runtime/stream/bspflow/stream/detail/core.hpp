@@ -162,7 +162,7 @@ class StreamCore {
   // warmed; `memory` the bytes it holds on its device. Blocks until every replica runs it,
   // the swap is refused (memory) or `stop` cancels it.
   SwapResult swap(std::uint32_t node, std::vector<std::unique_ptr<Versioned>> fresh,
-                  std::size_t memory, std::stop_token stop);
+                  std::size_t memory, const std::stop_token& stop);
   std::uint32_t next_version() noexcept { return next_version_.fetch_add(1); }
   // The node a swap names, checked (a stage or a batch stage); throws Error otherwise.
   std::uint32_t swappable(std::string_view name) const;

@@ -87,7 +87,7 @@ using BatchMaker = std::function<std::unique_ptr<BatchHeadBase>(
 // A graph being built.
 class GraphBuild {
  public:
-  GraphBuild(DeviceList devices, StreamConfig config)
+  GraphBuild(const DeviceList& devices, StreamConfig config)
       : core(std::make_unique<StreamCore>(devices, std::move(config))) {}
   std::unique_ptr<StreamCore> core;
   std::vector<std::unique_ptr<NodeType>> types;  // by node id

@@ -97,7 +97,7 @@ auto timed(InFlight& f, const NodeRun& n, std::size_t items, Call&& call) {
 
 // The error a node answers a request with when its callable threw.
 std::shared_ptr<const RequestError> failure_of(const InFlight& f, const NodeRun& n,
-                                               std::exception_ptr cause);
+                                               const std::exception_ptr& cause);
 // After node `n` failed for the request in flight: other branches drop it; fail-fast stops
 // the run (false).
 bool after_failure(InFlight& f, SegmentCtx& ctx, const std::shared_ptr<const RequestError>& e);
