@@ -20,6 +20,8 @@
 #   ./dev.sh format [--check]  lay out every C++ file with clang-format 14 (.clang-format);
 #                          --check changes nothing and fails if a file is not laid out (it
 #                          names a library file over 500 lines, without failing)
+#   ./dev.sh tidy [FILE...] clang-tidy 14 (.clang-tidy) over the library's sources (runtime/,
+#                          devices/, feeds/) and their headers; any finding fails it
 #   ./dev.sh ab REV [BENCH...] [--runs N] [--quick]
 #                          same-run A/B: builds REV's benchmarks in build-ab/<commit>
 #                          (cached), runs each BENCH (default: feed pipeline) alternately
@@ -44,6 +46,8 @@ FUZZ_PACKAGES="clang libfuzzer-14-dev"
 FORMAT_PACKAGES="clang-format-14"
 AB_PACKAGES="python3"
 DOCS_PACKAGES="doxygen"
+# The linter (Debian 12's clang-tidy is clang-tidy 14, the version .clang-tidy is written for).
+TIDY_PACKAGES="clang-tidy-14"
 
 # The rooms' test suites (meson test --suite ...): what the sanitizer builds run.
 ROOM_SUITES="--suite base --suite feeds --suite data --suite devices --suite run --suite engine \
@@ -146,6 +150,19 @@ case "$what" in
     [ -f "$build/tests/docs/Doxyfile" ] || meson setup --reconfigure "$build" >/dev/null
     meson compile -C "$build" docs
     echo "dev.sh docs: the reference is in $build/docs/html/index.html"
+    ;;
+  tidy)
+    install_deps
+    install_deps $TIDY_PACKAGES
+    setup "$build"  # its compile_commands.json says how each source is compiled
+    if [ $# -gt 0 ]; then
+      files="$*"
+    else
+      files=$(git ls-files 'runtime/*.cpp' 'devices/*.cpp' 'feeds/*.cpp')
+    fi
+    # shellcheck disable=SC2086  # one argument per file
+    run-clang-tidy-14 -p "$build" -quiet -j "$(nproc)" $files
+    echo "dev.sh tidy: $(echo $files | wc -w) sources, no finding"
     ;;
   tsan)
     install_deps
