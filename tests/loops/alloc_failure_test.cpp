@@ -1,9 +1,9 @@
 // runtime/: a loop, an Engine run or a Pipeline run that runs out of memory at any one
 // allocation of its call, on the host, on a device's thread or on the I/O engine's, ends with an
 // error and never hangs; the devices and the feeds stay usable and the device memory is given
-// back. A served Stream likewise answers every request it accepted. An executable of its own: it
-// replaces the global operator new so that one chosen allocation of one chosen thread (by id,
-// or by name for a thread the library starts) throws std::bad_alloc.
+// back. A served Stream likewise answers every request it accepted. An executable of its own:
+// alloc_hook.cpp replaces the global operator new so that one chosen allocation of one chosen
+// thread (by id, or by name for a thread the library starts) throws std::bad_alloc.
 #include <doctest/doctest.h>
 
 #include <atomic>
@@ -28,49 +28,17 @@
 
 #include <bspflow/bspflow.hpp>
 
+#include "alloc_hook.hpp"
 #include "runtime_test_util.hpp"
 
 using namespace bspflow;
 using namespace std::chrono_literals;
 using test::kSmall;
 
+using alloc_hook::arm;
+using alloc_hook::disarm;
+
 namespace {
-// Armed: allocations left on the target thread before the one that fails; < 0: disarmed.
-std::atomic<long> g_countdown{-1};
-std::atomic<std::thread::id> g_target{};
-// Set: the target is the thread of this name instead ("bspflow-io"), whatever g_target says.
-std::atomic<const char*> g_target_name{nullptr};
-std::atomic<bool> g_injected{false};
-
-bool on_target() noexcept {
-  if (const char* name = g_target_name.load(std::memory_order_relaxed)) {
-    char mine[16] = {};
-    pthread_getname_np(pthread_self(), mine, sizeof mine);  // the calling thread: no allocation
-    return std::strcmp(mine, name) == 0;
-  }
-  return std::this_thread::get_id() == g_target.load(std::memory_order_relaxed);
-}
-
-bool fail_this_one() noexcept {
-  // acquire: pairs with arm(), which stores the countdown after the target.
-  if (g_countdown.load(std::memory_order_acquire) < 0) return false;
-  if (!on_target()) return false;
-  if (g_countdown.fetch_sub(1, std::memory_order_relaxed) != 0) return false;
-  g_injected.store(true, std::memory_order_relaxed);
-  return true;
-}
-
-void arm(std::thread::id thread, long allocations_before) {
-  g_injected = false;
-  g_target = thread;
-  g_countdown = allocations_before;
-}
-// Disarms; says whether the failure was injected (the call made more than k allocations).
-bool disarm() {
-  g_countdown = -1;
-  return g_injected.load();
-}
-
 // How many allocations `thread` makes while f() runs: the hook armed far off, so nothing
 // fails; counted as the countdown moves.
 template <class F>
@@ -78,95 +46,12 @@ long allocations_of(std::thread::id thread, F&& f) {
   constexpr long kFar = 1'000'000;
   arm(thread, kFar);
   f();
-  const long left = g_countdown.load();
+  const long left = alloc_hook::countdown();
   CHECK_FALSE(disarm());
   return kFar - left;
 }
 
-std::size_t rounded(std::size_t n, std::size_t align) {
-  return (n == 0 ? align : n + align - 1) / align * align;
-}
 }  // namespace
-
-void* operator new(std::size_t n) {
-  if (fail_this_one()) throw std::bad_alloc();
-  if (void* p = std::malloc(n == 0 ? 1 : n)) return p;
-  throw std::bad_alloc();
-}
-void* operator new(std::size_t n, std::align_val_t a) {
-  if (fail_this_one()) throw std::bad_alloc();
-  const auto align = static_cast<std::size_t>(a);
-  if (void* p = std::aligned_alloc(align, rounded(n, align))) return p;
-  throw std::bad_alloc();
-}
-// (GCC sees free() after the operator new above and warns; that new is malloc's.)
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-#endif
-void operator delete(void* p) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, std::size_t) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, std::align_val_t) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept {
-  std::free(p);
-}
-// The other forms, so that every allocation and every release goes through the ones above
-// (a sanitizer's own forms would otherwise pair with ours and report a mismatch).
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept {
-  try {
-    return ::operator new(n);
-  } catch (...) {
-    return nullptr;
-  }
-}
-void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  try {
-    return ::operator new(n, a);
-  } catch (...) {
-    return nullptr;
-  }
-}
-void* operator new[](std::size_t n) {
-  return ::operator new(n);
-}
-void* operator new[](std::size_t n, std::align_val_t a) {
-  return ::operator new(n, a);
-}
-void* operator new[](std::size_t n, const std::nothrow_t& t) noexcept {
-  return ::operator new(n, t);
-}
-void* operator new[](std::size_t n, std::align_val_t a, const std::nothrow_t& t) noexcept {
-  return ::operator new(n, a, t);
-}
-void operator delete(void* p, const std::nothrow_t&) noexcept {
-  std::free(p);
-}
-void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, std::size_t) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, std::align_val_t) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, const std::nothrow_t&) noexcept {
-  std::free(p);
-}
-void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept {
-  std::free(p);
-}
 
 namespace {
 constexpr std::uint64_t kTrips = 8;
@@ -309,9 +194,9 @@ long sweep_allocations(Attempt&& attempt) {
 // instead if given; then one whole run with nothing failing.
 template <class Attempt>
 void sweep_then_rerun(Attempt&& attempt, std::thread::id target, const char* thread_name) {
-  g_target_name = thread_name;
+  alloc_hook::target_name(thread_name);
   const long k = sweep_allocations([&](long i) { return attempt(target, i); });
-  g_target_name = nullptr;
+  alloc_hook::target_name(nullptr);
   MESSAGE("allocations swept: ", k);
   CHECK(attempt(std::thread::id{}, 0) == false);  // and a whole run again
 }
