@@ -38,6 +38,8 @@
 //   serve_fanout_vs_slowest_branch   closed-loop p50 of a fan-out to two 50 us branches on
 //       their own cores and a join, over one 50 us branch alone (the client pinned to core
 //       0; a device there is told so, Placement::shares_host); target <= 1.3 (serial: 2)
+//   serve_fanout_join_at_branch_vs_slowest_branch   the same with the join where the remote
+//       branch ends (example 12's placement), not on pre's device; target <= 1.3
 //   serve_priority_high_p99_vs_bound   10% high, 90% low class at 200% of capacity
 //       (kReject, a queue of 16 batches): the high class's p99 over its p99 alone plus one
 //       full batch's service time (a running batch is not preempted); target <= 1.2

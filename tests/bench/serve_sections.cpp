@@ -263,36 +263,54 @@ void graph_section(bench::Report& report, const Settings& s) {
     client.join();
     return p50;
   };
-  std::vector<double> ratios, fans, singles;
+  // Two placements of one shape, pre and the left branch on device 0, the right branch on
+  // device 1: the join on device 0 (waiting there for the round trip to device 1), and the
+  // join where the right branch ends (where the stream guide and example 12 put it).
+  auto fan_out = [&](std::uint32_t left_device, std::uint32_t join_device) {
+    StreamGraph<Req> g(two);
+    auto pre = g.input().stage(
+        "pre", [](Req r) { return r; }, 0);
+    auto left = pre.stage("left", branch, left_device);
+    auto right = pre.stage("right", branch, 1);
+    auto out = g.join(
+        "join", [](Req x, Req) { return x; }, join_device, left, right);
+    Server graph = std::move(g).build(out);
+    graph.start();
+    return pinned_p50(graph);
+  };
+  std::vector<double> ratios, local_ratios, fans, locals, singles;
   for (int round = 0; round < rounds; ++round) {
-    double fan = 0, single = 0;
-    for (int k = 0; k < 2; ++k) {
-      if ((round + k) % 2 == 0) {
-        StreamGraph<Req> g(two);
-        auto pre = g.input().stage(
-            "pre", [](Req r) { return r; }, 0);
-        auto left = pre.stage("left", branch, 0);
-        auto right = pre.stage("right", branch, 1);
-        auto out = g.join(
-            "join", [](Req x, Req) { return x; }, 0, left, right);
-        Server graph = std::move(g).build(out);
-        graph.start();
-        fan = pinned_p50(graph);
-      } else {
-        Server one = StreamBuilder<Req>(two).stage("branch", branch, 0).build();
-        one.start();
-        single = pinned_p50(one);
+    double fan = 0, local = 0, single = 0;
+    for (int k = 0; k < 3; ++k) {  // the order rotates each round
+      switch ((round + k) % 3) {
+        case 0:
+          fan = fan_out(0, 0);
+          break;
+        case 1:
+          local = fan_out(0, 1);
+          break;
+        default: {
+          Server one = StreamBuilder<Req>(two).stage("branch", branch, 0).build();
+          one.start();
+          single = pinned_p50(one);
+        }
       }
     }
     ratios.push_back(fan / single);
+    local_ratios.push_back(local / single);
     fans.push_back(fan / 1e3);
+    locals.push_back(local / 1e3);
     singles.push_back(single / 1e3);
   }
   const double r = bench::median(ratios);
+  const double rl = bench::median(local_ratios);
   report.figure("serve_fanout_p50_us", bench::median(fans));
+  report.figure("serve_fanout_join_at_branch_p50_us", bench::median(locals));
   report.figure("serve_fanout_one_branch_p50_us", bench::median(singles));
   report.spread("serve_fanout_vs_slowest_branch", ratios);
   report.ratio("serve_fanout_vs_slowest_branch", r, "<= 1.3", r <= 1.3);
+  report.spread("serve_fanout_join_at_branch_vs_slowest_branch", local_ratios);
+  report.ratio("serve_fanout_join_at_branch_vs_slowest_branch", rl, "<= 1.3", rl <= 1.3);
 }
 
 // ---- priority classes ----
