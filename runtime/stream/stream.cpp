@@ -544,5 +544,65 @@ std::vector<std::string> round_trips(const StreamCore& core, const SegmentPlacem
   return found;
 }
 
+std::vector<std::uint32_t> segment_order(const StreamCore& core, const SegmentPlacement& pl,
+                                         std::uint32_t s) {
+  const auto n = static_cast<std::uint32_t>(core.nodes.size());
+  std::vector<std::uint32_t> here;
+  for (std::uint32_t i = 0; i < n; ++i) {
+    if (pl.segment_of[i] == s) here.push_back(i);
+  }
+  if (here.size() <= 2) return here;
+  // anc[i][k]: node k is an ancestor of node i (ids are a topological order: inputs first).
+  std::vector<std::vector<char>> anc(n, std::vector<char>(n, 0));
+  for (std::uint32_t i = 0; i < n; ++i) {
+    for (std::uint32_t p : core.nodes[i].inputs) {
+      anc[i][p] = 1;
+      for (std::uint32_t k = 0; k < p; ++k) anc[i][k] = static_cast<char>(anc[i][k] | anc[p][k]);
+    }
+  }
+  const auto in_seg = [&](std::uint32_t i) { return pl.segment_of[i] == s; };
+  // The source: the first node's first input from another segment (none for the input).
+  std::uint32_t source = n;
+  for (std::uint32_t p : core.nodes[here[0]].inputs) {
+    if (!in_seg(p)) {
+      source = p;
+      break;
+    }
+  }
+  // 0: leads to another segment, 1: local, 2: waits for another segment (an import).
+  std::vector<int> rank(n, 1);
+  for (std::uint32_t i : here) {
+    for (std::uint32_t p : core.nodes[i].inputs) {
+      if (!in_seg(p) && p != source) rank[i] = 2;
+    }
+  }
+  for (std::uint32_t i : here) {
+    if (rank[i] == 2) continue;
+    for (std::uint32_t j : here) {
+      if (j != i && anc[j][i] == 0) continue;  // i itself, or a node after it here
+      for (std::uint32_t c : core.nodes[j].consumers) {
+        if (!in_seg(c)) rank[i] = 0;
+      }
+    }
+  }
+  // Waiting nodes still come in build order, and every node below the one a segment waits at
+  // has run there (its exports are out), so segments never wait on each other in a circle.
+  std::vector<std::uint32_t> order{here[0]};
+  std::vector<char> done(n, 0);
+  done[here[0]] = 1;
+  while (order.size() < here.size()) {
+    std::uint32_t best = n;
+    for (std::uint32_t i : here) {  // ascending: a tie goes to the lower id
+      if (done[i] != 0) continue;
+      bool ready = true;
+      for (std::uint32_t k : here) ready = ready && (done[k] != 0 || anc[i][k] == 0);
+      if (ready && (best == n || rank[i] < rank[best])) best = i;
+    }
+    done[best] = 1;
+    order.push_back(best);
+  }
+  return order;
+}
+
 }  // namespace detail
 }  // namespace bspflow

@@ -418,6 +418,51 @@ TEST_CASE("the builder refuses a bad graph, naming the node") {
   }
 }
 
+// Regression: a device ran its nodes in build order, so a remote branch that starts with a local
+// step built after a local branch left only once that branch had run.
+TEST_CASE("a branch for another device leaves before a local branch runs, in any build order") {
+  // a (device 0) is built before c, the local first step of the remote branch c -> b (device
+  // 1). a waits (at most 2 s) for b to have started on the same request: it can only if c,
+  // and its hand-off to device 1, ran before a on device 0.
+  test::LogCapture log;  // the join on device 0 waits for a round trip: the build warns
+  DeviceGroup group(2, test::kSmall);
+  auto b_saw = std::make_shared<std::atomic<U64>>(~U64{0});
+  StreamGraph<U64> g(group);
+  auto pre = g.input().stage(
+      "pre", [](U64 x) { return x; }, 0);
+  auto a = pre.stage(
+      "a",
+      [b_saw](U64 x) -> U64 {
+        const auto until = StreamClock::now() + 2s;
+        while (b_saw->load() != x && StreamClock::now() < until) std::this_thread::sleep_for(50us);
+        return b_saw->load() == x ? x : x + 1000;  // +1000: b had not started beside a
+      },
+      0);
+  auto c = pre.stage(
+      "c", [](U64 x) { return x; }, 0);
+  auto b = c.stage(
+      "b",
+      [b_saw](U64 x) {
+        b_saw->store(x);
+        return x;
+      },
+      1);
+  auto out = g.join(
+      "join", [](U64 x, U64) { return x; }, 0, a, b);
+  auto stream = std::move(g).build(out);
+  auto client = stream.client();
+  stream.start();
+  for (U64 i = 0; i < 3; ++i) {
+    REQUIRE(client.push(i));
+    auto r = client.pop();
+    REQUIRE(r.has_value());
+    REQUIRE(r->ok());
+    CHECK(*r->value == i);
+  }
+  stream.close();
+  CHECK(stream.wait().drained());
+}
+
 TEST_CASE("the builder warns of a node that holds its device for a round trip") {
   DeviceGroup group(2, test::kSmall);
   auto id = [](int v) { return v; };

@@ -137,6 +137,12 @@ SegmentPlacement place_nodes(const StreamCore& core, std::uint32_t replica);
 // segment handed on for the same request (a round trip): one warning each. Such a segment
 // serves one request at a time, and so does every device on the round trip. Allocates.
 std::vector<std::string> round_trips(const StreamCore& core, const SegmentPlacement& pl);
+// The order segment `s` runs its nodes in, whatever order they were built in: its first node
+// (the lowest id) first, then, of the nodes ready to run, those that lead to another device
+// (so a request leaves for it before a local branch runs), then the other local ones, then
+// those that wait for another segment (as late as they can); ties in build order. Allocates.
+std::vector<std::uint32_t> segment_order(const StreamCore& core, const SegmentPlacement& pl,
+                                         std::uint32_t s);
 
 // Builds every replica's segments for a checked graph whose output is node `output`.
 template <class In, class Out>
@@ -232,9 +238,10 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
         return p;
       };
       bool started = false;  // the source is chosen
-      std::vector<std::uint32_t> here;
-      for (std::uint32_t n = 0; n < n_nodes; ++n) {
-        if (pl.segment_of[n] == s) here.push_back(n);
+      const std::vector<std::uint32_t> here = segment_order(core, pl, s);
+      // The node whose queue wait the source records: the first named one in build order.
+      for (std::uint32_t n = 0; n < n_nodes && seg->first == nullptr; ++n) {
+        if (pl.segment_of[n] == s && core.nodes[n].index != kNoIndex) seg->first = &run.nodes[n];
       }
       for (std::uint32_t n : here) {
         const NodeSpec& spec = core.nodes[n];
@@ -303,7 +310,6 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
           }
           seg->ops.push_back(g.makers[n](ins, outs, run.nodes[n], r, run));
         }
-        if (seg->first == nullptr && spec.index != kNoIndex) seg->first = &run.nodes[n];
         // Exports to the segments that read it.
         std::vector<std::uint32_t> to;
         for (std::uint32_t c : spec.consumers) {
