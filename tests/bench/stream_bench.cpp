@@ -161,7 +161,11 @@ struct StreamRig {
     return std::move(b).stage("s1", work).stage("s2", work).stage("s3", work).build();
   }
   // The same interface as RefChain's, so both are measured by the same code.
-  void send(const Req& r) { client.push(r); }
+  // As the chain's: a push refused (kClientFull, the receiver behind by response_capacity)
+  // is retried, so "lost" counts requests sent and never answered, not refusals.
+  void send(const Req& r) {
+    while (!client.push(r).accepted()) std::this_thread::yield();
+  }
   bool try_send(const Req& r) { return client.try_push(Req(r)).accepted(); }
   bool try_receive(Req& r) {
     auto e = client.try_pop();
