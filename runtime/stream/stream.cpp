@@ -280,13 +280,15 @@ const char* kind_name(NodeKind k) {
       return "branch";
     case NodeKind::kMerge:
       return "merge";
+    case NodeKind::kGenerate:
+      return "generate stage";
   }
   return "node";
 }
 }  // namespace
 
 std::uint32_t GraphBuild::add(NodeSpec spec, std::unique_ptr<NodeType> type, OpMaker maker,
-                              BatchMaker batch) {
+                              BatchMaker batch, GenerateMaker generate) {
   if (built) throw Error("StreamGraph: the graph was built already; build a new one");
   StreamCore& c = *core;
   const std::string what = std::string(kind_name(spec.kind)) + " '" + spec.name + "'";
@@ -323,6 +325,7 @@ std::uint32_t GraphBuild::add(NodeSpec spec, std::unique_ptr<NodeType> type, OpM
   types.push_back(std::move(type));
   makers.push_back(std::move(maker));
   batch_makers.push_back(std::move(batch));
+  generate_makers.push_back(std::move(generate));
   return id;
 }
 
@@ -463,6 +466,40 @@ void GraphBuild::check(std::uint32_t output) {
                 c.nodes[cond[output].begin()->first].name +
                 "': merge the branches so every request is answered");
   }
+  // A generate stage's outputs travel on as occurrences of their request, one per output:
+  // the nodes after it read only what follows it, and no route decides whether it runs.
+  std::vector<std::uint32_t> gen_of(n, kNoIndex);  // the generate stage a node follows
+  for (std::uint32_t i = 0; i < n; ++i) {
+    const NodeSpec& s = c.nodes[i];
+    const std::string what = std::string(kind_name(s.kind)) + " '" + s.name + "'";
+    std::uint32_t from = kNoIndex;
+    for (std::uint32_t p : s.inputs) from = std::min(from, gen_of[p]);
+    for (std::uint32_t p : s.inputs) {
+      if (gen_of[p] == from) continue;
+      const std::uint32_t q = *std::find_if(s.inputs.begin(), s.inputs.end(),
+                                            [&](std::uint32_t x) { return gen_of[x] == from; });
+      const std::uint32_t after = gen_of[p] == kNoIndex ? q : p;
+      const std::uint32_t before = gen_of[p] == kNoIndex ? p : q;
+      throw Error(what + " takes input '" + c.nodes[after].name +
+                  "', which follows generate stage '" + c.nodes[gen_of[after]].name +
+                  "' (one value per output), and input '" + c.nodes[before].name +
+                  "', which does not: the nodes after a generate stage read only what follows it");
+    }
+    if (s.kind == NodeKind::kGenerate) {
+      if (from != kNoIndex) {
+        throw Error(what + " follows generate stage '" + c.nodes[from].name +
+                    "': a request passes through one generate stage at most");
+      }
+      if (s.routed) {
+        throw Error(what +
+                    " is reached through a route's branch: a generate stage serves every "
+                    "request of its stream; put it before the route or after the merge");
+      }
+      from = i;
+      c.streaming = true;
+    }
+    gen_of[i] = from;
+  }
   c.output = output;
 }
 
@@ -486,7 +523,7 @@ SegmentPlacement place_nodes(const StreamCore& core, std::uint32_t replica) {
     // that segment (no hand-off between two threads of one core). A batch stage heads a
     // segment of its own.
     if (core.config.fuse_shared_cores && i != 0 && s.kind != NodeKind::kBatch &&
-        s.inputs.size() == 1) {
+        s.kind != NodeKind::kGenerate && s.inputs.size() == 1) {
       const std::uint32_t from = pl.segment_of[s.inputs[0]];
       if (core.share_core(replica, pl.device_of[from], s.device)) {
         pl.segment_of[i] = from;

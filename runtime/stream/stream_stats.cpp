@@ -337,7 +337,7 @@ StreamStats StreamCore::stats() const {
     st.name = spec.name;
     st.stage = spec.index;
     st.device = spec.device;
-    st.batched = spec.kind == NodeKind::kBatch;
+    st.batched = spec.kind == NodeKind::kBatch || spec.kind == NodeKind::kGenerate;
     st.service_ns = HistogramSnapshot(kMeterHighestNs);
     st.queue_wait_ns = HistogramSnapshot(kMeterHighestNs);
     st.batch_size = HistogramSnapshot(kMeterHighestBatch);
@@ -350,6 +350,21 @@ StreamStats StreamCore::stats() const {
       st.calls += m.calls.load(std::memory_order_relaxed);
       st.padded += m.padded.load(std::memory_order_relaxed);
       st.stalls += m.stalls.load(std::memory_order_relaxed);
+      if (const GenerateMeter* g = runs[r].generation[n]) {
+        if (!st.generation) st.generation.emplace();
+        GenerateStats& gs = *st.generation;
+        const auto read = [](const std::atomic<std::uint64_t>& a) {
+          return a.load(std::memory_order_relaxed);
+        };
+        gs.iterations += read(g->iterations);
+        gs.tokens += read(g->tokens);
+        gs.sequences += read(g->sequences);
+        gs.preemptions += read(g->preemptions);
+        gs.blocks += read(g->blocks);
+        gs.blocks_used += read(g->blocks_used);
+        gs.active += read(g->active);
+        gs.preempted += read(g->waiting);
+      }
       const VersionCell* cell = runs[r].cells[n];
       for (const auto& [node, v] : runs[r].versions) {
         if (node != n) continue;

@@ -18,6 +18,11 @@ std::uint32_t StreamCore::swappable(std::string_view name) const {
     if (s.index == kNoIndex) continue;
     if (s.name == name) {
       if (s.kind == NodeKind::kStage || s.kind == NodeKind::kBatch) return n;
+      if (s.kind == NodeKind::kGenerate) {
+        throw Error("Stream::swap: '" + s.name +
+                    "' is a generate stage, whose step cannot be swapped yet: build a new stream "
+                    "for the new version");
+      }
       throw Error("Stream::swap: '" + s.name +
                   "' is a join, route or merge: only a stage's or a batch stage's callable can "
                   "be swapped");

@@ -73,6 +73,13 @@ struct Response {
   /// numbered per stream: 1 at build, each Stream::swap() the next). 0 if it ran no stage.
   std::uint32_t version = 0;
   std::uint32_t priority = 0;  ///< its priority class
+  /// Its place among its request's responses: 0, 1, 2, ... A generate stage answers a request
+  /// with one response per output (partial responses, then the final one); any other stream
+  /// with one response, index 0.
+  std::uint32_t index = 0;
+  /// Whether it is its request's last response (always, but for a generate stage's partial
+  /// ones). An error is always final.
+  bool final = true;
   /// Whether it was answered with a value (no error).
   bool ok() const noexcept { return error == nullptr; }
   /// The error's kind; only when !ok().

@@ -69,6 +69,31 @@ class StreamBuilder {
     return StreamBuilder<In, Y>(graph_, next, name, device);
   }
 
+  /// Adds a generate stage on the next device: it answers each request with one response per
+  /// iteration (partial responses, then a final one). `f(std::span<Generation<Cur, E>>)` runs
+  /// one iteration for the active set and returns a std::vector of one StepOutput per
+  /// sequence. See Node::generate_stage.
+  template <class E = std::byte, class F>
+  auto generate_stage(std::string name, F f, GenerateConfig config = {}) && {
+    const std::uint32_t device = next_device();
+    return std::move(*this).template generate_stage<E>(std::move(name), std::move(f),
+                                                       std::move(config), device);
+  }
+  /// Adds a generate stage on device `device` (within a replica), a device no earlier stage
+  /// uses: a generate stage starts its device's run of stages.
+  template <class E = std::byte, class F>
+  auto generate_stage(std::string name, F f, GenerateConfig config, std::uint32_t device) && {
+    check_order(name, device);
+    if (last_ && device == last_->second) {
+      throw Error("generate stage '" + name + "' on device " + std::to_string(device) +
+                  ": a generate stage must be the first stage on its device, and stage '" +
+                  last_->first + "' is already there; put it on a later device");
+    }
+    auto next = node_.template generate_stage<E>(name, std::move(f), std::move(config), device);
+    using Y = typename decltype(next)::value_type;
+    return StreamBuilder<In, Y>(graph_, next, name, device);
+  }
+
   /// Declares what a real IPU does for the stage added last, for the modeled clock
   /// (StreamResult::modeled): `per_item` for each request it runs on (a batch stage: each
   /// item of the padded batch), `per_call` once per call. A stage left undeclared costs

@@ -176,20 +176,35 @@ class StreamClient {
   }
 
   bool any_ready() const noexcept {
-    if (ordering_ == Ordering::kPerClient) return ring_->ready(head_);
-    return ring_->delivered.load(std::memory_order_seq_cst) > popped_;
+    if (ordering_ == Ordering::kPerClient) {
+      return ring_->ready(head_) || ring_->has_partial(head_);
+    }
+    return ring_->delivered.load(std::memory_order_seq_cst) > popped_ ||
+           ring_->partials.load(std::memory_order_seq_cst) > partials_popped_;
   }
 
+  // A request's partial responses come before its final one: ready() is read first, and
+  // every partial response was in before the final one was given.
   std::optional<Response<Out>> take_ready() {
     if (ordering_ == Ordering::kPerClient) {
-      if (!ring_->ready(head_)) return std::nullopt;
+      const bool final = ring_->ready(head_);
+      if (ring_->has_partial(head_)) {
+        ++partials_popped_;
+        return ring_->take_partial(head_);
+      }
+      if (!final) return std::nullopt;
       Response<Out> r = ring_->take(head_, false);
       ++head_;
       ++popped_;
       return r;
     }
     for (std::uint64_t s = head_; s < next_; ++s) {
-      if (!ring_->ready(s)) continue;
+      const bool final = ring_->ready(s);
+      if (ring_->has_partial(s)) {
+        ++partials_popped_;
+        return ring_->take_partial(s);
+      }
+      if (!final) continue;
       Response<Out> r = ring_->take(s, true);
       ++popped_;
       while (head_ < next_ && ring_->taken(head_)) ring_->clear(head_++);
@@ -207,6 +222,7 @@ class StreamClient {
   std::uint64_t next_ = 0;                   ///< the next request's sequence number
   std::uint64_t head_ = 0;                   ///< the oldest sequence not popped
   std::uint64_t popped_ = 0;                 ///< responses popped
+  std::uint64_t partials_popped_ = 0;        ///< partial responses popped
   std::vector<std::uint32_t> device_cores_;  ///< cores the stream's devices are pinned to
   WaitPolicy wait_{};
   bool wait_chosen_ = false;  ///< set_wait() was called, or the first wait chose

@@ -19,6 +19,7 @@
 #include "bspflow/base/error.hpp"
 #include "bspflow/devices/device.hpp"
 #include "bspflow/stream/detail/graph_wiring.hpp"
+#include "bspflow/stream/generate.hpp"
 #include "bspflow/stream/stream_config.hpp"
 #include "bspflow/stream/stream_serving.hpp"
 
@@ -122,6 +123,51 @@ class Node {
       return head;
     };
     return Node<Y>(g_, g_->add(std::move(spec), std::make_unique<detail::NodeTypeOf<Y>>(), {},
+                               std::move(make)));
+  }
+
+  /// A generate stage reading this node, on `device` (where it must be the first stage, and
+  /// this node's only reader): it answers each request with one response per iteration
+  /// (partial responses, then a final one). `f(std::span<Generation<T, E>>)` runs one
+  /// iteration for the active set and returns a std::vector of one StepOutput per sequence,
+  /// in order. E is the type of an entry of a sequence's paged state (trivially copyable;
+  /// std::byte by default). Nodes after it run once per output; the stream's output must
+  /// follow it. See GenerateConfig, and the guide's "Generative serving".
+  template <class E = std::byte, class F>
+  auto generate_stage(std::string name, F f, GenerateConfig config, std::uint32_t device) const {
+    static_assert(std::is_move_constructible_v<F>, "a generate stage must be movable");
+    static_assert(std::is_invocable_v<F&, std::span<Generation<T, E>>>,
+                  "a generate stage must be callable with a std::span<bspflow::Generation<In, E>> "
+                  "(the active set); name the state entry type: generate_stage<E>(...)");
+    using Vec = std::decay_t<std::invoke_result_t<F&, std::span<Generation<T, E>>>>;
+    using Elem = typename Vec::value_type;
+    using Y = typename Elem::value_type;
+    static_assert(std::is_same_v<Vec, std::vector<StepOutput<Y>>>,
+                  "a generate stage must return a std::vector<bspflow::StepOutput<Out>> (one "
+                  "per active sequence)");
+    static_assert(std::is_move_constructible_v<Y> && std::is_move_assignable_v<Y>,
+                  "a generate stage's output type must be movable");
+    g_->check_node(g_, id_, "generate stage '" + name + "'");
+    config.validate(sizeof(E));
+    copyable_or_throw<F>(name);
+    detail::NodeSpec spec = detail::NodeSpec::of(name, detail::NodeKind::kGenerate, device, {id_},
+                                                 &typeid(T), &typeid(Elem));
+    auto fp = std::make_shared<F>(std::move(f));
+    const std::uint32_t id = static_cast<std::uint32_t>(g_->core->nodes.size());
+    const std::uint32_t replicas = g_->core->replicas;
+    detail::GenerateMaker make = [fp, id, replicas, config, name](
+                                     detail::SlotBase& out, const detail::NodeRun&, std::uint32_t r,
+                                     detail::ReplicaRun& run, Arena& arena) {
+      auto head = std::make_unique<detail::GenerateHead<T, E, Y>>(
+          config, static_cast<detail::Slot<Y>&>(out), arena,
+          "generate stage '" + name + "' state blocks (replica " + std::to_string(r) + ")");
+      auto v = std::make_unique<detail::GenerateFnOf<T, E, Y, F>>(
+          detail::GraphBuild::copy_for(*fp, r, replicas));
+      head->cell.current.store(v.get());
+      run.versions.emplace_back(id, std::move(v));
+      return head;
+    };
+    return Node<Y>(g_, g_->add(std::move(spec), std::make_unique<detail::NodeTypeOf<Y>>(), {}, {},
                                std::move(make)));
   }
 

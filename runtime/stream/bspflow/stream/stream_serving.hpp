@@ -84,6 +84,18 @@ struct VersionStats {
 };
 
 /// One stage's (graph node's) figures, over all replicas (Stream::stats()).
+/// A generate stage's figures (StageStats::generation), summed over its replicas.
+struct GenerateStats {
+  std::uint64_t iterations = 0;   ///< iterations run (calls of the step)
+  std::uint64_t tokens = 0;       ///< outputs made (each a partial or final response)
+  std::uint64_t sequences = 0;    ///< sequences ended (done, failed, cancelled or expired)
+  std::uint64_t preemptions = 0;  ///< sequences moved to host memory for want of a block
+  std::uint64_t blocks = 0;       ///< the block pools' size
+  std::uint64_t blocks_used = 0;  ///< blocks held by sequences now
+  std::uint64_t active = 0;       ///< sequences in the active sets now
+  std::uint64_t preempted = 0;    ///< sequences waiting in host memory now
+};
+
 struct StageStats {
   std::string name;                 ///< the stage's name
   std::uint32_t stage = 0;          ///< index in the stream (the order of the builder's calls)
@@ -95,6 +107,9 @@ struct StageStats {
   std::uint64_t calls = 0;          ///< calls made (requests, or batches)
   std::uint64_t padded = 0;         ///< batch stages: padding items added
   std::uint64_t stalls = 0;         ///< times a call outlived StreamConfig::call_stall_limit
+  /// A generate stage's iterations, outputs, sequences and blocks (its calls are iterations,
+  /// its batch_size the active set); nullopt for other stages.
+  std::optional<GenerateStats> generation{};
   /// Its versions while more than one is live (during a swap, until the old one drained),
   /// else its one version.
   std::vector<VersionStats> versions;

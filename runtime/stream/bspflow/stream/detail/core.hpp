@@ -29,7 +29,16 @@
 
 namespace bspflow::detail {
 
-enum class NodeKind : std::uint8_t { kInput, kStage, kBatch, kJoin, kRoute, kBranch, kMerge };
+enum class NodeKind : std::uint8_t {
+  kInput,
+  kStage,
+  kBatch,
+  kJoin,
+  kRoute,
+  kBranch,
+  kMerge,
+  kGenerate,
+};
 inline constexpr std::uint32_t kNoIndex = ~std::uint32_t{0};
 
 // One node of the graph, as the builder declared it.
@@ -86,7 +95,8 @@ struct ReplicaRun {
   std::vector<NodeRun> nodes;
   std::vector<std::unique_ptr<StageMeter>> meters;  // null where none (input, branches)
   std::vector<StageModel> models;
-  std::vector<VersionCell*> cells;        // stages and batch stages, else null
+  std::vector<VersionCell*> cells;               // stages and batch stages, else null
+  std::vector<const GenerateMeter*> generation;  // generate stages' meters, else null
   std::vector<void*> memory;              // the current version's allocation on its device, or null
   std::vector<std::size_t> memory_bytes;  // its size
   std::vector<std::unique_ptr<HopBase>> hops;               // the hops between its segments
@@ -112,6 +122,7 @@ class StreamCore {
   std::vector<std::shared_ptr<void>> owned;  // typed objects the segments use
   AdmissionQueueBase* admission = nullptr;
   ResponderBase* responder_base = nullptr;
+  bool streaming = false;  // a generate stage answers with partial responses
   bool timing() const noexcept {
     return config.stats || config.call_stall_limit > std::chrono::nanoseconds::zero();
   }

@@ -83,6 +83,10 @@ using OpMaker = std::function<std::unique_ptr<OpBase>(
 // A batch stage's head for one replica, from its output slot.
 using BatchMaker = std::function<std::unique_ptr<BatchHeadBase>(
     SlotBase& out, const NodeRun& node, std::uint32_t replica, ReplicaRun& run)>;
+// A generate stage's head for one replica, from its output slot and its device's arena
+// (where its block pool is taken).
+using GenerateMaker = std::function<std::unique_ptr<GenerateHeadBase>(
+    SlotBase& out, const NodeRun& node, std::uint32_t replica, ReplicaRun& run, Arena& arena)>;
 
 // A graph being built.
 class GraphBuild {
@@ -94,11 +98,12 @@ class GraphBuild {
   std::vector<OpMaker> makers;                   // by node id (none: input, branches)
   std::vector<BatchMaker> batch_makers;          // by node id (batch stages)
   std::vector<BatchConfig> batch_configs;        // by node id (batch stages)
+  std::vector<GenerateMaker> generate_makers;    // by node id (generate stages)
   bool built = false;
 
   // Adds a node; checks its name and device. Returns its id.
   std::uint32_t add(NodeSpec spec, std::unique_ptr<NodeType> type, OpMaker maker = {},
-                    BatchMaker batch = {});
+                    BatchMaker batch = {}, GenerateMaker generate = {});
   // Checks that node `id` may be used here (this graph's, and not built yet).
   void check_node(const GraphBuild* owner, std::uint32_t id, const std::string& where) const;
   // Checks the graph (every node reaches the output, joins and the output unconditional,
@@ -170,6 +175,7 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
     run.meters.resize(n_nodes);
     run.models.resize(n_nodes);
     run.cells.assign(n_nodes, nullptr);
+    run.generation.assign(n_nodes, nullptr);
     run.memory.assign(n_nodes, nullptr);
     run.memory_bytes.assign(n_nodes, 0);
     for (std::uint32_t n = 0; n < n_nodes; ++n) {
@@ -251,7 +257,7 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
           HopBase& hop = *hop_of.at({p, s});
           if (!started) {
             seg->source = g.types[p]->make_source(hop, core.config.min_share);
-            if (spec.kind != NodeKind::kBatch) {
+            if (spec.kind != NodeKind::kBatch && spec.kind != NodeKind::kGenerate) {
               seg->ops.push_back(g.types[p]->make_take(seg->incoming, *slot_of(p)));
             }
             started = true;
@@ -271,9 +277,11 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
           seg->source = std::move(source);
           seg->from_input = true;
           started = true;
-          const bool batch_next = spec.consumers.size() == 1 &&
-                                  core.nodes[spec.consumers[0]].kind == NodeKind::kBatch &&
-                                  pl.segment_of[spec.consumers[0]] == s;
+          const NodeKind next_kind =
+              spec.consumers.size() == 1 ? core.nodes[spec.consumers[0]].kind : NodeKind::kStage;
+          const bool batch_next =
+              (next_kind == NodeKind::kBatch || next_kind == NodeKind::kGenerate) &&
+              pl.segment_of[spec.consumers[0]] == s;
           if (!batch_next) seg->ops.push_back(g.types[n]->make_take(seg->incoming, *slot_of(n)));
           slot_of(n);
         } else if (spec.kind == NodeKind::kBatch) {
@@ -297,6 +305,26 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
           seg->batch->origin = {};
           seg->batch->first_node = spec.inputs.front() == 0;
           run.cells[n] = &seg->batch->cell;
+        } else if (spec.kind == NodeKind::kGenerate) {
+          const std::uint32_t p = spec.inputs.front();
+          if (!seg->ops.empty() || seg->batch || seg->generate) {
+            throw Error("generate stage '" + spec.name + "' on device " +
+                        std::to_string(spec.device) +
+                        ": a generate stage must be the first stage on its device (it runs its "
+                        "iterations there); put it on a device of its own");
+          }
+          for (std::uint32_t c : core.nodes[p].consumers) {
+            if (c != n) {
+              throw Error("generate stage '" + spec.name + "' takes the requests of '" +
+                          core.nodes[p].name + "', and so does '" + core.nodes[c].name +
+                          "': a generate stage must be the only reader of its input");
+            }
+          }
+          seg->generate = g.generate_makers[n](*slot_of(n), run.nodes[n], r, run,
+                                               core.devices[seg->device_index].arena());
+          seg->generate->node = &run.nodes[n];
+          run.cells[n] = &seg->generate->cell;
+          run.generation[n] = &seg->generate->meter;
         } else if (spec.kind != NodeKind::kBranch) {
           std::vector<SlotBase*> ins, outs;
           for (std::uint32_t p : spec.inputs) {

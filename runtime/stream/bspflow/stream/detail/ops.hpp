@@ -385,8 +385,11 @@ class OutputOp final : public OpBase {
     r.id = f.meta.id;
     r.version = f.meta.version;
     r.priority = f.meta.priority;
+    r.index = f.meta.part;
+    r.final = !f.meta.partial;
     if (in_.error) {
       r.error = in_.error;
+      r.final = true;
     } else if (in_.skipped || !in_.has_value()) {
       r.error = failure_of(
           f, node_,

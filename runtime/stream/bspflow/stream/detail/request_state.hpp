@@ -76,6 +76,7 @@ class ClientState {
   std::atomic<bool> abandoned{false};  // the StreamClient is gone: drop its responses
   alignas(tunables::kCacheLine) std::atomic<std::uint64_t> sent{0};       // requests accepted
   alignas(tunables::kCacheLine) std::atomic<std::uint64_t> delivered{0};  // responses given
+  std::atomic<std::uint64_t> partials{0};  // partial responses given (a generate stage's)
   // Responses whose deliverer is done with this object (delivered, then notified): the
   // stream frees an abandoned client's core only once settled == sent, so a deliverer never
   // touches freed memory between counting a response and waking the client.
@@ -96,6 +97,10 @@ struct RequestMeta {
   std::uint8_t priority = 0;  // its priority class
   std::uint8_t replica = 0;   // the replica that took it
   bool probe = false;         // an ejected replica's probe (Ejection)
+  // A generate stage's outputs travel on as occurrences of their request: `part` numbers
+  // them (Response::index), and every one but the last is `partial`.
+  bool partial = false;
+  std::uint32_t part = 0;
 };
 
 // A request (or its error, or the mark that a route sent it elsewhere) between two devices.

@@ -22,17 +22,73 @@
 namespace bspflow::detail {
 
 // A StreamClient's responses, in slots indexed by its sequence numbers: any replica's last
-// device writes a slot, the client reads them in its order (or in any order).
+// device writes a slot, the client reads them in its order (or in any order). A streaming
+// ring (a stream with a generate stage) also holds each request's partial responses, in
+// order, before its final one.
 template <class Out>
 class ResponseRing final : public ClientState {
  public:
-  explicit ResponseRing(std::size_t capacity)
-      : ClientState(capacity), slots_(std::make_unique<Slot[]>(capacity)) {}
+  ResponseRing(std::size_t capacity, bool streaming)
+      : ClientState(capacity), slots_(std::make_unique<Slot[]>(capacity)), streaming_(streaming) {}
   // Any thread: the answer to `sequence`, unless it was already answered (then r is dropped
   // and false). `notify` false: the caller calls notify_and_settle() soon (after a batch's
   // other responses), counting this one.
   bool deliver(std::uint64_t sequence, Response<Out>&& r, bool notify = true) {
     Slot& s = slots_[sequence & mask_];
+    if (streaming_) {
+      // Under the slot's lock: a partial response is either in before the final one is
+      // claimed, or dropped (deliver_partial reads the claim under it).
+      PartsLock lock(s);
+      return claim(s, sequence, std::move(r), notify);
+    }
+    return claim(s, sequence, std::move(r), notify);
+  }
+  // The answering device: a partial response to `sequence`, before its final one. False
+  // (dropped) once the final one was given. `notify` false: as deliver().
+  bool deliver_partial(std::uint64_t sequence, Response<Out>&& r, bool notify = true) {
+    Slot& s = slots_[sequence & mask_];
+    {
+      PartsLock lock(s);
+      const std::uint64_t c = s.claimed.load(std::memory_order_acquire);
+      if (c != kNone && c >= sequence) return false;
+      if (!abandoned.load(std::memory_order_relaxed)) {
+        s.parts.push_back(std::move(r));
+        s.parts_in.store(static_cast<std::uint32_t>(s.parts.size()), std::memory_order_release);
+      }
+    }
+    partials.fetch_add(1, std::memory_order_seq_cst);  // pairs with the client's wait
+    if (notify) arrived.notify();
+    return true;
+  }
+  // Client thread: whether a partial response to `sequence` waits (read after ready()).
+  bool has_partial(std::uint64_t sequence) const noexcept {
+    if (!streaming_) return false;
+    const Slot& s = slots_[sequence & mask_];
+    return s.parts_in.load(std::memory_order_acquire) > s.parts_out;
+  }
+  // Client thread: the next partial response to `sequence` (has_partial()).
+  Response<Out> take_partial(std::uint64_t sequence) {
+    Slot& s = slots_[sequence & mask_];
+    PartsLock lock(s);
+    return std::move(s.parts[s.parts_out++]);
+  }
+
+ private:
+  struct Slot;
+  // The slot's lock for its partial responses: a few instructions under it, one writer and
+  // the client, so a spin.
+  struct PartsLock {
+    explicit PartsLock(Slot& s) noexcept : slot(s) {
+      while (slot.parts_lock.test_and_set(std::memory_order_acquire)) {
+        while (slot.parts_lock.test(std::memory_order_relaxed)) cpu_relax();
+      }
+    }
+    ~PartsLock() { slot.parts_lock.clear(std::memory_order_release); }
+    PartsLock(const PartsLock&) = delete;
+    PartsLock& operator=(const PartsLock&) = delete;
+    Slot& slot;
+  };
+  bool claim(Slot& s, std::uint64_t sequence, Response<Out>&& r, bool notify) {
     // The slot's claims only grow (each use is `capacity` after the last): an answer to a
     // sequence the slot already served, or one past, is a second answer and is dropped.
     std::uint64_t before = s.claimed.load(std::memory_order_acquire);
@@ -47,6 +103,8 @@ class ResponseRing final : public ClientState {
     if (notify) notify_and_settle(1);
     return true;
   }
+
+ public:
   // Client thread: the response to `sequence` if it is there.
   bool ready(std::uint64_t sequence) const noexcept {
     return slots_[sequence & mask_].ready.load(std::memory_order_acquire) == sequence;
@@ -57,6 +115,12 @@ class ResponseRing final : public ClientState {
     Slot& s = slots_[sequence & mask_];
     Response<Out> r = std::move(*s.response);
     s.response.reset();
+    if (streaming_) {  // every partial response was taken before the final one
+      PartsLock lock(s);
+      s.parts.clear();
+      s.parts_out = 0;
+      s.parts_in.store(0, std::memory_order_relaxed);
+    }
     // relaxed: the client's own mark; a writer stores the slot's next sequence only after
     // the client pushed it, which happens after this.
     s.ready.store(mark_taken ? kTaken : kNone, std::memory_order_relaxed);
@@ -79,8 +143,15 @@ class ResponseRing final : public ClientState {
     // The sequence whose answer took this slot: a second answer for it loses the exchange.
     std::atomic<std::uint64_t> claimed{kNone};
     std::optional<Response<Out>> response;
+    // Partial responses (streaming): appended under parts_lock by the answering device,
+    // taken in order by the client (parts_out, the client's own).
+    std::atomic_flag parts_lock = ATOMIC_FLAG_INIT;
+    std::atomic<std::uint32_t> parts_in{0};
+    std::uint32_t parts_out = 0;
+    std::vector<Response<Out>> parts;
   };
   std::unique_ptr<Slot[]> slots_;
+  bool streaming_;
 };
 
 // Where every answer of a run goes: the client's own ring. Also answers requests directly
@@ -106,6 +177,11 @@ class Responder final : public ResponderBase {
   bool deliver(const RequestMeta& m, Response<Out>&& r, bool notify = true) {
     return static_cast<ResponseRing<Out>*>(m.client)->deliver(m.id.sequence, std::move(r), notify);
   }
+  // The answering device: a partial response (a generate stage's), before the final one.
+  bool deliver_partial(const RequestMeta& m, Response<Out>&& r, bool notify = true) {
+    return static_cast<ResponseRing<Out>*>(m.client)->deliver_partial(m.id.sequence, std::move(r),
+                                                                      notify);
+  }
 
   void answer_error(const RequestMeta& m, std::shared_ptr<const RequestError> error,
                     bool in_replica) override {
@@ -114,6 +190,7 @@ class Responder final : public ResponderBase {
     r.latency = StreamClock::now() - m.arrival;
     r.version = m.version;
     r.priority = m.priority;
+    r.index = m.part;  // after the partial responses a generate stage gave it
     const std::size_t kind = static_cast<std::size_t>(error->kind);
     r.error = std::move(error);
     if (!deliver(m, std::move(r))) return;  // answered already (by another branch)
@@ -147,7 +224,8 @@ class Responder final : public ResponderBase {
       // settled, not delivered: a deliverer may still be waking the client.
       return c->abandoned.load() && c->settled.load(std::memory_order_acquire) == c->sent.load();
     });
-    auto ring = std::make_shared<ResponseRing<Out>>(std::bit_ceil(core_.config.response_capacity));
+    auto ring = std::make_shared<ResponseRing<Out>>(std::bit_ceil(core_.config.response_capacity),
+                                                    core_.streaming);
     clients_.push_back(ring);
     return ring;
   }
@@ -182,6 +260,14 @@ class ReplicaSink final : public ResponseSink<Out> {
   void put(const RequestMeta& meta, Response<Out>&& r) override {
     const auto now = StreamClock::now();
     r.latency = now - meta.arrival;
+    if (meta.partial && !r.error) {  // a generate stage's partial response
+      ClientState* client = meta.client;
+      if (!responder_.deliver_partial(meta, std::move(r), !in_batch_) || !in_batch_) return;
+      auto it = std::find_if(to_notify_.begin(), to_notify_.end(),
+                             [client](const auto& n) { return n.first == client; });
+      if (it == to_notify_.end()) to_notify_.emplace_back(client, 0);  // wake it, settle none
+      return;
+    }
     const bool failed = r.error && r.error->kind == ErrorKind::kStageFailed;
     const std::size_t kind = r.error ? static_cast<std::size_t>(r.error->kind) : 0;
     const bool is_error = r.error != nullptr;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "bspflow/stream/detail/batch.hpp"
+#include "bspflow/stream/detail/generation.hpp"
 #include "bspflow/stream/detail/ops.hpp"
 #include "bspflow/stream/detail/segment.hpp"
 
@@ -18,11 +19,12 @@ namespace bspflow::detail {
 class Segment {
  public:
   std::uint32_t replica = 0;
-  std::uint32_t device_index = 0;            // the device (in the stream's DeviceList) it runs on
-  std::unique_ptr<Source> source;            // where each request starts here
-  std::unique_ptr<BatchHeadBase> batch;      // the batch stage heading it, if any
-  std::vector<std::unique_ptr<OpBase>> ops;  // in the graph's order (after the batch stage)
-  std::vector<HopBase*> exports;             // closed when the loop ends
+  std::uint32_t device_index = 0;              // the device (in the stream's DeviceList) it runs on
+  std::unique_ptr<Source> source;              // where each request starts here
+  std::unique_ptr<BatchHeadBase> batch;        // the batch stage heading it, if any
+  std::unique_ptr<GenerateHeadBase> generate;  // the generate stage heading it, if any
+  std::vector<std::unique_ptr<OpBase>> ops;    // in the graph's order (after the batch stage)
+  std::vector<HopBase*> exports;               // closed when the loop ends
   std::function<void()> begin_batch, end_batch;  // the output's per-batch notifications
   Incoming incoming;                 // the request the source gave last (TakeOp reads it)
   const NodeRun* first = nullptr;    // the node whose queue wait the source records
@@ -41,6 +43,8 @@ class Segment {
     try {
       if (batch) {
         serve_batches(ctx);
+      } else if (generate) {
+        serve_generation(ctx);
       } else {
         serve(ctx);
       }
@@ -140,6 +144,37 @@ class Segment {
         }
       }
       batch->clear();
+    }
+  }
+
+  // The generate stage's iterations: each output it makes runs the segment's ops as an
+  // occurrence of its request. On a stop, the sequences it holds are answered.
+  void serve_generation(SegmentCtx& ctx) {
+    InFlight f;
+    const GenerateHeadBase::Emit emit = [&](const RequestMeta& meta) {
+      f.meta = meta;
+      f.timing = timing;
+      f.origin = origin;
+      f.failure.reset();
+      f.modeled = meta.modeled_ns;
+      if (timing) f.t = StreamClock::now();
+      return run_ops(f, ctx, 0);
+    };
+    const std::function<void()> batch_begin = [&] {
+      if (begin_batch) begin_batch();
+    };
+    const std::function<void()> batch_end = [&] {
+      if (end_batch) end_batch();
+    };
+    bool served = false;
+    try {
+      served = generate->serve(*source, *ctx.policy, ctx.state->stop, emit, batch_begin, batch_end);
+    } catch (...) {  // the runtime failed: what the stage holds is answered all the same
+      generate->answer_held([&](const RequestMeta& meta) { answer_held(meta, nullptr); });
+      throw;
+    }
+    if (!served) {
+      generate->answer_held([&](const RequestMeta& meta) { answer_held(meta, nullptr); });
     }
   }
 

@@ -1,0 +1,468 @@
+// Internal to streams (installed because the stream templates use it): a generate stage at
+// the head of its segment (generate_stage). It keeps an active set of sequences and runs one
+// iteration of the step for all of them at a time: between two iterations, sequences that
+// ended leave, waiting ones join, up to max_active and as the block pool allows. Each
+// sequence's state lives in fixed-size blocks of one arena allocation (the block pool),
+// found through its block table. Each output leaves as an occurrence of its request (a
+// partial response, or the final one) through the segment's ops.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "bspflow/devices/arena.hpp"
+#include "bspflow/stream/detail/ops.hpp"
+#include "bspflow/stream/detail/segment.hpp"
+#include "bspflow/stream/generate.hpp"
+
+namespace bspflow::detail {
+
+// One version of a generate stage's step.
+template <class In, class E, class Out>
+class GenerateFn : public Versioned {
+ public:
+  virtual std::vector<StepOutput<Out>> call(std::span<Generation<In, E>> active) = 0;
+};
+template <class In, class E, class Out, class F>
+class GenerateFnOf final : public GenerateFn<In, E, Out> {
+ public:
+  explicit GenerateFnOf(F f) : f_(std::move(f)) {}
+  std::vector<StepOutput<Out>> call(std::span<Generation<In, E>> active) override {
+    return f_(active);
+  }
+
+ private:
+  F f_;
+};
+
+// What a generate stage counts (one writer: its device thread; read by stats()).
+struct GenerateMeter {
+  std::atomic<std::uint64_t> iterations{0};
+  std::atomic<std::uint64_t> tokens{0};       // outputs made (partial and final)
+  std::atomic<std::uint64_t> sequences{0};    // sequences ended (by any means)
+  std::atomic<std::uint64_t> preemptions{0};  // sequences moved to host memory
+  std::atomic<std::uint64_t> blocks_used{0};  // now
+  std::atomic<std::uint64_t> blocks{0};       // the pool's size
+  std::atomic<std::uint64_t> active{0};       // now
+  std::atomic<std::uint64_t> waiting{0};      // preempted, now
+};
+
+// A generate stage at the head of its segment, untyped for the segment's loop.
+class GenerateHeadBase {
+ public:
+  virtual ~GenerateHeadBase() = default;
+  // Runs the segment's ops for one occurrence: the head's output slot holds its value or
+  // error. False: the run must stop.
+  using Emit = std::function<bool(const RequestMeta&)>;
+  // Device thread: serves until the source has ended and no sequence is left (true), or the
+  // run stops (false; then answer_held() answers what it still holds). `batch` / `unbatch`
+  // frame one iteration's outputs (the clients are woken once each, at the end).
+  virtual bool serve(Source& source, const WaitPolicy& policy, const StopFlag& stop,
+                     const Emit& emit, const std::function<void()>& batch,
+                     const std::function<void()>& unbatch) = 0;
+  // Device thread, on a stop: every sequence it holds, given to `answer` (once each), its
+  // blocks freed.
+  virtual void answer_held(const std::function<void(const RequestMeta&)>& answer) = 0;
+  VersionCell cell;
+  const NodeRun* node = nullptr;
+  GenerateMeter meter;
+};
+
+template <class In, class E, class Out>
+class GenerateHead final : public GenerateHeadBase {
+  static_assert(alignof(E) <= 64, "a state entry's alignment must be at most the arena's (64)");
+
+ public:
+  // Takes the block pool from `arena` (OutOfMemoryError with the arena's report).
+  GenerateHead(const GenerateConfig& config, Slot<Out>& out, Arena& arena, const std::string& what)
+      : config_(config), out_(out), arena_(arena), blocks_(config.pool_blocks(sizeof(E))),
+        reserve_(config.memory_policy == MemoryPolicy::kReserve) {
+    const std::size_t block_bytes = config_.block_entries * sizeof(E);
+    base_ = static_cast<E*>(arena_.allocate(blocks_ * block_bytes, what));
+    free_.reserve(blocks_);
+    for (std::size_t b = blocks_; b-- > 0;) free_.push_back(static_cast<std::uint32_t>(b));
+    seqs_.resize(config_.max_active);
+    for (Generation<In, E>& s : seqs_) {
+      s.state_.base_ = base_;
+      s.state_.per_block_ = config_.block_entries;
+      s.state_.table_.reserve(std::min(blocks_, config_.blocks_for(config_.max_length)));
+    }
+    gone_.assign(config_.max_active, 0);
+    meter.blocks.store(blocks_, std::memory_order_relaxed);
+  }
+  ~GenerateHead() override { arena_.release(base_); }
+  GenerateHead(const GenerateHead&) = delete;
+  GenerateHead& operator=(const GenerateHead&) = delete;
+
+  bool serve(Source& source, const WaitPolicy& policy, const StopFlag& stop, const Emit& emit,
+             const std::function<void()>& batch, const std::function<void()>& unbatch) override {
+    Incoming in;
+    for (;;) {
+      if (stop.requested()) return false;
+      if (!end_dead(emit)) return false;
+      if (!resume(emit)) return false;
+      // New sequences, while there is room and none waits preempted (those go first).
+      while (preempted_.empty() && active_ < config_.max_active &&
+             free_.size() >= first_blocks() && source.try_next(in)) {
+        if (!take(in, emit)) return false;
+      }
+      if (active_ == 0) {
+        if (!preempted_.empty()) continue;  // resume() fails it or brings it back
+        // Idle: park until a request comes (or the source ends, or the run stops).
+        if (!source.next(in, policy, stop)) return !stop.requested();
+        if (!take(in, emit)) return false;
+        continue;
+      }
+      if (!grow(emit)) return false;
+      if (active_ == 0) continue;
+      if (!iterate(emit, batch, unbatch)) return false;
+    }
+  }
+
+  void answer_held(const std::function<void(const RequestMeta&)>& answer) override {
+    for (std::size_t i = 0; i < active_; ++i) {
+      answer(final_meta(seqs_[i]));
+      free_blocks(seqs_[i]);
+    }
+    active_ = 0;
+    for (Generation<In, E>& s : preempted_) answer(final_meta(s));
+    preempted_.clear();
+    publish();
+  }
+
+ private:
+  // Blocks a new sequence takes at admission: its first iteration's, or (kReserve) all of
+  // max_length's.
+  std::size_t first_blocks() const noexcept {
+    return reserve_ ? config_.blocks_for(config_.max_length) : config_.blocks_for(1);
+  }
+
+  // The meta of the sequence's next occurrence.
+  static RequestMeta occurrence(Generation<In, E>& s, bool last) {
+    RequestMeta m = s.meta_;
+    m.part = s.parts_++;
+    m.partial = !last;
+    return m;
+  }
+  static RequestMeta final_meta(Generation<In, E>& s) { return occurrence(s, true); }
+
+  // Ends sequence `s` with `error` (its final occurrence).
+  bool end_with(Generation<In, E>& s, std::shared_ptr<const RequestError> error, const Emit& emit) {
+    out_.set_error(std::move(error));
+    bump(meter.sequences);
+    return emit(final_meta(s));
+  }
+  std::shared_ptr<const RequestError> failure(const Generation<In, E>& s, const std::string& why,
+                                              std::exception_ptr cause = nullptr) const {
+    return make_request_error(ErrorKind::kStageFailed, s.meta_, node->index, node->name,
+                              node->device_id, why, std::move(cause));
+  }
+
+  // A request from the source: an error it carries is passed on; a live one joins the
+  // active set with its first blocks (the caller checked that they are free).
+  bool take(Incoming& in, const Emit& emit) {
+    RequestMeta meta = in.meta;
+    meta.part = 0;
+    meta.partial = false;
+    if (in.error || in.skipped || in.value == nullptr) {
+      if (in.error) {
+        out_.set_error(std::move(in.error));
+      } else {
+        out_.set_skipped();
+      }
+      return emit(meta);
+    }
+    InFlight probe;
+    probe.meta = meta;
+    if (auto dead = check_live(probe, *node)) {
+      out_.set_error(std::move(dead));
+      return emit(meta);
+    }
+    if (node->meter != nullptr && meta.enqueued != StreamClock::time_point{}) {
+      const auto w = (StreamClock::now() - meta.enqueued).count();
+      node->meter->wait.record(static_cast<std::uint64_t>(w > 0 ? w : 0));
+    }
+    Generation<In, E>& s = seqs_[active_];
+    s.input_.emplace(std::move(*static_cast<In*>(in.value)));
+    s.meta_ = meta;
+    s.step_ = 0;
+    s.parts_ = 0;
+    s.state_.size_ = 0;
+    s.state_.table_.clear();
+    add_blocks(s, first_blocks());
+    ++active_;
+    publish();
+    return true;
+  }
+
+  // At an iteration boundary: sequences cancelled (or dropped by another branch) or past
+  // their deadline end, active or preempted.
+  bool end_dead(const Emit& emit) {
+    bool any = false;
+    for (std::size_t i = 0; i < active_; ++i) {
+      InFlight probe;
+      probe.meta = seqs_[i].meta_;
+      if (auto dead = check_live(probe, *node)) {
+        gone_[i] = 1;
+        any = true;
+        if (!end_with(seqs_[i], std::move(dead), emit)) return false;
+      }
+    }
+    if (any) compact();
+    for (std::size_t i = 0; i < preempted_.size();) {
+      InFlight probe;
+      probe.meta = preempted_[i].meta_;
+      if (auto dead = check_live(probe, *node)) {
+        const bool ok = end_with(preempted_[i], std::move(dead), emit);
+        preempted_.erase(preempted_.begin() + static_cast<std::ptrdiff_t>(i));
+        if (!ok) return false;
+        continue;
+      }
+      ++i;
+    }
+    publish();
+    return true;
+  }
+
+  // Brings preempted sequences back, the highest class and oldest first, while their
+  // blocks fit; one that could never fit ends with an error.
+  bool resume(const Emit& emit) {
+    while (!preempted_.empty() && active_ < config_.max_active) {
+      Generation<In, E>& p = preempted_.front();
+      const std::size_t need = blocks_for_entries(p.saved_.size() + config_.entries_per_step);
+      if (need > blocks_) {
+        const bool ok = end_with(p, out_of_memory(p, need), emit);
+        preempted_.erase(preempted_.begin());
+        if (!ok) return false;
+        continue;
+      }
+      if (free_.size() < need) return true;
+      Generation<In, E>& s = seqs_[active_];
+      s.input_ = std::move(p.input_);
+      s.meta_ = p.meta_;
+      s.step_ = p.step_;
+      s.parts_ = p.parts_;
+      s.state_.table_.clear();
+      add_blocks(s, need);
+      s.state_.size_ = 0;
+      for (const E& e : p.saved_) s.state_.push_back(e);
+      preempted_.erase(preempted_.begin());
+      ++active_;
+    }
+    publish();
+    return true;
+  }
+
+  // Makes room for each active sequence's next entries: a block from the pool, or (when
+  // none is free) per the memory policy.
+  bool grow(const Emit& emit) {
+    for (std::size_t i = 0; i < active_; ++i) {
+      if (gone_[i] != 0) continue;
+      Generation<In, E>& s = seqs_[i];
+      const std::size_t need =
+          blocks_for_entries(s.state_.size_ + config_.entries_per_step) - s.state_.table_.size();
+      if (need == 0 || reserve_) continue;
+      if (s.state_.table_.size() + need > blocks_) {
+        gone_[i] = 1;
+        if (!end_with(s, out_of_memory(s, s.state_.table_.size() + need), emit)) return false;
+        continue;
+      }
+      while (free_.size() < need) {
+        if (config_.memory_policy == MemoryPolicy::kFail) break;
+        const std::size_t v = victim();
+        preempt(seqs_[v]);
+        gone_[v] = 2;
+        if (v == i) break;
+      }
+      if (gone_[i] != 0) continue;  // preempted itself
+      if (free_.size() < need) {
+        gone_[i] = 1;
+        if (!end_with(s, out_of_memory(s, s.state_.table_.size() + need), emit)) return false;
+        continue;
+      }
+      add_blocks(s, need);
+    }
+    compact();
+    publish();
+    return true;
+  }
+
+  // The active sequence to preempt: the lowest class, the youngest within it.
+  std::size_t victim() const noexcept {
+    std::size_t v = active_;
+    for (std::size_t i = 0; i < active_; ++i) {
+      if (gone_[i] != 0) continue;
+      if (v == active_) {
+        v = i;
+        continue;
+      }
+      const RequestMeta& a = seqs_[i].meta_;
+      const RequestMeta& b = seqs_[v].meta_;
+      if (a.priority > b.priority || (a.priority == b.priority && a.order > b.order)) v = i;
+    }
+    return v;
+  }
+
+  // Moves sequence `s` to host memory: its entries are copied out, its blocks freed, and it
+  // waits (in class, then admission order) to resume.
+  void preempt(Generation<In, E>& s) {
+    Generation<In, E> p;
+    p.saved_.reserve(s.state_.size_);
+    for (std::size_t i = 0; i < s.state_.size_; ++i) p.saved_.push_back(s.state_[i]);
+    p.input_ = std::move(s.input_);
+    p.meta_ = s.meta_;
+    p.step_ = s.step_;
+    p.parts_ = s.parts_;
+    free_blocks(s);
+    const auto at = std::find_if(preempted_.begin(), preempted_.end(), [&](const auto& q) {
+      return q.meta_.priority > p.meta_.priority ||
+             (q.meta_.priority == p.meta_.priority && q.meta_.order > p.meta_.order);
+    });
+    preempted_.insert(at, std::move(p));
+    bump(meter.preemptions);
+  }
+
+  // One iteration: the step for every active sequence, then each one's output leaves.
+  bool iterate(const Emit& emit, const std::function<void()>& batch,
+               const std::function<void()>& unbatch) {
+    const std::size_t n = active_;
+    StageMeter* m = node->meter;
+    const auto t0 = StreamClock::now();
+    if (m != nullptr) m->begin(t0, seqs_[0].meta_.id);
+    std::exception_ptr failed;
+    results_.clear();
+    // The version is read and its count bumped before it is let go: a swap frees it after.
+    auto* fn = static_cast<GenerateFn<In, E, Out>*>(cell.acquire());
+    const std::uint32_t version = fn->version;
+    try {
+      results_ = fn->call(std::span<Generation<In, E>>(seqs_.data(), n));
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    bump(fn->calls);
+    cell.release();
+    const auto t1 = StreamClock::now();
+    if (m != nullptr) {
+      m->end((t1 - t0).count(), n);
+      m->batch.record(n);
+    }
+    if (node->model != nullptr) {
+      InFlight f;
+      charge(f, *node, n);
+    }
+    bump(meter.iterations);
+    if (!failed && results_.size() != n) {
+      failed = std::make_exception_ptr(
+          Error("generate stage '" + node->name + "' returned " + std::to_string(results_.size()) +
+                " output(s) for " + std::to_string(n) + " active sequence(s): one per sequence"));
+    }
+    struct Frame {
+      const std::function<void()>& end;
+      ~Frame() { end(); }
+    };
+    batch();
+    Frame frame{unbatch};
+    for (std::size_t i = 0; i < n; ++i) {
+      Generation<In, E>& s = seqs_[i];
+      ++s.step_;
+      s.meta_.version = std::max(s.meta_.version, version);
+      bool ok = true;
+      if (failed) {
+        gone_[i] = 1;
+        ok = end_with(s, failure(s, "failed: " + describe_exception(failed), failed), emit);
+      } else if (StepOutput<Out>& r = results_[i]; !r.ok()) {
+        gone_[i] = 1;
+        ok = end_with(s, failure(s, "failed: " + r.error()), emit);
+      } else {
+        const bool last = r.done() || s.step_ >= config_.max_length;
+        out_.set(std::move(r.value()));
+        bump(meter.tokens);
+        if (last) {
+          gone_[i] = 1;
+          bump(meter.sequences);
+        }
+        RequestMeta occ = occurrence(s, last);
+        if (m != nullptr) occ.enqueued = t1;
+        ok = emit(occ);
+      }
+      if (!ok) {
+        // Stopped: this occurrence was answered; the rest of the set is held (answer_held).
+        compact();
+        return false;
+      }
+    }
+    compact();
+    publish();
+    return true;
+  }
+
+  // An error for a sequence that needs `need` blocks of a pool that cannot give them.
+  std::shared_ptr<const RequestError> out_of_memory(const Generation<In, E>& s,
+                                                    std::size_t need) const {
+    return failure(s, "ran out of state memory: it needs " + std::to_string(need) +
+                          " block(s) of " + std::to_string(config_.block_entries) +
+                          " entries, and the pool of " + std::to_string(blocks_) + " has " +
+                          std::to_string(free_.size()) + " free (memory policy '" +
+                          to_string(config_.memory_policy) + "'; device arena: " +
+                          arena_.report() + ")");
+  }
+
+  std::size_t blocks_for_entries(std::size_t entries) const noexcept {
+    return (entries + config_.block_entries - 1) / config_.block_entries;
+  }
+  void add_blocks(Generation<In, E>& s, std::size_t k) {
+    for (std::size_t j = 0; j < k; ++j) {
+      s.state_.table_.push_back(free_.back());
+      free_.pop_back();
+    }
+  }
+  void free_blocks(Generation<In, E>& s) {
+    for (std::uint32_t b : s.state_.table_) free_.push_back(b);
+    s.state_.table_.clear();
+    s.state_.size_ = 0;
+    s.input_.reset();
+  }
+  // Drops the sequences marked gone (1: ended, 2: preempted, its blocks already freed)
+  // from the active set, keeping the others' order.
+  void compact() {
+    std::size_t j = 0;
+    for (std::size_t i = 0; i < active_; ++i) {
+      if (gone_[i] != 0) {
+        if (gone_[i] == 1) free_blocks(seqs_[i]);
+        gone_[i] = 0;
+        continue;
+      }
+      if (i != j) std::swap(seqs_[i], seqs_[j]);
+      ++j;
+    }
+    active_ = j;
+  }
+  void publish() noexcept {
+    meter.active.store(active_, std::memory_order_relaxed);
+    meter.waiting.store(preempted_.size(), std::memory_order_relaxed);
+    meter.blocks_used.store(blocks_ - free_.size(), std::memory_order_relaxed);
+  }
+
+  GenerateConfig config_;
+  Slot<Out>& out_;
+  Arena& arena_;
+  std::size_t blocks_;  // the pool's size
+  bool reserve_;
+  E* base_ = nullptr;
+  std::vector<std::uint32_t> free_;       // free block numbers (the last is taken first)
+  std::vector<Generation<In, E>> seqs_;     // max_active slots: 0..active_-1 are the active set
+  std::size_t active_ = 0;
+  std::vector<std::uint8_t> gone_;        // by slot: leaves at the next compact()
+  std::vector<Generation<In, E>> preempted_;  // in host memory, in resume order
+  std::vector<StepOutput<Out>> results_;
+};
+
+}  // namespace bspflow::detail

@@ -1,0 +1,61 @@
+// Streams: a generate stage's configuration (see bspflow/stream/generate.hpp).
+#include "bspflow/stream/generate.hpp"
+
+#include <string>
+
+#include "bspflow/base/error.hpp"
+
+namespace bspflow {
+
+const char* to_string(MemoryPolicy policy) noexcept {
+  switch (policy) {
+    case MemoryPolicy::kPreempt:
+      return "preempt";
+    case MemoryPolicy::kFail:
+      return "fail";
+    case MemoryPolicy::kReserve:
+      return "reserve";
+  }
+  return "unknown";
+}
+
+void GenerateConfig::validate(std::size_t entry_bytes) const {
+  if (max_active == 0 || max_active > 4096) {
+    detail::throw_bad_value("GenerateConfig::max_active", max_active, "must be 1..4096");
+  }
+  if (max_length == 0 || max_length > (1u << 24)) {
+    detail::throw_bad_value("GenerateConfig::max_length", max_length, "must be 1..16777216");
+  }
+  if (block_entries == 0 || block_entries > (std::size_t{1} << 20)) {
+    detail::throw_bad_value("GenerateConfig::block_entries", block_entries,
+                            "must be 1..1048576 (a block holds at least one entry)");
+  }
+  if (entries_per_step == 0 || entries_per_step > block_entries) {
+    detail::throw_bad_value("GenerateConfig::entries_per_step", entries_per_step,
+                            "must be 1..block_entries (" + std::to_string(block_entries) + ")");
+  }
+  const std::size_t block_bytes = block_entries * entry_bytes;
+  if (memory != 0 && memory < block_bytes) {
+    detail::throw_bad_value("GenerateConfig::memory", memory,
+                            "must be 0 (room for max_active sequences of max_length) or at least "
+                            "one block (" +
+                                std::to_string(block_entries) + " entries of " +
+                                std::to_string(entry_bytes) + " bytes: " +
+                                std::to_string(block_bytes) + " bytes)");
+  }
+  const std::size_t pool = pool_blocks(entry_bytes);
+  if (pool > (std::size_t{1} << 31)) {
+    detail::throw_bad_value("GenerateConfig::memory", memory,
+                            "holds more than 2^31 blocks: make block_entries larger");
+  }
+  if (memory_policy == MemoryPolicy::kReserve && pool < blocks_for(max_length)) {
+    detail::throw_bad_value("GenerateConfig::memory", memory,
+                            "must hold one sequence of max_length (" + std::to_string(max_length) +
+                                " iterations: " + std::to_string(blocks_for(max_length)) +
+                                " blocks of " + std::to_string(block_bytes) +
+                                " bytes) under MemoryPolicy::kReserve, which reserves that much "
+                                "for each sequence at admission");
+  }
+}
+
+}  // namespace bspflow
