@@ -40,8 +40,8 @@ void GenerateConfig::validate(std::size_t entry_bytes) const {
                             "must be 0 (room for max_active sequences of max_length) or at least "
                             "one block (" +
                                 std::to_string(block_entries) + " entries of " +
-                                std::to_string(entry_bytes) + " bytes: " +
-                                std::to_string(block_bytes) + " bytes)");
+                                std::to_string(entry_bytes) +
+                                " bytes: " + std::to_string(block_bytes) + " bytes)");
   }
   const std::size_t pool = pool_blocks(entry_bytes);
   if (pool > (std::size_t{1} << 31)) {

@@ -322,7 +322,8 @@ TEST_CASE("generate: when the pool runs out the youngest of the lowest class is 
   CHECK(values(h.by_request.at(1)) == reference({4, 6}));
   CHECK(values(l.by_request.at(0)) == reference({2, 6}));
   CHECK(values(l.by_request.at(1)) == reference({3, 6}));
-  const GenerateStats& gs = gen_stats(stream.stats());
+  const StreamStats st = stream.stats();
+  const GenerateStats& gs = gen_stats(st);
   CHECK(gs.preemptions >= 1);
   CHECK(gs.blocks_used == 0);
   // A preempted sequence leaves the active set and comes back. The low ones go, the youngest
@@ -561,10 +562,13 @@ TEST_CASE("generate: bad configurations are refused, naming the field") {
                            .build(),
                        doctest::Contains("must be the first stage on its device"), Error);
   StreamGraph<Prompt> g(group);
-  auto pre = g.input().stage("pre", [](Prompt p) { return p; }, 0);
+  auto pre = g.input().stage(
+      "pre", [](Prompt p) { return p; }, 0);
   auto gen = pre.generate_stage<U64>("gen", toy_step, {}, 1);
-  auto side = pre.stage("side", [](Prompt p) { return p.seed; }, 0);
-  auto both = g.join("both", [](U64 a, U64 b) { return a + b; }, 1, gen, side);
+  auto side = pre.stage(
+      "side", [](Prompt p) { return p.seed; }, 0);
+  auto both = g.join(
+      "both", [](U64 a, U64 b) { return a + b; }, 1, gen, side);
   CHECK_THROWS_WITH_AS(std::move(g).build(both), doctest::Contains("which follows generate stage"),
                        Error);
 }
@@ -573,10 +577,14 @@ TEST_CASE("generate: a graph runs the nodes after it once per output") {
   DeviceGroup group(3, test::kSmall);
   StreamGraph<std::string> g(group);
   auto tokenize = g.input().stage(
-      "tokenize", [](std::string s) { return Prompt{s.size(), static_cast<std::uint32_t>(s.size())}; },
+      "tokenize",
+      [](std::string s) {
+        return Prompt{s.size(), static_cast<std::uint32_t>(s.size())};
+      },
       0);
   auto gen = tokenize.generate_stage<U64>("gen", toy_step, {}, 1);
-  auto detok = gen.stage("detokenize", [](U64 x) { return std::to_string(x % 1000); }, 2);
+  auto detok = gen.stage(
+      "detokenize", [](U64 x) { return std::to_string(x % 1000); }, 2);
   auto stream = std::move(g).build(detok);
   auto c = stream.client();
   stream.start();

@@ -110,8 +110,8 @@ class GenerateHead final : public GenerateHeadBase {
       if (!end_dead(emit)) return false;
       if (!resume(emit)) return false;
       // New sequences, while there is room and none waits preempted (those go first).
-      while (preempted_.empty() && active_ < config_.max_active &&
-             free_.size() >= first_blocks() && source.try_next(in)) {
+      while (preempted_.empty() && active_ < config_.max_active && free_.size() >= first_blocks() &&
+             source.try_next(in)) {
         if (!take(in, emit)) return false;
       }
       if (active_ == 0) {
@@ -411,8 +411,8 @@ class GenerateHead final : public GenerateHeadBase {
                           " block(s) of " + std::to_string(config_.block_entries) +
                           " entries, and the pool of " + std::to_string(blocks_) + " has " +
                           std::to_string(free_.size()) + " free (memory policy '" +
-                          to_string(config_.memory_policy) + "'; device arena: " +
-                          arena_.report() + ")");
+                          to_string(config_.memory_policy) + "'; device arena: " + arena_.report() +
+                          ")");
   }
 
   std::size_t blocks_for_entries(std::size_t entries) const noexcept {
@@ -457,10 +457,10 @@ class GenerateHead final : public GenerateHeadBase {
   std::size_t blocks_;  // the pool's size
   bool reserve_;
   E* base_ = nullptr;
-  std::vector<std::uint32_t> free_;       // free block numbers (the last is taken first)
-  std::vector<Generation<In, E>> seqs_;     // max_active slots: 0..active_-1 are the active set
+  std::vector<std::uint32_t> free_;      // free block numbers (the last is taken first)
+  std::vector<Generation<In, E>> seqs_;  // max_active slots: 0..active_-1 are the active set
   std::size_t active_ = 0;
-  std::vector<std::uint8_t> gone_;        // by slot: leaves at the next compact()
+  std::vector<std::uint8_t> gone_;            // by slot: leaves at the next compact()
   std::vector<Generation<In, E>> preempted_;  // in host memory, in resume order
   std::vector<StepOutput<Out>> results_;
 };
