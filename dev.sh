@@ -36,7 +36,8 @@ cd "$(dirname "$0")"
 
 PACKAGES="g++ meson ninja-build pkg-config cmake libconcurrentqueue-dev libboost-dev \
 libhwloc-dev doctest-dev libcli11-dev nlohmann-json3-dev zlib1g-dev dataset-fashion-mnist \
-libeigen3-dev libtbb-dev libreaderwriterqueue-dev openmpi-bin libopenmpi-dev prometheus-cpp-dev"
+libeigen3-dev libtbb-dev libreaderwriterqueue-dev openmpi-bin libopenmpi-dev prometheus-cpp-dev \
+wamerican"
 
 # The fuzz targets' compiler and libFuzzer (Debian 12's clang is clang 14).
 FUZZ_PACKAGES="clang libfuzzer-14-dev"

@@ -233,7 +233,8 @@ Accounting accounting(std::size_t n) {
   StreamConfig sc = stream_config();
   sc.admission.queue_capacity = 256;
   sc.admission.predict = false;
-  auto stream = StreamBuilder<Prompt>(devices, sc).generate_stage<std::byte>("gen", step, gc).build();
+  auto stream =
+      StreamBuilder<Prompt>(devices, sc).generate_stage<std::byte>("gen", step, gc).build();
   const std::vector<Prompt> w = workload(n, 99);
   std::vector<StreamClient<Prompt, std::uint32_t>> clients;
   for (std::uint32_t k = 0; k < kClients; ++k) clients.push_back(stream.client());
@@ -258,8 +259,8 @@ Accounting accounting(std::size_t n) {
       };
       for (std::size_t i = k; i < w.size(); i += kClients) {
         const int roll = pct(rng);
-        const Deadline d = roll < 10 ? StreamClock::now() + std::chrono::microseconds(200)
-                                     : kNoDeadline;
+        const Deadline d =
+            roll < 10 ? StreamClock::now() + std::chrono::microseconds(200) : kNoDeadline;
         Submission s;
         while (!(s = c.push(w[i], d))) {
           if (s.refusal == Refusal::kDeadlinePassed || s.refusal == Refusal::kDeadlineUnreachable)
@@ -307,7 +308,8 @@ int main(int argc, char** argv) {
   bench::Report report("generate");
   const std::size_t n = common.quick ? 200 : 2'000;
   const int rounds = common.quick ? 1 : 5;
-  report.note("workload", "lengths geometric mean 32, cap 256; iteration 40 us + 1 us per sequence");
+  report.note("workload",
+              "lengths geometric mean 32, cap 256; iteration 40 us + 1 us per sequence");
   report.note("placement", "one device off core 0; two client threads on core 0");
 
   // Saturation: both contenders, alternating.
