@@ -53,13 +53,17 @@
 
 namespace {
 
-constexpr int kVocab = 27;     // '.' (a word's boundary), then 'a'..'z'
-constexpr int kDim = 32;       // embedding, query, key and value width
-constexpr int kHidden = 64;    // the ReLU layer
+constexpr int kVocab = 27;      // '.' (a word's boundary), then 'a'..'z'
+constexpr int kDim = 32;        // embedding, query, key and value width
+constexpr int kHidden = 64;     // the ReLU layer
 constexpr int kMaxTokens = 16;  // positions: '.' and up to 15 characters
 
-int token_of(char c) { return c == '.' ? 0 : c - 'a' + 1; }
-char char_of(int t) { return t == 0 ? '.' : static_cast<char>('a' + t - 1); }
+int token_of(char c) {
+  return c == '.' ? 0 : c - 'a' + 1;
+}
+char char_of(int t) {
+  return t == 0 ? '.' : static_cast<char>('a' + t - 1);
+}
 
 // A weight matrix (rows x cols, row-major) with its gradient and Adam's moments.
 struct Param {
@@ -254,7 +258,9 @@ class Model {
   }
 
  private:
-  std::vector<Param*> params() { return {&embed_, &pos_, &wq_, &wk_, &wv_, &wo_, &w1_, &w2_, &out_}; }
+  std::vector<Param*> params() {
+    return {&embed_, &pos_, &wq_, &wk_, &wv_, &wo_, &w1_, &w2_, &out_};
+  }
   void adam(Param& p, float lr) {
     constexpr float b1 = 0.9f, b2 = 0.999f, eps = 1e-8f;
     const float c1 = 1.0f - std::pow(b1, static_cast<float>(updates_));
@@ -321,7 +327,8 @@ struct Figures {
 double pct(std::vector<double> v, double q) {
   if (v.empty()) return 0.0;
   std::sort(v.begin(), v.end());
-  return v[std::min(v.size() - 1, static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5))];
+  return v[std::min(v.size() - 1,
+                    static_cast<std::size_t>(q * static_cast<double>(v.size() - 1) + 0.5))];
 }
 
 // Runs `clients` threads, each pushing `requests` requests (seeds base + k*requests + i),
@@ -339,7 +346,7 @@ Figures serve(S& stream, int clients, int requests, int in_flight, std::uint64_t
     threads.emplace_back([&, k] {
       auto& c = cs[static_cast<std::size_t>(k)];
       Figures mine;
-      std::map<std::uint64_t, std::uint64_t> seed_of;  // sequence -> seed
+      std::map<std::uint64_t, std::uint64_t> seed_of;         // sequence -> seed
       std::map<std::uint64_t, SteadyClock::time_point> last;  // its push, then its last response
       const auto take = [&](const auto& r) {
         const auto now = SteadyClock::now();
@@ -396,46 +403,62 @@ Figures serve(S& stream, int clients, int requests, int in_flight, std::uint64_t
 }
 
 void print(const char* what, const Figures& f) {
-  std::printf("%-22s ttft p50 %7.1f us  p99 %8.1f us   inter-token p50 %6.1f us  p99 %7.1f us   "
-              "%8.0f tokens/s\n",
-              what, pct(f.ttft_us, 0.5), pct(f.ttft_us, 0.99), pct(f.itl_us, 0.5),
-              pct(f.itl_us, 0.99), static_cast<double>(f.tokens) / f.seconds);
+  std::printf(
+      "%-22s ttft p50 %7.1f us  p99 %8.1f us   inter-token p50 %6.1f us  p99 %7.1f us   "
+      "%8.0f tokens/s\n",
+      what, pct(f.ttft_us, 0.5), pct(f.ttft_us, 0.99), pct(f.itl_us, 0.5), pct(f.itl_us, 0.99),
+      static_cast<double>(f.tokens) / f.seconds);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"t06_text_generation: a small attention model trained on words, served one "
-               "character per iteration with its KV cache in paged blocks"};
+  CLI::App app{
+      "t06_text_generation: a small attention model trained on words, served one "
+      "character per iteration with its KV cache in paged blocks"};
   std::string words_path = "/usr/share/dict/words";
   int train_words = 20000, epochs = 1, clients = 4, requests = 200, in_flight = 4, samples = 8;
   std::uint32_t max_active = 16, block_tokens = 4, seed = 1;
   double min_accuracy = 0.2;
-  app.add_option("--words", words_path, "the word list (Debian's wamerican)")->capture_default_str();
-  app.add_option("--train-words", train_words, "words to train on")->check(CLI::Range(100, 1000000))
+  app.add_option("--words", words_path, "the word list (Debian's wamerican)")
       ->capture_default_str();
-  app.add_option("--epochs", epochs, "passes over them")->check(CLI::Range(1, 100))->capture_default_str();
-  app.add_option("--clients", clients, "client threads")->check(CLI::Range(1, 64))->capture_default_str();
-  app.add_option("--requests", requests, "requests per client")->check(CLI::Range(1, 1000000))
+  app.add_option("--train-words", train_words, "words to train on")
+      ->check(CLI::Range(100, 1000000))
+      ->capture_default_str();
+  app.add_option("--epochs", epochs, "passes over them")
+      ->check(CLI::Range(1, 100))
+      ->capture_default_str();
+  app.add_option("--clients", clients, "client threads")
+      ->check(CLI::Range(1, 64))
+      ->capture_default_str();
+  app.add_option("--requests", requests, "requests per client")
+      ->check(CLI::Range(1, 1000000))
       ->capture_default_str();
   app.add_option("--in-flight", in_flight, "words each client keeps in flight")
-      ->check(CLI::Range(1, 1024))->capture_default_str();
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
   app.add_option("--max-active", max_active, "sequences per iteration (and per batch)")
-      ->check(CLI::Range(1, 4096))->capture_default_str();
+      ->check(CLI::Range(1, 4096))
+      ->capture_default_str();
   app.add_option("--block-tokens", block_tokens, "tokens per block of the KV cache")
-      ->check(CLI::Range(1, 1024))->capture_default_str();
-  app.add_option("--seed", seed, "shuffles the words, initialises the model")->capture_default_str();
-  app.add_option("--samples", samples, "generated words to print")->check(CLI::Range(0, 1000))
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  app.add_option("--seed", seed, "shuffles the words, initialises the model")
+      ->capture_default_str();
+  app.add_option("--samples", samples, "generated words to print")
+      ->check(CLI::Range(0, 1000))
       ->capture_default_str();
   app.add_option("--min-accuracy", min_accuracy, "fail below this held-out accuracy")
-      ->check(CLI::Range(0.0, 1.0))->capture_default_str();
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
 
   // 1. The data.
   std::ifstream in(words_path);
   if (!in) {
-    std::fprintf(stderr, "t06_text_generation: cannot read the word list '%s' (install Debian's "
-                         "wamerican package, or give --words FILE)\n",
+    std::fprintf(stderr,
+                 "t06_text_generation: cannot read the word list '%s' (install Debian's "
+                 "wamerican package, or give --words FILE)\n",
                  words_path.c_str());
     return 1;
   }
@@ -448,9 +471,11 @@ int main(int argc, char** argv) {
   std::mt19937 shuffle(seed);
   std::shuffle(words.begin(), words.end(), shuffle);
   const std::size_t held = std::min<std::size_t>(1000, words.size() / 10);
-  const std::vector<std::string> test(words.begin(), words.begin() + static_cast<std::ptrdiff_t>(held));
+  const std::vector<std::string> test(words.begin(),
+                                      words.begin() + static_cast<std::ptrdiff_t>(held));
   words.erase(words.begin(), words.begin() + static_cast<std::ptrdiff_t>(held));
-  if (words.size() > static_cast<std::size_t>(train_words)) words.resize(static_cast<std::size_t>(train_words));
+  if (words.size() > static_cast<std::size_t>(train_words))
+    words.resize(static_cast<std::size_t>(train_words));
   std::printf("%zu words to train on, %zu held out (from %s)\n", words.size(), test.size(),
               words_path.c_str());
 
@@ -485,8 +510,9 @@ int main(int argc, char** argv) {
     for (auto& g : active) {
       auto& state = g.state();
       Request& r = g.input();
-      const int next = next_char(model, r.last, static_cast<int>(g.step()), state,
-                                 [&state](const KV& kv) { state.push_back(kv); }, r);
+      const int next = next_char(
+          model, r.last, static_cast<int>(g.step()), state,
+          [&state](const KV& kv) { state.push_back(kv); }, r);
       r.last = next;
       out.push_back(next == 0 ? bspflow::StepOutput<char>::last('.')
                               : bspflow::StepOutput<char>::next(char_of(next)));
@@ -494,9 +520,8 @@ int main(int argc, char** argv) {
     return out;
   };
   bspflow::DeviceGroup devices(1);
-  auto streamed = bspflow::StreamBuilder<Request>(devices, sc)
-                      .generate_stage<KV>("decode", step, gen)
-                      .build();
+  auto streamed =
+      bspflow::StreamBuilder<Request>(devices, sc).generate_stage<KV>("decode", step, gen).build();
   const Figures it = serve(streamed, clients, requests, in_flight, 1);
   const bspflow::StreamStats st = streamed.stats();
   const bspflow::GenerateStats& gs = *st.stages.at(0).generation;
@@ -533,30 +558,30 @@ int main(int argc, char** argv) {
     return words;
   };
   bspflow::DeviceGroup batch_devices(1);
-  auto batched = bspflow::StreamBuilder<Request>(batch_devices, sc)
-                     .batch_stage("decode", batch, bc)
-                     .build();
+  auto batched =
+      bspflow::StreamBuilder<Request>(batch_devices, sc).batch_stage("decode", batch, bc).build();
   const Figures rq = serve(batched, clients, requests, in_flight, 1);
 
   // 5. The figures, and a few words.
-  std::printf("\n%d clients x %d requests, %d in flight each, max_active %u, blocks of %u "
-              "tokens:\n",
-              clients, requests, in_flight, max_active, block_tokens);
+  std::printf(
+      "\n%d clients x %d requests, %d in flight each, max_active %u, blocks of %u "
+      "tokens:\n",
+      clients, requests, in_flight, max_active, block_tokens);
   print("iteration-level", it);
   print("request-level batches", rq);
-  std::printf("generate stage: %llu iterations, %llu tokens, %llu preemptions, pool of %llu "
-              "blocks (%llu in use at the end)\n",
-              static_cast<unsigned long long>(gs.iterations),
-              static_cast<unsigned long long>(gs.tokens),
-              static_cast<unsigned long long>(gs.preemptions),
-              static_cast<unsigned long long>(gs.blocks),
-              static_cast<unsigned long long>(gs.blocks_used));
+  std::printf(
+      "generate stage: %llu iterations, %llu tokens, %llu preemptions, pool of %llu "
+      "blocks (%llu in use at the end)\n",
+      static_cast<unsigned long long>(gs.iterations), static_cast<unsigned long long>(gs.tokens),
+      static_cast<unsigned long long>(gs.preemptions), static_cast<unsigned long long>(gs.blocks),
+      static_cast<unsigned long long>(gs.blocks_used));
   int shown = 0;
   std::size_t differ = 0;
   for (const auto& [s, w] : it.words) {
     const auto other = rq.words.find(s);
     if (other == rq.words.end() || other->second != w) ++differ;
-    if (shown++ < samples) std::printf("  seed %llu: %s\n", static_cast<unsigned long long>(s), w.c_str());
+    if (shown++ < samples)
+      std::printf("  seed %llu: %s\n", static_cast<unsigned long long>(s), w.c_str());
   }
   bool ok = true;
   if (it.lost != 0 || rq.lost != 0) {

@@ -1,6 +1,7 @@
 // Streams: a generate stage's configuration (see bspflow/stream/generate.hpp).
 #include "bspflow/stream/generate.hpp"
 
+#include <chrono>
 #include <string>
 
 #include "bspflow/base/error.hpp"
@@ -42,6 +43,11 @@ void GenerateConfig::validate(std::size_t entry_bytes) const {
                                 std::to_string(block_entries) + " entries of " +
                                 std::to_string(entry_bytes) +
                                 " bytes: " + std::to_string(block_bytes) + " bytes)");
+  }
+  if (first_token_timeout && (*first_token_timeout < std::chrono::microseconds(1) ||
+                              *first_token_timeout > std::chrono::hours(1))) {
+    detail::throw_bad_value("GenerateConfig::first_token_timeout", *first_token_timeout,
+                            "must be 1 us..1 h, or nullopt for no bound");
   }
   const std::size_t pool = pool_blocks(entry_bytes);
   if (pool > (std::size_t{1} << 31)) {

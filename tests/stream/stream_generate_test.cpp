@@ -404,6 +404,58 @@ TEST_CASE("generate: MemoryPolicy::kReserve admits only what max_length fits") {
   CHECK(gen_stats(stream.stats()).preemptions == 0);
 }
 
+TEST_CASE("generate: a deadline bounds the whole sequence, first_token_timeout the first output") {
+  SUBCASE("the request's deadline ends a long sequence after the outputs it made") {
+    DeviceGroup group(1, test::kSmall);
+    GenerateConfig config;
+    config.max_length = 1'000'000;
+    config.memory = 64 * 1024;
+    auto step = [](std::span<Generation<Prompt, U64>> active) {
+      std::this_thread::sleep_for(100us);
+      return toy_step(active);
+    };
+    auto stream = StreamBuilder<Prompt>(group).generate_stage<U64>("gen", step, config).build();
+    auto c = stream.client();
+    stream.start();
+    REQUIRE(c.push(Prompt{3, 1'000'000}, StreamClock::now() + 5ms).accepted());
+    stream.close();
+    const Collected got = collect(c);  // checks the order and the one final response
+    REQUIRE(stream.wait().drained());
+    const auto& v = got.by_request.at(0);
+    REQUIRE_FALSE(v.back().ok());
+    CHECK(v.back().kind() == ErrorKind::kDeadlineExceeded);
+    CHECK(v.size() < 1'000'000);
+    CHECK(gen_stats(stream.stats()).blocks_used == 0);
+  }
+  SUBCASE("a request still waiting past first_token_timeout is answered kDeadlineExceeded") {
+    DeviceGroup group(1, test::kSmall);
+    Gate gate;
+    GenerateConfig config;
+    config.max_active = 1;
+    config.first_token_timeout = 10ms;
+    auto step = [&gate](std::span<Generation<Prompt, U64>> active) {
+      if (active[0].input().seed == 1 && active[0].step() == 0) gate.hold();
+      return toy_step(active);
+    };
+    auto stream = StreamBuilder<Prompt>(group).generate_stage<U64>("gen", step, config).build();
+    auto c = stream.client();
+    stream.start();
+    REQUIRE(c.push(Prompt{1, 2}).accepted());
+    REQUIRE(gate.wait_entered());
+    REQUIRE(c.push(Prompt{2, 2}).accepted());  // waits behind it (max_active 1)
+    std::this_thread::sleep_for(30ms);
+    gate.open = true;
+    stream.close();
+    const Collected got = collect(c);
+    REQUIRE(stream.wait().drained());
+    REQUIRE(got.by_request.size() == 2);
+    const auto& late = got.by_request.at(1);
+    REQUIRE(late.size() == 1);
+    CHECK(late[0].kind() == ErrorKind::kDeadlineExceeded);
+    CHECK(late[0].error->message.find("first_token_timeout") != std::string::npos);
+  }
+}
+
 TEST_CASE("generate: a sequence cancelled mid-way ends at the next iteration, its blocks freed") {
   DeviceGroup group(1, test::kSmall);
   GenerateConfig config;

@@ -6,6 +6,7 @@
 /// gets (Generation) and what the step returns for each (StepOutput).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -57,6 +58,11 @@ struct GenerateConfig {
   std::size_t memory = 0;
   /// What happens when a sequence needs a block and none is free.
   MemoryPolicy memory_policy = MemoryPolicy::kPreempt;
+  /// The longest a request may wait for its first output, from its push (time to first
+  /// token): one still without an output past it ends with ErrorKind::kDeadlineExceeded, at
+  /// the latest at the next iteration boundary. The request's own deadline bounds the whole
+  /// sequence. nullopt (the default): no bound but the deadline; else 1 us..1 h.
+  std::optional<std::chrono::nanoseconds> first_token_timeout{};
 
   /// Checks every field, for state entries of `entry_bytes` each. Throws Error naming the
   /// field, the value and what is allowed.

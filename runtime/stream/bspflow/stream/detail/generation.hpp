@@ -186,6 +186,10 @@ class GenerateHead final : public GenerateHeadBase {
       out_.set_error(std::move(dead));
       return emit(meta);
     }
+    if (auto late = first_token_late(meta, 0)) {
+      out_.set_error(std::move(late));
+      return emit(meta);
+    }
     if (node->meter != nullptr && meta.enqueued != StreamClock::time_point{}) {
       const auto w = (StreamClock::now() - meta.enqueued).count();
       node->meter->wait.record(static_cast<std::uint64_t>(w > 0 ? w : 0));
@@ -210,7 +214,9 @@ class GenerateHead final : public GenerateHeadBase {
     for (std::size_t i = 0; i < active_; ++i) {
       InFlight probe;
       probe.meta = seqs_[i].meta_;
-      if (auto dead = check_live(probe, *node)) {
+      auto dead = check_live(probe, *node);
+      if (!dead) dead = first_token_late(seqs_[i].meta_, seqs_[i].parts_);
+      if (dead) {
         gone_[i] = 1;
         any = true;
         if (!end_with(seqs_[i], std::move(dead), emit)) return false;
@@ -220,7 +226,9 @@ class GenerateHead final : public GenerateHeadBase {
     for (std::size_t i = 0; i < preempted_.size();) {
       InFlight probe;
       probe.meta = preempted_[i].meta_;
-      if (auto dead = check_live(probe, *node)) {
+      auto dead = check_live(probe, *node);
+      if (!dead) dead = first_token_late(preempted_[i].meta_, preempted_[i].parts_);
+      if (dead) {
         const bool ok = end_with(preempted_[i], std::move(dead), emit);
         preempted_.erase(preempted_.begin() + static_cast<std::ptrdiff_t>(i));
         if (!ok) return false;
@@ -402,6 +410,21 @@ class GenerateHead final : public GenerateHeadBase {
     compact();
     publish();
     return true;
+  }
+
+  // GenerateConfig::first_token_timeout: the error for a sequence still without an output
+  // (`parts` 0) past it, or null.
+  std::shared_ptr<const RequestError> first_token_late(const RequestMeta& meta,
+                                                       std::uint32_t parts) const {
+    if (parts != 0 || !config_.first_token_timeout) return nullptr;
+    const auto waited = StreamClock::now() - meta.arrival;
+    if (waited <= *config_.first_token_timeout) return nullptr;
+    return make_request_error(
+        ErrorKind::kDeadlineExceeded, meta, node->index, node->name, node->device_id,
+        "had no first output " +
+            describe_duration(std::chrono::duration_cast<std::chrono::nanoseconds>(waited)) +
+            " after its push, past GenerateConfig::first_token_timeout (" +
+            describe_duration(*config_.first_token_timeout) + ")");
   }
 
   // An error for a sequence that needs `need` blocks of a pool that cannot give them.
