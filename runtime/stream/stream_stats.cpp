@@ -138,6 +138,82 @@ void write_class_latency(std::ostream& out, const std::string& name, const Metri
   }
 }
 
+// A histogram family with one sample set per (generate stage, class).
+void write_generate_histograms(std::ostream& out, const std::string& name, const std::string& help,
+                               const MetricLabels& labels, const std::vector<StageStats>& stages,
+                               HistogramSnapshot GenerateClassStats::*which) {
+  bool first = true;
+  for (const StageStats& s : stages) {
+    if (!s.generation) continue;
+    for (const GenerateClassStats& c : s.generation->by_class) {
+      MetricLabels l = labels;
+      l.emplace_back("stage", s.name);
+      l.emplace_back("class", std::to_string(c.priority));
+      HistogramSnapshot h = c.*which;
+      if (h.highest_trackable() == 0) h.merge(HistogramSnapshot(detail::kMeterHighestNs));
+      std::ostringstream family;
+      h.write_openmetrics(family, name, help, l, 1e9);
+      std::string text = family.str();
+      if (!first) {
+        std::size_t pos = 0;
+        while (text.compare(pos, 2, "# ") == 0) pos = text.find('\n', pos) + 1;
+        text = text.substr(pos);
+      }
+      out << text;
+      first = false;
+    }
+  }
+}
+
+// The generate stages' families: outputs and preemptions by class, the active set and the
+// blocks, time to first output and between outputs by class.
+void write_generation(std::ostream& out, const std::string& p, const std::string& l,
+                      const MetricLabels& labels, const std::vector<StageStats>& stages) {
+  const auto stage = [](const StageStats& s) { return "stage=\"" + escape(s.name) + '"'; };
+  bool header = true;
+  for (const StageStats& s : stages) {
+    if (!s.generation) continue;
+    for (const GenerateClassStats& c : s.generation->by_class) {
+      write_counter(out, p + "_generate_tokens", "outputs a generate stage made, by class", l,
+                    stage(s) + ",class=\"" + std::to_string(c.priority) + '"', c.tokens, header);
+      header = false;
+    }
+  }
+  header = true;
+  for (const StageStats& s : stages) {
+    if (!s.generation) continue;
+    for (const GenerateClassStats& c : s.generation->by_class) {
+      write_counter(out, p + "_generate_preemptions",
+                    "sequences a generate stage moved to host memory, by class", l,
+                    stage(s) + ",class=\"" + std::to_string(c.priority) + '"', c.preemptions,
+                    header);
+      header = false;
+    }
+  }
+  const auto gauge = [&](const std::string& name, const std::string& help, auto field) {
+    bool head = true;
+    for (const StageStats& s : stages) {
+      if (!s.generation) continue;
+      write_gauge(out, p + name, help, l, stage(s), field(*s.generation), head);
+      head = false;
+    }
+  };
+  gauge("_generate_active", "sequences in a generate stage's active sets",
+        [](const GenerateStats& g) { return g.active; });
+  gauge("_generate_preempted", "sequences of a generate stage waiting in host memory",
+        [](const GenerateStats& g) { return g.preempted; });
+  gauge("_generate_blocks_used", "state blocks held by sequences",
+        [](const GenerateStats& g) { return g.blocks_used; });
+  gauge("_generate_blocks_free", "state blocks free",
+        [](const GenerateStats& g) { return g.blocks - g.blocks_used; });
+  write_generate_histograms(out, p + "_generate_ttft_seconds",
+                            "push to a sequence's first output, by class", labels, stages,
+                            &GenerateClassStats::ttft_ns);
+  write_generate_histograms(out, p + "_generate_itl_seconds",
+                            "between two outputs of a sequence, by class", labels, stages,
+                            &GenerateClassStats::itl_ns);
+}
+
 }  // namespace
 
 void StreamStats::write_openmetrics(std::ostream& out, std::string_view prefix,
@@ -245,6 +321,7 @@ void StreamStats::write_openmetrics(std::ostream& out, std::string_view prefix,
       header = false;
     }
   }
+  write_generation(out, p, l, labels, stages);
   write_class_latency(out, p + "_latency_seconds", labels, by_class);
   write_stage_histograms(out, p + "_stage_service_seconds",
                          "time of one call (a request or a batch)", labels, stages,
@@ -364,6 +441,29 @@ StreamStats StreamCore::stats() const {
         gs.blocks_used += read(g->blocks_used);
         gs.active += read(g->active);
         gs.preempted += read(g->waiting);
+        if (gs.by_class.empty()) {
+          for (std::uint32_t c = 0; c < config.priority_classes; ++c) {
+            GenerateClassStats cs;
+            cs.priority = c;
+            cs.ttft_ns = HistogramSnapshot(kMeterHighestNs);
+            cs.itl_ns = HistogramSnapshot(kMeterHighestNs);
+            gs.by_class.push_back(std::move(cs));
+          }
+          gs.ttft_ns = HistogramSnapshot(kMeterHighestNs);
+          gs.itl_ns = HistogramSnapshot(kMeterHighestNs);
+        }
+        for (std::uint32_t c = 0; c < config.priority_classes; ++c) {
+          GenerateClassStats& cs = gs.by_class[c];
+          const GenerateMeter::ByClass& mc = g->by_class[c];
+          const HistogramSnapshot ttft = mc.ttft.snapshot();
+          const HistogramSnapshot itl = mc.itl.snapshot();
+          cs.ttft_ns.merge(ttft);
+          cs.itl_ns.merge(itl);
+          gs.ttft_ns.merge(ttft);
+          gs.itl_ns.merge(itl);
+          cs.tokens += read(mc.tokens);
+          cs.preemptions += read(mc.preemptions);
+        }
       }
       const VersionCell* cell = runs[r].cells[n];
       for (const auto& [node, v] : runs[r].versions) {

@@ -12,6 +12,7 @@
 #include <memory>
 #include <set>
 #include <span>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <utility>
@@ -138,6 +139,20 @@ TEST_CASE("generate: one response per iteration, then a final one, in push order
   CHECK(gen_stats(st).tokens == 3 + 5 + 1 + 7);
   CHECK(gen_stats(st).sequences == prompts.size());
   CHECK(gen_stats(st).blocks_used == 0);
+  // Time to first output once per sequence, between outputs for the others, by class; and
+  // the metrics' families.
+  const GenerateStats& gs = gen_stats(st);
+  REQUIRE(gs.by_class.size() == 1);
+  CHECK(gs.by_class[0].tokens == 16);
+  CHECK(gs.ttft_ns.count() == 4);
+  CHECK(gs.itl_ns.count() == 12);
+  std::ostringstream om;
+  st.write_openmetrics(om, "g");
+  CHECK(om.str().find("g_generate_tokens_total{stage=\"gen\",class=\"0\"} 16\n") !=
+        std::string::npos);
+  CHECK(om.str().find("g_generate_ttft_seconds_count{stage=\"gen\",class=\"0\"} 4\n") !=
+        std::string::npos);
+  CHECK(om.str().find("g_generate_blocks_free{stage=\"gen\"} 128\n") != std::string::npos);
 }
 
 TEST_CASE("generate: a sequence's outputs do not depend on what else is in the batch") {

@@ -167,8 +167,9 @@ class Generation {
   PagedState<E> state_;
   std::uint32_t step_ = 0;
   detail::RequestMeta meta_{};
-  std::uint32_t parts_ = 0;  // responses sent for it so far
-  std::vector<E> saved_;     // its state while preempted (host memory)
+  std::uint32_t parts_ = 0;             // responses sent for it so far
+  std::vector<E> saved_;                // its state while preempted (host memory)
+  StreamClock::time_point last_out_{};  // when its last output was made
 };
 
 /// What a generate stage's step returns for one sequence: its output of this iteration (a

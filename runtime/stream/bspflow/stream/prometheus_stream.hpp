@@ -180,6 +180,54 @@ inline std::vector<prometheus::MetricFamily> to_metric_families(
             &StageStats::queue_wait_ns, detail::kMeterHighestNs, 1e9, false);
   per_stage("_stage_batch_size", "requests per batch (before padding)", &StageStats::batch_size,
             detail::kMeterHighestBatch, 1.0, true);
+  // Generate stages: outputs and preemptions by class, the active sets and the blocks, time
+  // to first output and between outputs by class.
+  auto tokens =
+      detail::prometheus_family(prefix + "_generate_tokens_total",
+                                "outputs a generate stage made, by class", MetricType::Counter);
+  auto preemptions = detail::prometheus_family(
+      prefix + "_generate_preemptions_total",
+      "sequences a generate stage moved to host memory, by class", MetricType::Counter);
+  auto active =
+      detail::prometheus_family(prefix + "_generate_active",
+                                "sequences in a generate stage's active sets", MetricType::Gauge);
+  auto waiting = detail::prometheus_family(prefix + "_generate_preempted",
+                                           "sequences of a generate stage waiting in host memory",
+                                           MetricType::Gauge);
+  auto used = detail::prometheus_family(prefix + "_generate_blocks_used",
+                                        "state blocks held by sequences", MetricType::Gauge);
+  auto spare = detail::prometheus_family(prefix + "_generate_blocks_free", "state blocks free",
+                                         MetricType::Gauge);
+  auto ttft = detail::prometheus_family(prefix + "_generate_ttft_seconds",
+                                        "push to a sequence's first output, by class",
+                                        MetricType::Histogram);
+  auto itl = detail::prometheus_family(prefix + "_generate_itl_seconds",
+                                       "between two outputs of a sequence, by class",
+                                       MetricType::Histogram);
+  for (const StageStats& s : stats.stages) {
+    if (!s.generation) continue;
+    const GenerateStats& g = *s.generation;
+    add(active, sample({{"stage", s.name}}), static_cast<double>(g.active), true);
+    add(waiting, sample({{"stage", s.name}}), static_cast<double>(g.preempted), true);
+    add(used, sample({{"stage", s.name}}), static_cast<double>(g.blocks_used), true);
+    add(spare, sample({{"stage", s.name}}), static_cast<double>(g.blocks - g.blocks_used), true);
+    for (const GenerateClassStats& c : g.by_class) {
+      const std::string cls = std::to_string(c.priority);
+      add(tokens, sample({{"stage", s.name}, {"class", cls}}), static_cast<double>(c.tokens),
+          false);
+      add(preemptions, sample({{"stage", s.name}, {"class", cls}}),
+          static_cast<double>(c.preemptions), false);
+      ttft.metric.push_back(sample({{"stage", s.name}, {"class", cls}}));
+      ttft.metric.back().histogram =
+          detail::prometheus_histogram(c.ttft_ns, detail::kMeterHighestNs, 1e9);
+      itl.metric.push_back(sample({{"stage", s.name}, {"class", cls}}));
+      itl.metric.back().histogram =
+          detail::prometheus_histogram(c.itl_ns, detail::kMeterHighestNs, 1e9);
+    }
+  }
+  for (auto* f : {&tokens, &preemptions, &active, &waiting, &used, &spare, &ttft, &itl}) {
+    if (!f->metric.empty()) out.push_back(std::move(*f));
+  }
   return out;
 }
 

@@ -84,7 +84,18 @@ struct VersionStats {
 };
 
 /// One stage's (graph node's) figures, over all replicas (Stream::stats()).
-/// A generate stage's figures (StageStats::generation), summed over its replicas.
+/// One priority class's share of a generate stage's figures (GenerateStats::by_class).
+struct GenerateClassStats {
+  std::uint32_t priority = 0;     ///< the class
+  HistogramSnapshot ttft_ns;      ///< push to the first output being made, per sequence
+  HistogramSnapshot itl_ns;       ///< between two outputs of a sequence being made
+  std::uint64_t tokens = 0;       ///< outputs made
+  std::uint64_t preemptions = 0;  ///< its sequences moved to host memory
+};
+
+/// A generate stage's figures (StageStats::generation), summed over its replicas. Times are
+/// taken on the device as each output is made (a client reads it a hand-off later);
+/// tokens/s is `tokens` over the time between two reads.
 struct GenerateStats {
   std::uint64_t iterations = 0;   ///< iterations run (calls of the step)
   std::uint64_t tokens = 0;       ///< outputs made (each a partial or final response)
@@ -94,6 +105,10 @@ struct GenerateStats {
   std::uint64_t blocks_used = 0;  ///< blocks held by sequences now
   std::uint64_t active = 0;       ///< sequences in the active sets now
   std::uint64_t preempted = 0;    ///< sequences waiting in host memory now
+  HistogramSnapshot ttft_ns;      ///< time to first output, every class
+  HistogramSnapshot itl_ns;       ///< time between outputs, every class
+  /// By priority class (StreamConfig::priority_classes of them).
+  std::vector<GenerateClassStats> by_class;
 };
 
 struct StageStats {

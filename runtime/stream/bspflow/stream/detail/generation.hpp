@@ -8,6 +8,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <exception>
@@ -45,6 +46,13 @@ class GenerateFnOf final : public GenerateFn<In, E, Out> {
 
 // What a generate stage counts (one writer: its device thread; read by stats()).
 struct GenerateMeter {
+  // Time to first output and between outputs, outputs and preemptions, by priority class.
+  struct ByClass {
+    ByClass() : ttft(kMeterHighestNs), itl(kMeterHighestNs) {}
+    Histogram ttft, itl;
+    std::atomic<std::uint64_t> tokens{0}, preemptions{0};
+  };
+  std::array<ByClass, kPriorityClasses> by_class;
   std::atomic<std::uint64_t> iterations{0};
   std::atomic<std::uint64_t> tokens{0};       // outputs made (partial and final)
   std::atomic<std::uint64_t> sequences{0};    // sequences ended (by any means)
@@ -258,6 +266,7 @@ class GenerateHead final : public GenerateHeadBase {
       s.meta_ = p.meta_;
       s.step_ = p.step_;
       s.parts_ = p.parts_;
+      s.last_out_ = p.last_out_;
       s.state_.table_.clear();
       add_blocks(s, need);
       s.state_.size_ = 0;
@@ -329,11 +338,13 @@ class GenerateHead final : public GenerateHeadBase {
     p.meta_ = s.meta_;
     p.step_ = s.step_;
     p.parts_ = s.parts_;
+    p.last_out_ = s.last_out_;
     free_blocks(s);
     const auto at = std::find_if(preempted_.begin(), preempted_.end(), [&](const auto& q) {
       return q.meta_.priority > p.meta_.priority ||
              (q.meta_.priority == p.meta_.priority && q.meta_.order > p.meta_.order);
     });
+    bump(meter.by_class[std::min<std::size_t>(p.meta_.priority, kPriorityClasses - 1)].preemptions);
     preempted_.insert(at, std::move(p));
     bump(meter.preemptions);
   }
@@ -393,6 +404,15 @@ class GenerateHead final : public GenerateHeadBase {
         const bool last = r.done() || s.step_ >= config_.max_length;
         out_.set(std::move(r.value()));
         bump(meter.tokens);
+        GenerateMeter::ByClass& bc =
+            meter.by_class[std::min<std::size_t>(s.meta_.priority, kPriorityClasses - 1)];
+        bump(bc.tokens);
+        if (m != nullptr) {
+          const auto since = t1 - (s.parts_ == 0 ? s.meta_.arrival : s.last_out_);
+          (s.parts_ == 0 ? bc.ttft : bc.itl)
+              .record(static_cast<std::uint64_t>(std::max<std::int64_t>(0, since.count())));
+          s.last_out_ = t1;
+        }
         if (last) {
           gone_[i] = 1;
           bump(meter.sequences);
