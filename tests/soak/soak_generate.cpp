@@ -129,8 +129,9 @@ GenTally run_client(bspflow::StreamClient<Prompt, U64>& c, std::uint32_t k, cons
   for (U64 i = 0; i < knobs.per_client; ++i) {
     const Prompt p{(U64{k} << 40) + i, static_cast<std::uint32_t>(rng.in(1, knobs.max_length))};
     const bool timed = static_cast<int>(rng.below(100)) < knobs.deadline_pct;
-    const auto deadline = timed ? bspflow::StreamClock::now() + std::chrono::microseconds(rng.in(50, 2000))
-                                : bspflow::kNoDeadline;
+    const auto deadline =
+        timed ? bspflow::StreamClock::now() + std::chrono::microseconds(rng.in(50, 2000))
+              : bspflow::kNoDeadline;
     bspflow::Submission s;
     for (;;) {
       s = c.try_push(Prompt(p), deadline);
@@ -182,9 +183,8 @@ void run_setting(const Setting& s, bspflow::DeviceGroup& group, U64 seed) {
   std::vector<GenTally> tallies(s.clients);
   std::vector<std::thread> threads;
   for (std::uint32_t k = 0; k < s.clients; ++k) {
-    threads.emplace_back([&, k] {
-      tallies[k] = run_client(clients[k], k, s.knobs, seed * 31 + k);
-    });
+    threads.emplace_back(
+        [&, k] { tallies[k] = run_client(clients[k], k, s.knobs, seed * 31 + k); });
   }
   bspflow::StreamResult result;
   if (s.cancel_mid_run) {
@@ -217,11 +217,13 @@ void run_setting(const Setting& s, bspflow::DeviceGroup& group, U64 seed) {
   CHECK(result.answered == all.accepted);
   const bspflow::StreamStats st = stream.stats();
   REQUIRE(st.stages.at(0).generation.has_value());
-  if (s.report) std::printf("soak: %llu sequences accepted, %llu answered with every output, %llu outputs, "
-              "%llu preemptions\n",
-              static_cast<unsigned long long>(all.accepted), static_cast<unsigned long long>(all.ok),
-              static_cast<unsigned long long>(st.stages.at(0).generation->tokens),
-              static_cast<unsigned long long>(st.stages.at(0).generation->preemptions));
+  if (s.report)
+    std::printf(
+        "soak: %llu sequences accepted, %llu answered with every output, %llu outputs, "
+        "%llu preemptions\n",
+        static_cast<unsigned long long>(all.accepted), static_cast<unsigned long long>(all.ok),
+        static_cast<unsigned long long>(st.stages.at(0).generation->tokens),
+        static_cast<unsigned long long>(st.stages.at(0).generation->preemptions));
   CHECK(st.stages.at(0).generation->blocks_used == 0);
   CHECK(st.stages.at(0).generation->active == 0);
   CHECK(st.stages.at(0).generation->preempted == 0);

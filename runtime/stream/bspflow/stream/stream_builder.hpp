@@ -76,8 +76,8 @@ class StreamBuilder {
   template <class E = std::byte, class F>
   auto generate_stage(std::string name, F f, GenerateConfig config = {}) && {
     const std::uint32_t device = next_device();
-    return std::move(*this).template generate_stage<E>(std::move(name), std::move(f),
-                                                       std::move(config), device);
+    return std::move(*this).template generate_stage<E>(std::move(name), std::move(f), config,
+                                                       device);
   }
   /// Adds a generate stage on device `device` (within a replica), a device no earlier stage
   /// uses: a generate stage starts its device's run of stages.
@@ -89,7 +89,7 @@ class StreamBuilder {
                   ": a generate stage must be the first stage on its device, and stage '" +
                   last_->first + "' is already there; put it on a later device");
     }
-    auto next = node_.template generate_stage<E>(name, std::move(f), std::move(config), device);
+    auto next = node_.template generate_stage<E>(name, std::move(f), config, device);
     using Y = typename decltype(next)::value_type;
     return StreamBuilder<In, Y>(graph_, next, name, device);
   }

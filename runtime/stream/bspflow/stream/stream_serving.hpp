@@ -83,7 +83,6 @@ struct VersionStats {
   std::uint64_t calls = 0;     ///< calls made by this version (requests, or batches)
 };
 
-/// One stage's (graph node's) figures, over all replicas (Stream::stats()).
 /// One priority class's share of a generate stage's figures (GenerateStats::by_class).
 struct GenerateClassStats {
   std::uint32_t priority = 0;     ///< the class
@@ -111,6 +110,7 @@ struct GenerateStats {
   std::vector<GenerateClassStats> by_class;
 };
 
+/// One stage's (graph node's) figures, over all replicas (Stream::stats()).
 struct StageStats {
   std::string name;                 ///< the stage's name
   std::uint32_t stage = 0;          ///< index in the stream (the order of the builder's calls)
