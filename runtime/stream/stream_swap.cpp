@@ -17,15 +17,13 @@ std::uint32_t StreamCore::swappable(std::string_view name) const {
     const NodeSpec& s = nodes[n];
     if (s.index == kNoIndex) continue;
     if (s.name == name) {
-      if (s.kind == NodeKind::kStage || s.kind == NodeKind::kBatch) return n;
-      if (s.kind == NodeKind::kGenerate) {
-        throw Error("Stream::swap: '" + s.name +
-                    "' is a generate stage, whose step cannot be swapped yet: build a new stream "
-                    "for the new version");
+      if (s.kind == NodeKind::kStage || s.kind == NodeKind::kBatch ||
+          s.kind == NodeKind::kGenerate) {
+        return n;
       }
       throw Error("Stream::swap: '" + s.name +
-                  "' is a join, route or merge: only a stage's or a batch stage's callable can "
-                  "be swapped");
+                  "' is a join, route or merge: only a stage's, a batch stage's or a generate "
+                  "stage's callable can be swapped");
     }
     all += (all.empty() ? "" : ", ") + s.name;
   }

@@ -471,6 +471,57 @@ TEST_CASE("generate: a deadline bounds the whole sequence, first_token_timeout t
   }
 }
 
+TEST_CASE("generate: a swap lets running sequences finish on the version they started on") {
+  DeviceGroup group(1, test::kSmall);
+  Gate gate;
+  GenerateConfig config;
+  config.max_active = 4;
+  auto v1 = [&gate](std::span<Generation<Prompt, U64>> active) {
+    for (const auto& g : active) {
+      if (g.input().seed == 1 && g.step() == 1) gate.hold();  // A's second iteration
+    }
+    return toy_step(active);
+  };
+  auto stream = StreamBuilder<Prompt>(group).generate_stage<U64>("gen", v1, config).build();
+  auto c = stream.client();
+  stream.start();
+  REQUIRE(c.push(Prompt{1, 4}).accepted());  // A: started on version 1
+  REQUIRE(gate.wait_entered());
+  // Version 2 adds a mark to every output. The swap waits until A, on version 1, is done.
+  auto v2 = [](std::span<Generation<Prompt, U64>> active) {
+    auto out = toy_step(active);
+    for (auto& o : out) o.value() += 1;
+    return out;
+  };
+  SwapResult swapped;
+  std::thread swapper([&] { swapped = stream.swap("gen", v2, std::vector<Prompt>{}); });
+  REQUIRE(test::eventually([&] { return stream.stats().stages.at(0).versions.size() == 2; }));
+  REQUIRE(c.push(Prompt{2, 3}).accepted());  // B: starts on version 2
+  gate.open = true;
+  swapper.join();
+  CHECK(swapped.swapped);
+  CHECK(swapped.version == 2);
+  stream.close();
+  const Collected got = collect(c);
+  REQUIRE(stream.wait().drained());
+  const auto& a = got.by_request.at(0);
+  const auto& b = got.by_request.at(1);
+  CHECK(values(a) == reference({1, 4}));
+  for (const auto& r : a) CHECK(r.version == 1);
+  std::vector<U64> marked = reference({2, 3});
+  for (U64& x : marked) x += 1;
+  CHECK(values(b) == marked);
+  for (const auto& r : b) CHECK(r.version == 2);
+  // A step of another shape is refused, naming the stage.
+  auto other = [](std::span<Generation<Prompt, std::uint32_t>> active) {
+    std::vector<StepOutput<U64>> out;
+    for (std::size_t i = 0; i < active.size(); ++i) out.push_back(StepOutput<U64>::last(0));
+    return out;
+  };
+  CHECK_THROWS_WITH_AS(stream.swap("gen", other, std::vector<Prompt>{}),
+                       doctest::Contains("not a generate stage with this state entry"), Error);
+}
+
 TEST_CASE("generate: a sequence cancelled mid-way ends at the next iteration, its blocks freed") {
   DeviceGroup group(1, test::kSmall);
   GenerateConfig config;

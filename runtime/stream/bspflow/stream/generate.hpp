@@ -86,6 +86,7 @@ struct GenerateConfig {
 namespace detail {
 template <class In, class E, class Out>
 class GenerateHead;
+class Versioned;
 }  // namespace detail
 
 /// One sequence's state: entries of type E (trivially copyable, such as one token's keys
@@ -167,9 +168,10 @@ class Generation {
   PagedState<E> state_;
   std::uint32_t step_ = 0;
   detail::RequestMeta meta_{};
-  std::uint32_t parts_ = 0;             // responses sent for it so far
-  std::vector<E> saved_;                // its state while preempted (host memory)
-  StreamClock::time_point last_out_{};  // when its last output was made
+  std::uint32_t parts_ = 0;               // responses sent for it so far
+  std::vector<E> saved_;                  // its state while preempted (host memory)
+  StreamClock::time_point last_out_{};    // when its last output was made
+  detail::Versioned* version_ = nullptr;  // the step's version it started on
 };
 
 /// What a generate stage's step returns for one sequence: its output of this iteration (a

@@ -133,8 +133,11 @@ class Stream {
   /// one, the swap rolls one replica at a time (it takes no new requests, drains, swaps and
   /// rejoins); when it cannot hold even the new one alone, the swap is refused with the
   /// OutOfMemoryError's report. `stop` cancels it: the replicas not yet swapped keep the old
-  /// version. Blocks until done; one swap at a time. Throws Error for a name that is not a
-  /// stage's, or a version of another type than the stage's.
+  /// version. Blocks until done; one swap at a time. A generate stage's step (a non-generic
+  /// callable on the same std::span<Generation<X, E>>, with no warm-up inputs) serves new
+  /// sequences at once, and the swap returns once every sequence started on the old version
+  /// has ended on it. Throws Error for a name that is not a stage's, or a version of another
+  /// type than the stage's.
   /// Contract: host; blocks; allocates; throws Error.
   template <class F, class X>
   SwapResult swap(std::string_view stage, F version,  // NOLINT(bugprone-exception-escape): a
@@ -154,7 +157,26 @@ class Stream {
     try {
       for (std::uint32_t r = 0; r < core_->replicas; ++r) {
         F copy = r + 1 == core_->replicas ? std::move(version) : copy_of(version);
-        if constexpr (std::is_invocable_v<F&, std::span<X>>) {
+        if constexpr (detail::GenerateStep<F, X>::value) {
+          using G = detail::GenerateStep<F, X>;
+          using Elem = typename std::decay_t<
+              std::invoke_result_t<F&, std::span<Generation<X, typename G::Entry>>>>::value_type;
+          if (spec.kind != detail::NodeKind::kGenerate || *spec.out_type != typeid(Elem) ||
+              *spec.state_type != typeid(typename G::Entry)) {
+            throw Error("Stream::swap: stage '" + spec.name +
+                        "' is not a generate stage with this state entry and output type");
+          }
+          if (!warmup.empty()) {
+            throw Error("Stream::swap: generate stage '" + spec.name +
+                        "' takes no warm-up inputs (its step needs sequences with state); pass "
+                        "an empty vector");
+          }
+          auto v = std::make_unique<
+              detail::GenerateFnOf<X, typename G::Entry, typename Elem::value_type, F>>(
+              std::move(copy));
+          v->version = number;
+          fresh.push_back(std::move(v));
+        } else if constexpr (std::is_invocable_v<F&, std::span<X>>) {
           using Vec = std::decay_t<std::invoke_result_t<F&, std::span<X>>>;
           using Elem = typename Vec::value_type;
           if (spec.kind != detail::NodeKind::kBatch || *spec.out_type != typeid(Elem)) {

@@ -152,6 +152,7 @@ class Node {
     copyable_or_throw<F>(name);
     detail::NodeSpec spec = detail::NodeSpec::of(name, detail::NodeKind::kGenerate, device, {id_},
                                                  &typeid(T), &typeid(Elem));
+    spec.state_type = &typeid(E);
     auto fp = std::make_shared<F>(std::move(f));
     const std::uint32_t id = static_cast<std::uint32_t>(g_->core->nodes.size());
     const std::uint32_t replicas = g_->core->replicas;

@@ -51,9 +51,10 @@ struct NodeSpec {
   std::uint32_t index = kNoIndex;        // its stage index (stats, errors); none: input, branch
   std::optional<std::pair<Work, Work>> cost;  // declared work (per item, per call)
   std::size_t memory = 0;  // bytes each version holds on its device (swaps count it)
-  const std::type_info* in_type = nullptr;   // a stage's input, a batch stage's element
-  const std::type_info* out_type = nullptr;  // a stage's output, a batch stage's Elem
-  std::uint32_t branch = 0;                  // kBranch: which branch of its route
+  const std::type_info* in_type = nullptr;     // a stage's input, a batch stage's element
+  const std::type_info* out_type = nullptr;    // a stage's output, a batch stage's Elem
+  const std::type_info* state_type = nullptr;  // a generate stage's state entry
+  std::uint32_t branch = 0;                    // kBranch: which branch of its route
   bool routed = false;  // reached through a route's branch (only some requests run it)
 
   // A node as a builder verb declares it: what it is, where it runs, what it reads, and the

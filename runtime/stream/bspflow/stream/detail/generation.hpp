@@ -16,6 +16,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -43,6 +44,44 @@ class GenerateFnOf final : public GenerateFn<In, E, Out> {
  private:
   F f_;
 };
+
+// Whether F is a generate stage's step for inputs X: its call operator (not a template)
+// takes a std::span<Generation<X, E>>; Entry is then E.
+template <class M>
+struct StepArgOf {
+  using type = void;
+};
+template <class C, class R, class A>
+struct StepArgOf<R (C::*)(A)> {
+  using type = A;
+};
+template <class C, class R, class A>
+struct StepArgOf<R (C::*)(A) const> {
+  using type = A;
+};
+template <class C, class R, class A>
+struct StepArgOf<R (C::*)(A) noexcept> {
+  using type = A;
+};
+template <class C, class R, class A>
+struct StepArgOf<R (C::*)(A) const noexcept> {
+  using type = A;
+};
+template <class A, class X>
+struct GenerationSpan : std::false_type {
+  using Entry = void;
+};
+template <class X, class E>
+struct GenerationSpan<std::span<Generation<X, E>>, X> : std::true_type {
+  using Entry = E;
+};
+template <class F, class X, class = void>
+struct GenerateStep : std::false_type {
+  using Entry = void;
+};
+template <class F, class X>
+struct GenerateStep<F, X, std::void_t<decltype(&F::operator())>>
+    : GenerationSpan<std::decay_t<typename StepArgOf<decltype(&F::operator())>::type>, X> {};
 
 // What a generate stage counts (one writer: its device thread; read by stats()).
 struct GenerateMeter {
@@ -115,6 +154,7 @@ class GenerateHead final : public GenerateHeadBase {
     Incoming in;
     for (;;) {
       if (stop.requested()) return false;
+      protect();
       if (!end_dead(emit)) return false;
       if (!resume(emit)) return false;
       // New sequences, while there is room and none waits preempted (those go first).
@@ -124,8 +164,11 @@ class GenerateHead final : public GenerateHeadBase {
       }
       if (active_ == 0) {
         if (!preempted_.empty()) continue;  // resume() fails it or brings it back
-        // Idle: park until a request comes (or the source ends, or the run stops).
+        // Idle: park until a request comes (or the source ends, or the run stops), holding
+        // no version.
+        cell.release();
         if (!source.next(in, policy, stop)) return !stop.requested();
+        current_ = cell.acquire();
         if (!take(in, emit)) return false;
         continue;
       }
@@ -143,10 +186,33 @@ class GenerateHead final : public GenerateHeadBase {
     active_ = 0;
     for (Generation<In, E>& s : preempted_) answer(final_meta(s));
     preempted_.clear();
+    cell.release();
     publish();
   }
 
  private:
+  // Each sequence runs on the version it started on. The cell's in_use names the oldest
+  // version a held sequence runs (a swap retires a version only once in_use no longer names
+  // it), or, with none held, the current one; new sequences start on the current version.
+  // Swaps go one at a time and each waits for its old version, so at most two are held: a
+  // current one that its swap cannot retire before the older one is let go.
+  void protect() {
+    Versioned* oldest = nullptr;
+    const auto older = [&](Versioned* v) {
+      if (oldest == nullptr || v->version < oldest->version) oldest = v;
+    };
+    for (std::size_t i = 0; i < active_; ++i) older(seqs_[i].version_);
+    for (Generation<In, E>& p : preempted_) older(p.version_);
+    if (oldest == nullptr) {
+      current_ = cell.acquire();
+      return;
+    }
+    if (cell.in_use.load(std::memory_order_relaxed) != oldest) {
+      cell.in_use.store(oldest, std::memory_order_seq_cst);
+    }
+    current_ = cell.current.load(std::memory_order_seq_cst);
+  }
+
   // Blocks a new sequence takes at admission: its first iteration's, or (kReserve) all of
   // max_length's.
   std::size_t first_blocks() const noexcept {
@@ -205,6 +271,8 @@ class GenerateHead final : public GenerateHeadBase {
     Generation<In, E>& s = seqs_[active_];
     s.input_.emplace(std::move(*static_cast<In*>(in.value)));
     s.meta_ = meta;
+    s.version_ = current_;
+    s.meta_.version = std::max(s.meta_.version, current_->version);
     s.step_ = 0;
     s.parts_ = 0;
     s.state_.size_ = 0;
@@ -267,6 +335,7 @@ class GenerateHead final : public GenerateHeadBase {
       s.step_ = p.step_;
       s.parts_ = p.parts_;
       s.last_out_ = p.last_out_;
+      s.version_ = p.version_;
       s.state_.table_.clear();
       add_blocks(s, need);
       s.state_.size_ = 0;
@@ -339,6 +408,7 @@ class GenerateHead final : public GenerateHeadBase {
     p.step_ = s.step_;
     p.parts_ = s.parts_;
     p.last_out_ = s.last_out_;
+    p.version_ = s.version_;
     free_blocks(s);
     const auto at = std::find_if(preempted_.begin(), preempted_.end(), [&](const auto& q) {
       return q.meta_.priority > p.meta_.priority ||
@@ -356,18 +426,45 @@ class GenerateHead final : public GenerateHeadBase {
     StageMeter* m = node->meter;
     const auto t0 = StreamClock::now();
     if (m != nullptr) m->begin(t0, seqs_[0].meta_.id);
-    std::exception_ptr failed;
     results_.clear();
-    // The version is read and its count bumped before it is let go: a swap frees it after.
-    auto* fn = static_cast<GenerateFn<In, E, Out>*>(cell.acquire());
-    const std::uint32_t version = fn->version;
-    try {
-      results_ = fn->call(std::span<Generation<In, E>>(seqs_.data(), n));
-    } catch (...) {
-      failed = std::current_exception();
+    // One call per version the active set runs (protect() keeps each alive): the older
+    // version's sequences first. `split`: where the second call's sequences begin.
+    std::size_t split = n;
+    for (std::size_t i = 1; i < n && split == n; ++i) {
+      if (seqs_[i].version_ != seqs_[0].version_) split = 0;
     }
-    bump(fn->calls);
-    cell.release();
+    if (split == 0) {
+      Versioned* older = seqs_[0].version_;
+      for (std::size_t i = 1; i < n; ++i) {
+        if (seqs_[i].version_->version < older->version) older = seqs_[i].version_;
+      }
+      const auto first = std::stable_partition(
+          seqs_.begin(), seqs_.begin() + static_cast<std::ptrdiff_t>(n),
+          [older](const Generation<In, E>& g) { return g.version_ == older; });
+      split = static_cast<std::size_t>(first - seqs_.begin());
+    }
+    std::array<std::exception_ptr, 2> failed{};
+    for (int part = 0; part < 2; ++part) {
+      const std::size_t from = part == 0 ? 0 : split, to = part == 0 ? split : n;
+      if (from == to) continue;
+      auto* fn = static_cast<GenerateFn<In, E, Out>*>(seqs_[from].version_);
+      const std::size_t before = results_.size();
+      try {
+        std::vector<StepOutput<Out>> got =
+            fn->call(std::span<Generation<In, E>>(seqs_.data() + from, to - from));
+        if (got.size() != to - from) {
+          throw Error("generate stage '" + node->name + "' returned " + std::to_string(got.size()) +
+                      " output(s) for " + std::to_string(to - from) +
+                      " active sequence(s): one per sequence");
+        }
+        for (StepOutput<Out>& o : got) results_.push_back(std::move(o));
+      } catch (...) {
+        failed[static_cast<std::size_t>(part)] = std::current_exception();
+        while (results_.size() > before) results_.pop_back();
+        for (std::size_t i = from; i < to; ++i) results_.push_back(StepOutput<Out>::failure(""));
+      }
+      bump(fn->calls);
+    }
     const auto t1 = StreamClock::now();
     if (m != nullptr) {
       m->end((t1 - t0).count(), n);
@@ -378,11 +475,6 @@ class GenerateHead final : public GenerateHeadBase {
       charge(f, *node, n);
     }
     bump(meter.iterations);
-    if (!failed && results_.size() != n) {
-      failed = std::make_exception_ptr(
-          Error("generate stage '" + node->name + "' returned " + std::to_string(results_.size()) +
-                " output(s) for " + std::to_string(n) + " active sequence(s): one per sequence"));
-    }
     struct Frame {
       const std::function<void()>& end;
       ~Frame() { end(); }
@@ -392,11 +484,10 @@ class GenerateHead final : public GenerateHeadBase {
     for (std::size_t i = 0; i < n; ++i) {
       Generation<In, E>& s = seqs_[i];
       ++s.step_;
-      s.meta_.version = std::max(s.meta_.version, version);
       bool ok = true;
-      if (failed) {
+      if (const std::exception_ptr& f = failed[i < split ? 0 : 1]) {
         gone_[i] = 1;
-        ok = end_with(s, failure(s, "failed: " + describe_exception(failed), failed), emit);
+        ok = end_with(s, failure(s, "failed: " + describe_exception(f), f), emit);
       } else if (StepOutput<Out>& r = results_[i]; !r.ok()) {
         gone_[i] = 1;
         ok = end_with(s, failure(s, "failed: " + r.error()), emit);
@@ -506,6 +597,7 @@ class GenerateHead final : public GenerateHeadBase {
   std::vector<std::uint8_t> gone_;            // by slot: leaves at the next compact()
   std::vector<Generation<In, E>> preempted_;  // in host memory, in resume order
   std::vector<StepOutput<Out>> results_;
+  Versioned* current_ = nullptr;  // the version new sequences start on (protect())
 };
 
 }  // namespace bspflow::detail
