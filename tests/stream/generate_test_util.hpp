@@ -110,5 +110,4 @@ inline const GenerateStats& gen_stats(const StreamStats& s, std::size_t stage = 
   return *s.stages.at(stage).generation;
 }
 
-
 }  // namespace test::gen
