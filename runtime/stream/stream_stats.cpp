@@ -91,8 +91,25 @@ std::string escape(const std::string& v) {
   return o;
 }
 
-// Writes one histogram family with one sample set per stage (HistogramSnapshot writes a
-// family per call, so stages after the first are written without the family's header).
+// Writes one sample set of a histogram family: `h` with `labels`. HistogramSnapshot writes a
+// whole family per call, so every set after the first (`first` false) is written without the
+// family's "# TYPE" and "# HELP" lines. An empty snapshot gets the meters' layout.
+void write_sample_set(std::ostream& out, const std::string& name, const std::string& help,
+                      const MetricLabels& labels, HistogramSnapshot h, double unit, bool& first) {
+  if (h.highest_trackable() == 0) h.merge(HistogramSnapshot(detail::kMeterHighestNs));
+  std::ostringstream family;
+  h.write_openmetrics(family, name, help, labels, unit);
+  std::string text = family.str();
+  if (!first) {
+    std::size_t pos = 0;
+    while (text.compare(pos, 2, "# ") == 0) pos = text.find('\n', pos) + 1;
+    text = text.substr(pos);
+  }
+  out << text;
+  first = false;
+}
+
+// One histogram family with one sample set per stage.
 void write_stage_histograms(std::ostream& out, const std::string& name, const std::string& help,
                             const MetricLabels& labels, const std::vector<StageStats>& stages,
                             HistogramSnapshot StageStats::*which, double unit, bool batched_only) {
@@ -101,18 +118,7 @@ void write_stage_histograms(std::ostream& out, const std::string& name, const st
     if (batched_only && !s.batched) continue;
     MetricLabels l = labels;
     l.emplace_back("stage", s.name);
-    HistogramSnapshot h = s.*which;
-    if (h.highest_trackable() == 0) h.merge(HistogramSnapshot(detail::kMeterHighestNs));
-    std::ostringstream family;
-    h.write_openmetrics(family, name, help, l, unit);
-    std::string text = family.str();
-    if (!first) {  // drop the "# TYPE" and "# HELP" lines of later stages
-      std::size_t pos = 0;
-      while (text.compare(pos, 2, "# ") == 0) pos = text.find('\n', pos) + 1;
-      text = text.substr(pos);
-    }
-    out << text;
-    first = false;
+    write_sample_set(out, name, help, l, s.*which, unit, first);
   }
 }
 
@@ -123,22 +129,11 @@ void write_class_latency(std::ostream& out, const std::string& name, const Metri
   for (const ClassStats& c : classes) {
     MetricLabels l = labels;
     l.emplace_back("class", std::to_string(c.priority));
-    HistogramSnapshot h = c.latency_ns;
-    if (h.highest_trackable() == 0) h.merge(HistogramSnapshot(detail::kMeterHighestNs));
-    std::ostringstream family;
-    h.write_openmetrics(family, name, "push to answer, by priority class", l, 1e9);
-    std::string text = family.str();
-    if (!first) {
-      std::size_t pos = 0;
-      while (text.compare(pos, 2, "# ") == 0) pos = text.find('\n', pos) + 1;
-      text = text.substr(pos);
-    }
-    out << text;
-    first = false;
+    write_sample_set(out, name, "push to answer, by priority class", l, c.latency_ns, 1e9, first);
   }
 }
 
-// A histogram family with one sample set per (generate stage, class).
+// The same for one sample set per (generate stage, class).
 void write_generate_histograms(std::ostream& out, const std::string& name, const std::string& help,
                                const MetricLabels& labels, const std::vector<StageStats>& stages,
                                HistogramSnapshot GenerateClassStats::*which) {
@@ -149,18 +144,7 @@ void write_generate_histograms(std::ostream& out, const std::string& name, const
       MetricLabels l = labels;
       l.emplace_back("stage", s.name);
       l.emplace_back("class", std::to_string(c.priority));
-      HistogramSnapshot h = c.*which;
-      if (h.highest_trackable() == 0) h.merge(HistogramSnapshot(detail::kMeterHighestNs));
-      std::ostringstream family;
-      h.write_openmetrics(family, name, help, l, 1e9);
-      std::string text = family.str();
-      if (!first) {
-        std::size_t pos = 0;
-        while (text.compare(pos, 2, "# ") == 0) pos = text.find('\n', pos) + 1;
-        text = text.substr(pos);
-      }
-      out << text;
-      first = false;
+      write_sample_set(out, name, help, l, c.*which, 1e9, first);
     }
   }
 }

@@ -254,14 +254,8 @@ class GenerateHead final : public GenerateHeadBase {
       }
       return emit(meta);
     }
-    InFlight probe;
-    probe.meta = meta;
-    if (auto dead = check_live(probe, *node)) {
+    if (auto dead = ended(meta, 0)) {
       out_.set_error(std::move(dead));
-      return emit(meta);
-    }
-    if (auto late = first_token_late(meta, 0)) {
-      out_.set_error(std::move(late));
       return emit(meta);
     }
     if (node->meter != nullptr && meta.enqueued != StreamClock::time_point{}) {
@@ -288,11 +282,7 @@ class GenerateHead final : public GenerateHeadBase {
   bool end_dead(const Emit& emit) {
     bool any = false;
     for (std::size_t i = 0; i < active_; ++i) {
-      InFlight probe;
-      probe.meta = seqs_[i].meta_;
-      auto dead = check_live(probe, *node);
-      if (!dead) dead = first_token_late(seqs_[i].meta_, seqs_[i].parts_);
-      if (dead) {
+      if (auto dead = ended(seqs_[i].meta_, seqs_[i].parts_)) {
         gone_[i] = 1;
         any = true;
         if (!end_with(seqs_[i], std::move(dead), emit)) return false;
@@ -300,11 +290,7 @@ class GenerateHead final : public GenerateHeadBase {
     }
     if (any) compact();
     for (std::size_t i = 0; i < preempted_.size();) {
-      InFlight probe;
-      probe.meta = preempted_[i].meta_;
-      auto dead = check_live(probe, *node);
-      if (!dead) dead = first_token_late(preempted_[i].meta_, preempted_[i].parts_);
-      if (dead) {
+      if (auto dead = ended(preempted_[i].meta_, preempted_[i].parts_)) {
         const bool ok = end_with(preempted_[i], std::move(dead), emit);
         preempted_.erase(preempted_.begin() + static_cast<std::ptrdiff_t>(i));
         if (!ok) return false;
@@ -330,12 +316,7 @@ class GenerateHead final : public GenerateHeadBase {
       }
       if (free_.size() < need) return true;
       Generation<In, E>& s = seqs_[active_];
-      s.input_ = std::move(p.input_);
-      s.meta_ = p.meta_;
-      s.step_ = p.step_;
-      s.parts_ = p.parts_;
-      s.last_out_ = p.last_out_;
-      s.version_ = p.version_;
+      move_progress(s, p);
       s.state_.table_.clear();
       add_blocks(s, need);
       s.state_.size_ = 0;
@@ -381,6 +362,12 @@ class GenerateHead final : public GenerateHeadBase {
     return true;
   }
 
+  // Whether `a` comes after `b` in resume order: a lower class, or the same class and younger.
+  // Preemption takes the last in that order.
+  static bool resumes_after(const RequestMeta& a, const RequestMeta& b) noexcept {
+    return a.priority > b.priority || (a.priority == b.priority && a.order > b.order);
+  }
+
   // The active sequence to preempt: the lowest class, the youngest within it.
   std::size_t victim() const noexcept {
     std::size_t v = active_;
@@ -390,11 +377,20 @@ class GenerateHead final : public GenerateHeadBase {
         v = i;
         continue;
       }
-      const RequestMeta& a = seqs_[i].meta_;
-      const RequestMeta& b = seqs_[v].meta_;
-      if (a.priority > b.priority || (a.priority == b.priority && a.order > b.order)) v = i;
+      if (resumes_after(seqs_[i].meta_, seqs_[v].meta_)) v = i;
     }
     return v;
+  }
+
+  // Moves what a sequence has done so far (its input, request, steps, responses, version)
+  // from one Generation to another: an active slot and a preempted copy. Not its state.
+  static void move_progress(Generation<In, E>& to, Generation<In, E>& from) {
+    to.input_ = std::move(from.input_);
+    to.meta_ = from.meta_;
+    to.step_ = from.step_;
+    to.parts_ = from.parts_;
+    to.last_out_ = from.last_out_;
+    to.version_ = from.version_;
   }
 
   // Moves sequence `s` to host memory: its entries are copied out, its blocks freed, and it
@@ -403,17 +399,10 @@ class GenerateHead final : public GenerateHeadBase {
     Generation<In, E> p;
     p.saved_.reserve(s.state_.size_);
     for (std::size_t i = 0; i < s.state_.size_; ++i) p.saved_.push_back(s.state_[i]);
-    p.input_ = std::move(s.input_);
-    p.meta_ = s.meta_;
-    p.step_ = s.step_;
-    p.parts_ = s.parts_;
-    p.last_out_ = s.last_out_;
-    p.version_ = s.version_;
+    move_progress(p, s);
     free_blocks(s);
-    const auto at = std::find_if(preempted_.begin(), preempted_.end(), [&](const auto& q) {
-      return q.meta_.priority > p.meta_.priority ||
-             (q.meta_.priority == p.meta_.priority && q.meta_.order > p.meta_.order);
-    });
+    const auto at = std::find_if(preempted_.begin(), preempted_.end(),
+                                 [&](const auto& q) { return resumes_after(q.meta_, p.meta_); });
     bump(meter.by_class[std::min<std::size_t>(p.meta_.priority, kPriorityClasses - 1)].preemptions);
     preempted_.insert(at, std::move(p));
     bump(meter.preemptions);
@@ -523,10 +512,12 @@ class GenerateHead final : public GenerateHeadBase {
     return true;
   }
 
-  // GenerateConfig::first_token_timeout: the error for a sequence still without an output
-  // (`parts` 0) past it, or null.
-  std::shared_ptr<const RequestError> first_token_late(const RequestMeta& meta,
-                                                       std::uint32_t parts) const {
+  // Whether a sequence that has given `parts` outputs ends here: the error it ends with
+  // (cancelled, dropped by another branch, past its deadline or first_token_timeout), or null.
+  std::shared_ptr<const RequestError> ended(const RequestMeta& meta, std::uint32_t parts) const {
+    InFlight probe;
+    probe.meta = meta;
+    if (auto dead = check_live(probe, *node)) return dead;
     if (parts != 0 || !config_.first_token_timeout) return nullptr;
     const auto waited = StreamClock::now() - meta.arrival;
     if (waited <= *config_.first_token_timeout) return nullptr;
