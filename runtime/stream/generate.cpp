@@ -49,6 +49,11 @@ void GenerateConfig::validate(std::size_t entry_bytes) const {
     detail::throw_bad_value("GenerateConfig::first_token_timeout", *first_token_timeout,
                             "must be 1 us..1 h, or nullopt for no bound");
   }
+  if (stream_every == 0 || stream_every > max_length) {
+    detail::throw_bad_value("GenerateConfig::stream_every", stream_every,
+                            "must be 1..max_length (" + std::to_string(max_length) +
+                                "): outputs joined into one response");
+  }
   const std::size_t pool = pool_blocks(entry_bytes);
   if (pool > (std::size_t{1} << 31)) {
     detail::throw_bad_value("GenerateConfig::memory", memory,

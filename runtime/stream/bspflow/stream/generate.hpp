@@ -7,8 +7,11 @@
 #pragma once
 
 #include <chrono>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <iterator>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -63,6 +66,12 @@ struct GenerateConfig {
   /// the latest at the next iteration boundary. The request's own deadline bounds the whole
   /// sequence. nullopt (the default): no bound but the deadline; else 1 us..1 h.
   std::optional<std::chrono::nanoseconds> first_token_timeout{};
+  /// Outputs per response: 1 (the default) streams each iteration's output as its own
+  /// response; k > 1 joins k outputs, appended in order, into one response (the last holds
+  /// what is left), so the step's output type must be a container with insert(end(), first,
+  /// last), such as std::string or std::vector. Later nodes and the client see each joined
+  /// response once. 1..max_length.
+  std::uint32_t stream_every = 1;
 
   /// Checks every field, for state entries of `entry_bytes` each. Throws Error naming the
   /// field, the value and what is allowed.
@@ -87,6 +96,12 @@ namespace detail {
 template <class In, class E, class Out>
 class GenerateHead;
 class Versioned;
+// Whether outputs of type T can be joined (GenerateConfig::stream_every): appended in order.
+template <class T>
+concept JoinableOutput = std::default_initializable<T> && requires(T& a, T& b) {
+  a.insert(a.end(), std::make_move_iterator(b.begin()), std::make_move_iterator(b.end()));
+  a.clear();
+};
 }  // namespace detail
 
 /// One sequence's state: entries of type E (trivially copyable, such as one token's keys
@@ -170,7 +185,9 @@ class Generation {
   detail::RequestMeta meta_{};
   std::uint32_t parts_ = 0;               // responses sent for it so far
   std::vector<E> saved_;                  // its state while preempted (host memory)
-  StreamClock::time_point last_out_{};    // when its last output was made
+  StreamClock::time_point last_out_{};    // when its last response was made
+  std::shared_ptr<void> joined_;          // outputs held for its next response (stream_every)
+  std::uint32_t held_ = 0;                // how many
   detail::Versioned* version_ = nullptr;  // the step's version it started on
 };
 

@@ -149,6 +149,15 @@ class Node {
                   "a generate stage's output type must be movable");
     g_->check_node(g_, id_, "generate stage '" + name + "'");
     config.validate(sizeof(E));
+    if constexpr (!detail::JoinableOutput<Y>) {
+      if (config.stream_every > 1) {
+        throw Error("generate stage '" + name + "': GenerateConfig::stream_every is " +
+                    std::to_string(config.stream_every) +
+                    ", which joins that many outputs into one response, but the step's output "
+                    "type cannot be appended to: return a container with insert(end(), first, "
+                    "last) (std::string, std::vector), or set stream_every to 1");
+      }
+    }
     copyable_or_throw<F>(name);
     detail::NodeSpec spec = detail::NodeSpec::of(name, detail::NodeKind::kGenerate, device, {id_},
                                                  &typeid(T), &typeid(Elem));

@@ -228,8 +228,14 @@ class GenerateHead final : public GenerateHeadBase {
   }
   static RequestMeta final_meta(Generation<In, E>& s) { return occurrence(s, true); }
 
-  // Ends sequence `s` with `error` (its final occurrence).
+  // Ends sequence `s` with `error` (its final occurrence), after a response with the
+  // outputs it holds (stream_every).
   bool end_with(Generation<In, E>& s, std::shared_ptr<const RequestError> error, const Emit& emit) {
+    if (s.held_ != 0) {
+      release(s);
+      if (node->meter != nullptr) timed(s, StreamClock::now());
+      if (!emit(occurrence(s, false))) return false;  // stopped: answered as held
+    }
     out_.set_error(std::move(error));
     bump(meter.sequences);
     return emit(final_meta(s));
@@ -269,6 +275,7 @@ class GenerateHead final : public GenerateHeadBase {
     s.meta_.version = std::max(s.meta_.version, current_->version);
     s.step_ = 0;
     s.parts_ = 0;
+    s.held_ = 0;
     s.state_.size_ = 0;
     s.state_.table_.clear();
     add_blocks(s, first_blocks());
@@ -382,8 +389,9 @@ class GenerateHead final : public GenerateHeadBase {
     return v;
   }
 
-  // Moves what a sequence has done so far (its input, request, steps, responses, version)
-  // from one Generation to another: an active slot and a preempted copy. Not its state.
+  // Moves what a sequence has done so far (its input, request, steps, responses, version,
+  // held outputs) from one Generation to another: an active slot and a preempted copy. Not
+  // its state.
   static void move_progress(Generation<In, E>& to, Generation<In, E>& from) {
     to.input_ = std::move(from.input_);
     to.meta_ = from.meta_;
@@ -391,6 +399,9 @@ class GenerateHead final : public GenerateHeadBase {
     to.parts_ = from.parts_;
     to.last_out_ = from.last_out_;
     to.version_ = from.version_;
+    to.joined_ = std::move(from.joined_);
+    to.held_ = from.held_;
+    from.held_ = 0;
   }
 
   // Moves sequence `s` to host memory: its entries are copied out, its blocks freed, and it
@@ -482,24 +493,26 @@ class GenerateHead final : public GenerateHeadBase {
         ok = end_with(s, failure(s, "failed: " + r.error()), emit);
       } else {
         const bool last = r.done() || s.step_ >= config_.max_length;
-        out_.set(std::move(r.value()));
-        bump(meter.tokens);
-        GenerateMeter::ByClass& bc =
-            meter.by_class[std::min<std::size_t>(s.meta_.priority, kPriorityClasses - 1)];
-        bump(bc.tokens);
-        if (m != nullptr) {
-          const auto since = t1 - (s.parts_ == 0 ? s.meta_.arrival : s.last_out_);
-          (s.parts_ == 0 ? bc.ttft : bc.itl)
-              .record(static_cast<std::uint64_t>(std::max<std::int64_t>(0, since.count())));
-          s.last_out_ = t1;
+        bool respond = true;
+        if (config_.stream_every > 1) {
+          hold(s, std::move(r.value()));
+          respond = last || s.held_ >= config_.stream_every;
+          if (respond) release(s);
+        } else {
+          out_.set(std::move(r.value()));
         }
+        bump(meter.tokens);
+        bump(meter.by_class[std::min<std::size_t>(s.meta_.priority, kPriorityClasses - 1)].tokens);
         if (last) {
           gone_[i] = 1;
           bump(meter.sequences);
         }
-        RequestMeta occ = occurrence(s, last);
-        if (m != nullptr) occ.enqueued = t1;
-        ok = emit(occ);
+        if (respond) {
+          if (m != nullptr) timed(s, t1);
+          RequestMeta occ = occurrence(s, last);
+          if (m != nullptr) occ.enqueued = t1;
+          ok = emit(occ);
+        }
       }
       if (!ok) {
         // Stopped: this occurrence was answered; the rest of the set is held (answer_held).
@@ -538,6 +551,39 @@ class GenerateHead final : public GenerateHeadBase {
                           std::to_string(free_.size()) + " free (memory policy '" +
                           to_string(config_.memory_policy) + "'; device arena: " + arena_.report() +
                           ")");
+  }
+
+  // Times a response of `s` made at `t`: from its push for its first, else from its last.
+  void timed(Generation<In, E>& s, StreamClock::time_point t) {
+    GenerateMeter::ByClass& bc =
+        meter.by_class[std::min<std::size_t>(s.meta_.priority, kPriorityClasses - 1)];
+    const auto since = t - (s.parts_ == 0 ? s.meta_.arrival : s.last_out_);
+    (s.parts_ == 0 ? bc.ttft : bc.itl)
+        .record(static_cast<std::uint64_t>(std::max<std::int64_t>(0, since.count())));
+    s.last_out_ = t;
+  }
+  // Appends output `v` to those `s` holds for its next response (stream_every > 1, which
+  // the builder allows only for joinable outputs).
+  static void hold(Generation<In, E>& s, Out&& v) {
+    if constexpr (JoinableOutput<Out>) {
+      if (!s.joined_) s.joined_ = std::make_shared<Out>();
+      Out& j = *static_cast<Out*>(s.joined_.get());
+      if (s.held_ == 0) {
+        j = std::move(v);
+      } else {
+        j.insert(j.end(), std::make_move_iterator(v.begin()), std::make_move_iterator(v.end()));
+      }
+      ++s.held_;
+    }
+  }
+  // Puts the outputs `s` holds in the stage's output slot, for one response.
+  void release(Generation<In, E>& s) {
+    if constexpr (JoinableOutput<Out>) {
+      Out& j = *static_cast<Out*>(s.joined_.get());
+      out_.set(std::move(j));
+      j.clear();  // a moved-from container is valid, not necessarily empty
+    }
+    s.held_ = 0;
   }
 
   std::size_t blocks_for_entries(std::size_t entries) const noexcept {
