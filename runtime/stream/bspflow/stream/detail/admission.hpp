@@ -265,6 +265,8 @@ class AdmissionQueue final : public AdmissionQueueBase {
              !open_flag_.load(std::memory_order_seq_cst) || stop.requested();
     });
   }
+  // Any thread: whether a request waits now.
+  bool waiting() const noexcept { return count_.load(std::memory_order_acquire) != 0; }
   // Device thread: closed and nothing left.
   bool ended() const noexcept {
     return !open_flag_.load(std::memory_order_seq_cst) &&

@@ -83,25 +83,6 @@ template <class F, class X>
 struct GenerateStep<F, X, std::void_t<decltype(&F::operator())>>
     : GenerationSpan<std::decay_t<typename StepArgOf<decltype(&F::operator())>::type>, X> {};
 
-// What a generate stage counts (one writer: its device thread; read by stats()).
-struct GenerateMeter {
-  // Time to first output and between outputs, outputs and preemptions, by priority class.
-  struct ByClass {
-    ByClass() : ttft(kMeterHighestNs), itl(kMeterHighestNs) {}
-    Histogram ttft, itl;
-    std::atomic<std::uint64_t> tokens{0}, preemptions{0};
-  };
-  std::array<ByClass, kPriorityClasses> by_class;
-  std::atomic<std::uint64_t> iterations{0};
-  std::atomic<std::uint64_t> tokens{0};       // outputs made (partial and final)
-  std::atomic<std::uint64_t> sequences{0};    // sequences ended (by any means)
-  std::atomic<std::uint64_t> preemptions{0};  // sequences moved to host memory
-  std::atomic<std::uint64_t> blocks_used{0};  // now
-  std::atomic<std::uint64_t> blocks{0};       // the pool's size
-  std::atomic<std::uint64_t> active{0};       // now
-  std::atomic<std::uint64_t> waiting{0};      // preempted, now
-};
-
 // A generate stage at the head of its segment, untyped for the segment's loop.
 class GenerateHeadBase {
  public:
@@ -144,6 +125,8 @@ class GenerateHead final : public GenerateHeadBase {
     }
     gone_.assign(config_.max_active, 0);
     meter.blocks.store(blocks_, std::memory_order_relaxed);
+    meter.max_active = config_.max_active;
+    meter.first_blocks = first_blocks();
   }
   ~GenerateHead() override { arena_.release(base_); }
   GenerateHead(const GenerateHead&) = delete;

@@ -371,6 +371,16 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
       core.segments.push_back(std::move(seg));
     }
   }
+  // Replicas that each run a generate stage place new sequences by load (GenerateBalance).
+  for (std::uint32_t n = 0; n < n_nodes && core.replicas > 1; ++n) {
+    if (core.nodes[n].kind != NodeKind::kGenerate) continue;
+    auto balance = std::make_shared<GenerateBalance>();
+    for (std::uint32_t r = 0; r < core.replicas; ++r) {
+      balance->members.push_back({core.replica_meters[r].get(), core.runs[r].generation[n]});
+    }
+    for (AdmissionSource<In>* source : w.sources) source->balance(balance);
+    break;  // a request passes through one generate stage at most: the first decides
+  }
   // A chain answers a batch stage's early errors at once; a graph forwards them (every path
   // must see every request: its joins and imports take them in order).
   for (auto& seg : core.segments) seg->answer_early = !joins && !mid_imports;

@@ -181,4 +181,73 @@ struct ReplicaMeter {
   }
 };
 
+// What a generate stage counts (one writer: its device thread; read by stats()).
+struct GenerateMeter {
+  // Time to first output and between outputs, outputs and preemptions, by priority class.
+  struct ByClass {
+    ByClass() : ttft(kMeterHighestNs), itl(kMeterHighestNs) {}
+    Histogram ttft, itl;
+    std::atomic<std::uint64_t> tokens{0}, preemptions{0};
+  };
+  std::array<ByClass, kPriorityClasses> by_class;
+  std::atomic<std::uint64_t> iterations{0};
+  std::atomic<std::uint64_t> tokens{0};       // outputs made (partial and final)
+  std::atomic<std::uint64_t> sequences{0};    // sequences ended (by any means)
+  std::atomic<std::uint64_t> preemptions{0};  // sequences moved to host memory
+  std::atomic<std::uint64_t> blocks_used{0};  // now
+  std::atomic<std::uint64_t> blocks{0};       // the pool's size
+  std::atomic<std::uint64_t> active{0};       // now
+  std::atomic<std::uint64_t> waiting{0};      // preempted, now
+  // Set when the stage is built: its active set's bound and the blocks a new sequence takes.
+  std::uint64_t max_active = 0;
+  std::uint64_t first_blocks = 0;
+};
+
+// Where a new sequence goes when each replica of a stream runs a generate stage: a replica
+// leaves a new request to a sibling that beats it on both counts, requests in the replica
+// (taken, not yet answered) and free blocks, strictly on one, and could start it now (open
+// to new requests, a place in its active set, its first blocks free, none preempted). When
+// neither of two beats the other, whichever comes first takes it. A sibling only beats
+// this replica while it has room, so the request never waits for one that cannot take it.
+struct GenerateBalance {
+  struct Member {
+    const ReplicaMeter* replica = nullptr;
+    const GenerateMeter* generate = nullptr;
+  };
+  std::vector<Member> members;  // by replica
+
+  // Device thread of replica `r`, before it takes a new request. Relaxed loads: a stale
+  // figure places one request less well, it loses none.
+  bool defer(std::uint32_t r) const noexcept {
+    const Load mine = load(members[r]);
+    for (std::size_t s = 0; s < members.size(); ++s) {
+      if (s == r) continue;
+      const Member& m = members[s];
+      if (m.replica->closed_to_new() || m.replica->ejected.load(std::memory_order_relaxed) ||
+          m.generate->waiting.load(std::memory_order_relaxed) != 0) {
+        continue;
+      }
+      const Load o = load(m);
+      if (o.in_replica >= m.generate->max_active || o.free < m.generate->first_blocks) continue;
+      if (o.in_replica <= mine.in_replica && o.free >= mine.free &&
+          (o.in_replica < mine.in_replica || o.free > mine.free)) {
+        return true;
+      }
+    }
+    return false;
+  }
+
+ private:
+  struct Load {
+    std::uint64_t in_replica, free;
+  };
+  static Load load(const Member& m) noexcept {
+    const std::uint64_t left = m.replica->left.load(std::memory_order_relaxed);
+    const std::uint64_t taken = m.replica->taken.load(std::memory_order_relaxed);
+    const std::uint64_t blocks = m.generate->blocks.load(std::memory_order_relaxed);
+    const std::uint64_t used = m.generate->blocks_used.load(std::memory_order_relaxed);
+    return {taken > left ? taken - left : 0, blocks > used ? blocks - used : 0};
+  }
+};
+
 }  // namespace bspflow::detail

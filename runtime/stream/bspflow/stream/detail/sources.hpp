@@ -34,11 +34,13 @@ class AdmissionSource final : public Source {
       : admission_(admission), meter_(meter), replica_(static_cast<std::uint8_t>(replica)),
         ejecting_(ejecting) {}
   std::uint64_t taken() const noexcept { return taken_; }
+  // With a generate stage in each replica: where new sequences go (GenerateBalance).
+  void balance(std::shared_ptr<const GenerateBalance> b) noexcept { balance_ = std::move(b); }
   void begin() noexcept { taken_ = 0; }
 
   bool try_next(Incoming& out) override {
     bool probe = false;
-    if (!open_to_new(probe) || !admission_.try_take(queued_)) return false;
+    if (!open_to_new(probe) || defer() || !admission_.try_take(queued_)) return false;
     if (probe) meter_.probing.store(true, std::memory_order_release);
     out.meta = queued_.meta;
     out.meta.replica = replica_;
@@ -60,6 +62,11 @@ class AdmissionSource final : public Source {
         std::this_thread::sleep_for(std::chrono::microseconds(200));  // until it takes again
         continue;
       }
+      if (admission_.waiting() && defer()) {
+        // A sibling takes it (it has room): look again shortly, it may not take them all.
+        std::this_thread::sleep_for(std::chrono::microseconds(50));
+        continue;
+      }
       admission_.wait(policy, stop);
     }
   }
@@ -79,8 +86,11 @@ class AdmissionSource final : public Source {
     return true;
   }
 
+  bool defer() const noexcept { return balance_ != nullptr && balance_->defer(replica_); }
+
   AdmissionQueue<In>& admission_;
   ReplicaMeter& meter_;
+  std::shared_ptr<const GenerateBalance> balance_;
   std::uint8_t replica_;
   bool ejecting_;
   Queued<In> queued_;
