@@ -69,4 +69,17 @@ void GenerateConfig::validate(std::size_t entry_bytes) const {
   }
 }
 
+namespace detail {
+
+std::string too_large(const GenerateConfig& config, std::uint32_t iterations, std::size_t pool,
+                      const std::string& memory) {
+  return "it asks for up to " + std::to_string(iterations) + " iteration(s), which need " +
+         std::to_string(config.blocks_for(iterations)) + " block(s) of " +
+         std::to_string(config.block_entries) +
+         " entries, more than the generate stage's whole pool of " + std::to_string(pool) +
+         " block(s): it could never run (" + memory + ")";
+}
+
+}  // namespace detail
+
 }  // namespace bspflow

@@ -41,6 +41,8 @@ const char* to_string(Refusal r) noexcept {
       return "closed";
     case Refusal::kOutranked:
       return "outranked";
+    case Refusal::kTooLarge:
+      return "too_large";
   }
   return "unknown";
 }

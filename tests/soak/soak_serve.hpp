@@ -207,7 +207,8 @@ enum class End { kAfter, kClose, kCancel };
 // - kOutranked: a full queue holding only higher priority classes than the push's, under
 //   kReject or kShed (under kBlock the push waits): more than one class;
 // - kClientFull: never: a trial client pops at its window (64 at most), far below
-//   response_capacity (1024; the trials keep the default).
+//   response_capacity (1024; the trials keep the default);
+// - kTooLarge: never: no trial declares its requests' lengths to a generate stage.
 inline bool refusal_allowed(bspflow::Refusal r, const bspflow::StreamConfig& cfg, End end,
                             bool due) {
   using bspflow::AdmissionPolicy;
@@ -228,6 +229,7 @@ inline bool refusal_allowed(bspflow::Refusal r, const bspflow::StreamConfig& cfg
       return policy != AdmissionPolicy::kBlock && cfg.priority_classes > 1;
     case Refusal::kNone:
     case Refusal::kClientFull:
+    case Refusal::kTooLarge:
       return false;
   }
   return false;

@@ -12,6 +12,7 @@
 #include <set>
 #include <span>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <thread>
 #include <utility>
@@ -319,6 +320,138 @@ TEST_CASE("generate: Stream::cancel() answers every sequence once") {
     CHECK(v.back().kind() == ErrorKind::kCancelled);
   }
   CHECK(gen_stats(stream.stats()).blocks_used == 0);
+}
+
+// The length each Prompt asks for, as a stage's length function (an API's max_tokens).
+std::uint32_t prompt_length(const Prompt& p) {
+  return p.length;
+}
+
+TEST_CASE("generate: a request's own length bounds its sequence and what kReserve reserves") {
+  DeviceGroup group(1, test::kSmall);
+  Gate gate;
+  auto most = std::make_shared<std::size_t>(0);
+  auto bounds = std::make_shared<std::map<U64, std::uint32_t>>();  // seed -> max_length()
+  GenerateConfig config;
+  config.max_active = 8;
+  config.max_length = 64;
+  config.block_entries = 4;
+  config.memory = 16 * 4 * sizeof(U64);  // 16 blocks: one sequence of max_length
+  config.memory_policy = MemoryPolicy::kReserve;
+  // A step that never ends a sequence itself: only the bound does.
+  auto step = [&gate, most, bounds](std::span<Generation<Prompt, U64>> active) {
+    if (*most == 0) gate.hold();
+    *most = std::max(*most, active.size());
+    std::vector<StepOutput<U64>> out;
+    for (auto& g : active) {
+      (*bounds)[g.input().seed] = g.max_length();
+      g.state().push_back(g.step());
+      out.push_back(StepOutput<U64>::next(g.step()));
+    }
+    return out;
+  };
+  auto stream =
+      StreamBuilder<Prompt>(group).generate_stage<U64>("gen", step, config, prompt_length).build();
+  auto c = stream.client();
+  stream.start();
+  REQUIRE(c.push(Prompt{0, 4}).accepted());
+  REQUIRE(gate.wait_entered());
+  for (U64 i = 1; i < 10; ++i) REQUIRE(c.push(Prompt{i, 4}).accepted());
+  REQUIRE(c.push(Prompt{10, 1000}).accepted());  // clamped to max_length
+  gate.open = true;
+  stream.close();
+  const Collected got = collect(c);
+  REQUIRE(stream.wait().drained());
+  REQUIRE(got.by_request.size() == 11);
+  for (U64 i = 0; i < 10; ++i) {
+    CHECK(got.by_request.at(i).size() == 4);
+    CHECK(bounds->at(i) == 4);
+  }
+  CHECK(got.by_request.at(10).size() == 64);
+  CHECK(bounds->at(10) == 64);
+  // Each short request reserves its own 4 iterations (one block), not max_length's 16:
+  // eight run at once where max_length's reservation would admit one.
+  CHECK(*most == 8);
+  CHECK(gen_stats(stream.stats()).blocks_used == 0);
+}
+
+TEST_CASE("generate: a request that could never fit the pool is refused at push, saying why") {
+  DeviceGroup group(1, test::kSmall);
+  GenerateConfig config;
+  config.max_length = 1024;
+  config.block_entries = 16;
+  config.memory = 32 * 16 * sizeof(U64);  // 32 blocks: 512 iterations at most
+  auto stream = StreamBuilder<Prompt>(group)
+                    .generate_stage<U64>("gen", toy_step, config, prompt_length)
+                    .build();
+  auto c = stream.client();
+  stream.start();
+  const Submission too_large = c.push(Prompt{1, 600});
+  CHECK(too_large.refusal == Refusal::kTooLarge);
+  CHECK(std::string(to_string(too_large.refusal)) == "too_large");
+  REQUIRE(too_large.reason != nullptr);
+  const std::string& why = *too_large.reason;
+  CHECK(why.find("up to 600 iteration(s)") != std::string::npos);
+  CHECK(why.find("38 block(s) of 16 entries") != std::string::npos);
+  CHECK(why.find("whole pool of 32 block(s)") != std::string::npos);
+  CHECK(why.find("device 0's arena: ") != std::string::npos);
+  CHECK(why.find("'generate stage 'gen' state blocks (replica 0)'") != std::string::npos);
+  // What fits is accepted, with no reason; the largest that fits runs to its end.
+  const Submission fits = c.push(Prompt{2, 512});
+  CHECK(fits.accepted());
+  CHECK(fits.reason == nullptr);
+  stream.close();
+  const Collected got = collect(c);
+  REQUIRE(stream.wait().drained());
+  REQUIRE(got.by_request.size() == 1);
+  CHECK(values(got.by_request.begin()->second) == reference({2, 512}));
+  const StreamStats st = stream.stats();
+  CHECK(st.refused(Refusal::kTooLarge) == 1);
+  std::ostringstream om;
+  st.write_openmetrics(om, "g");
+  CHECK(om.str().find("g_refusals_total{class=\"0\",reason=\"too_large\"} 1\n") !=
+        std::string::npos);
+}
+
+TEST_CASE("generate: behind other nodes, a request that could never fit ends saying why") {
+  DeviceGroup group(2, test::kSmall);
+  GenerateConfig config;
+  config.max_length = 1024;
+  config.memory = 8 * 16 * sizeof(U64);  // 8 blocks of 16: 128 iterations at most
+  int calls = 0;
+  auto length = [](const Prompt& p) -> std::uint32_t {
+    if (p.seed == 13) throw std::runtime_error("no length for 13");
+    return p.length;
+  };
+  auto stream = StreamBuilder<Prompt>(group)
+                    .stage("tokenize",
+                           [&calls](Prompt p) {
+                             ++calls;
+                             return p;
+                           })
+                    .generate_stage<U64>("gen", toy_step, config, length)
+                    .build();
+  auto c = stream.client();
+  stream.start();
+  REQUIRE(c.push(Prompt{1, 200}).accepted());  // its value is known only after "tokenize"
+  REQUIRE(c.push(Prompt{13, 4}).accepted());
+  REQUIRE(c.push(Prompt{2, 128}).accepted());
+  stream.close();
+  const Collected got = collect(c);
+  REQUIRE(stream.wait().drained());
+  CHECK(calls == 3);
+  const auto& big = got.by_request.at(0);
+  REQUIRE(big.size() == 1);
+  CHECK(big[0].kind() == ErrorKind::kStageFailed);
+  CHECK(big[0].error->message.find("it could never run") != std::string::npos);
+  CHECK(big[0].error->message.find("up to 200 iteration(s)") != std::string::npos);
+  const auto& thrown = got.by_request.at(1);
+  REQUIRE(thrown.size() == 1);
+  CHECK(thrown[0].kind() == ErrorKind::kStageFailed);
+  CHECK(thrown[0].error->message.find("length function failed: no length for 13") !=
+        std::string::npos);
+  CHECK(values(got.by_request.at(2)) == reference({2, 128}));
+  CHECK(gen_stats(stream.stats(), 1).blocks_used == 0);
 }
 
 TEST_SUITE_END();

@@ -87,8 +87,9 @@ TEST_CASE("generate: stream_every joins k outputs into one response, the last wh
   config.stream_every = 3;
   StreamConfig sc;
   sc.ordering = Ordering::kNone;
-  auto stream =
-      StreamBuilder<Prompt>(group, sc).generate_stage<U64>("gen", joined_step(9, 4), config).build();
+  auto stream = StreamBuilder<Prompt>(group, sc)
+                    .generate_stage<U64>("gen", joined_step(9, 4), config)
+                    .build();
   auto c = stream.client();
   stream.start();
   const std::vector<Prompt> prompts{{1, 1}, {2, 3}, {3, 4}, {4, 7}, {9, 8}};
@@ -129,7 +130,8 @@ TEST_CASE("generate: stream_every joins k outputs into one response, the last wh
   CHECK(gs.itl_ns.count() == (0 + 0 + 1 + 2) + 1);
 }
 
-TEST_CASE("generate: stream_every outside 1..max_length, or over outputs it cannot join, is refused") {
+TEST_CASE(
+    "generate: stream_every outside 1..max_length, or over outputs it cannot join, is refused") {
   DeviceGroup group(1, test::kSmall);
   GenerateConfig config;
   config.max_length = 16;
@@ -169,8 +171,9 @@ TEST_CASE("generate: a new sequence goes to the replica with less work and more 
   config.block_entries = 64;
   config.memory = 16 * 64 * sizeof(U64);
   auto release = std::make_shared<std::atomic<bool>>(false);
-  auto stream =
-      StreamBuilder<Prompt>(group, sc).generate_stage<U64>("gen", held_step(release), config).build();
+  auto stream = StreamBuilder<Prompt>(group, sc)
+                    .generate_stage<U64>("gen", held_step(release), config)
+                    .build();
   auto c = stream.client();
   stream.start();
   // One at a time, each once the last has joined an active set: a replica busy with k
@@ -297,8 +300,7 @@ TEST_CASE("generate: priority classes choose which waiting request joins the act
     }
     return toy_step(active);
   };
-  auto stream =
-      StreamBuilder<Prompt>(group, sc).generate_stage<U64>("gen", step, config).build();
+  auto stream = StreamBuilder<Prompt>(group, sc).generate_stage<U64>("gen", step, config).build();
   auto low = stream.client();
   auto high = stream.client();
   low.set_priority(1);

@@ -48,7 +48,8 @@ struct GenerateConfig {
   /// Sequences in one iteration at most (the active set): 1..4096.
   std::uint32_t max_active = 8;
   /// Iterations a sequence runs at most: its output at the last one is final whatever the
-  /// step says. 1..2^24.
+  /// step says. A stage given a length function (generate_stage's last argument: a
+  /// request's own bound, as max_tokens) takes the smaller of the two. 1..2^24.
   std::uint32_t max_length = 256;
   /// State entries in one block (vLLM's block size, in tokens): 1..2^20.
   std::size_t block_entries = 16;
@@ -96,6 +97,10 @@ namespace detail {
 template <class In, class E, class Out>
 class GenerateHead;
 class Versioned;
+// Why a request bound to `iterations` could never run on a pool of `pool` blocks, with
+// `memory` (the device arena's report) after it.
+std::string too_large(const GenerateConfig& config, std::uint32_t iterations, std::size_t pool,
+                      const std::string& memory);
 // Whether outputs of type T can be joined (GenerateConfig::stream_every): appended in order.
 template <class T>
 concept JoinableOutput = std::default_initializable<T> && requires(T& a, T& b) {
@@ -171,6 +176,10 @@ class Generation {
   const PagedState<E>& state() const noexcept { return state_; }
   /// Iterations it has run before this one (0 at its first).
   std::uint32_t step() const noexcept { return step_; }
+  /// The most iterations it runs: its output at that one is final. The stage's length
+  /// function's value for its request (clamped to 1..GenerateConfig::max_length), or
+  /// max_length when the stage has none.
+  std::uint32_t max_length() const noexcept { return limit_; }
   /// The request it answers.
   RequestId id() const noexcept { return meta_.id; }
   /// Its priority class.
@@ -182,6 +191,7 @@ class Generation {
   std::optional<In> input_;
   PagedState<E> state_;
   std::uint32_t step_ = 0;
+  std::uint32_t limit_ = 0;  // max_length()
   detail::RequestMeta meta_{};
   std::uint32_t parts_ = 0;               // responses sent for it so far
   std::vector<E> saved_;                  // its state while preempted (host memory)

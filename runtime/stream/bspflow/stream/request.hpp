@@ -96,7 +96,13 @@ enum class Refusal : std::uint8_t {
   kShed,                 ///< AdmissionPolicy::kShed: this request had the least slack
   kClosed,               ///< the stream is closed or not serving
   kOutranked,            ///< the admission queue is full of requests of a higher priority class
+  /// It could never run: the iterations it asks a generate stage for need more state blocks
+  /// than the stage's whole pool (Submission::reason says how many, and what the device's
+  /// memory holds).
+  kTooLarge,
 };
+/// How many Refusals there are (kNone included): the size of every count kept by refusal.
+inline constexpr std::size_t kRefusals = static_cast<std::size_t>(Refusal::kTooLarge) + 1;
 /// The refusal's name: "accepted", "queue_full", ...
 /// Contract: any; non-blocking; no-alloc; noexcept.
 const char* to_string(Refusal r) noexcept;
@@ -106,6 +112,9 @@ struct Submission {
   RequestId id{};  ///< valid when accepted()
   /// Why the push was refused; kNone when it was accepted.
   Refusal refusal = Refusal::kNone;
+  /// What a refusal has to say beyond its kind, or null: for kTooLarge, what the request
+  /// needs, what the pool holds and the device arena's report.
+  std::shared_ptr<const std::string> reason{};
   /// Whether the request was queued.
   bool accepted() const noexcept { return refusal == Refusal::kNone; }
   /// accepted().

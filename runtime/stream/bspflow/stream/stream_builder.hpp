@@ -83,13 +83,30 @@ class StreamBuilder {
   /// uses: a generate stage starts its device's run of stages.
   template <class E = std::byte, class F>
   auto generate_stage(std::string name, F f, GenerateConfig config, std::uint32_t device) && {
-    check_order(name, device);
-    if (last_ && device == last_->second) {
-      throw Error("generate stage '" + name + "' on device " + std::to_string(device) +
-                  ": a generate stage must be the first stage on its device, and stage '" +
-                  last_->first + "' is already there; put it on a later device");
-    }
+    check_generate(name, device);
     auto next = node_.template generate_stage<E>(name, std::move(f), config, device);
+    using Y = typename decltype(next)::value_type;
+    return StreamBuilder<In, Y>(graph_, next, name, device);
+  }
+  /// Adds a generate stage on the next device whose requests bound their own length:
+  /// `length(const Cur&)` (as an API's max_tokens). First in the stream, a request that
+  /// could never fit its pool is refused at push (Refusal::kTooLarge). See
+  /// Node::generate_stage.
+  template <class E = std::byte, class F, class L>
+  requires std::is_invocable_r_v<std::uint32_t, L&, const Cur&>
+  auto generate_stage(std::string name, F f, GenerateConfig config, L length) && {
+    const std::uint32_t device = next_device();
+    return std::move(*this).template generate_stage<E>(std::move(name), std::move(f), config,
+                                                       device, std::move(length));
+  }
+  /// The same, on device `device`.
+  template <class E = std::byte, class F, class L>
+  requires std::is_invocable_r_v<std::uint32_t, L&, const Cur&>
+  auto generate_stage(std::string name, F f, GenerateConfig config, std::uint32_t device,
+                      L length) && {
+    check_generate(name, device);
+    auto next =
+        node_.template generate_stage<E>(name, std::move(f), config, device, std::move(length));
     using Y = typename decltype(next)::value_type;
     return StreamBuilder<In, Y>(graph_, next, name, device);
   }
@@ -117,6 +134,15 @@ class StreamBuilder {
   }
 
  private:
+  // A generate stage goes on a device no earlier stage uses.
+  void check_generate(const std::string& name, std::uint32_t device) const {
+    check_order(name, device);
+    if (last_ && device == last_->second) {
+      throw Error("generate stage '" + name + "' on device " + std::to_string(device) +
+                  ": a generate stage must be the first stage on its device, and stage '" +
+                  last_->first + "' is already there; put it on a later device");
+    }
+  }
   template <class, class>
   friend class StreamBuilder;
   StreamBuilder(std::shared_ptr<StreamGraph<In>> graph, Node<Cur> node, const std::string& name,

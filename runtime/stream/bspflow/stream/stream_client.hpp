@@ -50,19 +50,24 @@ class StreamClient {
   /// while the stream's queue is full, until there is room or the stream closes. The
   /// Submission has the request's id, or why it was refused (nothing queued then): kClosed
   /// when the stream is not serving, kClientFull when response_capacity responses are
-  /// unpopped, kDeadlinePassed, kDeadlineUnreachable, kQueueFull (kReject), kShed.
-  /// Contract: client; blocks; allocates (kShed: the shed request's error); throws bad_alloc.
+  /// unpopped, kDeadlinePassed, kDeadlineUnreachable, kQueueFull (kReject), kShed, kOutranked,
+  /// kTooLarge (a generate stage's length function says it could never fit; the
+  /// Submission's reason says why). What that length function throws reaches the caller.
+  /// Contract: client; blocks; allocates (kShed: the shed request's error, kTooLarge: its
+  /// reason); throws bad_alloc.
   Submission push(In value, Deadline deadline = kNoDeadline) {
     return submit(value, deadline, true);
   }
   /// push() with a deadline `timeout` from now.
-  /// Contract: client; blocks; allocates (kShed: the shed request's error); throws bad_alloc.
+  /// Contract: client; blocks; allocates (kShed: the shed request's error, kTooLarge: its
+  /// reason); throws bad_alloc.
   Submission push_for(In value, std::chrono::nanoseconds timeout) {
     return submit(value, StreamClock::now() + timeout, true);
   }
   /// push() without waiting: under kBlock a full queue refuses with kQueueFull. `value` is
   /// untouched when refused.
-  /// Contract: client; non-blocking; allocates (kShed: the shed request's error); throws bad_alloc.
+  /// Contract: client; non-blocking; allocates (kShed: the shed request's error, kTooLarge:
+  /// its reason); throws bad_alloc.
   Submission try_push(In&& value, Deadline deadline = kNoDeadline) {
     return submit(value, deadline, false);
   }

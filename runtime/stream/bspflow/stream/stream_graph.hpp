@@ -6,8 +6,10 @@
 /// runtime/stream/README.md.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -135,6 +137,29 @@ class Node {
   /// follow it. See GenerateConfig, and the guide's "Generative serving".
   template <class E = std::byte, class F>
   auto generate_stage(std::string name, F f, GenerateConfig config, std::uint32_t device) const {
+    return generate_stage_with<E>(std::move(name), std::move(f), config, device, {});
+  }
+  /// The same, with `length(const T&)`, each request's own bound on its iterations (as an
+  /// API's max_tokens; clamped to 1..GenerateConfig::max_length): its output at that
+  /// iteration is final, MemoryPolicy::kReserve reserves that many iterations' blocks, and a
+  /// request that needs more blocks than the stage's whole pool could never run. When this
+  /// node is the stream's input, such a request is refused at push (Refusal::kTooLarge,
+  /// Submission::reason); behind other nodes it ends ErrorKind::kStageFailed, saying so.
+  /// `length` is copied for the push and for each replica, and called on the client's
+  /// thread and the device's.
+  template <class E = std::byte, class F, class L>
+  requires std::is_invocable_r_v<std::uint32_t, L&, const T&>
+  auto generate_stage(std::string name, F f, GenerateConfig config, std::uint32_t device,
+                      L length) const {
+    static_assert(std::is_copy_constructible_v<L>, "a length function must be copyable");
+    return generate_stage_with<E>(std::move(name), std::move(f), config, device,
+                                  std::function<std::uint32_t(const T&)>(std::move(length)));
+  }
+
+ private:
+  template <class E, class F>
+  auto generate_stage_with(std::string name, F f, GenerateConfig config, std::uint32_t device,
+                           std::function<std::uint32_t(const T&)> length) const {
     static_assert(std::is_move_constructible_v<F>, "a generate stage must be movable");
     static_assert(std::is_invocable_v<F&, std::span<Generation<T, E>>>,
                   "a generate stage must be callable with a std::span<bspflow::Generation<In, E>> "
@@ -165,12 +190,28 @@ class Node {
     auto fp = std::make_shared<F>(std::move(f));
     const std::uint32_t id = static_cast<std::uint32_t>(g_->core->nodes.size());
     const std::uint32_t replicas = g_->core->replicas;
-    detail::GenerateMaker make = [fp, id, replicas, config, name](
+    if (length && g_->core->nodes[id_].kind == detail::NodeKind::kInput) {
+      // Refused at push: the request's value is the stream's input.
+      detail::StreamCore* core = g_->core.get();
+      const std::size_t pool = config.pool_blocks(sizeof(E));
+      g_->input_size.pool = pool;
+      g_->input_size.need = [length, config](const void* v) {
+        const std::uint32_t n = length(*static_cast<const T*>(v));
+        return config.blocks_for(std::clamp<std::uint32_t>(n, 1, config.max_length));
+      };
+      g_->input_size.describe = [length, config, pool, core, device](const void* v, std::size_t) {
+        const Arena& arena = core->devices[core->device_of(0, device)].arena();
+        const std::uint32_t n =
+            std::clamp<std::uint32_t>(length(*static_cast<const T*>(v)), 1, config.max_length);
+        return detail::too_large(config, n, pool, arena.owner() + "'s arena: " + arena.report());
+      };
+    }
+    detail::GenerateMaker make = [fp, id, replicas, config, name, length](
                                      detail::SlotBase& out, const detail::NodeRun&, std::uint32_t r,
                                      detail::ReplicaRun& run, Arena& arena) {
       auto head = std::make_unique<detail::GenerateHead<T, E, Y>>(
           config, static_cast<detail::Slot<Y>&>(out), arena,
-          "generate stage '" + name + "' state blocks (replica " + std::to_string(r) + ")");
+          "generate stage '" + name + "' state blocks (replica " + std::to_string(r) + ")", length);
       auto v = std::make_unique<detail::GenerateFnOf<T, E, Y, F>>(
           detail::GraphBuild::copy_for(*fp, r, replicas));
       head->cell.current.store(v.get());
@@ -181,6 +222,7 @@ class Node {
                                std::move(make)));
   }
 
+ public:
   /// A route reading this node, on its device: `choose(const T&)` returns the branch
   /// (0..K-1) each request takes; the request goes on down that branch only. Returns the K
   /// branches (nodes of type T), each to be read by a stage; merge their ends again.

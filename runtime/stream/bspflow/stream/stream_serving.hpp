@@ -157,7 +157,7 @@ struct ClassStats {
   std::uint64_t answered = 0;                       ///< responses delivered, errors included
   std::uint64_t ok = 0;                             ///< of those, with a value
   std::array<std::uint64_t, kErrorKinds> errors{};  ///< by ErrorKind
-  std::array<std::uint64_t, 8> refusals{};          ///< pushes refused, by Refusal
+  std::array<std::uint64_t, kRefusals> refusals{};  ///< pushes refused, by Refusal
   std::size_t queued = 0;                           ///< admitted, not yet taken by a replica
   std::size_t blocked = 0;  ///< kBlock pushes waiting for a place now (the queue is full)
 };
@@ -173,7 +173,7 @@ struct StreamStats {
   std::uint64_t answered = 0;                       ///< responses delivered, errors included
   std::uint64_t ok = 0;                             ///< of those, with a value
   std::array<std::uint64_t, kErrorKinds> errors{};  ///< by ErrorKind
-  std::array<std::uint64_t, 8> refusals{};          ///< StreamClient pushes refused, by Refusal
+  std::array<std::uint64_t, kRefusals> refusals{};  ///< StreamClient pushes refused, by Refusal
   std::size_t queued = 0;                           ///< admitted, not yet taken by a replica
   std::size_t blocked = 0;           ///< kBlock pushes waiting for a place now (the queue is full)
   std::vector<ClassStats> by_class;  ///< one per priority class (the same, by class)

@@ -10,6 +10,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -126,6 +127,16 @@ class ClassQueue {
   std::size_t head_ = 0, count_ = 0;
 };
 
+// What a request will need of a generate stage that reads the stream's input and declares
+// its requests' lengths, checked at push: `need(&value)` gives its blocks (calling the
+// user's length function), and one that needs more than `pool` is refused kTooLarge with
+// `describe(&value, need)`.
+struct InputSizeCheck {
+  std::function<std::size_t(const void*)> need;
+  std::size_t pool = 0;
+  std::function<std::string(const void*, std::size_t)> describe;
+};
+
 // The admission queue of the StreamClients' requests, and the admission policy. One queue
 // per priority class (ClassQueue: the earliest deadline first, then push order), sharing one
 // capacity. Shared by the Stream and its clients (a client may outlive the Stream): once
@@ -144,6 +155,9 @@ class AdmissionQueue final : public AdmissionQueueBase {
     for (std::uint32_t c = 0; c < classes_; ++c) queue_[c].reserve(capacity_, edf_);
   }
 
+  // Set when the stream is built: the state a request will need (InputSizeCheck).
+  void size_check(InputSizeCheck check) { size_check_ = std::move(check); }
+
   // Client thread. Admits `value` (moved from only if accepted) or says why not.
   Submission push(ClientState& client, std::uint32_t id, std::uint64_t sequence,
                   std::uint64_t outstanding, std::uint32_t priority, In& value, Deadline deadline,
@@ -152,6 +166,15 @@ class AdmissionQueue final : public AdmissionQueueBase {
     const auto now = StreamClock::now();
     if (deadline != kNoDeadline && deadline <= now) {
       return refuse(s, Refusal::kDeadlinePassed, priority);
+    }
+    if (size_check_.need) {
+      const std::size_t need = size_check_.need(&value);  // the user's length function
+      if (need > size_check_.pool) {
+        std::lock_guard lock(mutex_);
+        if (!open_) return refuse(s, Refusal::kClosed, priority);
+        s.reason = std::make_shared<const std::string>(size_check_.describe(&value, need));
+        return refuse(s, Refusal::kTooLarge, priority);
+      }
     }
     if (outstanding >= client.capacity()) return refuse(s, Refusal::kClientFull, priority);
     // A full queue that this push can neither wait on nor shed from refuses it without the
@@ -482,6 +505,7 @@ class AdmissionQueue final : public AdmissionQueueBase {
     return s;
   }
 
+  InputSizeCheck size_check_;
   StreamCore* core_;  // under mutex_; nullptr once detached
   std::size_t capacity_;
   std::uint32_t classes_;
@@ -509,7 +533,7 @@ class AdmissionQueue final : public AdmissionQueueBase {
   std::atomic<std::size_t> count_{0};
   std::atomic<std::uint64_t> accepted_run_{0};                           // written under mutex_
   std::array<std::atomic<std::uint64_t>, kPriorityClasses> accepted_{};  // under mutex_
-  std::array<std::array<std::atomic<std::uint64_t>, 8>, kPriorityClasses> refusals_{};
+  std::array<std::array<std::atomic<std::uint64_t>, kRefusals>, kPriorityClasses> refusals_{};
   LateFeedback late_feedback_;  // under mutex_
   WaitPoint not_empty_, not_full_;
 };

@@ -110,9 +110,11 @@ class GenerateHead final : public GenerateHeadBase {
 
  public:
   // Takes the block pool from `arena` (OutOfMemoryError with the arena's report).
-  GenerateHead(const GenerateConfig& config, Slot<Out>& out, Arena& arena, const std::string& what)
+  // `length`: each request's own bound on its iterations, or empty (max_length for all).
+  GenerateHead(const GenerateConfig& config, Slot<Out>& out, Arena& arena, const std::string& what,
+               std::function<std::uint32_t(const In&)> length)
       : config_(config), out_(out), arena_(arena), blocks_(config.pool_blocks(sizeof(E))),
-        reserve_(config.memory_policy == MemoryPolicy::kReserve) {
+        reserve_(config.memory_policy == MemoryPolicy::kReserve), length_(std::move(length)) {
     const std::size_t block_bytes = config_.block_entries * sizeof(E);
     base_ = static_cast<E*>(arena_.allocate(blocks_ * block_bytes, what));
     free_.reserve(blocks_);
@@ -134,25 +136,37 @@ class GenerateHead final : public GenerateHeadBase {
 
   bool serve(Source& source, const WaitPolicy& policy, const StopFlag& stop, const Emit& emit,
              const std::function<void()>& batch, const std::function<void()>& unbatch) override {
-    Incoming in;
     for (;;) {
       if (stop.requested()) return false;
       protect();
       if (!end_dead(emit)) return false;
       if (!resume(emit)) return false;
-      // New sequences, while there is room and none waits preempted (those go first).
-      while (preempted_.empty() && active_ < config_.max_active && free_.size() >= first_blocks() &&
-             source.try_next(in)) {
-        if (!take(in, emit)) return false;
+      // New sequences, while there is room and none waits preempted (those go first). One
+      // whose first blocks are not free (kReserve: its length's) waits here until they are.
+      while (preempted_.empty() && active_ < config_.max_active) {
+        if (!holding_) {
+          if (free_.size() < first_blocks() || !source.try_next(in_)) break;
+          hold_incoming();
+        }
+        // Waits for its blocks; one cancelled or past its deadline meanwhile ends now (take).
+        if (admission_blocks() > free_.size() && admission_blocks() <= blocks_ &&
+            !ended(in_.meta, 0)) {
+          break;
+        }
+        holding_ = false;
+        if (!take(in_, emit)) return false;
       }
       if (active_ == 0) {
+        // With nothing active every block is free, so a request held above was taken.
         if (!preempted_.empty()) continue;  // resume() fails it or brings it back
         // Idle: park until a request comes (or the source ends, or the run stops), holding
         // no version.
         cell.release();
-        if (!source.next(in, policy, stop)) return !stop.requested();
+        if (!source.next(in_, policy, stop)) return !stop.requested();
         current_ = cell.acquire();
-        if (!take(in, emit)) return false;
+        hold_incoming();
+        holding_ = false;
+        if (!take(in_, emit)) return false;
         continue;
       }
       if (!grow(emit)) return false;
@@ -162,6 +176,13 @@ class GenerateHead final : public GenerateHeadBase {
   }
 
   void answer_held(const std::function<void(const RequestMeta&)>& answer) override {
+    if (holding_) {  // taken from the source, waiting for its first blocks
+      RequestMeta m = in_.meta;
+      m.part = 0;
+      m.partial = false;
+      answer(m);
+      holding_ = false;
+    }
     for (std::size_t i = 0; i < active_; ++i) {
       answer(final_meta(seqs_[i]));
       free_blocks(seqs_[i]);
@@ -196,10 +217,31 @@ class GenerateHead final : public GenerateHeadBase {
     current_ = cell.current.load(std::memory_order_seq_cst);
   }
 
-  // Blocks a new sequence takes at admission: its first iteration's, or (kReserve) all of
-  // max_length's.
+  // The fewest blocks a new sequence takes at admission: its first iteration's, or under
+  // kReserve all of max_length's (with a length function, each request's own: at least
+  // one iteration's).
   std::size_t first_blocks() const noexcept {
-    return reserve_ ? config_.blocks_for(config_.max_length) : config_.blocks_for(1);
+    return reserve_ && !length_ ? config_.blocks_for(config_.max_length) : config_.blocks_for(1);
+  }
+
+  // The request just taken from the source (in_) is held: its bound, from the length
+  // function (a throw ends it in take()).
+  void hold_incoming() {
+    holding_ = true;
+    in_limit_ = config_.max_length;
+    in_failed_ = nullptr;
+    if (!length_ || in_.error || in_.skipped || in_.value == nullptr) return;
+    try {
+      in_limit_ = std::clamp<std::uint32_t>(length_(*static_cast<const In*>(in_.value)), 1,
+                                            config_.max_length);
+    } catch (...) {
+      in_failed_ = std::current_exception();
+    }
+  }
+  // The blocks the held request takes at admission (0: it takes none, it ends in take()).
+  std::size_t admission_blocks() const noexcept {
+    if (in_failed_ || in_.error || in_.skipped || in_.value == nullptr) return 0;
+    return reserve_ ? config_.blocks_for(in_limit_) : config_.blocks_for(1);
   }
 
   // The meta of the sequence's next occurrence.
@@ -247,6 +289,17 @@ class GenerateHead final : public GenerateHeadBase {
       out_.set_error(std::move(dead));
       return emit(meta);
     }
+    if (in_failed_ || (length_ && config_.blocks_for(in_limit_) > blocks_)) {
+      out_.set_error(
+          in_failed_ ? make_request_error(
+                           ErrorKind::kStageFailed, meta, node->index, node->name, node->device_id,
+                           "length function failed: " + describe_exception(in_failed_), in_failed_)
+                     : make_request_error(
+                           ErrorKind::kStageFailed, meta, node->index, node->name, node->device_id,
+                           too_large(config_, in_limit_, blocks_,
+                                     arena_.owner() + "'s arena: " + arena_.report())));
+      return emit(meta);
+    }
     if (node->meter != nullptr && meta.enqueued != StreamClock::time_point{}) {
       const auto w = (StreamClock::now() - meta.enqueued).count();
       node->meter->wait.record(static_cast<std::uint64_t>(w > 0 ? w : 0));
@@ -257,11 +310,12 @@ class GenerateHead final : public GenerateHeadBase {
     s.version_ = current_;
     s.meta_.version = std::max(s.meta_.version, current_->version);
     s.step_ = 0;
+    s.limit_ = in_limit_;
     s.parts_ = 0;
     s.held_ = 0;
     s.state_.size_ = 0;
     s.state_.table_.clear();
-    add_blocks(s, first_blocks());
+    add_blocks(s, admission_blocks());
     ++active_;
     publish();
     return true;
@@ -379,6 +433,7 @@ class GenerateHead final : public GenerateHeadBase {
     to.input_ = std::move(from.input_);
     to.meta_ = from.meta_;
     to.step_ = from.step_;
+    to.limit_ = from.limit_;
     to.parts_ = from.parts_;
     to.last_out_ = from.last_out_;
     to.version_ = from.version_;
@@ -475,7 +530,7 @@ class GenerateHead final : public GenerateHeadBase {
         gone_[i] = 1;
         ok = end_with(s, failure(s, "failed: " + r.error()), emit);
       } else {
-        const bool last = r.done() || s.step_ >= config_.max_length;
+        const bool last = r.done() || s.step_ >= s.limit_;
         bool respond = true;
         if (config_.stream_every > 1) {
           hold(s, std::move(r.value()));
@@ -618,6 +673,11 @@ class GenerateHead final : public GenerateHeadBase {
   std::vector<Generation<In, E>> preempted_;  // in host memory, in resume order
   std::vector<StepOutput<Out>> results_;
   Versioned* current_ = nullptr;  // the version new sequences start on (protect())
+  std::function<std::uint32_t(const In&)> length_;  // each request's bound, or empty
+  Incoming in_;                                     // the request taken last from the source
+  bool holding_ = false;                            // in_ waits for its first blocks
+  std::uint32_t in_limit_ = 0;                      // in_'s bound (hold_incoming())
+  std::exception_ptr in_failed_;                    // what the length function threw for in_
 };
 
 }  // namespace bspflow::detail

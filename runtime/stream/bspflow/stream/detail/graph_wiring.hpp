@@ -99,6 +99,7 @@ class GraphBuild {
   std::vector<BatchMaker> batch_makers;          // by node id (batch stages)
   std::vector<BatchConfig> batch_configs;        // by node id (batch stages)
   std::vector<GenerateMaker> generate_makers;    // by node id (generate stages)
+  InputSizeCheck input_size;  // a generate stage reading the input declares lengths
   bool built = false;
 
   // Adds a node; checks its name and device. Returns its id.
@@ -156,6 +157,7 @@ Wired<In, Out> wire(GraphBuild& g, std::uint32_t output) {
   Wired<In, Out> w;
   w.admission = std::make_shared<AdmissionQueue<In>>(core);
   core.admission = w.admission.get();
+  if (g.input_size.need) w.admission->size_check(g.input_size);
   w.responder = std::make_unique<Responder<Out>>(core);
   core.responder_base = w.responder.get();
   const bool joins = std::any_of(core.nodes.begin(), core.nodes.end(), [](const NodeSpec& n) {
