@@ -31,25 +31,40 @@ Program Pipeline::Impl::step_end(const std::vector<StageRun*>& on_device,
   if (!config.training) return program::Sequence(std::move(steps));
   const bool replicated = config.replicas > 1;
   if (replicated) steps.emplace_back(program::Sync(group));
-  if (across) {
-    // Distributed: replica 0's device of each slot sums the local replicas' gradients into
+  if (across && on_device.front()->r != 0) {
+    // Distributed, local replica r > 0: waits for replica 0's exchange (below).
+    steps.emplace_back(
+        codelet("wait for the all-reduce across instances", [this](const ComputeContext& ctx) {
+          (void)across->wait_done(ctx.iteration, Spin::kYield);
+        }));
+  } else if (across) {
+    // Distributed, replica 0's device of each slot: sums the local replicas' gradients into
     // its segment and exchanges it across the instances (one MPI call per bucket of slots,
     // last slot first, each made as soon as its slots have posted and its turn has come, so
     // it overlaps the earlier slots' backward pass; at the default bucket size small
     // gradients make one call per step); the other local replicas wait for the result. A
     // step is applied in every instance or in none (a stop the host sees before the last
-    // bucket's call makes it none), and every local replica does the same.
+    // bucket's call makes it none), and every local replica does the same. Each part is its
+    // own codelet, so a trace shows what each costs. A stop skips the rest: the host then
+    // makes the step's calls, as stopped.
     const std::uint32_t slot = slot_of(*on_device.front());
+    steps.emplace_back(codelet("reduce", [this, on_device](const ComputeContext& ctx) {
+      if (ctx.stop->requested()) return;
+      for (StageRun* sr : on_device) local_sum(*sr);
+    }));
     steps.emplace_back(
-        codelet("all-reduce across instances", [this, on_device, slot](const ComputeContext& ctx) {
-          if (on_device.front()->r != 0) {
-            (void)across->wait_done(ctx.iteration, Spin::kYield);
-            return;
-          }
-          if (ctx.stop->requested()) return;  // the host makes the step's call, as stopped
-          for (StageRun* sr : on_device) local_sum(*sr);
-          exchange_across(on_device, slot, ctx.iteration);
-        }));
+        when([this](const ComputeContext& ctx) { return across->check_due(ctx.iteration); },
+             codelet("weight checksum", [on_device](const ComputeContext& ctx) {
+               if (ctx.stop->requested()) return;
+               on_device.front()->weight_checksum = weights_checksum(on_device);
+             })));
+    steps.emplace_back(codelet("all-reduce across instances", [this, on_device,
+                                                               slot](const ComputeContext& ctx) {
+      if (ctx.stop->requested()) return;
+      // Yield while waiting: the wait is for another thread's MPI call, which may need
+      // this core.
+      (void)across->exchange(slot, ctx.iteration, on_device.front()->weight_checksum, Spin::kYield);
+    }));
   } else {
     steps.emplace_back(codelet("reduce", [this, on_device](const ComputeContext&) {
       for (StageRun* sr : on_device) local_sum(*sr);

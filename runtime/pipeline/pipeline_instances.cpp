@@ -1,7 +1,8 @@
 // A distributed Pipeline (PipelineConfig::distributed over several instances): joining the
 // other instances at construction, and making one run's end the same in every instance.
-// The per-step exchange is bspflow/instance/internal/instance_reduction.hpp; the device side of it
-// is stage_execution.cpp (exchange_across, finish_reduce).
+// The per-step exchange is bspflow/instance/internal/instance_reduction.hpp; the device side
+// of it is the step end in pipeline_compiler.cpp (step_end) and stage_execution.cpp
+// (local_sum, weights_checksum, finish_reduce).
 #include <algorithm>
 #include <bit>
 #include <cstring>

@@ -1,6 +1,7 @@
 // Stage execution (see detail/pipeline_impl.hpp): what a device runs for one stage.
 #include <algorithm>
 #include <bit>
+#include <cstring>
 
 #include "bspflow/devices/io_engine.hpp"
 #include "bspflow/pipeline/detail/pipeline_impl.hpp"
@@ -8,6 +9,34 @@
 namespace bspflow {
 
 namespace {
+// Element-wise passes over a step's gradients, in blocks of kLanes floats: GCC vectorises
+// these at -O2, where its cheap cost model leaves a plain loop of unknown length scalar.
+constexpr std::size_t kLanes = 8;
+// out[j] += in[j]
+void add_into(float* __restrict out, const float* __restrict in, std::size_t n) noexcept {
+  std::size_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (std::size_t l = 0; l < kLanes; ++l) out[j + l] += in[j + l];
+  }
+  for (; j < n; ++j) out[j] += in[j];
+}
+// out[j] = in[j] * scale
+void scale_into(float* __restrict out, const float* __restrict in, std::size_t n,
+                float scale) noexcept {
+  std::size_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (std::size_t l = 0; l < kLanes; ++l) out[j + l] = in[j + l] * scale;
+  }
+  for (; j < n; ++j) out[j] = in[j] * scale;
+}
+// v[j] *= scale
+void scale_in_place(float* __restrict v, std::size_t n, float scale) noexcept {
+  std::size_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    for (std::size_t l = 0; l < kLanes; ++l) v[j + l] *= scale;
+  }
+  for (; j < n; ++j) v[j] *= scale;
+}
 std::span<float> floats(const Buffer& b) {
   return b ? b->as<float>() : std::span<float>{};
 }
@@ -131,40 +160,50 @@ void Pipeline::Impl::local_sum(StageRun& sr) {
   std::fill(out.begin(), out.end(), 0.0f);
   for (std::uint32_t r = 0; r < replicas; ++r) {
     const std::vector<float>& peer = run_of(r, sr.s).accum;
-    for (std::size_t j = 0; j < peer.size(); ++j) out[j] += peer[j];
+    add_into(out.data(), peer.data(), peer.size());
   }
 }
 
-void Pipeline::Impl::exchange_across(const std::vector<StageRun*>& on_device, std::uint32_t slot,
-                                     std::uint64_t step) {
-  std::uint64_t checksum = 0;
-  if (across->check_due(step)) {
-    // FNV-1a over the weights' bits in four interleaved lanes (four independent multiply
-    // chains: about a cycle per weight instead of four), then the lanes folded together.
-    constexpr std::uint64_t kPrime = 0x100000001b3ull;
-    std::uint64_t lane[4] = {0xcbf29ce484222325ull, 0x84222325cbf29ce4ull, 0x9ce484222325cbf2ull,
-                             0x2325cbf29ce48422ull};
-    for (const StageRun* sr : on_device) {
-      const std::span<float> w = sr->stage->weights();
-      std::size_t j = 0;
-      for (; j + 4 <= w.size(); j += 4) {
-        for (int l = 0; l < 4; ++l)
-          lane[l] = (lane[l] ^ std::bit_cast<std::uint32_t>(w[j + l])) * kPrime;
-      }
-      for (; j < w.size(); ++j) lane[0] = (lane[0] ^ std::bit_cast<std::uint32_t>(w[j])) * kPrime;
-      lane[1] = (lane[1] ^ w.size()) * kPrime;  // where one stage's weights end
+std::uint64_t Pipeline::Impl::weights_checksum(const std::vector<StageRun*>& on_device) {
+  // Per stage, running sums of its weights' bits in 8 lanes of 32 bits (Fletcher's: `a` sums
+  // the words, so any one changed word changes it; `b` sums the a's, so moved words change
+  // it), in vectors of 4 (GCC's and Clang's vector extensions: SSE2 at any -O, a fraction
+  // of a multiply chain's time per word); then the lanes, the few words left and the stage's
+  // size (where its weights end) folded together with FNV-1a.
+  using Lanes = std::uint32_t __attribute__((vector_size(16)));
+  constexpr std::uint64_t kPrime = 0x100000001b3ull;
+  std::uint64_t h = 0xcbf29ce484222325ull;
+  auto mix = [&h](std::uint64_t v) { h = (h ^ v) * kPrime; };
+  for (const StageRun* sr : on_device) {
+    const std::span<const float> w = sr->stage->weights();
+    Lanes a0{}, a1{}, b0{}, b1{};
+    std::size_t j = 0;
+    for (; j + 8 <= w.size(); j += 8) {
+      Lanes x0, x1;
+      std::memcpy(&x0, w.data() + j, sizeof x0);
+      std::memcpy(&x1, w.data() + j + 4, sizeof x1);
+      a0 += x0;
+      a1 += x1;
+      b0 += a0;
+      b1 += a1;
     }
-    for (const std::uint64_t l : lane) checksum = (checksum ^ l) * kPrime;
+    for (int l = 0; l < 4; ++l) {
+      mix(a0[l]);
+      mix(a1[l]);
+      mix(b0[l]);
+      mix(b1[l]);
+    }
+    for (; j < w.size(); ++j) mix(std::bit_cast<std::uint32_t>(w[j]));
+    mix(w.size());
   }
-  // Yield while waiting: the wait is for another thread's MPI call, which may need this core.
-  (void)across->exchange(slot, step, checksum, Spin::kYield);
+  return h;
 }
 
 void Pipeline::Impl::finish_reduce(StageRun& sr, std::uint64_t step) {
   // Distributed: replica 0 brought the sum over the instances into its slot's segment (the
   // step applied in every instance, else no update anywhere); every local replica takes it
   // from there.
-  std::span<const float> sum = sr.reduced;
+  std::span<float> sum = sr.reduced;
   if (across) {
     sr.apply = across->applied(step);
     if (!sr.apply) return;
@@ -190,10 +229,17 @@ void Pipeline::Impl::finish_reduce(StageRun& sr, std::uint64_t step) {
     round_to_half(sr.reduced);
     sum = sr.reduced;
   }
-  if (scale != 1.0f) {
-    for (std::size_t j = 0; j < sr.reduced.size(); ++j) sr.reduced[j] = sum[j] * scale;
-  } else if (sum.data() != sr.reduced.data()) {
-    std::copy(sum.begin(), sum.end(), sr.reduced.begin());
+  // The update reads the sum where it is when it needs no scaling (the other local
+  // replicas only read a shared segment too), and scales it in place when no other replica
+  // reads it (its own sr.reduced, or the segment of an instance with one local replica):
+  // one pass at most, and no copy.
+  sr.update_from = sum;
+  if (scale == 1.0f) return;
+  if (sum.data() == sr.reduced.data() || config.replicas == 1) {
+    scale_in_place(sum.data(), sum.size(), scale);
+  } else {
+    scale_into(sr.reduced.data(), sum.data(), sum.size(), scale);
+    sr.update_from = sr.reduced;
   }
 }
 

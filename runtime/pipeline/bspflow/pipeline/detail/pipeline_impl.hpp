@@ -103,6 +103,9 @@ struct Pipeline::Impl {
     // micro-batch to the next.
     std::vector<float> unstashed;
     std::vector<float> grads, accum, reduced;
+    // What this step's update reads (finish_reduce): sr.reduced, or its slot's segment of
+    // the exchange across instances.
+    std::span<const float> update_from;
     std::vector<float> host_state;  // offloaded optimiser state, between updates
 
     // Offload: the optimiser state to host memory (zeroed on the device: not resident)
@@ -127,6 +130,9 @@ struct Pipeline::Impl {
     bool apply = true;          // this step's update is applied (complete; distributed: everywhere)
     std::uint64_t updates = 0;  // updates applied this run
     std::size_t wire_at = 0;    // distributed: where its gradients sit in its slot's segment
+    // Distributed, the first stage of replica 0's device: its weights' checksum for this
+    // step's exchange (when one is due).
+    std::uint64_t weight_checksum = 0;
     std::uint64_t cycle = 0, next_cycle = 0, step = 0, micro_batch = 0;
     std::uint32_t max_fifo = 0;
     std::uint64_t forwards = 0;
@@ -267,14 +273,13 @@ struct Pipeline::Impl {
   // replica order, so every replica gets the same bits) into sr.reduced (distributed,
   // replica 0: into its slot's segment of the exchange across instances).
   void local_sum(StageRun& sr);
-  // Distributed, replica 0's device of `slot`: the segment (its stages' local sums, from
-  // local_sum) summed across the instances in place (see
-  // bspflow/instance/internal/instance_reduction.hpp), with a checksum of their weights when one is
-  // due.
-  void exchange_across(const std::vector<StageRun*>& on_device, std::uint32_t slot,
-                       std::uint64_t step);
+  // Distributed, replica 0's device of a slot, when a check is due: a checksum of its
+  // stages' weights, which the step's exchange compares across the instances (see
+  // bspflow/instance/internal/instance_reduction.hpp).
+  static std::uint64_t weights_checksum(const std::vector<StageRun*>& on_device);
   // Then the sum (distributed: from the segment, if the step is applied everywhere, else
-  // sr.apply = false) scaled for the reduction type over every replica, into sr.reduced.
+  // sr.apply = false) scaled for the reduction type over every replica, where
+  // sr.update_from says.
   void finish_reduce(StageRun& sr, std::uint64_t step);
   // Replicas across every instance (config.replicas without distribution).
   std::uint32_t total_replicas() const noexcept {
@@ -301,7 +306,7 @@ struct Pipeline::Impl {
     if (!sr.apply) return;  // cut short, or (distributed) not applied in every instance
     ++sr.updates;
     const StageContext ctx = context(sr, k());
-    guarded(sr, k(), "update", [&] { sr.stage->update(ctx, sr.reduced); });
+    guarded(sr, k(), "update", [&] { sr.stage->update(ctx, sr.update_from); });
     charge(sr, sr.update_ns);
     std::fill(sr.accum.begin(), sr.accum.end(), 0.0f);
     sr.accumulated = 0;
