@@ -12,6 +12,14 @@
 //                                (a weight checksum every 100 steps, a release build's default)
 //   weight_check_us              what a checksum every step adds to a step (a debug build's
 //                                default)
+//   part_*_us                    the breakdown: a traced run of the same distributed pipeline,
+//                                its device's time per step in each codelet of the step end:
+//                                local_reduce (the sum over local replicas, here a copy into
+//                                the exchange's buffer), weight_checksum (one every 100 steps),
+//                                allreduce_call (the MPI call and any wait for it; the device
+//                                thread makes it, no hand-off), scale (the mean), update;
+//                                part_allreduce_call_vs_mpi: that call against the bare one
+//                                of the same round
 //   instances_1_samples_per_s    the flagship's conv model trained with synthetic data, one
 //                                process with one replica (one device: all 4 stages)
 //   instances_2_samples_per_s    two processes with one replica each (gradients reduced
@@ -158,17 +166,33 @@ void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps,
   Pipeline pipe(devices, cfg, reduce_only);
   cfg.weight_check_interval = 1;
   Pipeline checked(devices, cfg, reduce_only);
+  // The same distributed pipeline, traced: where a step's time goes, by codelet.
+  cfg.weight_check_interval = 100;
+  cfg.trace = true;
+  Pipeline traced(devices, cfg, reduce_only);
   StepTimer timer;
   auto step_us = [&](Pipeline& p) { return timer.us(p, steps); };
   // What one step's exchange carries: the gradients and 8 floats per instance.
   std::vector<float> bare(n + 8 * me.count(), 1.0f);
   std::vector<double> ours, theirs, steps_local, steps_distributed, check_costs;
-  for (int round = -1; round < rounds; ++round) {  // round -1: warm-up
+  std::map<std::string, std::vector<double>> parts;  // per codelet of the traced run, us/step
+  for (int round = -1; round < rounds; ++round) {    // round -1: warm-up
     const double plain = step_us(local);
     const double distributed = step_us(pipe);
     const double every_step = step_us(checked);
     const double theirs_us = bare_allreduce_us(bare, steps);
+    (void)step_us(traced);
     if (round >= 0) {
+      const TraceSummary summary = traced.summary();
+      for (const char* label :
+           {"reduce", "weight checksum", "all-reduce across instances", "scale", "update"}) {
+        std::int64_t ns = 0;
+        for (const TrackSummary& t : summary.tracks) {
+          for (const auto& [l, v] : t.label_ns) ns += l == label ? v : 0;
+        }
+        parts[label].push_back(static_cast<double>(ns) / 1e3 / static_cast<double>(steps));
+      }
+      parts["bare"].push_back(theirs_us);
       ours.push_back(distributed - plain);  // what distributing adds to a step
       theirs.push_back(theirs_us);
       steps_local.push_back(plain);
@@ -184,6 +208,18 @@ void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps,
   report.figure("allreduce_mpi_us" + suffix, b);
   report.figure("allreduce_vs_mpi_allreduce" + suffix, a / b);
   report.figure("weight_check_us" + suffix, bench::median(check_costs));
+  // The breakdown: a traced step's codelets (the all-reduce's is the MPI call and the wait
+  // for it: no thread hand-off on the way), and its call against the bare one.
+  report.figure("part_local_reduce_us" + suffix, bench::median(parts["reduce"]));
+  report.figure("part_weight_checksum_us" + suffix, bench::median(parts["weight checksum"]));
+  report.figure("part_allreduce_call_us" + suffix,
+                bench::median(parts["all-reduce across instances"]));
+  report.figure("part_scale_us" + suffix, bench::median(parts["scale"]));
+  report.figure("part_update_us" + suffix, bench::median(parts["update"]));
+  std::vector<double> call_vs_mpi;
+  for (std::size_t i = 0; i < parts["bare"].size(); ++i)
+    call_vs_mpi.push_back(parts["all-reduce across instances"][i] / parts["bare"][i]);
+  report.figure("part_allreduce_call_vs_mpi" + suffix, bench::median(call_vs_mpi));
 }
 
 // Fixed busy work: `n` dependent multiply-adds (the same work whoever runs it, unlike a spin
@@ -399,6 +435,11 @@ int main(int argc, char** argv) {
       report.figure("allreduce_bspflow_us" + suffix, reduce["allreduce_bspflow_us" + suffix]);
       report.figure("allreduce_mpi_us" + suffix, reduce["allreduce_mpi_us" + suffix]);
       report.figure("weight_check_us" + suffix, reduce["weight_check_us" + suffix]);
+      for (const char* part : {"local_reduce_us", "weight_checksum_us", "allreduce_call_us",
+                               "scale_us", "update_us", "allreduce_call_vs_mpi"}) {
+        const std::string key = std::string("part_") + part + suffix;
+        report.figure(key, reduce[key]);
+      }
     }
     const double r = reduce["allreduce_vs_mpi_allreduce"];
     report.ratio("allreduce_vs_mpi_allreduce", r, "<= 1.2", r <= 1.2);
