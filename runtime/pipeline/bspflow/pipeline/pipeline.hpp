@@ -259,8 +259,9 @@ struct PipelineConfig : HostIO {
   /// Training over several instances (processes launched by mpirun; see instance.hpp):
   /// `replicas` is this instance's local replicas (InstanceLayout::local_replicas), and the
   /// gradients are reduced in two levels, over the local replicas in process and then across
-  /// every instance (one MPI_Allreduce per step, made by the host thread in run()), so every
-  /// replica of every instance applies the same update. The constructor checks every
+  /// every instance (one MPI_Allreduce per bucket, see exchange_bucket_bytes, made in place
+  /// by the device thread whose gradients complete the bucket), so every replica of every
+  /// instance applies the same update. The constructor checks every
   /// instance built the same pipeline and broadcasts instance 0's weights (Stage::weights())
   /// and optimiser state; run() ends every instance at the same step with a status that
   /// names the instance that stopped. The constructor and run() are collectives: every
