@@ -28,14 +28,20 @@ TEST_CASE(
     "distributed in one process: the exchange is the identity, the weights those of a plain run") {
   // The machinery of PipelineConfig::distributed (the mpi suite runs it over several
   // processes) in one instance, where ThreadSanitizer sees its threads.
+  // kMean scales the sum (in place, or into each replica's own buffer); kSum over one
+  // instance's replicas has every replica's update read the shared sum where it lies.
   const std::uint32_t n = 2, k = 3;
   for (const auto strategy : {ExecutionStrategy::kPipelined, ExecutionStrategy::kSingle}) {
-    for (const std::uint32_t replicas : {1u, 2u}) {
+    for (const auto& [replicas, reduction] :
+         {std::pair{1u, ReductionType::kMean}, std::pair{2u, ReductionType::kMean},
+          std::pair{2u, ReductionType::kSum}}) {
       CAPTURE(replicas);
+      CAPTURE(static_cast<int>(reduction));
       PipelineConfig cfg;
       cfg.strategy = strategy;
       cfg.gradient_accumulation = k;
       cfg.replicas = replicas;
+      cfg.reduction = reduction;
       DeviceGroup devices(cfg.devices_needed(n), kDenseDevice);
       Pipeline plain(devices, cfg, [](std::uint32_t) { return make_model(n); });
       cfg.distributed = true;
