@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bspflow/base/error.hpp"
+#include "bspflow/base/log.hpp"
 #include "bspflow/instance/internal/instance_wire.hpp"
 
 #if BSPFLOW_HAVE_MPI
@@ -234,6 +235,44 @@ void Instance::allreduce_sum(std::span<double> values) {
   sum_in_place(impl_->comm, values.data(), values.size(), MPI_DOUBLE);
 #else
   (void)values;
+#endif
+}
+
+void Instance::agree_on_length(std::size_t length, const char* call) {
+#if BSPFLOW_HAVE_MPI
+  if (!impl_->mpi || impl_->count == 1) return;
+  const std::lock_guard lock(impl_->calls);
+  check_same_length(impl_->comm, length, call);
+#else
+  (void)length;
+  (void)call;
+#endif
+}
+
+void Instance::sum_agreed(void* data, std::size_t length, std::size_t agreed, bool doubles) {
+  if (length != agreed) {
+    if (distributed()) {
+      // The others are waiting in this call already: no error can reach them, and a call
+      // of another length is erroneous in MPI. End the run rather than leave them waiting.
+      log(LogLevel::kError, "FixedAllReduce::sum: " + std::to_string(length) +
+                                " values given in instance " + std::to_string(impl_->index) +
+                                ", where every instance agreed on " + std::to_string(agreed) +
+                                ": the others are already in the call, so every instance ends");
+      abort(1);
+    }
+    detail::throw_bad_value(
+        "FixedAllReduce::sum values", length,
+        "must be the length every instance agreed on (" + std::to_string(agreed) + ")");
+  }
+#if BSPFLOW_HAVE_MPI
+  if (!impl_->mpi || impl_->count == 1) return;
+  const std::lock_guard lock(impl_->calls);
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(length),
+                          doubles ? MPI_DOUBLE : MPI_FLOAT, MPI_SUM, impl_->comm),
+            "MPI_Allreduce");
+#else
+  (void)data;
+  (void)doubles;
 #endif
 }
 

@@ -64,6 +64,37 @@ TEST_CASE("allreduce_sum, broadcast, all_agree and barrier across instances") {
   me.barrier();
 }
 
+TEST_CASE("a fixed all-reduce: one agreement on the length, then sums of that length") {
+  Instance& me = Instance::current();
+  const std::uint32_t n = me.count();
+  const FixedAllReduce<float> floats = me.fixed_allreduce<float>(1000);
+  const FixedAllReduce<double> doubles = me.fixed_allreduce<double>(2);
+  CHECK(floats.length() == 1000);
+  const float ranks = static_cast<float>(n * (n + 1) / 2);
+  std::vector<float> v(1000);
+  for (int round = 0; round < 3; ++round) {  // the same agreement, call after call
+    for (std::size_t i = 0; i < v.size(); ++i)
+      v[i] = static_cast<float>((me.index() + 1) * (i + round));
+    floats.sum(v);
+    for (std::size_t i = 0; i < v.size(); ++i)
+      REQUIRE(v[i] == ranks * static_cast<float>(i + round));
+    std::vector<double> d{0.5 * me.index(), 1.0};
+    doubles.sum(d);
+    CHECK(d[0] == 0.5 * n * (n - 1) / 2);
+    CHECK(d[1] == static_cast<double>(n));
+  }
+  // Lengths that differ are refused when the instances agree, in every instance.
+  if (n > 1) {
+    try {
+      (void)me.fixed_allreduce<float>(3 + me.index());
+      FAIL("no error");
+    } catch (const Error& e) {
+      CHECK(std::string(e.what()).find("instances passed different lengths") != std::string::npos);
+    }
+  }
+  me.barrier();  // still usable
+}
+
 TEST_CASE("instances passing different lengths get an error in every instance, not a hang") {
   Instance& me = Instance::current();
   if (me.count() == 1) return;

@@ -62,4 +62,21 @@ TEST_CASE("a plain process is the one instance of its run; collectives change no
   CHECK(contains(error_of([&] { me.broadcast(v, 1); }), "broadcast root = 1"));
 }
 
+TEST_CASE("a fixed all-reduce in one instance: the identity, and a wrong length is an error") {
+  Instance& me = Instance::current();
+  const FixedAllReduce<float> sum = me.fixed_allreduce<float>(3);
+  CHECK(sum.length() == 3);
+  std::vector<float> v{1, 2, 3};
+  sum.sum(v);
+  CHECK(v == std::vector<float>{1, 2, 3});
+  const FixedAllReduce<double> doubles = me.fixed_allreduce<double>(0);
+  std::vector<double> none;
+  doubles.sum(none);
+  std::vector<float> four(4, 1.0f);
+  const std::string e = error_of([&] { sum.sum(four); });
+  CHECK(contains(e, "FixedAllReduce::sum values = 4"));
+  CHECK(contains(e, "agreed on (3)"));
+  CHECK(four == std::vector<float>(4, 1.0f));  // untouched
+}
+
 TEST_SUITE_END();

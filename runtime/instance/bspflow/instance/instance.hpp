@@ -5,6 +5,8 @@
 /// Guide: runtime/instance/README.md.
 #pragma once
 
+#include <concepts>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -65,6 +67,41 @@ class InstanceError : public Error {
   std::uint64_t step_;
 };
 
+class Instance;
+
+/// An all-reduce (sum) of a length every instance agreed on once, when
+/// Instance::fixed_allreduce<T>(length) made it: each sum() is then one MPI_Allreduce, in
+/// place, without Instance::allreduce_sum()'s check of the lengths (a small collective of its
+/// own before every call). For a loop that reduces buffers of the same size again and again,
+/// as MPI-4's persistent collectives (MPI_Allreduce_init) fix their arguments once. T is
+/// float or double. A plain value (copy it freely); it refers to its Instance, which lives
+/// until exit.
+/// Contract of every member: any; non-blocking; no-alloc; noexcept, unless tagged.
+template <class T>
+requires std::same_as<T, float> || std::same_as<T, double>
+class FixedAllReduce {
+ public:
+  /// The number of values every instance agreed on.
+  std::size_t length() const noexcept { return length_; }
+  /// A collective (see Instance; it blocks until every instance has made the call): every
+  /// instance ends with the element-wise sum of everyone's `values`. `values` must hold
+  /// length() values. Another size is a programming error that the other instances cannot
+  /// learn of, since they are already waiting in the call: with several instances it logs
+  /// what was given and what was agreed and ends every instance (Instance::abort(1)), as MPI
+  /// ends a job on an erroneous call, rather than leave them waiting; in a run of one
+  /// instance it throws bspflow::Error saying the same. Throws bspflow::Error naming the call
+  /// and MPI's message if MPI reports an error. MPI may allocate.
+  /// Contract: any; blocks; allocates; throws Error.
+  void sum(std::span<T> values) const;
+
+ private:
+  friend class Instance;
+  FixedAllReduce(Instance& instance, std::size_t length) noexcept
+      : instance_(&instance), length_(length) {}
+  Instance* instance_;
+  std::size_t length_;
+};
+
 /// This process's instance. One per process, made by the first current() call.
 ///
 /// Collectives (allreduce_sum, broadcast, all_agree, barrier, and a distributed Pipeline's
@@ -117,6 +154,19 @@ class Instance {
   /// allreduce_sum() for doubles.
   /// Contract: any; blocks; allocates; throws Error.
   void allreduce_sum(std::span<double> values);
+  /// A collective: every instance agrees to all-reduce `length` values of T (float or
+  /// double) from now on, and gets the FixedAllReduce that does it with one MPI call each
+  /// time. Throws bspflow::Error, in every instance, if the lengths differ (one small
+  /// all-reduce checks them, as allreduce_sum does every time) or if `length` is more than
+  /// one MPI call takes, and bspflow::Error naming the call and MPI's message if MPI reports
+  /// an error.
+  /// Contract: any; blocks; allocates; throws Error.
+  template <class T>
+  requires std::same_as<T, float> || std::same_as<T, double> FixedAllReduce<T> fixed_allreduce(
+      std::size_t length) {
+    agree_on_length(length, "Instance::fixed_allreduce");
+    return FixedAllReduce<T>(*this, length);
+  }
   /// A collective: everyone ends with instance `root`'s values (same length everywhere).
   /// Throws bspflow::Error if root is not below count(), if the lengths differ, or naming the
   /// call and MPI's message if MPI reports an error.
@@ -135,9 +185,22 @@ class Instance {
  private:
   Instance();
   void setup_communicators();  ///< under MPI, after MPI_Init_thread
+  /// A collective: throws Error in every instance if their lengths differ.
+  void agree_on_length(std::size_t length, const char* call);
+  /// One MPI_Allreduce (sum, in place) of an agreed length, or the wrong-length error.
+  void sum_agreed(void* data, std::size_t length, std::size_t agreed, bool doubles);
+  template <class T>
+  requires std::same_as<T, float> || std::same_as<T, double>
+  friend class FixedAllReduce;
   friend struct detail::InstanceWire;
   struct Impl;
   std::unique_ptr<Impl> impl_;
 };
+
+template <class T>
+requires std::same_as<T, float> || std::same_as<T, double>
+void FixedAllReduce<T>::sum(std::span<T> values) const {
+  instance_->sum_agreed(values.data(), values.size(), length_, std::same_as<T, double>);
+}
 
 }  // namespace bspflow
