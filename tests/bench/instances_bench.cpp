@@ -20,6 +20,11 @@
 //                                thread makes it, no hand-off), scale (the mean), update;
 //                                part_allreduce_call_vs_mpi: that call against the bare one
 //                                of the same round
+//   instance_allreduce_sum_vs_mpi Instance::allreduce_sum on the same bytes (its lengths
+//                                checked every call, one small collective more), against a
+//                                bare MPI_Allreduce right after it; also _small
+//   fixed_allreduce_vs_mpi       the same for a FixedAllReduce (lengths agreed once; target
+//                                <= 1.1); also _small
 //   instances_1_samples_per_s    the flagship's conv model trained with synthetic data, one
 //                                process with one replica (one device: all 4 stages)
 //   instances_2_samples_per_s    two processes with one replica each (gradients reduced
@@ -144,6 +149,16 @@ double bare_allreduce_us(std::vector<float>& values, std::uint64_t steps) {
   return 1e6 * bench::seconds_since(t0) / static_cast<double>(steps);
 }
 
+// Microseconds per call of `reduce` (a sum across the instances), `steps` of them after a
+// barrier.
+template <class Reduce>
+double reduce_us(Reduce&& reduce, std::uint64_t steps) {
+  Instance::current().barrier();
+  const auto t0 = bench::Clock::now();
+  for (std::uint64_t i = 0; i < steps; ++i) reduce();
+  return 1e6 * bench::seconds_since(t0) / static_cast<double>(steps);
+}
+
 // Worker: for `n` gradients, a step of the reduce-only pipeline distributed and not (each
 // instance runs its own, at the same time), and a bare MPI_Allreduce of the same bytes.
 void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps, int rounds,
@@ -176,13 +191,22 @@ void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps,
   std::vector<float> bare(n + 8 * me.count(), 1.0f);
   std::vector<double> ours, theirs, steps_local, steps_distributed, check_costs;
   std::map<std::string, std::vector<double>> parts;  // per codelet of the traced run, us/step
-  for (int round = -1; round < rounds; ++round) {    // round -1: warm-up
+  // The public collectives on the same bytes: allreduce_sum (which checks the lengths every
+  // call) and a FixedAllReduce (agreed once).
+  const FixedAllReduce<float> fixed = me.fixed_allreduce<float>(bare.size());
+  std::vector<double> checked_vs_bare, fixed_vs_bare;
+  for (int round = -1; round < rounds; ++round) {  // round -1: warm-up
     const double plain = step_us(local);
     const double distributed = step_us(pipe);
     const double every_step = step_us(checked);
     const double theirs_us = bare_allreduce_us(bare, steps);
     (void)step_us(traced);
+    const double checked_us = reduce_us([&] { me.allreduce_sum(bare); }, steps);
+    const double fixed_us = reduce_us([&] { fixed.sum(bare); }, steps);
+    const double bare_again = bare_allreduce_us(bare, steps);
     if (round >= 0) {
+      checked_vs_bare.push_back(checked_us / bare_again);
+      fixed_vs_bare.push_back(fixed_us / bare_again);
       const TraceSummary summary = traced.summary();
       for (const char* label :
            {"reduce", "weight checksum", "all-reduce across instances", "scale", "update"}) {
@@ -220,6 +244,8 @@ void allreduce_worker(bench::Report& report, std::size_t n, std::uint64_t steps,
   for (std::size_t i = 0; i < parts["bare"].size(); ++i)
     call_vs_mpi.push_back(parts["all-reduce across instances"][i] / parts["bare"][i]);
   report.figure("part_allreduce_call_vs_mpi" + suffix, bench::median(call_vs_mpi));
+  report.figure("instance_allreduce_sum_vs_mpi" + suffix, bench::median(checked_vs_bare));
+  report.figure("fixed_allreduce_vs_mpi" + suffix, bench::median(fixed_vs_bare));
 }
 
 // Fixed busy work: `n` dependent multiply-adds (the same work whoever runs it, unlike a spin
@@ -440,6 +466,10 @@ int main(int argc, char** argv) {
         const std::string key = std::string("part_") + part + suffix;
         report.figure(key, reduce[key]);
       }
+      report.figure("instance_allreduce_sum_vs_mpi" + suffix,
+                    reduce["instance_allreduce_sum_vs_mpi" + suffix]);
+      const double f = reduce["fixed_allreduce_vs_mpi" + suffix];
+      report.ratio("fixed_allreduce_vs_mpi" + suffix, f, "<= 1.1", f <= 1.1);
     }
     const double r = reduce["allreduce_vs_mpi_allreduce"];
     report.ratio("allreduce_vs_mpi_allreduce", r, "<= 1.2", r <= 1.2);
