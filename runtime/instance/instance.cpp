@@ -209,11 +209,16 @@ void check_same_length(MPI_Comm comm, std::size_t n, const char* call) {
                 std::to_string(all[0]) + "): every instance must reduce the same values");
   }
 }
-// Both allreduce_sum overloads: `n` values of `type` at `data`, summed in place.
-void sum_in_place(MPI_Comm comm, void* data, std::size_t n, MPI_Datatype type) {
-  check_same_length(comm, n, "Instance::allreduce_sum");
+// `n` values of `type` at `data`, summed in place across the instances: one MPI call, of a
+// length every instance has already agreed on.
+void allreduce_in_place(MPI_Comm comm, void* data, std::size_t n, MPI_Datatype type) {
   check_mpi(MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(n), type, MPI_SUM, comm),
             "MPI_Allreduce");
+}
+// Both allreduce_sum overloads: the lengths checked, then the sum.
+void sum_in_place(MPI_Comm comm, void* data, std::size_t n, MPI_Datatype type) {
+  check_same_length(comm, n, "Instance::allreduce_sum");
+  allreduce_in_place(comm, data, n, type);
 }
 }  // namespace
 #endif
@@ -267,9 +272,7 @@ void Instance::sum_agreed(void* data, std::size_t length, std::size_t agreed, bo
 #if BSPFLOW_HAVE_MPI
   if (!impl_->mpi || impl_->count == 1) return;
   const std::lock_guard lock(impl_->calls);
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, data, static_cast<int>(length),
-                          doubles ? MPI_DOUBLE : MPI_FLOAT, MPI_SUM, impl_->comm),
-            "MPI_Allreduce");
+  allreduce_in_place(impl_->comm, data, length, doubles ? MPI_DOUBLE : MPI_FLOAT);
 #else
   (void)data;
   (void)doubles;
@@ -322,9 +325,7 @@ void InstanceWire::sum(Instance& instance, std::span<float> values) {
   Instance::Impl& im = *instance.impl_;
   if (!im.mpi || im.count == 1) return;
   const std::lock_guard lock(im.calls);
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_FLOAT,
-                          MPI_SUM, im.comm),
-            "MPI_Allreduce");
+  allreduce_in_place(im.comm, values.data(), values.size(), MPI_FLOAT);
 #else
   (void)instance;
   (void)values;
