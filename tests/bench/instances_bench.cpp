@@ -137,18 +137,6 @@ class StepTimer {
   Batch one_ = synthetic_batch();
 };
 
-// Microseconds per bare MPI_Allreduce (sum, in place) of `values`, `steps` of them after a
-// barrier: the reference for what a step's exchange costs.
-double bare_allreduce_us(std::vector<float>& values, std::uint64_t steps) {
-  Instance::current().barrier();
-  const auto t0 = bench::Clock::now();
-  for (std::uint64_t i = 0; i < steps; ++i) {
-    MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_FLOAT, MPI_SUM,
-                  MPI_COMM_WORLD);
-  }
-  return 1e6 * bench::seconds_since(t0) / static_cast<double>(steps);
-}
-
 // Microseconds per call of `reduce` (a sum across the instances), `steps` of them after a
 // barrier.
 template <class Reduce>
@@ -157,6 +145,17 @@ double reduce_us(Reduce&& reduce, std::uint64_t steps) {
   const auto t0 = bench::Clock::now();
   for (std::uint64_t i = 0; i < steps; ++i) reduce();
   return 1e6 * bench::seconds_since(t0) / static_cast<double>(steps);
+}
+
+// Microseconds per bare MPI_Allreduce (sum, in place) of `values`: the reference for what a
+// step's exchange costs.
+double bare_allreduce_us(std::vector<float>& values, std::uint64_t steps) {
+  return reduce_us(
+      [&] {
+        MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_FLOAT,
+                      MPI_SUM, MPI_COMM_WORLD);
+      },
+      steps);
 }
 
 // Worker: for `n` gradients, a step of the reduce-only pipeline distributed and not (each
