@@ -261,10 +261,10 @@ struct PipelineConfig : HostIO {
   /// gradients are reduced in two levels, over the local replicas in process and then across
   /// every instance (one MPI_Allreduce per bucket, see exchange_bucket_bytes, made in place
   /// by the device thread whose gradients complete the bucket), so every replica of every
-  /// instance applies the same update. The constructor checks every
-  /// instance built the same pipeline and broadcasts instance 0's weights (Stage::weights())
-  /// and optimiser state; run() ends every instance at the same step with a status that
-  /// names the instance that stopped. The constructor and run() are collectives: every
+  /// instance applies the same update. The constructor checks every instance built the same
+  /// pipeline and broadcasts instance 0's weights (Stage::weights()) and optimiser state;
+  /// run() ends every instance at the same step with a status that names the instance that
+  /// stopped. The constructor and run() are collectives: every
   /// instance makes them, in the same order, one distributed Pipeline at a time, with no
   /// other collective (Instance, MPI) made meanwhile. With one instance (no mpirun) the same
   /// machinery runs and every exchange is the identity: the weights are those of a plain
